@@ -1,0 +1,42 @@
+"""jaxdp: exact synchronous data-parallel training for JAX.
+
+Each device of a mesh axis holds a full replica of the model, computes the
+gradient of its own examples, the replicas agree on one gradient with
+``lax.psum`` and every replica applies the same optax update. The default
+reduction is the exact gradient of the global weighted mean, whatever the
+split of examples or tokens over devices.
+
+Functional core (compose these inside your own ``shard_map``/``pmap``):
+:func:`local_gradient`, :func:`reduce_gradient`, :func:`apply_update`,
+:func:`train_step`. Edges: :func:`make_train_step`, :func:`data_mesh`,
+:func:`init_state`, :func:`shard_uneven`, :func:`per_replica`,
+:func:`assert_replicas_equal`.
+"""
+
+from jaxdp.data import shard_uneven
+from jaxdp.mesh import data_mesh, init_state
+from jaxdp.reduction import REDUCTIONS, LocalGradient, ReducedGradient, as_varying, local_gradient, reduce_gradient
+from jaxdp.replicas import assert_replicas_equal, per_replica, replica_divergence
+from jaxdp.state import TrainState
+from jaxdp.step import BACKENDS, CompiledStep, apply_update, make_train_step, train_step
+
+__all__ = [
+    "BACKENDS",
+    "CompiledStep",
+    "LocalGradient",
+    "REDUCTIONS",
+    "ReducedGradient",
+    "TrainState",
+    "apply_update",
+    "as_varying",
+    "assert_replicas_equal",
+    "data_mesh",
+    "init_state",
+    "local_gradient",
+    "make_train_step",
+    "per_replica",
+    "reduce_gradient",
+    "replica_divergence",
+    "shard_uneven",
+    "train_step",
+]

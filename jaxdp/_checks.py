@@ -1,0 +1,100 @@
+"""Host-side validation of step inputs: shapes and structure only, never values.
+
+Runs before anything is traced, executed or donated, so a bad call leaves the
+caller's state usable. Results are cached per input signature by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxdp.state import TrainState
+
+
+def _abstract(x: Any) -> tuple:
+  return (np.shape(x), str(getattr(x, "dtype", type(x).__name__)))
+
+
+def signature(*trees: Any) -> tuple:
+  """A hashable key for the structure, shapes and dtypes of ``trees``."""
+  leaves, treedef = jax.tree.flatten(trees)
+  return treedef, tuple(_abstract(x) for x in leaves)
+
+
+def _struct(x: Any, leading: int | None = None) -> jax.ShapeDtypeStruct:
+  shape = np.shape(x)
+  if leading is not None:
+    shape = (leading, *shape[1:])
+  return jax.ShapeDtypeStruct(shape, jax.dtypes.result_type(x) if not hasattr(x, "dtype") else x.dtype)
+
+
+def batch_size(batch: Any, name: str = "batch") -> int:
+  """The common leading size of every leaf of ``batch``."""
+  leaves = jax.tree_util.tree_leaves_with_path(batch)
+  if not leaves:
+    raise ValueError(f"{name} has no arrays; pass a pytree of arrays with a leading batch axis.")
+  sizes = {}
+  for path, leaf in leaves:
+    shape = np.shape(leaf)
+    if len(shape) == 0:
+      raise ValueError(f"{name}{jax.tree_util.keystr(path)} is a scalar; every leaf needs a leading batch axis.")
+    sizes.setdefault(shape[0], jax.tree_util.keystr(path))
+  if len(sizes) > 1:
+    detail = ", ".join(f"{p or '<root>'}: {s}" for s, p in sizes.items())
+    raise ValueError(f"{name} leaves disagree on the leading (batch) size ({detail}); give every leaf the same leading size.")
+  return next(iter(sizes))
+
+
+def check_state(state: Any, name: str = "state") -> None:
+  if not isinstance(state, TrainState):
+    raise TypeError(f"{name} must be a jaxdp.TrainState, got {type(state).__name__}; build it with jaxdp.init_state(params, optimizer, mesh).")
+
+
+def check_step_inputs(loss_fn, optimizer, state, batch, weights, *, n_replicas: int) -> None:
+  """Raises ``TypeError``/``ValueError`` naming the argument at fault and the fix."""
+  check_state(state)
+  total = batch_size(batch)
+  if total % n_replicas:
+    raise ValueError(
+        f"batch has leading size {total}, which does not split evenly over {n_replicas} devices; "
+        "pad it (e.g. with jaxdp.shard_uneven(per_device_batches, mesh), which adds zero-weight rows) "
+        f"to a multiple of {n_replicas}."
+    )
+  local_batch = jax.tree.map(lambda x: _struct(x, total // n_replicas), batch)
+  params = jax.tree.map(_struct, state.params)
+  try:
+    losses = jax.eval_shape(loss_fn, params, local_batch)
+  except Exception as e:  # the user's function: any failure means the inputs do not fit it
+    raise ValueError(
+        f"loss_fn(state.params, batch) fails on one device's slice of the batch ({type(e).__name__}: {e}). "
+        "Check that state.params has the structure and shapes loss_fn expects (build the state with "
+        "jaxdp.init_state from the params the model was initialised with) and that batch is what loss_fn reads."
+    ) from e
+  local_size = total // n_replicas
+  if not isinstance(losses, jax.ShapeDtypeStruct) or losses.ndim not in (1, 2) or losses.shape[0] != local_size:
+    got = getattr(losses, "shape", type(losses).__name__)
+    raise ValueError(
+        f"loss_fn must return per-example losses [b] or per-token losses [b, t] with b={local_size} rows "
+        f"(one device's slice), but it returned {got}; return the unreduced losses, jaxdp does the weighting."
+    )
+  if weights is not None:
+    expected = (total, *losses.shape[1:])
+    if np.shape(weights) != expected:
+      raise ValueError(
+          f"weights has shape {np.shape(weights)} but the losses of the global batch have shape {expected}; "
+          "pass one weight per example (or per token), 0 for padding, or weights=None for all ones."
+      )
+  try:
+    expected_opt = jax.eval_shape(optimizer.init, params)
+  except Exception as e:
+    raise ValueError(f"optimizer.init fails on state.params ({type(e).__name__}: {e}); state.params is not a valid parameter tree.") from e
+  if signature(expected_opt) != signature(state.opt_state):
+    raise ValueError(
+        "state.opt_state does not match optimizer.init(state.params) in structure, shape or dtype; "
+        "the state was built for other params or another optimizer. Rebuild it with jaxdp.init_state."
+    )
+  if np.shape(state.step) != ():
+    raise ValueError(f"state.step must be a scalar, got shape {np.shape(state.step)}.")

@@ -1,0 +1,55 @@
+"""Meshes and the placement of the training state on them."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdp.state import TrainState
+
+
+def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "data") -> Mesh:
+  """A 1-D mesh over ``devices`` (default: every device) with one data axis.
+
+  The axis type is set explicitly (``AxisType.Explicit``) so that behaviour
+  does not depend on the JAX version's default.
+  """
+  devices = jax.devices() if devices is None else list(devices)
+  if not devices:
+    raise ValueError("devices is empty; pass at least one device (or None for all of them).")
+  return Mesh(np.asarray(devices), (axis_name,), axis_types=(AxisType.Explicit,))
+
+
+def check_mesh_axis(mesh: Any, axis_name: str) -> None:
+  """Raises unless ``mesh`` is a ``Mesh`` that has an axis called ``axis_name``."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with jaxdp.data_mesh().")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(
+        f"mesh has axes {mesh.axis_names} but no axis_name={axis_name!r}; "
+        f"pass axis_name= one of {mesh.axis_names}, or build the mesh with jaxdp.data_mesh(axis_name={axis_name!r})."
+    )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """The sharding of a value held whole by every device of ``mesh``."""
+  return NamedSharding(mesh, P())
+
+
+def split_along(mesh: Mesh, axis_name: str) -> NamedSharding:
+  """The sharding of a batch whose leading axis is split over ``axis_name``."""
+  return NamedSharding(mesh, P(axis_name))
+
+
+def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Mesh, *, axis_name: str = "data") -> TrainState:
+  """Creates the training state and places it as :func:`make_train_step` expects.
+
+  Every leaf is replicated on every device of ``mesh`` (a full replica per
+  device, as in DDP).
+  """
+  check_mesh_axis(mesh, axis_name)
+  return jax.device_put(TrainState.create(params, optimizer), replicated(mesh))

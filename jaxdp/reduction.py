@@ -1,0 +1,185 @@
+"""Local gradients and the reduction that makes the replicas agree on one.
+
+The two functions here are the heart of data parallelism and are kept pure
+and separate so that users can compose them differently (accumulate, clip,
+reduce-scatter):
+
+* :func:`local_gradient` differentiates the *weighted sum* of this replica's
+  losses. Sums, not means, are what can be added across devices and
+  micro-batches without a normalisation error.
+* :func:`reduce_gradient` turns the local sums into the gradient that every
+  replica applies, according to a ``reduction`` mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+REDUCTIONS = ("mean", "rank_mean", "sum", "none")
+"""The reduction modes accepted by :func:`reduce_gradient` and the steps.
+
+* ``"mean"``: gradient of the global weighted mean ``Σ w·l / Σ w`` over every
+  device's examples: exactly the one-big-batch gradient for any uneven split.
+* ``"rank_mean"``: mean over replicas of each replica's local weighted mean,
+  what PyTorch DDP computes; a replica with zero weight contributes zero but
+  still counts in the denominator.
+* ``"sum"``: all-reduced sum of the local weighted sums.
+* ``"none"``: no communication; each replica steps on its own local mean.
+"""
+
+
+class LocalGradient(NamedTuple):
+  """What one replica knows before any communication.
+
+  Attributes:
+    grads: gradient of ``loss_sum`` with respect to the params (same pytree).
+    loss_sum: scalar ``Σ w·l`` over this replica's examples (or tokens).
+    weight_sum: scalar ``Σ w`` over this replica's examples (or tokens).
+  """
+
+  grads: Any
+  loss_sum: jax.Array
+  weight_sum: jax.Array
+
+
+class ReducedGradient(NamedTuple):
+  """The gradient every replica applies, with the matching loss and weight.
+
+  Attributes:
+    grads: the normalised gradient to hand to the optimizer.
+    loss: the reduced loss matching the reduction mode.
+    weight: the total weight behind ``grads``: global ``Σ w``, or the local one
+      under ``"none"``. Zero means there is nothing to learn from.
+  """
+
+  grads: Any
+  loss: jax.Array
+  weight: jax.Array
+
+
+def check_reduction(reduction: str) -> None:
+  """Raises ``ValueError`` unless ``reduction`` is one of :data:`REDUCTIONS`."""
+  if reduction not in REDUCTIONS:
+    raise ValueError(
+        f"reduction={reduction!r} is not supported; use one of {', '.join(map(repr, REDUCTIONS))}."
+    )
+
+
+def _varying_axes(x: Any) -> frozenset:
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))  # JAX 0.11 spelling
+
+
+def as_varying(tree: Any, axis_name: str) -> Any:
+  """Marks every leaf of ``tree`` as varying over ``axis_name`` (a no-op at run time).
+
+  Inside ``shard_map`` with ``check_vma=True``, ``jax.grad`` with respect to a
+  replicated value returns a gradient that is already summed over the axis
+  (the transpose of the implicit broadcast is a ``psum``). Differentiating
+  with respect to a varying copy yields the *local* gradient instead, which is
+  what must be normalised before the one reduction. Under ``pmap`` or with
+  ``check_vma=False`` this returns the leaves unchanged.
+  """
+
+  def cast(x):
+    if axis_name in _varying_axes(x):
+      return x
+    return lax.pcast(x, axis_name, to="varying")
+
+  return jax.tree.map(cast, tree)
+
+
+def _weighted_losses(losses: jax.Array, weights: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  if weights is None:
+    weights = jnp.ones_like(losses)
+  if weights.shape != losses.shape:
+    raise ValueError(
+        f"weights has shape {weights.shape} but loss_fn returned losses of shape {losses.shape}; "
+        "pass weights with exactly the shape of the per-example (or per-token) losses."
+    )
+  weights = weights.astype(losses.dtype)
+  # where() keeps a non-finite loss on a zero-weight (padding) row out of the sum.
+  return jnp.sum(jnp.where(weights > 0, losses * weights, 0)), jnp.sum(weights)
+
+
+def local_gradient(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    axis_name: str | None = None,
+) -> LocalGradient:
+  """Gradient of this replica's weighted loss *sum*, with no communication.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
+      or per-token losses ``[b, t]``.
+    params: the parameters (replicated across the axis).
+    batch: this replica's slice of the batch.
+    weights: ``None`` (all ones) or an array of the losses' shape with values
+      ``>= 0``; zero marks padding.
+    axis_name: when called inside ``shard_map`` over this axis, the name of
+      the axis; the params are then differentiated as a per-replica value, so
+      that the result is the local gradient and not an implicit all-reduce.
+
+  Returns:
+    A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l`` and ``Σ w``.
+  """
+  if axis_name is not None:
+    params = as_varying(params, axis_name)
+
+  def weighted_sum(p):
+    return _weighted_losses(loss_fn(p, batch), weights)
+
+  (loss_sum, weight_sum), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+  return LocalGradient(grads, loss_sum, weight_sum)
+
+
+def _psum(tree: Any, axis_name: str) -> Any:
+  return lax.psum(as_varying(tree, axis_name), axis_name)
+
+
+def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
+  # A zero denominator only happens when every numerator is zero too (no weight, no
+  # gradient); dividing by one then keeps the result at zero instead of NaN.
+  safe = jnp.where(denominator > 0, denominator, jnp.ones_like(denominator))
+  return jax.tree.map(lambda x: x / safe.astype(x.dtype), tree)
+
+
+def reduce_gradient(local: LocalGradient, *, axis_name: str, reduction: str = "mean") -> ReducedGradient:
+  """Makes the replicas agree on one gradient (one all-reduce per leaf).
+
+  Must run inside ``shard_map`` or ``pmap`` over ``axis_name`` (except for
+  ``reduction="none"``, which communicates nothing).
+
+  Args:
+    local: this replica's :class:`LocalGradient`.
+    axis_name: the data-parallel mesh axis.
+    reduction: one of :data:`REDUCTIONS`.
+
+  Returns:
+    A :class:`ReducedGradient`. Every replica holds the same values except
+    under ``"none"``.
+  """
+  check_reduction(reduction)
+  grads, loss_sum, weight_sum = local
+  if reduction == "none":
+    return ReducedGradient(_safe_divide(grads, weight_sum), _safe_divide(loss_sum, weight_sum), weight_sum)
+  if reduction == "rank_mean":
+    local_mean = _safe_divide((grads, loss_sum), weight_sum)
+    mean_grads, mean_loss = jax.tree.map(
+        lambda x: x / lax.axis_size(axis_name), _psum(local_mean, axis_name)
+    )
+    return ReducedGradient(mean_grads, mean_loss, _psum(weight_sum, axis_name))
+  total_grads, total_loss, total_weight = _psum((grads, loss_sum, weight_sum), axis_name)
+  if reduction == "sum":
+    return ReducedGradient(total_grads, total_loss, total_weight)
+  return ReducedGradient(*_safe_divide((total_grads, total_loss), total_weight), total_weight)

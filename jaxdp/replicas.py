@@ -1,0 +1,91 @@
+"""Looking at the replicas: host-side copies, equality checks, in-graph divergence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxdp.reduction import as_varying
+
+
+def _device_copies(leaf: Any) -> tuple[list[jax.Device], list[np.ndarray]]:
+  if not isinstance(leaf, jax.Array):
+    return [], [np.asarray(leaf)]
+  shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
+  return [s.device for s in shards], [np.asarray(s.data) for s in shards]
+
+
+def per_replica(tree: Any) -> Any:
+  """Numpy copies of every (addressable) device's replica, stacked on a new leading axis.
+
+  Row ``i`` of each leaf is what the ``i``-th device (in device-id order)
+  holds. For a state that is meant to be replicated, the rows differ only if
+  the replicas have diverged (e.g. under ``reduction="none"``).
+  """
+  return jax.tree.map(lambda leaf: np.stack(_device_copies(leaf)[1]), tree)
+
+
+def _gather_over_processes(copies: list[np.ndarray]) -> list[np.ndarray]:
+  if jax.process_count() == 1:
+    return copies
+  from jax.experimental import multihost_utils
+
+  # Every process contributes its first local copy; the local ones were checked already.
+  gathered = multihost_utils.process_allgather(copies[0], tiled=False)
+  return copies + [np.asarray(g) for i, g in enumerate(gathered) if i != jax.process_index()]
+
+
+def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
+  """Asserts that every device's copy of every leaf is the same.
+
+  Compares each device's copy with the first device's through
+  ``chex.assert_trees_all_close`` (``rtol=0``), across processes too when
+  there are several. Call it with the same tree on every process.
+
+  Raises:
+    AssertionError: naming the leaf path, the devices that differ and the
+      largest absolute difference.
+  """
+  failures = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    devices, copies = _device_copies(leaf)
+    names = [str(d) for d in devices]
+    if jax.process_count() > 1:
+      copies = _gather_over_processes(copies)
+      names += [f"process {p}" for p in range(jax.process_count()) if p != jax.process_index()]
+    reference = copies[0]
+    bad = []
+    for name, copy in zip(names[1:], copies[1:]):
+      try:
+        chex.assert_trees_all_close(copy, reference, atol=atol, rtol=0.0)
+      except AssertionError:
+        bad.append((name, float(np.max(np.abs(copy.astype(np.float64) - reference.astype(np.float64))))))
+    if bad:
+      worst = max(d for _, d in bad)
+      failures.append(
+          f"{jax.tree_util.keystr(path) or '<root>'}: {', '.join(n for n, _ in bad)} differ from "
+          f"{names[0]} (largest |difference| {worst:.6g}, atol={atol})"
+      )
+  if failures:
+    raise AssertionError("replicas differ:\n  " + "\n  ".join(failures))
+
+
+def replica_divergence(tree: Any, axis_name: str) -> jax.Array:
+  """In-graph measure of how far the replicas of ``tree`` have drifted apart.
+
+  For every leaf, a checksum (its sum and the sum of its absolute values, in
+  float32) is compared across ``axis_name`` with ``pmax - pmin``; the largest
+  gap is returned, identical on every replica. It is ``0`` for consistent
+  replicas. Call it inside ``shard_map``/``pmap`` over ``axis_name``.
+  """
+  gaps = [jnp.zeros((), jnp.float32)]
+  for leaf in jax.tree.leaves(tree):
+    x = as_varying(jnp.asarray(leaf).astype(jnp.float32), axis_name)
+    checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
+    gaps.append(jnp.max(lax.pmax(checksum, axis_name) - lax.pmin(checksum, axis_name)))
+  return jnp.max(jnp.stack(gaps))

@@ -1,0 +1,194 @@
+"""The data-parallel train step: the pure per-replica step and its jitted, mapped form."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxdp import _checks
+from jaxdp.mesh import check_mesh_axis, data_mesh, replicated, split_along
+from jaxdp.reduction import ReducedGradient, check_reduction, local_gradient, reduce_gradient
+from jaxdp.replicas import replica_divergence
+from jaxdp.state import TrainState
+
+BACKENDS = ("shard_map", "pmap")
+
+
+def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads: Any, weight: jax.Array) -> TrainState:
+  """Applies ``grads`` with ``optimizer``, unless ``weight`` is zero.
+
+  With ``weight == 0`` (an all-padding batch) the state comes back unchanged,
+  step counter included, so no NaN or spurious optimizer step leaks in.
+  """
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  stepped = TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1)
+  keep = weight > 0
+  return jax.tree.map(lambda new, old: jnp.where(keep, new, old), stepped, state)
+
+
+def train_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    optimizer: optax.GradientTransformation,
+    state: TrainState,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    axis_name: str = "data",
+    reduction: str = "mean",
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One synchronous data-parallel step, as seen by one replica.
+
+  Call it inside your own ``jax.shard_map`` (state replicated, batch split
+  over ``axis_name``) or ``jax.pmap`` over ``axis_name``. It is the
+  composition ``local_gradient -> reduce_gradient -> apply_update``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
+      or per-token losses ``[b, t]``.
+    optimizer: an optax ``GradientTransformation``.
+    state: this replica's :class:`TrainState`.
+    batch: this replica's slice of the batch.
+    weights: ``None`` (all ones) or an array of the losses' shape, ``>= 0``,
+      zero for padding.
+    axis_name: the data-parallel axis to reduce over.
+    reduction: one of :data:`jaxdp.REDUCTIONS`; ``"mean"`` (the default) is
+      the exact gradient of the global weighted mean.
+
+  Returns:
+    ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
+    ``reduction`` says), ``weight`` (global ``Σ w``; local under ``"none"``)
+    and ``grad_norm`` (global norm of the applied gradient).
+  """
+  check_reduction(reduction)
+  local = local_gradient(loss_fn, state.params, batch, weights, axis_name=axis_name)
+  reduced: ReducedGradient = reduce_gradient(local, axis_name=axis_name, reduction=reduction)
+  new_state = apply_update(optimizer, state, reduced.grads, reduced.weight)
+  metrics = {"loss": reduced.loss, "weight": reduced.weight, "grad_norm": optax.tree.norm(reduced.grads)}
+  return new_state, metrics
+
+
+class CompiledStep:
+  """A jitted data-parallel step: ``step(state, batch, weights=None) -> (state, metrics)``.
+
+  Built by :func:`make_train_step`. Inputs are validated on the host (shapes
+  and structure only, cached per signature) before anything runs or is
+  donated, then placed on the mesh. ``lower(...)`` validates and places the
+  same way and returns the ``jax.stages.Lowered`` of the jitted step, for HLO
+  and ``memory_analysis()``.
+  """
+
+  def __init__(self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend):
+    self.jitted = jitted
+    self.loss_fn, self.optimizer = loss_fn, optimizer
+    self.mesh, self.axis_name = mesh, axis_name
+    self.reduction, self.backend = reduction, backend
+    self._validated: set = set()
+
+  def _prepare(self, state, batch, weights):
+    key = _checks.signature(state, batch, weights)
+    if key not in self._validated:
+      _checks.check_step_inputs(
+          self.loss_fn, self.optimizer, state, batch, weights, n_replicas=self.mesh.shape[self.axis_name]
+      )
+      self._validated.add(key)
+    state = jax.device_put(state, replicated(self.mesh))
+    batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
+    return state, batch, weights
+
+  def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None):
+    return self.jitted(*self._prepare(state, batch, weights))
+
+  def lower(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> jax.stages.Lowered:
+    return self.jitted.lower(*self._prepare(state, batch, weights))
+
+
+def make_train_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh | None = None,
+    *,
+    axis_name: str = "data",
+    reduction: str = "mean",
+    backend: str = "shard_map",
+    donate: bool = True,
+    check_replicas: bool = False,
+) -> CompiledStep:
+  """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
+      or per-token losses ``[b, t]``.
+    optimizer: an optax ``GradientTransformation``.
+    mesh: the device mesh; default ``jaxdp.data_mesh()`` over every device.
+      It may have more axes than ``axis_name``; only ``axis_name`` is reduced
+      over (the batch is replicated over the others).
+    axis_name: the data-parallel axis.
+    reduction: one of :data:`jaxdp.REDUCTIONS`.
+    backend: ``"shard_map"`` (``jit`` of ``jax.shard_map``) or ``"pmap"``
+      (``jit`` of ``jax.pmap`` with the state passed unmapped); both take and
+      return the same global arrays and compute the same numbers. ``"pmap"``
+      needs a mesh whose only axis is ``axis_name``.
+    donate: donate the input state's buffers to the output state.
+    check_replicas: add ``metrics["replica_divergence"]`` (see
+      :func:`jaxdp.replica_divergence`), computed in the graph.
+
+  Returns:
+    A :class:`CompiledStep` ``step(state, batch, weights=None) -> (state,
+    metrics)``. ``state`` is replicated over the mesh; ``batch`` and
+    ``weights`` are global arrays whose leading axis is split evenly over
+    ``axis_name`` (see :func:`jaxdp.shard_uneven` for uneven data).
+  """
+  check_reduction(reduction)
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
+  mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
+  check_mesh_axis(mesh, axis_name)
+  if backend == "pmap" and mesh.axis_names != (axis_name,):
+    raise ValueError(
+        f"backend='pmap' maps over one axis only, but mesh has axes {mesh.axis_names}; "
+        "use backend='shard_map' for multi-axis meshes."
+    )
+
+  def replica_step(state, batch, weights):
+    new_state, metrics = train_step(loss_fn, optimizer, state, batch, weights, axis_name=axis_name, reduction=reduction)
+    if check_replicas:
+      metrics["replica_divergence"] = replica_divergence(new_state, axis_name)
+    return new_state, metrics
+
+  if backend == "shard_map":
+    mapped = jax.shard_map(
+        replica_step,
+        mesh=mesh,
+        in_specs=(P(), P(axis_name), P(axis_name)),
+        out_specs=(P(), P()),
+        # "none" returns replicas that differ on purpose, which the check would reject.
+        check_vma=reduction != "none",
+    )
+  else:
+    mapped = _pmap_over(replica_step, mesh, axis_name)
+  jitted = jax.jit(mapped, donate_argnums=(0,) if donate else ())
+  return CompiledStep(
+      jitted, loss_fn=loss_fn, optimizer=optimizer, mesh=mesh, axis_name=axis_name, reduction=reduction, backend=backend
+  )
+
+
+def _pmap_over(replica_step, mesh: Mesh, axis_name: str):
+  """The same step through ``jax.pmap``: global batch reshaped to ``[n, b, ...]``."""
+  n = mesh.shape[axis_name]
+  pmapped = jax.pmap(
+      replica_step, axis_name=axis_name, in_axes=(None, 0, 0), out_axes=(None, None), devices=list(mesh.devices.flat)
+  )
+
+  def split_leading(x):
+    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+  @functools.wraps(replica_step)
+  def step(state, batch, weights):
+    return pmapped(state, *jax.tree.map(split_leading, (batch, weights)))
+
+  return step
