@@ -53,7 +53,7 @@ def check_state(state: Any, name: str = "state") -> None:
     raise TypeError(f"{name} must be a jaxdp.TrainState, got {type(state).__name__}; build it with jaxdp.init_state(params, optimizer, mesh).")
 
 
-def check_step_inputs(loss_fn, optimizer, state, batch, weights, *, n_replicas: int) -> None:
+def check_step_inputs(loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1) -> None:
   """Raises ``TypeError``/``ValueError`` naming the argument at fault and the fix."""
   check_state(state)
   total = batch_size(batch)
@@ -63,10 +63,16 @@ def check_step_inputs(loss_fn, optimizer, state, batch, weights, *, n_replicas: 
         "pad it (e.g. with jaxdp.shard_uneven(per_device_batches, mesh), which adds zero-weight rows) "
         f"to a multiple of {n_replicas}."
     )
+  if (total // n_replicas) % accum_steps:
+    raise ValueError(
+        f"batch has {total // n_replicas} rows per device ({total} over {n_replicas} devices), which do not "
+        f"split into accum_steps={accum_steps} micro-batches; make the batch a multiple of {n_replicas * accum_steps}."
+    )
   local_batch = jax.tree.map(lambda x: _struct(x, total // n_replicas), batch)
   params = jax.tree.map(_struct, state.params)
+  extra = () if rng is None else (jax.tree.map(_struct, rng),)
   try:
-    losses = jax.eval_shape(loss_fn, params, local_batch)
+    losses = jax.eval_shape(loss_fn, params, local_batch, *extra)
   except Exception as e:  # the user's function: any failure means the inputs do not fit it
     raise ValueError(
         f"loss_fn(state.params, batch) fails on one device's slice of the batch ({type(e).__name__}: {e}). "

@@ -1,8 +1,15 @@
-"""Getting data onto the devices: uneven per-device portions padded with zero weight."""
+"""Getting data onto the devices: uneven per-device portions padded with zero weight.
+
+Two entry points: :func:`shard_uneven` places portions the caller already
+has; :class:`DataPipeline` decides which examples each device gets (an
+epoch-shuffled, resumable plan) and loads only this process's portions.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import itertools
+import operator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -17,9 +24,38 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   return np.pad(x, pad)
 
 
-def _place(global_array: np.ndarray, sharding) -> jax.Array:
-  # Each process builds only the shards of its own devices.
-  return jax.make_array_from_callback(global_array.shape, sharding, lambda index: global_array[index])
+def _pad_portion(batch: Any, weights: np.ndarray, rows: int) -> tuple[Any, np.ndarray]:
+  """One device's ``(batch, weights)`` padded with zero rows (weight 0) to ``rows`` rows."""
+  return jax.tree.map(lambda x: _pad_rows(x, rows), batch), _pad_rows(weights, rows)
+
+
+def _place_blocks(blocks: Mapping[int, np.ndarray], n: int, sharding) -> jax.Array:
+  """The global array ``[n * rows, ...]`` whose block ``i`` (along the leading axis) is ``blocks[i]``.
+
+  Only the blocks of this process's devices need to be present.
+  """
+  # make_array_from_callback rather than make_array_from_process_local_data: the
+  # callback is handed the global index of each *addressable* shard and returns
+  # exactly that device's block, so a process needs (and touches) only its own
+  # portions, whatever the order of the processes' devices along the axis and
+  # whatever other mesh axes the batch is replicated over. The process-local
+  # variant would need this process's rows concatenated in the device order it
+  # infers from the sharding, a layout we would have to reproduce by hand.
+  first = next(iter(blocks.values()))
+  rows = first.shape[0]
+
+  def block(index: tuple[slice, ...]) -> np.ndarray:
+    return blocks[(index[0].start or 0) // rows][(slice(None), *index[1:])]
+
+  return jax.make_array_from_callback((n * rows, *first.shape[1:]), sharding, block)
+
+
+def _place_portions(portions: Mapping[int, Any], n: int, sharding) -> Any:
+  """Places equally shaped per-device pytrees ``{mesh position: tree}`` as global arrays."""
+  positions = list(portions)
+  return jax.tree.map(
+      lambda *blocks: _place_blocks(dict(zip(positions, blocks)), n, sharding), *(portions[p] for p in positions)
+  )
 
 
 def shard_uneven(
@@ -71,10 +107,8 @@ def shard_uneven(
   else:
     host_weights = _check_weights(weights, sizes)
   rows = max(max(sizes), 1)
-  padded = jax.tree.map(lambda *xs: np.concatenate([_pad_rows(x, rows) for x in xs]), *host)
-  padded_weights = np.concatenate([_pad_rows(w, rows) for w in host_weights])
-  sharding = split_along(mesh, axis_name)
-  return jax.tree.map(lambda x: _place(x, sharding), padded), _place(padded_weights, sharding)
+  portions = {i: _pad_portion(b, w, rows) for i, (b, w) in enumerate(zip(host, host_weights))}
+  return _place_portions(portions, n, split_along(mesh, axis_name))
 
 
 def _check_weights(weights: Sequence[Any], sizes: list[int]) -> list[np.ndarray]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -49,7 +50,11 @@ def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
   """Creates the training state and places it as :func:`make_train_step` expects.
 
   Every leaf is replicated on every device of ``mesh`` (a full replica per
-  device, as in DDP).
+  device, as in DDP). The state owns fresh buffers: a step that donates it
+  never consumes the caller's ``params``.
   """
   check_mesh_axis(mesh, axis_name)
-  return jax.device_put(TrainState.create(params, optimizer), replicated(mesh))
+  # device_put may alias the caller's buffer on one device (even with may_alias=False),
+  # so copy first: donation must only ever consume buffers the state owns.
+  owned = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+  return jax.device_put(TrainState.create(owned, optimizer), replicated(mesh))

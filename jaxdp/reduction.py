@@ -109,19 +109,40 @@ def _weighted_losses(losses: jax.Array, weights: jax.Array | None) -> tuple[jax.
   return jnp.sum(jnp.where(weights > 0, losses * weights, 0)), jnp.sum(weights)
 
 
+def _call_loss(loss_fn, params, batch, rng):
+  return loss_fn(params, batch) if rng is None else loss_fn(params, batch, rng)
+
+
+def _split_micro(tree: Any, accum_steps: int) -> Any:
+  """``[b, ...] -> [K, b/K, ...]``: K contiguous micro-batches of each leaf."""
+
+  def split(x):
+    if x.shape[0] % accum_steps:
+      raise ValueError(
+          f"this device's batch has {x.shape[0]} rows, which do not split into accum_steps={accum_steps} "
+          f"micro-batches; make the per-device batch a multiple of {accum_steps}."
+      )
+    return x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:])
+
+  return jax.tree.map(split, tree)
+
+
 def local_gradient(
-    loss_fn: Callable[[Any, Any], jax.Array],
+    loss_fn: Callable[..., jax.Array],
     params: Any,
     batch: Any,
     weights: jax.Array | None = None,
     *,
     axis_name: str | None = None,
+    accum_steps: int = 1,
+    rng: jax.Array | None = None,
 ) -> LocalGradient:
   """Gradient of this replica's weighted loss *sum*, with no communication.
 
   Args:
-    loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
-      or per-token losses ``[b, t]``.
+    loss_fn: ``loss_fn(params, batch)`` (or ``loss_fn(params, batch, rng)``
+      when ``rng`` is given) returning per-example losses ``[b]`` or
+      per-token losses ``[b, t]``.
     params: the parameters (replicated across the axis).
     batch: this replica's slice of the batch.
     weights: ``None`` (all ones) or an array of the losses' shape with values
@@ -129,18 +150,46 @@ def local_gradient(
     axis_name: when called inside ``shard_map`` over this axis, the name of
       the axis; the params are then differentiated as a per-replica value, so
       that the result is the local gradient and not an implicit all-reduce.
+    accum_steps: split the batch into this many contiguous micro-batches and
+      accumulate their gradient *sums* with ``lax.scan`` (activation memory
+      of one micro-batch). The result equals the whole-batch one: sums add
+      exactly, only the final normalisation divides.
+    rng: optional PRNG key for ``loss_fn`` (dropout); micro-batch ``i`` gets
+      ``fold_in(rng, i)``.
 
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l`` and ``Σ w``.
   """
+  if not isinstance(accum_steps, int) or accum_steps < 1:
+    raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}.")
   if axis_name is not None:
     params = as_varying(params, axis_name)
 
-  def weighted_sum(p):
-    return _weighted_losses(loss_fn(p, batch), weights)
+  def micro_gradient(micro_batch, micro_weights, micro_rng):
+    def weighted_sum(p):
+      return _weighted_losses(_call_loss(loss_fn, p, micro_batch, micro_rng), micro_weights)
 
-  (loss_sum, weight_sum), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
-  return LocalGradient(grads, loss_sum, weight_sum)
+    (loss_sum, weight_sum), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+    return LocalGradient(grads, loss_sum, weight_sum)
+
+  if accum_steps == 1:
+    return micro_gradient(batch, weights, rng)
+
+  def accumulate(total, xs):
+    index, micro_batch, micro_weights = xs
+    micro_rng = None if rng is None else jax.random.fold_in(rng, index)
+    part = micro_gradient(micro_batch, micro_weights, micro_rng)
+    if axis_name is not None:  # keep the carry's type fixed under check_vma
+      part = as_varying(part, axis_name)
+    return jax.tree.map(jnp.add, total, part), None
+
+  micro = _split_micro((batch, weights), accum_steps)
+  first = jax.eval_shape(micro_gradient, *jax.tree.map(lambda x: x[0], micro), rng)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+  if axis_name is not None:
+    zeros = as_varying(zeros, axis_name)
+  total, _ = lax.scan(accumulate, zeros, (jnp.arange(accum_steps), *micro))
+  return total
 
 
 def _psum(tree: Any, axis_name: str) -> Any:

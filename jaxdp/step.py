@@ -8,6 +8,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp import _checks
@@ -40,6 +41,8 @@ def train_step(
     *,
     axis_name: str = "data",
     reduction: str = "mean",
+    accum_steps: int = 1,
+    rng: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
@@ -58,6 +61,13 @@ def train_step(
     axis_name: the data-parallel axis to reduce over.
     reduction: one of :data:`jaxdp.REDUCTIONS`; ``"mean"`` (the default) is
       the exact gradient of the global weighted mean.
+    accum_steps: number of micro-batches this replica's batch is split into;
+      their gradient sums are accumulated locally and reduced once.
+    rng: optional PRNG key, the same on every replica. Each replica derives
+      its own key with ``fold_in(fold_in(rng, state.step), axis_index)`` (and
+      ``fold_in(·, i)`` for micro-batch ``i``) and ``loss_fn`` is called as
+      ``loss_fn(params, batch, key)``. Only gradients depend on the key, so
+      the replicas stay identical.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
@@ -65,7 +75,11 @@ def train_step(
     and ``grad_norm`` (global norm of the applied gradient).
   """
   check_reduction(reduction)
-  local = local_gradient(loss_fn, state.params, batch, weights, axis_name=axis_name)
+  if rng is not None:
+    rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
+  local = local_gradient(
+      loss_fn, state.params, batch, weights, axis_name=axis_name, accum_steps=accum_steps, rng=rng
+  )
   reduced: ReducedGradient = reduce_gradient(local, axis_name=axis_name, reduction=reduction)
   new_state = apply_update(optimizer, state, reduced.grads, reduced.weight)
   metrics = {"loss": reduced.loss, "weight": reduced.weight, "grad_norm": optax.tree.norm(reduced.grads)}
@@ -82,29 +96,36 @@ class CompiledStep:
   and ``memory_analysis()``.
   """
 
-  def __init__(self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend):
+  def __init__(self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps):
     self.jitted = jitted
     self.loss_fn, self.optimizer = loss_fn, optimizer
     self.mesh, self.axis_name = mesh, axis_name
-    self.reduction, self.backend = reduction, backend
+    self.reduction, self.backend, self.accum_steps = reduction, backend, accum_steps
     self._validated: set = set()
 
-  def _prepare(self, state, batch, weights):
-    key = _checks.signature(state, batch, weights)
+  def _prepare(self, state, batch, weights, rng):
+    key = _checks.signature(state, batch, weights, rng)
     if key not in self._validated:
       _checks.check_step_inputs(
-          self.loss_fn, self.optimizer, state, batch, weights, n_replicas=self.mesh.shape[self.axis_name]
+          self.loss_fn,
+          self.optimizer,
+          state,
+          batch,
+          weights,
+          rng,
+          n_replicas=self.mesh.shape[self.axis_name],
+          accum_steps=self.accum_steps,
       )
       self._validated.add(key)
-    state = jax.device_put(state, replicated(self.mesh))
+    state, rng = jax.device_put((state, rng), replicated(self.mesh))
     batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
-    return state, batch, weights
+    return state, batch, weights, rng
 
-  def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None):
-    return self.jitted(*self._prepare(state, batch, weights))
+  def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None):
+    return self.jitted(*self._prepare(state, batch, weights, rng))
 
-  def lower(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> jax.stages.Lowered:
-    return self.jitted.lower(*self._prepare(state, batch, weights))
+  def lower(self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None) -> jax.stages.Lowered:
+    return self.jitted.lower(*self._prepare(state, batch, weights, rng))
 
 
 def make_train_step(
@@ -117,6 +138,7 @@ def make_train_step(
     backend: str = "shard_map",
     donate: bool = True,
     check_replicas: bool = False,
+    accum_steps: int = 1,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -136,14 +158,20 @@ def make_train_step(
     donate: donate the input state's buffers to the output state.
     check_replicas: add ``metrics["replica_divergence"]`` (see
       :func:`jaxdp.replica_divergence`), computed in the graph.
+    accum_steps: gradient accumulation: each device's slice is split into
+      this many contiguous micro-batches, scanned, and reduced once per step.
 
   Returns:
-    A :class:`CompiledStep` ``step(state, batch, weights=None) -> (state,
-    metrics)``. ``state`` is replicated over the mesh; ``batch`` and
+    A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
+    (state, metrics)``; with ``rng`` (a PRNG key) ``loss_fn`` is called as
+    ``loss_fn(params, batch, key)`` with a key per replica, step and
+    micro-batch. ``state`` is replicated over the mesh; ``batch`` and
     ``weights`` are global arrays whose leading axis is split evenly over
     ``axis_name`` (see :func:`jaxdp.shard_uneven` for uneven data).
   """
   check_reduction(reduction)
+  if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
+    raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}.")
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
@@ -154,8 +182,11 @@ def make_train_step(
         "use backend='shard_map' for multi-axis meshes."
     )
 
-  def replica_step(state, batch, weights):
-    new_state, metrics = train_step(loss_fn, optimizer, state, batch, weights, axis_name=axis_name, reduction=reduction)
+  def replica_step(state, batch, weights, rng):
+    new_state, metrics = train_step(
+        loss_fn, optimizer, state, batch, weights,
+        axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng,
+    )
     if check_replicas:
       metrics["replica_divergence"] = replica_divergence(new_state, axis_name)
     return new_state, metrics
@@ -164,7 +195,7 @@ def make_train_step(
     mapped = jax.shard_map(
         replica_step,
         mesh=mesh,
-        in_specs=(P(), P(axis_name), P(axis_name)),
+        in_specs=(P(), P(axis_name), P(axis_name), P()),
         out_specs=(P(), P()),
         # "none" returns replicas that differ on purpose, which the check would reject.
         check_vma=reduction != "none",
@@ -173,22 +204,39 @@ def make_train_step(
     mapped = _pmap_over(replica_step, mesh, axis_name)
   jitted = jax.jit(mapped, donate_argnums=(0,) if donate else ())
   return CompiledStep(
-      jitted, loss_fn=loss_fn, optimizer=optimizer, mesh=mesh, axis_name=axis_name, reduction=reduction, backend=backend
+      jitted,
+      loss_fn=loss_fn,
+      optimizer=optimizer,
+      mesh=mesh,
+      axis_name=axis_name,
+      reduction=reduction,
+      backend=backend,
+      accum_steps=accum_steps,
   )
 
 
 def _pmap_over(replica_step, mesh: Mesh, axis_name: str):
   """The same step through ``jax.pmap``: global batch reshaped to ``[n, b, ...]``."""
   n = mesh.shape[axis_name]
-  pmapped = jax.pmap(
-      replica_step, axis_name=axis_name, in_axes=(None, 0, 0), out_axes=(None, None), devices=list(mesh.devices.flat)
+  devices = list(mesh.devices.flat)
+  # pmap mis-flattens in_axes against a None argument, so the key-less step has its own map.
+  with_rng = jax.pmap(replica_step, axis_name, in_axes=(None, 0, 0, None), out_axes=(None, None), devices=devices)
+  without_rng = jax.pmap(
+      lambda state, batch, weights: replica_step(state, batch, weights, None),
+      axis_name,
+      in_axes=(None, 0, 0),
+      out_axes=(None, None),
+      devices=devices,
   )
 
   def split_leading(x):
     return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
   @functools.wraps(replica_step)
-  def step(state, batch, weights):
-    return pmapped(state, *jax.tree.map(split_leading, (batch, weights)))
+  def step(state, batch, weights, rng):
+    batch, weights = jax.tree.map(split_leading, (batch, weights))
+    if rng is None:
+      return without_rng(state, batch, weights)
+    return with_rng(state, batch, weights, rng)
 
   return step
