@@ -9,11 +9,18 @@ split of examples or tokens over devices.
 Functional core (compose these inside your own ``shard_map``/``pmap``):
 :func:`local_gradient`, :func:`reduce_gradient`, :func:`apply_update`,
 :func:`train_step`. Edges: :func:`make_train_step`, :func:`data_mesh`,
-:func:`init_state`, :func:`shard_uneven`, :func:`per_replica`,
+:func:`init_state`, :func:`shard_uneven`, :class:`DataPipeline`, :func:`per_replica`,
 :func:`assert_replicas_equal`.
 """
 
-from jaxdp.data import shard_uneven
+from jaxdp.data import (
+    DataPipeline,
+    addressable_positions,
+    device_indices,
+    epoch_permutation,
+    process_positions,
+    shard_uneven,
+)
 from jaxdp.mesh import data_mesh, init_state
 from jaxdp.reduction import REDUCTIONS, LocalGradient, ReducedGradient, as_varying, local_gradient, reduce_gradient
 from jaxdp.replicas import assert_replicas_equal, per_replica, replica_divergence
@@ -22,19 +29,24 @@ from jaxdp.step import BACKENDS, CompiledStep, apply_update, make_train_step, tr
 
 __all__ = [
     "BACKENDS",
+    "DataPipeline",
     "CompiledStep",
     "LocalGradient",
     "REDUCTIONS",
     "ReducedGradient",
     "TrainState",
+    "addressable_positions",
     "apply_update",
     "as_varying",
     "assert_replicas_equal",
     "data_mesh",
+    "device_indices",
+    "epoch_permutation",
     "init_state",
     "local_gradient",
     "make_train_step",
     "per_replica",
+    "process_positions",
     "reduce_gradient",
     "replica_divergence",
     "shard_uneven",
