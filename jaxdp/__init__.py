@@ -22,33 +22,55 @@ from jaxdp.data import (
     shard_uneven,
 )
 from jaxdp.mesh import data_mesh, init_state
-from jaxdp.reduction import REDUCTIONS, LocalGradient, ReducedGradient, as_varying, local_gradient, reduce_gradient
+from jaxdp.reduction import (
+    REDUCTIONS,
+    LocalGradient,
+    ReducedGradient,
+    as_varying,
+    clip_by_global_norm,
+    global_norm,
+    local_gradient,
+    reduce_gradient,
+)
 from jaxdp.replicas import assert_replicas_equal, per_replica, replica_divergence
+from jaxdp.reports import Collective, MemoryReport, collectives_from_hlo, comm_report, memory_report
+from jaxdp.sharding import ZERO_STAGES, FlatShards, gather_state, state_specs
 from jaxdp.state import TrainState
 from jaxdp.step import BACKENDS, CompiledStep, apply_update, make_train_step, train_step
 
 __all__ = [
     "BACKENDS",
     "DataPipeline",
+    "FlatShards",
+    "Collective",
     "CompiledStep",
     "LocalGradient",
+    "MemoryReport",
     "REDUCTIONS",
     "ReducedGradient",
     "TrainState",
+    "ZERO_STAGES",
     "addressable_positions",
     "apply_update",
     "as_varying",
     "assert_replicas_equal",
+    "clip_by_global_norm",
+    "collectives_from_hlo",
+    "comm_report",
     "data_mesh",
     "device_indices",
     "epoch_permutation",
+    "gather_state",
+    "global_norm",
     "init_state",
     "local_gradient",
+    "memory_report",
     "make_train_step",
     "per_replica",
     "process_positions",
     "reduce_gradient",
     "replica_divergence",
     "shard_uneven",
+    "state_specs",
     "train_step",
 ]

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdp.sharding import abstract_zero_state, is_flat_shards, zero_stage_of
 from jaxdp.state import TrainState
 
 
@@ -22,6 +23,13 @@ def signature(*trees: Any) -> tuple:
   """A hashable key for the structure, shapes and dtypes of ``trees``."""
   leaves, treedef = jax.tree.flatten(trees)
   return treedef, tuple(_abstract(x) for x in leaves)
+
+
+def _full_struct(x: Any) -> jax.ShapeDtypeStruct:
+  """The abstract full leaf, also of a ZeRO-sharded one."""
+  if is_flat_shards(x):
+    return jax.ShapeDtypeStruct(x.shape, x.flat.dtype)
+  return _struct(x)
 
 
 def _struct(x: Any, leading: int | None = None) -> jax.ShapeDtypeStruct:
@@ -53,9 +61,18 @@ def check_state(state: Any, name: str = "state") -> None:
     raise TypeError(f"{name} must be a jaxdp.TrainState, got {type(state).__name__}; build it with jaxdp.init_state(params, optimizer, mesh).")
 
 
-def check_step_inputs(loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1) -> None:
+def check_step_inputs(
+    loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1, zero_stage: int = 0
+) -> None:
   """Raises ``TypeError``/``ValueError`` naming the argument at fault and the fix."""
   check_state(state)
+  state_stage = zero_stage_of(state)
+  if state_stage != zero_stage:
+    raise ValueError(
+        f"state has the layout of zero_stage={state_stage} but the step was built with zero_stage={zero_stage}; "
+        f"build the state with jaxdp.init_state(..., zero_stage={zero_stage}), or convert it with "
+        f"jaxdp.init_state(jaxdp.gather_state(state).params, ...) (this resets the optimizer state)."
+    )
   total = batch_size(batch)
   if total % n_replicas:
     raise ValueError(
@@ -69,7 +86,7 @@ def check_step_inputs(loss_fn, optimizer, state, batch, weights, rng=None, *, n_
         f"split into accum_steps={accum_steps} micro-batches; make the batch a multiple of {n_replicas * accum_steps}."
     )
   local_batch = jax.tree.map(lambda x: _struct(x, total // n_replicas), batch)
-  params = jax.tree.map(_struct, state.params)
+  params = jax.tree.map(_full_struct, state.params, is_leaf=is_flat_shards)
   extra = () if rng is None else (jax.tree.map(_struct, rng),)
   try:
     losses = jax.eval_shape(loss_fn, params, local_batch, *extra)
@@ -94,10 +111,15 @@ def check_step_inputs(loss_fn, optimizer, state, batch, weights, rng=None, *, n_
           "pass one weight per example (or per token), 0 for padding, or weights=None for all ones."
       )
   try:
-    expected_opt = jax.eval_shape(optimizer.init, params)
+    expected = abstract_zero_state(params, optimizer, n_replicas, zero_stage)
   except Exception as e:
     raise ValueError(f"optimizer.init fails on state.params ({type(e).__name__}: {e}); state.params is not a valid parameter tree.") from e
-  if signature(expected_opt) != signature(state.opt_state):
+  if signature(expected.params) != signature(state.params):
+    raise ValueError(
+        f"state.params does not have the zero_stage={zero_stage} layout for a mesh axis of {n_replicas} devices; "
+        "rebuild the state with jaxdp.init_state on this mesh."
+    )
+  if signature(expected.opt_state) != signature(state.opt_state):
     raise ValueError(
         "state.opt_state does not match optimizer.init(state.params) in structure, shape or dtype; "
         "the state was built for other params or another optimizer. Rebuild it with jaxdp.init_state."

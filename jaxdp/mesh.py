@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdp.sharding import check_zero_stage, init_zero_state
 from jaxdp.state import TrainState
 
 
@@ -46,15 +46,25 @@ def split_along(mesh: Mesh, axis_name: str) -> NamedSharding:
   return NamedSharding(mesh, P(axis_name))
 
 
-def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Mesh, *, axis_name: str = "data") -> TrainState:
+def init_state(
+    params: Any, optimizer: optax.GradientTransformation, mesh: Mesh, *, axis_name: str = "data", zero_stage: int = 0
+) -> TrainState:
   """Creates the training state and places it as :func:`make_train_step` expects.
 
-  Every leaf is replicated on every device of ``mesh`` (a full replica per
-  device, as in DDP). The state owns fresh buffers: a step that donates it
-  never consumes the caller's ``params``.
+  Args:
+    params: the initial parameters (a pytree of arrays, the same on every process).
+    optimizer: an optax ``GradientTransformation``.
+    mesh: the mesh to place the state on.
+    axis_name: the data-parallel axis.
+    zero_stage: 0 replicates every leaf on every device (a full replica per
+      device, as in DDP); 1 and 2 shard the optimizer state over
+      ``axis_name``; 3 shards the parameters too (see :mod:`jaxdp.sharding`).
+
+  Returns:
+    A :class:`TrainState` of fresh buffers: a step that donates it never
+    consumes the caller's ``params``.
   """
   check_mesh_axis(mesh, axis_name)
-  # device_put may alias the caller's buffer on one device (even with may_alias=False),
-  # so copy first: donation must only ever consume buffers the state owns.
-  owned = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-  return jax.device_put(TrainState.create(owned, optimizer), replicated(mesh))
+  check_zero_stage(zero_stage)
+  placed = jax.device_put(params, replicated(mesh))
+  return init_zero_state(placed, optimizer, mesh, axis_name, zero_stage)

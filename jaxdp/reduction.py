@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 REDUCTIONS = ("mean", "rank_mean", "sum", "none")
@@ -196,6 +197,13 @@ def _psum(tree: Any, axis_name: str) -> Any:
   return lax.psum(as_varying(tree, axis_name), axis_name)
 
 
+def _psum_scatter(tree: Any, axis_name: str) -> Any:
+  # Leaves are flat and padded to a multiple of the axis size: each device keeps its chunk of the sum.
+  return jax.tree.map(
+      lambda x: lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True), as_varying(tree, axis_name)
+  )
+
+
 def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
   # A zero denominator only happens when every numerator is zero too (no weight, no
   # gradient); dividing by one then keeps the result at zero instead of NaN.
@@ -203,7 +211,9 @@ def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
   return jax.tree.map(lambda x: x / safe.astype(x.dtype), tree)
 
 
-def reduce_gradient(local: LocalGradient, *, axis_name: str, reduction: str = "mean") -> ReducedGradient:
+def reduce_gradient(
+    local: LocalGradient, *, axis_name: str, reduction: str = "mean", scatter: bool = False
+) -> ReducedGradient:
   """Makes the replicas agree on one gradient (one all-reduce per leaf).
 
   Must run inside ``shard_map`` or ``pmap`` over ``axis_name`` (except for
@@ -213,13 +223,29 @@ def reduce_gradient(local: LocalGradient, *, axis_name: str, reduction: str = "m
     local: this replica's :class:`LocalGradient`.
     axis_name: the data-parallel mesh axis.
     reduction: one of :data:`REDUCTIONS`.
+    scatter: reduce-scatter the gradient instead of all-reducing it (ZeRO
+      stages 2 and 3): every gradient leaf must be flat with a length
+      divisible by the axis size, and each device receives its contiguous
+      chunk of the reduced gradient. A fully reduced gradient never exists.
 
   Returns:
     A :class:`ReducedGradient`. Every replica holds the same values except
-    under ``"none"``.
+    under ``"none"`` (and the gradient chunks under ``scatter``).
   """
   check_reduction(reduction)
   grads, loss_sum, weight_sum = local
+  if scatter:
+    if reduction == "none":
+      raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")
+    summed = _psum_scatter(grads if reduction != "rank_mean" else _safe_divide(grads, weight_sum), axis_name)
+    total_loss, total_weight = _psum((loss_sum, weight_sum), axis_name)
+    if reduction == "sum":
+      return ReducedGradient(summed, total_loss, total_weight)
+    if reduction == "rank_mean":
+      n = lax.axis_size(axis_name)
+      mean_loss = _psum(_safe_divide(loss_sum, weight_sum), axis_name) / n
+      return ReducedGradient(jax.tree.map(lambda x: x / n, summed), mean_loss, total_weight)
+    return ReducedGradient(*_safe_divide((summed, total_loss), total_weight), total_weight)
   if reduction == "none":
     return ReducedGradient(_safe_divide(grads, weight_sum), _safe_divide(loss_sum, weight_sum), weight_sum)
   if reduction == "rank_mean":
@@ -232,3 +258,50 @@ def reduce_gradient(local: LocalGradient, *, axis_name: str, reduction: str = "m
   if reduction == "sum":
     return ReducedGradient(total_grads, total_loss, total_weight)
   return ReducedGradient(*_safe_divide((total_grads, total_loss), total_weight), total_weight)
+
+
+def global_norm(tree: Any, axis_name: str | None = None) -> jax.Array:
+  """The L2 norm of a whole gradient tree, also when its leaves are sharded over ``axis_name``.
+
+  Leaves that vary over ``axis_name`` (chunks of a sharded gradient inside
+  ``shard_map``) contribute their squared norms through one ``psum``;
+  replicated leaves are counted once. Outside ``shard_map``, or with
+  ``axis_name=None``, it is ``optax.tree.norm``. Chunks must partition the
+  vector (ZeRO's zero padding adds nothing to the norm).
+  """
+  local, shared = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+  for leaf in jax.tree.leaves(tree):
+    squares = jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+    if axis_name is not None and axis_name in _varying_axes(leaf):
+      local = local + squares
+    else:
+      shared = shared + squares
+  if axis_name is not None and axis_name in _varying_axes(local):
+    local = lax.psum(local, axis_name)
+  return jnp.sqrt(local + shared)
+
+
+def clip_by_global_norm(max_norm: float, axis_name: str | None = "data") -> optax.GradientTransformation:
+  """``optax.clip_by_global_norm`` with the norm of the *global* gradient under ZeRO.
+
+  ``optax.clip_by_global_norm`` computes the norm of what it is given; under
+  ZeRO stages 1-3 that is one device's chunk, so each device would clip by a
+  different, too small norm (the bug class of PyTorch FSDP #72548). This
+  transform uses :func:`global_norm`, which all-reduces the squared norms of
+  sharded chunks, and is identical to optax's at stage 0.
+  """
+  if not max_norm > 0:
+    raise ValueError(f"max_norm must be > 0, got {max_norm!r}.")
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    norm = global_norm(updates, axis_name)
+    trigger = norm < max_norm
+    clipped = jax.tree.map(lambda t: lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates)
+    return clipped, state
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 
 from jaxdp.reduction import as_varying
+from jaxdp.sharding import is_flat_shards
 
 
 def _device_copies(leaf: Any) -> tuple[list[jax.Device], list[np.ndarray]]:
@@ -82,9 +83,11 @@ def replica_divergence(tree: Any, axis_name: str) -> jax.Array:
   float32) is compared across ``axis_name`` with ``pmax - pmin``; the largest
   gap is returned, identical on every replica. It is ``0`` for consistent
   replicas. Call it inside ``shard_map``/``pmap`` over ``axis_name``.
+  ZeRO chunks (:class:`jaxdp.FlatShards`) differ by design and are skipped.
   """
   gaps = [jnp.zeros((), jnp.float32)]
-  for leaf in jax.tree.leaves(tree):
+  replicated = jax.tree.leaves(jax.tree.map(lambda x: None if is_flat_shards(x) else x, tree, is_leaf=is_flat_shards))
+  for leaf in replicated:
     x = as_varying(jnp.asarray(leaf).astype(jnp.float32), axis_name)
     checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
     gaps.append(jnp.max(lax.pmax(checksum, axis_name) - lax.pmin(checksum, axis_name)))

@@ -13,8 +13,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp import _checks
 from jaxdp.mesh import check_mesh_axis, data_mesh, replicated, split_along
-from jaxdp.reduction import ReducedGradient, check_reduction, local_gradient, reduce_gradient
+from jaxdp.reduction import ReducedGradient, check_reduction, global_norm, local_gradient, reduce_gradient
 from jaxdp.replicas import replica_divergence
+from jaxdp.sharding import check_zero_stage, flatten_tree, gather_chunks, my_chunk, state_shardings, state_specs
 from jaxdp.state import TrainState
 
 BACKENDS = ("shard_map", "pmap")
@@ -26,14 +27,17 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, gra
   With ``weight == 0`` (an all-padding batch) the state comes back unchanged,
   step counter included, so no NaN or spurious optimizer step leaks in.
   """
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  stepped = TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1)
-  keep = weight > 0
-  return jax.tree.map(lambda new, old: jnp.where(keep, new, old), stepped, state)
+
+  def step(state):
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1)
+
+  # cond rather than a select over the whole state: a select copies every buffer each step.
+  return lax.cond(weight > 0, step, lambda state: state, state)
 
 
 def train_step(
-    loss_fn: Callable[[Any, Any], jax.Array],
+    loss_fn: Callable[..., jax.Array],
     optimizer: optax.GradientTransformation,
     state: TrainState,
     batch: Any,
@@ -43,6 +47,7 @@ def train_step(
     reduction: str = "mean",
     accum_steps: int = 1,
     rng: jax.Array | None = None,
+    zero_stage: int = 0,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
@@ -68,6 +73,9 @@ def train_step(
       ``fold_in(·, i)`` for micro-batch ``i``) and ``loss_fn`` is called as
       ``loss_fn(params, batch, key)``. Only gradients depend on the key, so
       the replicas stay identical.
+    zero_stage: the ZeRO stage of ``state``'s layout (see
+      :func:`jaxdp.init_state`); stages 1-3 need ``shard_map`` with the
+      state's specs from :func:`jaxdp.state_specs`.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
@@ -75,19 +83,31 @@ def train_step(
     and ``grad_norm`` (global norm of the applied gradient).
   """
   check_reduction(reduction)
+  check_zero_stage(zero_stage)
+  if zero_stage and reduction == "none":
+    raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
   if rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
-  local = local_gradient(
-      loss_fn, state.params, batch, weights, axis_name=axis_name, accum_steps=accum_steps, rng=rng
-  )
-  reduced: ReducedGradient = reduce_gradient(local, axis_name=axis_name, reduction=reduction)
-  new_state = apply_update(optimizer, state, reduced.grads, reduced.weight)
-  metrics = {"loss": reduced.loss, "weight": reduced.weight, "grad_norm": optax.tree.norm(reduced.grads)}
+  params = gather_chunks(state.params, axis_name) if zero_stage == 3 else state.params
+  local = local_gradient(loss_fn, params, batch, weights, axis_name=axis_name, accum_steps=accum_steps, rng=rng)
+  if zero_stage >= 2:
+    local = local._replace(grads=flatten_tree(local.grads, lax.axis_size(axis_name), zero_stage))
+  reduced: ReducedGradient = reduce_gradient(local, axis_name=axis_name, reduction=reduction, scatter=zero_stage >= 2)
+  if zero_stage == 0:
+    new_state = apply_update(optimizer, state, reduced.grads, reduced.weight)
+  else:
+    # Each device updates only its chunk of the parameters, with its chunk of the optimizer state.
+    grads = reduced.grads if zero_stage >= 2 else my_chunk(reduced.grads, axis_name, zero_stage)
+    chunks = state.params if zero_stage == 3 else my_chunk(state.params, axis_name, zero_stage)
+    new_state = apply_update(optimizer, state._replace(params=chunks), grads, reduced.weight)
+    if zero_stage < 3:
+      new_state = new_state._replace(params=gather_chunks(new_state.params, axis_name))
+  metrics = {"loss": reduced.loss, "weight": reduced.weight, "grad_norm": global_norm(reduced.grads, axis_name)}
   return new_state, metrics
 
 
 class CompiledStep:
-  """A jitted data-parallel step: ``step(state, batch, weights=None) -> (state, metrics)``.
+  """A jitted data-parallel step: ``step(state, batch, weights=None, rng=None) -> (state, metrics)``.
 
   Built by :func:`make_train_step`. Inputs are validated on the host (shapes
   and structure only, cached per signature) before anything runs or is
@@ -96,11 +116,12 @@ class CompiledStep:
   and ``memory_analysis()``.
   """
 
-  def __init__(self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps):
+  def __init__(self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage):
     self.jitted = jitted
     self.loss_fn, self.optimizer = loss_fn, optimizer
     self.mesh, self.axis_name = mesh, axis_name
-    self.reduction, self.backend, self.accum_steps = reduction, backend, accum_steps
+    self.reduction, self.backend = reduction, backend
+    self.accum_steps, self.zero_stage = accum_steps, zero_stage
     self._validated: set = set()
 
   def _prepare(self, state, batch, weights, rng):
@@ -115,21 +136,25 @@ class CompiledStep:
           rng,
           n_replicas=self.mesh.shape[self.axis_name],
           accum_steps=self.accum_steps,
+          zero_stage=self.zero_stage,
       )
       self._validated.add(key)
-    state, rng = jax.device_put((state, rng), replicated(self.mesh))
+    state = jax.device_put(state, state_shardings(state, self.mesh, self.axis_name))
+    rng = jax.device_put(rng, replicated(self.mesh))
     batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
     return state, batch, weights, rng
 
   def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None):
     return self.jitted(*self._prepare(state, batch, weights, rng))
 
-  def lower(self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None) -> jax.stages.Lowered:
+  def lower(
+      self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None
+  ) -> jax.stages.Lowered:
     return self.jitted.lower(*self._prepare(state, batch, weights, rng))
 
 
 def make_train_step(
-    loss_fn: Callable[[Any, Any], jax.Array],
+    loss_fn: Callable[..., jax.Array],
     optimizer: optax.GradientTransformation,
     mesh: Mesh | None = None,
     *,
@@ -139,6 +164,7 @@ def make_train_step(
     donate: bool = True,
     check_replicas: bool = False,
     accum_steps: int = 1,
+    zero_stage: int = 0,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -154,22 +180,24 @@ def make_train_step(
     backend: ``"shard_map"`` (``jit`` of ``jax.shard_map``) or ``"pmap"``
       (``jit`` of ``jax.pmap`` with the state passed unmapped); both take and
       return the same global arrays and compute the same numbers. ``"pmap"``
-      needs a mesh whose only axis is ``axis_name``.
+      needs a mesh whose only axis is ``axis_name`` and ``zero_stage=0``.
     donate: donate the input state's buffers to the output state.
     check_replicas: add ``metrics["replica_divergence"]`` (see
       :func:`jaxdp.replica_divergence`), computed in the graph.
     accum_steps: gradient accumulation: each device's slice is split into
       this many contiguous micro-batches, scanned, and reduced once per step.
+    zero_stage: 0 (replicated, DDP), 1 (sharded optimizer state), 2 (also
+      reduce-scattered gradients) or 3 (also sharded parameters). The state
+      must come from ``jaxdp.init_state(..., zero_stage=zero_stage)``.
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
     (state, metrics)``; with ``rng`` (a PRNG key) ``loss_fn`` is called as
     ``loss_fn(params, batch, key)`` with a key per replica, step and
-    micro-batch. ``state`` is replicated over the mesh; ``batch`` and
-    ``weights`` are global arrays whose leading axis is split evenly over
-    ``axis_name`` (see :func:`jaxdp.shard_uneven` for uneven data).
+    micro-batch.
   """
   check_reduction(reduction)
+  check_zero_stage(zero_stage)
   if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
     raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}.")
   if backend not in BACKENDS:
@@ -181,25 +209,25 @@ def make_train_step(
         f"backend='pmap' maps over one axis only, but mesh has axes {mesh.axis_names}; "
         "use backend='shard_map' for multi-axis meshes."
     )
+  if backend == "pmap" and zero_stage:
+    raise ValueError(
+        "backend='pmap' passes the state unmapped (replicated), so it cannot hold a ZeRO-sharded state; "
+        "use backend='shard_map' with zero_stage > 0."
+    )
+  if zero_stage and reduction == "none":
+    raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
 
   def replica_step(state, batch, weights, rng):
     new_state, metrics = train_step(
         loss_fn, optimizer, state, batch, weights,
-        axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng,
+        axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, zero_stage=zero_stage,
     )
     if check_replicas:
       metrics["replica_divergence"] = replica_divergence(new_state, axis_name)
     return new_state, metrics
 
   if backend == "shard_map":
-    mapped = jax.shard_map(
-        replica_step,
-        mesh=mesh,
-        in_specs=(P(), P(axis_name), P(axis_name), P()),
-        out_specs=(P(), P()),
-        # "none" returns replicas that differ on purpose, which the check would reject.
-        check_vma=reduction != "none",
-    )
+    mapped = _shard_map_over(replica_step, mesh, axis_name, check_vma=reduction != "none")
   else:
     mapped = _pmap_over(replica_step, mesh, axis_name)
   jitted = jax.jit(mapped, donate_argnums=(0,) if donate else ())
@@ -212,7 +240,27 @@ def make_train_step(
       reduction=reduction,
       backend=backend,
       accum_steps=accum_steps,
+      zero_stage=zero_stage,
   )
+
+
+def _shard_map_over(replica_step, mesh: Mesh, axis_name: str, *, check_vma: bool):
+  """``shard_map`` with the state's specs read off its structure (ZeRO chunks split, the rest replicated)."""
+
+  @functools.wraps(replica_step)
+  def step(state, batch, weights, rng):
+    specs = state_specs(state, axis_name)
+    mapped = jax.shard_map(
+        replica_step,
+        mesh=mesh,
+        in_specs=(specs, P(axis_name), P(axis_name), P()),
+        out_specs=(specs, P()),
+        # "none" returns replicas that differ on purpose, which the check would reject.
+        check_vma=check_vma,
+    )
+    return mapped(state, batch, weights, rng)
+
+  return step
 
 
 def _pmap_over(replica_step, mesh: Mesh, axis_name: str):
