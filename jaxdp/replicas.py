@@ -32,21 +32,43 @@ def per_replica(tree: Any) -> Any:
 
 
 def _gather_over_processes(copies: list[np.ndarray]) -> list[np.ndarray]:
-  if jax.process_count() == 1:
-    return copies
   from jax.experimental import multihost_utils
 
-  # Every process contributes its first local copy; the local ones were checked already.
+  # Every process contributes its first local copy; the local ones are compared already.
   gathered = multihost_utils.process_allgather(copies[0], tiled=False)
   return copies + [np.asarray(g) for i, g in enumerate(gathered) if i != jax.process_index()]
+
+
+def _copies_that_must_agree(leaf: Any) -> list[tuple[list[str], list[np.ndarray]]]:
+  """Groups of (device names, copies) that hold the same part of ``leaf``.
+
+  A replicated leaf is one group (over processes too); a sharded leaf (a ZeRO
+  chunk, a batch) has one group per shard index, each compared among the
+  local devices that hold that shard.
+  """
+  if not isinstance(leaf, jax.Array):
+    return [(["host"], [np.asarray(leaf)])]
+  groups: dict[tuple, tuple[list[str], list[np.ndarray]]] = {}
+  for shard in sorted(leaf.addressable_shards, key=lambda s: s.device.id):
+    key = tuple((i.start, i.stop, i.step) for i in shard.index)
+    names, copies = groups.setdefault(key, ([], []))
+    names.append(str(shard.device))
+    copies.append(np.asarray(shard.data))
+  if jax.process_count() > 1 and leaf.sharding.is_fully_replicated:
+    (names, copies), = groups.values()
+    others = [f"process {p}" for p in range(jax.process_count()) if p != jax.process_index()]
+    return [(names + others, _gather_over_processes(copies))]
+  return list(groups.values())
 
 
 def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
   """Asserts that every device's copy of every leaf is the same.
 
   Compares each device's copy with the first device's through
-  ``chex.assert_trees_all_close`` (``rtol=0``), across processes too when
-  there are several. Call it with the same tree on every process.
+  ``chex.assert_trees_all_close`` (``rtol=0``). Replicated leaves are
+  compared across processes too when there are several (call it with the
+  same tree on every process). Sharded leaves (ZeRO chunks) are compared
+  among the devices that hold the same shard.
 
   Raises:
     AssertionError: naming the leaf path, the devices that differ and the
@@ -54,24 +76,18 @@ def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
   """
   failures = []
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    devices, copies = _device_copies(leaf)
-    names = [str(d) for d in devices]
-    if jax.process_count() > 1:
-      copies = _gather_over_processes(copies)
-      names += [f"process {p}" for p in range(jax.process_count()) if p != jax.process_index()]
-    reference = copies[0]
-    bad = []
-    for name, copy in zip(names[1:], copies[1:]):
-      try:
-        chex.assert_trees_all_close(copy, reference, atol=atol, rtol=0.0)
-      except AssertionError:
-        bad.append((name, float(np.max(np.abs(copy.astype(np.float64) - reference.astype(np.float64))))))
-    if bad:
-      worst = max(d for _, d in bad)
-      failures.append(
-          f"{jax.tree_util.keystr(path) or '<root>'}: {', '.join(n for n, _ in bad)} differ from "
-          f"{names[0]} (largest |difference| {worst:.6g}, atol={atol})"
-      )
+    for names, copies in _copies_that_must_agree(leaf):
+      reference, bad = copies[0], []
+      for name, copy in zip(names[1:], copies[1:]):
+        try:
+          chex.assert_trees_all_close(copy, reference, atol=atol, rtol=0.0)
+        except AssertionError:
+          bad.append((name, float(np.max(np.abs(copy.astype(np.float64) - reference.astype(np.float64))))))
+      if bad:
+        failures.append(
+            f"{jax.tree_util.keystr(path) or '<root>'}: {', '.join(n for n, _ in bad)} differ from "
+            f"{names[0]} (largest |difference| {max(d for _, d in bad):.6g}, atol={atol})"
+        )
   if failures:
     raise AssertionError("replicas differ:\n  " + "\n  ".join(failures))
 

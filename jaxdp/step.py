@@ -13,7 +13,15 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp import _checks
 from jaxdp.mesh import check_mesh_axis, data_mesh, replicated, split_along
-from jaxdp.reduction import ReducedGradient, check_reduction, global_norm, local_gradient, reduce_gradient
+from jaxdp.reduction import (
+    LocalGradient,
+    ReducedGradient,
+    as_varying,
+    check_reduction,
+    global_norm,
+    local_gradient,
+    reduce_gradient,
+)
 from jaxdp.replicas import replica_divergence
 from jaxdp.sharding import check_zero_stage, flatten_tree, gather_chunks, my_chunk, state_shardings, state_specs
 from jaxdp.state import TrainState
@@ -21,11 +29,12 @@ from jaxdp.state import TrainState
 BACKENDS = ("shard_map", "pmap")
 
 
-def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads: Any, weight: jax.Array) -> TrainState:
-  """Applies ``grads`` with ``optimizer``, unless ``weight`` is zero.
+def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads: Any, apply: jax.Array | bool = True) -> TrainState:
+  """Applies ``grads`` with ``optimizer``, or returns ``state`` unchanged when ``apply`` is false.
 
-  With ``weight == 0`` (an all-padding batch) the state comes back unchanged,
-  step counter included, so no NaN or spurious optimizer step leaks in.
+  ``train_step`` passes ``apply = (global weight > 0) & (no replica saw a
+  non-finite gradient)``, a value every replica holds identically, so all
+  replicas skip together: no NaN, no spurious optimizer step, no step count.
   """
 
   def step(state):
@@ -33,7 +42,17 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, gra
     return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1)
 
   # cond rather than a select over the whole state: a select copies every buffer each step.
-  return lax.cond(weight > 0, step, lambda state: state, state)
+  return lax.cond(apply, step, lambda state: state, state)
+
+
+def count_nonfinite(local: LocalGradient, axis_name: str | None) -> jax.Array:
+  """The number of replicas whose local gradient or loss holds a NaN or an Inf (int32, same everywhere).
+
+  With ``axis_name=None`` only this replica is counted (no communication).
+  """
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((local.grads, local.loss_sum))]))
+  bad = jnp.logical_not(finite).astype(jnp.int32)
+  return bad if axis_name is None else lax.psum(as_varying(bad, axis_name), axis_name)
 
 
 def train_step(
@@ -79,8 +98,11 @@ def train_step(
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
-    ``reduction`` says), ``weight`` (global ``Σ w``; local under ``"none"``)
-    and ``grad_norm`` (global norm of the applied gradient).
+    ``reduction`` says), ``weight`` (global ``Σ w``; local under ``"none"``),
+    ``grad_norm`` (global norm of the applied gradient), ``nonfinite`` (how
+    many replicas had a NaN/Inf gradient or loss) and ``skipped`` (1 when the
+    update was skipped: zero global weight or any non-finite replica; the
+    state, ``step`` included, is then returned unchanged on every replica).
   """
   check_reduction(reduction)
   check_zero_stage(zero_stage)
@@ -93,16 +115,25 @@ def train_step(
   if zero_stage >= 2:
     local = local._replace(grads=flatten_tree(local.grads, lax.axis_size(axis_name), zero_stage))
   reduced: ReducedGradient = reduce_gradient(local, axis_name=axis_name, reduction=reduction, scatter=zero_stage >= 2)
+  # Decided collectively (one scalar psum) so that a NaN on one replica makes every replica skip.
+  nonfinite = count_nonfinite(local, None if reduction == "none" else axis_name)
+  apply = (reduced.weight > 0) & (nonfinite == 0)
   if zero_stage == 0:
-    new_state = apply_update(optimizer, state, reduced.grads, reduced.weight)
+    new_state = apply_update(optimizer, state, reduced.grads, apply)
   else:
     # Each device updates only its chunk of the parameters, with its chunk of the optimizer state.
     grads = reduced.grads if zero_stage >= 2 else my_chunk(reduced.grads, axis_name, zero_stage)
     chunks = state.params if zero_stage == 3 else my_chunk(state.params, axis_name, zero_stage)
-    new_state = apply_update(optimizer, state._replace(params=chunks), grads, reduced.weight)
+    new_state = apply_update(optimizer, state._replace(params=chunks), grads, apply)
     if zero_stage < 3:
       new_state = new_state._replace(params=gather_chunks(new_state.params, axis_name))
-  metrics = {"loss": reduced.loss, "weight": reduced.weight, "grad_norm": global_norm(reduced.grads, axis_name)}
+  metrics = {
+      "loss": reduced.loss,
+      "weight": reduced.weight,
+      "grad_norm": global_norm(reduced.grads, axis_name),
+      "nonfinite": nonfinite,
+      "skipped": jnp.logical_not(apply).astype(jnp.int32),
+  }
   return new_state, metrics
 
 
@@ -116,13 +147,32 @@ class CompiledStep:
   and ``memory_analysis()``.
   """
 
-  def __init__(self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage):
+  def __init__(
+      self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage, max_consecutive_skips
+  ):
     self.jitted = jitted
     self.loss_fn, self.optimizer = loss_fn, optimizer
     self.mesh, self.axis_name = mesh, axis_name
     self.reduction, self.backend = reduction, backend
     self.accum_steps, self.zero_stage = accum_steps, zero_stage
+    self.max_consecutive_skips = max_consecutive_skips
+    self.consecutive_skips = 0  # non-finite steps in a row, as of the previous call's step
     self._validated: set = set()
+    self._pending_nonfinite = None
+
+  def _check_previous_step(self) -> None:
+    # Reads the *previous* step's flag, which is done or nearly so: no stall of the current dispatch.
+    if self.max_consecutive_skips is None or self._pending_nonfinite is None:
+      return
+    bad = int(jax.device_get(self._pending_nonfinite)) > 0
+    self._pending_nonfinite = None
+    self.consecutive_skips = self.consecutive_skips + 1 if bad else 0
+    if self.consecutive_skips >= self.max_consecutive_skips:
+      raise FloatingPointError(
+          f"the last {self.consecutive_skips} steps all had a NaN or Inf gradient or loss on at least one replica; "
+          "every replica skipped them, so the replicas are still consistent and the state passed in is the last good "
+          "one. Lower the learning rate, check the data, or raise max_consecutive_skips."
+      )
 
   def _prepare(self, state, batch, weights, rng):
     key = _checks.signature(state, batch, weights, rng)
@@ -145,7 +195,10 @@ class CompiledStep:
     return state, batch, weights, rng
 
   def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None):
-    return self.jitted(*self._prepare(state, batch, weights, rng))
+    self._check_previous_step()
+    state, metrics = self.jitted(*self._prepare(state, batch, weights, rng))
+    self._pending_nonfinite = metrics["nonfinite"]
+    return state, metrics
 
   def lower(
       self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None
@@ -165,6 +218,7 @@ def make_train_step(
     check_replicas: bool = False,
     accum_steps: int = 1,
     zero_stage: int = 0,
+    max_consecutive_skips: int | None = 10,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -189,6 +243,12 @@ def make_train_step(
     zero_stage: 0 (replicated, DDP), 1 (sharded optimizer state), 2 (also
       reduce-scattered gradients) or 3 (also sharded parameters). The state
       must come from ``jaxdp.init_state(..., zero_stage=zero_stage)``.
+    max_consecutive_skips: a step whose gradient or loss is NaN/Inf on any
+      replica is skipped by every replica (``metrics["skipped"]``). After
+      this many such steps in a row the next call raises
+      ``FloatingPointError`` (before running anything). ``None`` never
+      raises. The check reads the previous step's flag, so the error comes
+      one call after the limit is reached.
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -216,6 +276,10 @@ def make_train_step(
     )
   if zero_stage and reduction == "none":
     raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
+  if max_consecutive_skips is not None and (
+      not isinstance(max_consecutive_skips, int) or isinstance(max_consecutive_skips, bool) or max_consecutive_skips < 1
+  ):
+    raise ValueError(f"max_consecutive_skips must be a positive int or None, got {max_consecutive_skips!r}.")
 
   def replica_step(state, batch, weights, rng):
     new_state, metrics = train_step(
@@ -241,6 +305,7 @@ def make_train_step(
       backend=backend,
       accum_steps=accum_steps,
       zero_stage=zero_stage,
+      max_consecutive_skips=max_consecutive_skips,
   )
 
 
