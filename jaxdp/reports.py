@@ -18,30 +18,75 @@ from jaxdp.sharding import is_flat_shards, padded_size, zero_stage_of
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
-_OP = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>all-reduce|reduce-scatter|all-gather)(?P<start>-start)?\(",
-    re.MULTILINE,
-)
-_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*(?:e\dm\d(?:fn)?)?)\[(?P<dims>[\d,]*)\]")
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]")
+_OPCODE = re.compile(r"(all-reduce|reduce-scatter|all-gather)(-start|-done)?")
+_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
-def _shape_bytes(shape: str) -> list[int]:
-  """Byte sizes of the arrays in an HLO shape string (one for an array, several for a tuple)."""
-  sizes = []
-  for m in _ARRAY.finditer(shape):
-    dims = [int(d) for d in m["dims"].split(",") if d]
-    sizes.append(math.prod(dims) * _DTYPE_BYTES.get(m["dtype"], 4))
-  return sizes
+def _dtype_bits(dtype: str) -> int:
+  """Bits per element of an HLO element type: ``f32`` 32, ``bf16`` 16, ``pred`` 8, ``token`` 0."""
+  if dtype == "pred":
+    return 8
+  match = re.match(r"[a-z]+?(\d+)", dtype)
+  return int(match.group(1)) if match else 0
+
+
+def _shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string: ``f32[1024,1024]{1,0}``, ``f32[]`` or a tuple of them."""
+  bits = 0
+  for dtype, dims in _SHAPE.findall(shape):
+    bits += math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) * _dtype_bits(dtype)
+  return (bits + 7) // 8
+
+
+def _shape_end(rhs: str) -> int:
+  """Where the result shape at the start of ``rhs`` ends (tuple shapes nest parentheses)."""
+  if not rhs.startswith("("):
+    return rhs.find(" ") if " " in rhs else len(rhs)
+  depth = 0
+  for i, char in enumerate(rhs):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      return i + 1
+  return len(rhs)
+
+
+def _collective(line: str) -> dict | None:
+  """The collective an HLO instruction line ``%name = SHAPE opcode(...)`` defines, else ``None``."""
+  lhs, eq, rhs = line.partition("=")
+  if not eq or not lhs.split():
+    return None
+  rhs = rhs.lstrip()
+  end = _shape_end(rhs)
+  rest = rhs[end:].lstrip()
+  match = _OPCODE.fullmatch(rest.split("(", 1)[0])
+  if not match:
+    return None
+  operand = _OPERAND.search(rest)
+  return {
+      "kind": match.group(1),
+      "phase": (match.group(2) or "-sync")[1:],
+      "name": lhs.split()[-1].lstrip("%"),
+      "operand": operand.group(1) if operand else "",
+      "shape": rhs[:end],
+  }
+
+
+def _collective_ops(hlo: str) -> list[tuple[str, int]]:
+  """``(kind, result bytes)`` of every collective; an async op counts once, sized by its ``-done`` result."""
+  found = [op for op in map(_collective, hlo.splitlines()) if op]
+  done_shapes = {op["operand"]: op["shape"] for op in found if op["phase"] == "done"}
+  ops = []
+  for op in found:
+    if op["phase"] == "done":
+      continue
+    shape = done_shapes.get(op["name"], op["shape"]) if op["phase"] == "start" else op["shape"]
+    ops.append((op["kind"], _shape_bytes(shape)))
+  return ops
 
 
 class Collective(NamedTuple):
-  """The collectives of one kind in a step.
+  """The collectives of one kind in a step (static counts: an op in a loop body counts once).
 
   Attributes:
     count: number of ops (a tuple-shaped op that reduces several arrays counts once).
@@ -60,13 +105,9 @@ def collectives_from_hlo(hlo: str, n_devices: int) -> dict[str, Collective]:
   """Counts and sizes the all-reduce, reduce-scatter and all-gather ops of optimized HLO text."""
   counts = {kind: 0 for kind in COLLECTIVES}
   sizes = {kind: 0 for kind in COLLECTIVES}
-  for m in _OP.finditer(hlo):
-    kind, arrays = m["op"], _shape_bytes(m["shape"])
-    if m["start"] and kind == "all-gather":
-      arrays = arrays[len(arrays) // 2 :]  # async start ops return (operands, results)
-    size = sum(arrays)
+  for kind, size in _collective_ops(hlo):
     counts[kind] += 1
-    sizes[kind] += size * n_devices if kind == "reduce-scatter" else size
+    sizes[kind] += size * n_devices if kind == "reduce-scatter" else size  # its result is one chunk
   share = (n_devices - 1) / n_devices
   return {
       kind: Collective(counts[kind], sizes[kind], sizes[kind] * share * (2 if kind == "all-reduce" else 1))

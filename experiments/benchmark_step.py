@@ -1,0 +1,322 @@
+"""Times one training step of a ~2M-parameter MLP on 1..8 simulated CPU devices.
+
+Model: MLP 784-1024-1024-10 (ReLU), per-example softmax cross-entropy, Adam,
+global batch 512 of random data (fixed seed). Compared at each device count k
+(sub-mesh over ``jax.devices()[:k]``):
+
+* ``shard_map``: ``jaxdp.make_train_step(..., backend="shard_map")``;
+* ``pmap``: ``jaxdp.make_train_step(..., backend="pmap")``;
+* ``auto-jit``: plain ``jax.jit`` of a single-device step (value_and_grad of
+  the weighted-mean loss + optax update) on a batch sharded with
+  ``NamedSharding(mesh, P("data"))`` and replicated params: XLA's automatic
+  partitioning, what a JAX user would write instead;
+* ``single``: the same single-device step on one device with the whole batch.
+
+The methods run interleaved step by step (so drift in the load of a shared
+machine hits all of them alike); each step is timed to ``block_until_ready``
+after warm-up. From the compiled HLO of the three multi-device steps it counts
+the all-reduce ops and the bytes they reduce, next to the gradient bytes.
+
+Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself unless
+already set; writes JSON under ``out/``):
+
+  make bench                                                  # same as the first line
+  .venv/bin/python experiments/benchmark_step.py              # 1,2,4,8 devices, 20 steps
+  .venv/bin/python experiments/benchmark_step.py --quick      # smoke run
+  .venv/bin/python experiments/benchmark_step.py --devices 2,8 --steps 50 --out out/b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if __name__ == "__main__":  # must happen before JAX initialises its backend
+  os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import jaxdp
+
+LAYERS = (784, 1024, 1024, 10)
+METHODS = ("shard_map", "pmap", "auto_jit", "single")
+SHARDED = ("shard_map", "pmap", "auto_jit")  # the methods whose HLO has collectives
+
+def comm_report(hlo_text: str, n_devices: int) -> dict[str, dict[str, int]]:
+  """``{kind: {"ops": count, "bytes": bytes}}`` per collective kind, via ``jaxdp.collectives_from_hlo``."""
+  return {
+      kind: {"ops": c.count, "bytes": c.bytes}
+      for kind, c in jaxdp.collectives_from_hlo(hlo_text, n_devices).items()
+  }
+
+
+def tree_bytes(tree) -> int:
+  """Sum of ``nbytes`` over the leaves of ``tree`` (e.g. the gradient bytes of params)."""
+  return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+# --------------------------------------------------------------------------
+# Model, data and the four steps.
+# --------------------------------------------------------------------------
+
+
+def init_params(seed: int = 0) -> dict:
+  """He-initialised weights and zero biases of the MLP ``LAYERS``."""
+  keys = jax.random.split(jax.random.key(seed), len(LAYERS) - 1)
+  params = {}
+  for i, (key, fan_in, fan_out) in enumerate(zip(keys, LAYERS[:-1], LAYERS[1:])):
+    params[f"w{i}"] = jax.random.normal(key, (fan_in, fan_out), jnp.float32) * np.sqrt(2.0 / fan_in)
+    params[f"b{i}"] = jnp.zeros((fan_out,), jnp.float32)
+  return params
+
+
+def loss_fn(params: dict, batch: dict) -> jax.Array:
+  """Per-example softmax cross-entropy losses ``[b]``."""
+  h = batch["x"]
+  n = len(LAYERS) - 1
+  for i in range(n):
+    h = h @ params[f"w{i}"] + params[f"b{i}"][None, :]
+    if i < n - 1:
+      h = jax.nn.relu(h)
+  return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"])
+
+
+def make_data(batch_size: int, seed: int = 0) -> tuple[dict, np.ndarray]:
+  """Random inputs and labels (fixed seed) and all-one example weights."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, LAYERS[0]), dtype=np.float32)
+  y = rng.integers(0, LAYERS[-1], batch_size).astype(np.int32)
+  return {"x": x, "y": y}, np.ones((batch_size,), np.float32)
+
+
+def plain_step(optimizer: optax.GradientTransformation):
+  """The single-device step a JAX user writes: weighted-mean loss, grad, optax update."""
+
+  def step(state: jaxdp.TrainState, batch: dict, weights: jax.Array):
+    def mean_loss(params):
+      return jnp.sum(weights * loss_fn(params, batch)) / jnp.sum(weights)
+
+    loss, grads = jax.value_and_grad(mean_loss)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    return jaxdp.TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
+
+  return jax.jit(step, donate_argnums=0)
+
+
+class Case:
+  """One method at one device count: a step bound to its placed batch, and its state."""
+
+  def __init__(self, name, fn, state, batch, weights, lower):
+    self.name, self.fn, self.state = name, fn, state
+    self.batch, self.weights, self.lower = batch, weights, lower
+    self.times_ms, self.loss = [], float("nan")
+
+  def hlo(self) -> str:
+    return self.lower(self.state, self.batch, self.weights).compile().as_text()
+
+  def run(self, timed: bool) -> None:
+    start = time.perf_counter()
+    self.state, out = self.fn(self.state, self.batch, self.weights)
+    jax.block_until_ready((self.state, out))
+    if timed:
+      self.times_ms.append((time.perf_counter() - start) * 1e3)
+    self.loss = float(out["loss"] if isinstance(out, dict) else out)
+
+
+def jaxdp_case(backend, devices, params, optimizer, batch, weights) -> Case:
+  mesh = jaxdp.data_mesh(devices)
+  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, backend=backend)
+  sharding = NamedSharding(mesh, P("data"))
+  batch, weights = jax.device_put((batch, weights), sharding)
+  return Case(backend, step, jaxdp.init_state(params, optimizer, mesh), batch, weights, step.lower)
+
+
+def plain_case(name, mesh, params, optimizer, batch, weights) -> Case:
+  step = plain_step(optimizer)
+  state = jax.device_put(jaxdp.TrainState.create(params, optimizer), NamedSharding(mesh, P()))
+  batch, weights = jax.device_put((batch, weights), NamedSharding(mesh, P("data")))
+  return Case(name, step, state, batch, weights, step.lower)
+
+
+def auto_mesh(devices) -> Mesh:
+  """A 1-D ``data`` mesh with the Auto axis type: sharding left to XLA's partitioner."""
+  return Mesh(np.asarray(devices), ("data",), axis_types=(AxisType.Auto,))
+
+
+def host_copy(tree):
+  """Fresh numpy copies of ``tree``: each case's donated state then owns its buffers.
+
+  (``jax.device_put(x, replicated, may_alias=False)`` of a device array still
+  reuses ``x``'s buffer for the first device's shard on a multi-device mesh,
+  so donating one case's state would delete the arrays another case reads.)
+  """
+  return jax.tree.map(np.array, tree)
+
+
+def build_cases(k: int, params, optimizer, batch, weights) -> list[Case]:
+  devices = jax.devices()[:k]
+  return [
+      jaxdp_case("shard_map", devices, host_copy(params), optimizer, batch, weights),
+      jaxdp_case("pmap", devices, host_copy(params), optimizer, batch, weights),
+      plain_case("auto_jit", auto_mesh(devices), host_copy(params), optimizer, batch, weights),
+      plain_case("single", auto_mesh(devices[:1]), host_copy(params), optimizer, batch, weights),
+  ]
+
+
+# --------------------------------------------------------------------------
+# Measuring and reporting.
+# --------------------------------------------------------------------------
+
+
+def stats(times_ms: list[float]) -> dict:
+  t = np.asarray(times_ms)
+  return {"median": float(np.median(t)), "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90))}
+
+
+def measure(k: int, args, params, optimizer, batch, weights) -> dict:
+  """Times every method on ``k`` devices, interleaved step by step, and reads their HLO."""
+  cases = build_cases(k, params, optimizer, batch, weights)
+  comm = {c.name: comm_report(c.hlo(), k) for c in cases if c.name in SHARDED}
+  for i in range(args.warmup + args.steps):
+    for case in cases:
+      case.run(timed=i >= args.warmup)
+  losses = [c.loss for c in cases]
+  return {
+      "devices": k,
+      "timings_ms": {c.name: {**stats(c.times_ms), "samples": c.times_ms} for c in cases},
+      "comm": comm,
+      "final_loss": {c.name: c.loss for c in cases},
+      "loss_spread": float(np.max(losses) - np.min(losses)),
+  }
+
+
+def check_goals(rows: list[dict], grad_bytes: int, scalar_slack: int = 64) -> dict:
+  """The issue's goals: shard_map no slower than auto-jit; all-reduced bytes = gradient + a few scalars."""
+  ratio = {r["devices"]: r["timings_ms"]["shard_map"]["median"] / r["timings_ms"]["auto_jit"]["median"] for r in rows}
+  extra = {}
+  for r in rows:
+    if r["devices"] > 1:
+      extra[r["devices"]] = {m: r["comm"][m]["all-reduce"]["bytes"] - grad_bytes for m in SHARDED}
+  bytes_ok = all(0 <= e <= scalar_slack for row in extra.values() for e in row.values())
+  return {
+      "shard_map_over_auto_jit_median": ratio,
+      "shard_map_no_slower_than_auto_jit": {k: v <= 1.0 for k, v in ratio.items()},
+      "all_reduce_extra_bytes": extra,
+      "all_reduce_bytes_are_gradient_plus_scalars": bytes_ok,
+  }
+
+
+def _ms(t: dict) -> str:
+  return f"{t['median']:.1f} ({t['p10']:.1f}–{t['p90']:.1f})"
+
+
+def markdown_table(rows: list[dict], grad_bytes: int) -> str:
+  lines = [
+      "| devices | shard_map ms | pmap ms | auto-jit ms | single-device ms "
+      "| all-reduce ops (shard_map / pmap / auto-jit) | bytes all-reduced (shard_map / pmap / auto-jit) | gradient bytes |",
+      "|---:|---:|---:|---:|---:|:---:|:---:|---:|",
+  ]
+  for r in rows:
+    t, ar = r["timings_ms"], {m: r["comm"][m]["all-reduce"] for m in SHARDED}
+    lines.append(
+        f"| {r['devices']} | " + " | ".join(_ms(t[m]) for m in METHODS)
+        + " | " + " / ".join(str(ar[m]["ops"]) for m in SHARDED)
+        + " | " + " / ".join(f"{ar[m]['bytes']:,}" for m in SHARDED)
+        + f" | {grad_bytes:,} |"
+    )
+  return "\n".join(lines)
+
+
+def summary(rows: list[dict], goals: dict, args) -> str:
+  ratio = goals["shard_map_over_auto_jit_median"]
+  lines = [
+      f"Median (p10–p90) ms per step over {args.steps} steps after {args.warmup} warm-up; "
+      f"global batch {args.batch}; {jax.device_count()} simulated {jax.default_backend()} devices "
+      f"on {os.cpu_count()} cores; jax {jax.__version__}.",
+      "goal: shard_map no slower than auto-jit (median ratio): "
+      + ", ".join(f"{k} dev {r:.2f} {'yes' if r <= 1 else 'NO'}" for k, r in ratio.items()),
+      "goal: bytes all-reduced = gradient bytes + a few scalars: "
+      f"{'yes' if goals['all_reduce_bytes_are_gradient_plus_scalars'] else 'NO'} "
+      f"(extra bytes per device count: {goals['all_reduce_extra_bytes']})",
+      "final losses agree across methods to within "
+      f"{max(r['loss_spread'] for r in rows):.2e}",
+  ]
+  others = {(r["devices"], m, kind): v for r in rows for m in SHARDED
+            for kind, v in r["comm"][m].items() if kind != "all-reduce" and v["ops"]}
+  if others:
+    lines.append(f"other collectives: {others}")
+  return "\n".join(lines)
+
+
+FULL = {"devices": "1,2,4,8", "steps": 20, "warmup": 3, "batch": 512}
+QUICK = {"devices": "1,2", "steps": 3, "warmup": 1, "batch": 64}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--devices", help=f"comma-separated device counts (default {FULL['devices']})")
+  parser.add_argument("--steps", type=int, help=f"timed steps per method after warm-up (default {FULL['steps']})")
+  parser.add_argument("--warmup", type=int, help=f"untimed steps per method, the first compiles (default {FULL['warmup']})")
+  parser.add_argument("--batch", type=int, help=f"global batch size (default {FULL['batch']})")
+  parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+  parser.add_argument("--out", default="out/benchmark_step.json", help="JSON output path")
+  parser.add_argument("--quick", action="store_true", help=f"smoke run; defaults become {QUICK}")
+  args = parser.parse_args(argv)
+  for name, default in (QUICK if args.quick else FULL).items():
+    if getattr(args, name) is None:
+      setattr(args, name, default)
+  args.device_counts = [int(d) for d in args.devices.split(",") if d.strip()]
+  return args
+
+
+def validate(args) -> None:
+  available = len(jax.devices())
+  for k in args.device_counts:
+    if not 1 <= k <= available:
+      raise SystemExit(f"--devices asks for {k} devices but {available} exist; set JAX_NUM_CPU_DEVICES >= {k}.")
+    if args.batch % k:
+      raise SystemExit(f"--batch {args.batch} does not split evenly over {k} devices.")
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  validate(args)
+  params, optimizer = init_params(), optax.adam(args.lr)
+  batch, weights = make_data(args.batch)
+  grad_bytes = tree_bytes(params)
+  rows = []
+  for k in args.device_counts:
+    print(f"[{k} device(s)] compiling and timing...", file=sys.stderr, flush=True)
+    rows.append(measure(k, args, params, optimizer, batch, weights))
+  goals = check_goals(rows, grad_bytes)
+  print(markdown_table(rows, grad_bytes))
+  print()
+  print(summary(rows, goals, args))
+  result = {
+      "config": vars(args),
+      "jax_version": jax.__version__,
+      "backend": jax.default_backend(),
+      "device_count": jax.device_count(),
+      "cpu_count": os.cpu_count(),
+      "layers": LAYERS,
+      "gradient_bytes": grad_bytes,
+      "rows": rows,
+      "goals": goals,
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {args.out}", file=sys.stderr)
+  return result
+
+
+if __name__ == "__main__":
+  main()
