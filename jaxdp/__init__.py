@@ -13,6 +13,7 @@ Functional core (compose these inside your own ``shard_map``/``pmap``):
 :func:`assert_replicas_equal`.
 """
 
+from jaxdp import distributed
 from jaxdp.data import (
     DataPipeline,
     addressable_positions,
@@ -59,6 +60,7 @@ __all__ = [
     "comm_report",
     "data_mesh",
     "device_indices",
+    "distributed",
     "epoch_permutation",
     "gather_state",
     "global_norm",

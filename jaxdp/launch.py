@@ -18,6 +18,14 @@ Failure handling, all bounded in time:
 Each worker runs in its own session (process group), so the launcher can
 stop a worker together with any children it started; on Linux the workers
 are also killed if the launcher itself dies.
+
+A JAX worker that joined the job catches SIGTERM (JAX's preemption notifier:
+``multihost_utils.reached_preemption_sync_point`` lets it checkpoint), so
+stopping one takes the grace period before SIGKILL.
+
+The launcher starts workers with ``sys.executable``; it does not change
+``sys.path``, so the script must be able to import jaxdp (installed, or
+``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from jaxdp import distributed
 
 _POLL_SECONDS = 0.05
 _WAIT_SLICE = 0.5  # seconds; short waits keep the main thread responsive to signals
+_KILL_WAIT_SECONDS = 10.0
 _PR_SET_PDEATHSIG = 1
 _TIMEOUT_EXIT = 124
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -113,13 +122,22 @@ def _prepare_child() -> None:
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
-  """Copies ``stream`` to ``out`` line by line, each line prefixed, until end of file."""
+  """Copies ``stream`` to ``out`` line by line, each line prefixed, until end of file.
+
+  If ``out`` breaks (e.g. the launcher's output was piped into ``head``), the
+  rest is read and dropped, so that the worker never blocks on a full pipe.
+  """
   for line in iter(stream.readline, b""):
+    if out is None:
+      continue
     if not line.endswith(b"\n"):
       line += b"\n"
-    with lock:
-      out.write(prefix + line)
-      out.flush()
+    try:
+      with lock:
+        out.write(prefix + line)
+        out.flush()
+    except (OSError, ValueError):
+      out = None
   stream.close()
 
 
@@ -152,7 +170,8 @@ class Job:
     self.procs: list[subprocess.Popen] = []
     self._threads: list[threading.Thread] = []
     self._lock = threading.Lock()
-    self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    # (rank, exit code) of each worker in the order they exit; a negative code is a signal.
+    self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
 
   def start(self) -> None:
     """Starts every worker and the threads that stream their output.
@@ -166,7 +185,7 @@ class Job:
     finally:
       signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     for rank, proc in enumerate(self.procs):
-      waiter = threading.Thread(target=lambda r=rank, p=proc: self._exits.put((r, p.wait())), daemon=True)
+      waiter = threading.Thread(target=lambda r=rank, p=proc: self.exits.put((r, p.wait())), daemon=True)
       waiter.start()
       prefix = f"[rank {rank}] ".encode()
       for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
@@ -181,10 +200,6 @@ class Job:
           self.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
           start_new_session=True, preexec_fn=_prepare_child,
       ))
-
-  def exits(self) -> "queue.Queue[tuple[int, int]]":
-    """``(rank, exit code)`` of each worker, in the order they exit (negative code: killed by a signal)."""
-    return self._exits
 
   def done(self) -> bool:
     return all(proc.poll() is not None for proc in self.procs)
@@ -201,7 +216,10 @@ class Job:
       time.sleep(_POLL_SECONDS)
     self._signal_all(signal.SIGKILL)
     for proc in self.procs:
-      proc.wait()
+      try:
+        proc.wait(timeout=_KILL_WAIT_SECONDS)
+      except subprocess.TimeoutExpired:  # e.g. stuck in the kernel; nothing more a launcher can do
+        print(f"jaxdp.launch: worker pid {proc.pid} survived SIGKILL", file=sys.stderr, flush=True)
 
   def _signal_all(self, sig: int) -> None:
     for proc in self.procs:
@@ -218,7 +236,10 @@ class Job:
 
 def _failure(rank: int, code: int) -> Failure:
   if code < 0:
-    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+    try:
+      name = signal.Signals(-code).name
+    except ValueError:
+      name = str(-code)
     return Failure(rank, 128 - code, f"rank {rank} was killed by signal {name}")
   return Failure(rank, code, f"rank {rank} exited with code {code}")
 
@@ -270,7 +291,7 @@ def _watch(job: Job, timeout: float | None) -> Failure | None:
     if wait is not None and wait <= 0:
       return Failure(None, _TIMEOUT_EXIT, f"timed out after {timeout:g} s")
     try:
-      rank, code = job.exits().get(timeout=_WAIT_SLICE if wait is None else min(wait, _WAIT_SLICE))
+      rank, code = job.exits.get(timeout=_WAIT_SLICE if wait is None else min(wait, _WAIT_SLICE))
     except queue.Empty:
       continue
     if code != 0:

@@ -175,6 +175,12 @@ class CompiledStep:
       )
 
   def _prepare(self, state, batch, weights, rng):
+    if jax.process_count() > 1:
+      # Every call, on every process: a process whose inputs differ must fail with the others, not
+      # leave them blocked in the step's all-reduce (a per-process cache could desynchronise them).
+      from jaxdp.distributed import assert_same_across_processes
+
+      assert_same_across_processes({"state": state, "batch": batch, "weights": weights, "rng": rng}, "step inputs")
     key = _checks.signature(state, batch, weights, rng)
     if key not in self._validated:
       _checks.check_step_inputs(

@@ -1,0 +1,55 @@
+"""Worker: processes that disagree on the batch shape, then on the config.
+
+Each disagreement must raise the same ``ValueError`` on every process. Each
+rank prints what it caught, then (after a barrier, so that every rank has
+reported) the worker exits with code 2.
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import jaxdp  # noqa: E402
+from jaxdp import distributed  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import problem  # noqa: E402
+
+
+def report(rank, what, fn):
+  try:
+    fn()
+  except ValueError as e:
+    print(f"{what} ValueError on rank {rank}: {' | '.join(str(e).splitlines())}", flush=True)
+  else:
+    print(f"{what}: no error on rank {rank}", flush=True)
+
+
+def main():
+  info = distributed.initialize()
+  rank = info.process_index
+  mesh = jaxdp.data_mesh()
+  batches, weights = problem.portions(0)
+  agreed = jaxdp.shard_uneven(batches, mesh, weights=weights)
+  start = time.perf_counter()
+  for _ in range(10):
+    distributed.assert_same_across_processes(agreed, "batch")
+  print(f"agreeing batch passes ({(time.perf_counter() - start) / 10 * 1e3:.1f} ms per check)", flush=True)
+  if rank == 1:  # one more example on the device that had the most: max_len 5 -> 6
+    batches[2] = {k: np.concatenate([v, v[:1]]) for k, v in batches[2].items()}
+    weights[2] = np.concatenate([weights[2], weights[2][:1]])
+  batch = jaxdp.shard_uneven(batches, mesh, weights=weights)
+  report(rank, "shape", lambda: distributed.assert_same_across_processes(batch, "batch"))
+  config = {"lr": 0.1 * (rank + 1), "steps": problem.STEPS, "optimizer": "sgd"}
+  report(rank, "config", lambda: distributed.assert_same_across_processes(config, "config"))
+  multihost_utils.sync_global_devices("reported")
+  sys.exit(2)
+
+
+if __name__ == "__main__":
+  main()

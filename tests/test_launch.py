@@ -1,0 +1,215 @@
+"""The local launcher ``python -m jaxdp.launch``: environment, output, failures, signals.
+
+The workers here (``tests/mp_workers/plain.py``) do not import JAX, so each
+job takes well under a second; jobs of real JAX workers are in
+``test_multiprocess.py``. Every job is bounded in time and checked for
+processes left behind (workers and their children are tagged with the test's
+temporary directory on their command line).
+"""
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jaxdp import distributed, launch
+from mp_workers import harness
+
+PLAIN = harness.WORKERS / "plain.py"
+FAST = ["--grace-period", "1", "--timeout", "60"]
+
+
+def _launch(tmp_path, mode, *options, timeout=60):
+  result = harness.launch([*options, *FAST], [PLAIN, mode, tmp_path], timeout=timeout)
+  harness.assert_no_leftovers(str(tmp_path))
+  return result
+
+
+def _records(stdout: str, rank: int) -> list[str]:
+  prefix = f"[rank {rank}] "
+  return [line[len(prefix):] for line in stdout.splitlines() if line.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def env_job(tmp_path_factory):
+  """One job of 3 ``env`` workers, shared by the tests that only read its output."""
+  return _launch(tmp_path_factory.mktemp("env"), "env", "--nproc", "3", "--devices-per-proc", "2", "--heartbeat-timeout", "7")
+
+
+def test_all_workers_succeeding_is_success(env_job):
+  assert env_job.returncode == 0, env_job
+  assert "jaxdp.launch" not in env_job.stderr
+
+
+def test_workers_get_the_environment_initialize_reads(env_job):
+  envs = [json.loads(_records(env_job.stdout, rank)[0]) for rank in range(3)]
+  coordinators = {e[distributed.ENV_COORDINATOR] for e in envs}
+  assert len(coordinators) == 1
+  host, port = coordinators.pop().rsplit(":", 1)
+  assert host == "127.0.0.1" and 0 < int(port) < 65536
+  for rank, e in enumerate(envs):
+    assert e[distributed.ENV_PROCESS_ID] == str(rank)
+    assert e[distributed.ENV_NUM_PROCESSES] == "3"
+    assert e[distributed.ENV_DEVICES_PER_PROC] == "2"
+    assert e[distributed.ENV_HEARTBEAT_TIMEOUT] == "7"
+    assert e[distributed.ENV_COORDINATOR_BIND] == e[distributed.ENV_COORDINATOR]  # loopback only
+    assert e["PYTHONUNBUFFERED"] == "1"
+
+
+def test_output_is_prefixed_with_the_rank(env_job):
+  for rank in range(3):
+    assert _records(env_job.stdout, rank)[1] == "no newline"  # a last line without newline is kept whole
+    assert f"[rank {rank}] to stderr from {rank}" in env_job.stderr.splitlines()
+  assert not [line for line in env_job.stdout.splitlines() if not line.startswith("[rank ")]
+
+
+def test_host_binds_where_told_and_workers_connect_locally(tmp_path):
+  result = _launch(tmp_path, "env", "--nproc", "1", "--host", "0.0.0.0")
+  assert result.returncode == 0, result
+  env = json.loads(_records(result.stdout, 0)[0])
+  assert env[distributed.ENV_COORDINATOR_BIND].startswith("0.0.0.0:")
+  assert env[distributed.ENV_COORDINATOR].startswith("127.0.0.1:")
+  assert env[distributed.ENV_COORDINATOR].split(":")[1] == env[distributed.ENV_COORDINATOR_BIND].split(":")[1]
+  assert distributed.ENV_DEVICES_PER_PROC not in env
+
+
+def test_output_is_streamed_while_workers_run(tmp_path):
+  job = _Job(tmp_path, "stream", "--nproc", "2")
+  try:
+    assert sorted(job.stdout_lines(2, seconds=20)) == ["[rank 0] first", "[rank 1] first"]
+    assert job.proc.poll() is None, "the lines must arrive before the workers end"
+    job.proc.wait(timeout=30)
+  finally:
+    job.kill()
+  assert job.proc.returncode == 0
+  assert sorted(job.stdout_lines(2, seconds=5)) == ["[rank 0] second", "[rank 1] second"]
+  harness.assert_no_leftovers(str(tmp_path))
+
+
+def test_a_failed_worker_stops_the_others(tmp_path):
+  # Rank 1 exits with 3; the others sleep for 2 minutes, rank 0 ignoring SIGTERM and rank 2 with a
+  # sleeping child of its own: the launcher must end them all (SIGKILL after the 1 s grace period,
+  # the whole process group), promptly, and name rank 1.
+  result = _launch(tmp_path, "fail", "--nproc", "3")
+  assert result.returncode == 3, result
+  assert "jaxdp.launch: rank 1 exited with code 3; stopped all 3 workers." in result.stderr
+  assert sorted(line for line in result.stdout.splitlines()) == [f"[rank {r}] ready" for r in range(3)]
+  assert result.seconds < 20, f"took {result.seconds:.1f} s"
+
+
+def test_timeout_stops_everything(tmp_path):
+  result = harness.launch(["--nproc", "2", "--grace-period", "1", "--timeout", "2"], [PLAIN, "sleep", tmp_path], timeout=60)
+  harness.assert_no_leftovers(str(tmp_path))
+  assert result.returncode == 124, result
+  assert "jaxdp.launch: timed out after 2 s; stopped all 2 workers." in result.stderr
+  assert result.seconds < 20
+
+
+def test_ctrl_c_stops_everything(tmp_path):
+  sig = signal.SIGINT
+  job = _Job(tmp_path, "sleep", "--nproc", "2")
+  try:
+    assert sorted(job.stdout_lines(2, seconds=20)) == ["[rank 0] ready", "[rank 1] ready"]
+    start = time.monotonic()
+    job.proc.send_signal(sig)
+    job.proc.wait(timeout=30)
+  finally:
+    job.kill()
+  err = "\n".join(job.stderr_lines())
+  assert job.proc.returncode == 128 + sig, err
+  assert f"jaxdp.launch: interrupted by {signal.Signals(sig).name}; stopped all 2 workers." in err
+  assert time.monotonic() - start < 15
+  harness.assert_no_leftovers(str(tmp_path))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_workers_die_with_the_launcher(tmp_path):
+  job = _Job(tmp_path, "sleep", "--nproc", "2")
+  try:
+    assert sorted(job.stdout_lines(2, seconds=20)) == ["[rank 0] ready", "[rank 1] ready"]
+    job.proc.kill()  # SIGKILL: the launcher cannot clean up; the kernel must end the workers
+    job.proc.wait(timeout=10)
+  finally:
+    job.kill()
+  harness.assert_no_leftovers(str(tmp_path))
+
+
+def test_module_workers(tmp_path):
+  result = harness.launch(["--nproc", "2", *FAST], ["-m", "json.tool", "--help"], timeout=60)
+  assert result.returncode == 0, result
+  assert any(line.startswith("[rank 1] usage:") for line in result.stdout.splitlines())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "2"], "no command"),
+        (["--nproc", "0", "--", "x.py"], "--nproc: must be >= 1"),
+        (["--", "x.py"], "the following arguments are required: --nproc"),
+        (["--nproc", "1", "--grace-period", "0", "--", "x.py"], "--grace-period: must be > 0"),
+    ],
+)
+def test_bad_arguments(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    launch.main(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_free_port_is_bindable():
+  port = launch.free_port()
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", port))
+
+
+def test_failures_are_named():
+  assert launch._failure(1, 3) == launch.Failure(1, 3, "rank 1 exited with code 3")
+  assert launch._failure(2, -9) == launch.Failure(2, 137, "rank 2 was killed by signal SIGKILL")
+
+
+def test_worker_env_overrides_and_removes():
+  base = {"JAXDP_DEVICES_PER_PROC": "8", "KEEP": "1"}
+  env = launch.worker_env(1, 2, "127.0.0.1:5", "127.0.0.1:5", base=base)
+  assert env["KEEP"] == "1" and env["JAXDP_PROCESS_ID"] == "1" and env["JAXDP_NUM_PROCESSES"] == "2"
+  assert "JAXDP_DEVICES_PER_PROC" not in env  # not inherited from an enclosing job
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+class _Job:
+  """A launcher run in the background; its output lines are collected by threads as they come."""
+
+  def __init__(self, tmp_path, mode, *options):
+    args = [sys.executable, "-m", "jaxdp.launch", *options, *FAST, "--", str(PLAIN), mode, str(tmp_path)]
+    self.proc = subprocess.Popen(args, cwd=harness.ROOT, env=harness.env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+    self._out, self._err = queue.Queue(), queue.Queue()
+    for stream, lines in ((self.proc.stdout, self._out), (self.proc.stderr, self._err)):
+      threading.Thread(target=lambda s=stream, q=lines: [q.put(line.rstrip("\n")) for line in s], daemon=True).start()
+
+  def stdout_lines(self, count: int, seconds: float) -> list[str]:
+    """The next ``count`` lines of stdout, failing after ``seconds``."""
+    deadline, lines = time.monotonic() + seconds, []
+    while len(lines) < count:
+      try:
+        lines.append(self._out.get(timeout=max(deadline - time.monotonic(), 0.01)))
+      except queue.Empty:
+        raise AssertionError(f"only {lines} within {seconds} s") from None
+    return lines
+
+  def stderr_lines(self) -> list[str]:
+    time.sleep(0.2)  # the reader thread drains what the launcher wrote before it exited
+    return [self._err.get() for _ in range(self._err.qsize())]
+
+  def kill(self) -> None:
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+      self.proc.wait()
