@@ -14,6 +14,7 @@ Functional core (compose these inside your own ``shard_map``/``pmap``):
 """
 
 from jaxdp import distributed
+from jaxdp.checkpoint import CheckpointManager, Restored, place_state
 from jaxdp.data import (
     DataPipeline,
     addressable_positions,
@@ -41,6 +42,7 @@ from jaxdp.step import BACKENDS, CompiledStep, apply_update, make_train_step, tr
 
 __all__ = [
     "BACKENDS",
+    "CheckpointManager",
     "DataPipeline",
     "FlatShards",
     "Collective",
@@ -49,6 +51,7 @@ __all__ = [
     "MemoryReport",
     "REDUCTIONS",
     "ReducedGradient",
+    "Restored",
     "TrainState",
     "ZERO_STAGES",
     "addressable_positions",
@@ -69,6 +72,7 @@ __all__ = [
     "memory_report",
     "make_train_step",
     "per_replica",
+    "place_state",
     "process_positions",
     "reduce_gradient",
     "replica_divergence",

@@ -70,8 +70,8 @@ def check_step_inputs(
   if state_stage != zero_stage:
     raise ValueError(
         f"state has the layout of zero_stage={state_stage} but the step was built with zero_stage={zero_stage}; "
-        f"build the state with jaxdp.init_state(..., zero_stage={zero_stage}), or convert it with "
-        f"jaxdp.init_state(jaxdp.gather_state(state).params, ...) (this resets the optimizer state)."
+        f"build the state with jaxdp.init_state(..., zero_stage={zero_stage}), or convert it without losing the "
+        f"optimizer state: jaxdp.place_state(jaxdp.gather_state(state), optimizer, mesh, zero_stage={zero_stage})."
     )
   total = batch_size(batch)
   if total % n_replicas:

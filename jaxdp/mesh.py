@@ -46,6 +46,28 @@ def split_along(mesh: Mesh, axis_name: str) -> NamedSharding:
   return NamedSharding(mesh, P(axis_name))
 
 
+def _place_leaf(x: Any, sharding: NamedSharding) -> Any:
+  if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+    return jax.device_put(x, sharding)
+  # A process-local value (numpy, or a jax.Array on this process's devices, e.g. jax.random.key(0)) that every
+  # process holds alike: device_put cannot target other processes' devices, so each places its own shards.
+  typed_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  host = np.asarray(jax.random.key_data(x) if typed_key else x)
+  placed = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(x)) if typed_key else placed
+
+
+def place(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put(tree, shardings)`` that also works for process-local values in a multi-process run.
+
+  ``shardings`` is one ``Sharding`` or a matching tree of them. Every process
+  must pass the same values.
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: _place_leaf(x, shardings), tree)
+  return jax.tree.map(_place_leaf, tree, shardings)
+
+
 def init_state(
     params: Any, optimizer: optax.GradientTransformation, mesh: Mesh, *, axis_name: str = "data", zero_stage: int = 0
 ) -> TrainState:
@@ -66,5 +88,4 @@ def init_state(
   """
   check_mesh_axis(mesh, axis_name)
   check_zero_stage(zero_stage)
-  placed = jax.device_put(params, replicated(mesh))
-  return init_zero_state(placed, optimizer, mesh, axis_name, zero_stage)
+  return init_zero_state(place(params, replicated(mesh)), optimizer, mesh, axis_name, zero_stage)

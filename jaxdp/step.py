@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp import _checks
-from jaxdp.mesh import check_mesh_axis, data_mesh, replicated, split_along
+from jaxdp.mesh import check_mesh_axis, data_mesh, place, replicated, split_along
 from jaxdp.reduction import (
     LocalGradient,
     ReducedGradient,
@@ -195,8 +195,8 @@ class CompiledStep:
           zero_stage=self.zero_stage,
       )
       self._validated.add(key)
-    state = jax.device_put(state, state_shardings(state, self.mesh, self.axis_name))
-    rng = jax.device_put(rng, replicated(self.mesh))
+    state = place(state, state_shardings(state, self.mesh, self.axis_name))
+    rng = place(rng, replicated(self.mesh))
     batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
     return state, batch, weights, rng
 
