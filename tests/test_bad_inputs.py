@@ -1,0 +1,216 @@
+"""One test per bad input: the exception type, a message naming the argument, and a usable state.
+
+Every step here donates its state (``donate=True``, the default). After each
+bad call the caller's state must be intact: it takes one good step, compared
+with a single-device reference (rtol 1e-5, atol 2e-6: float32 re-association
+of the gradient sums, as in test_step_properties.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+import jaxdp
+
+D, H, K = 3, 4, 4  # features, hidden units, devices
+COUNTS = (2, 3, 0, 1)
+OPT = optax.adam(0.01, eps=1e-3)
+MESH = jaxdp.data_mesh(jax.devices()[:K])
+
+
+def init_params(hidden=H, inputs=D, seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+      "hidden": {"w": rng.normal(size=(inputs, hidden)).astype(np.float32), "b": np.zeros((hidden,), np.float32)},
+      "out": {"w": rng.normal(size=(hidden,)).astype(np.float32), "b": np.float32(0.0)},
+  }
+
+
+def loss_fn(params, batch):
+  """Per-example squared error [b] of a one-hidden-layer tanh network."""
+  h = jnp.tanh(batch["x"] @ params["hidden"]["w"] + params["hidden"]["b"][None, :])
+  return 0.5 * (h @ params["out"]["w"] + params["out"]["b"] - batch["y"]) ** 2
+
+
+def device_data():
+  rng = np.random.default_rng(1)
+  batches = [{"x": rng.normal(size=(n, D)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)} for n in COUNTS]
+  return batches, [rng.uniform(0.5, 2.0, size=(n,)).astype(np.float32) for n in COUNTS]
+
+
+@functools.lru_cache(maxsize=None)
+def good_step():
+  return jaxdp.make_train_step(loss_fn, OPT, MESH, donate=True)
+
+
+def fresh_state():
+  return jaxdp.init_state(init_params(), OPT, MESH)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_params():
+  """One single-device step on the concatenated real rows: Σ w·l / Σ w, then a plain optax update."""
+  batches, weights = device_data()
+  batch, w = jax.tree.map(lambda *xs: np.concatenate(xs), *batches), np.concatenate(weights)
+  params = jax.tree.map(jnp.asarray, init_params())
+  grads = jax.jit(jax.grad(lambda p: jnp.sum(w * loss_fn(p, batch)) / jnp.sum(w)))(params)
+  updates, _ = OPT.update(grads, OPT.init(params), params)
+  return jax.tree.map(np.asarray, optax.apply_updates(params, updates))
+
+
+def assert_still_usable(state):
+  """``state`` was not donated by the failed call: a good step from it matches the reference."""
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  batches, weights = device_data()
+  new_state, _ = good_step()(state, *jaxdp.shard_uneven(batches, MESH, weights=weights))
+  assert int(new_state.step) == 1
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=2e-6)
+  jax.tree.map(close, jax.tree.map(np.asarray, new_state.params), reference_params())
+
+
+def global_arrays(rows):
+  rng = np.random.default_rng(2)
+  return {"x": rng.normal(size=(rows, D)).astype(np.float32), "y": np.zeros((rows,), np.float32)}
+
+
+def test_batch_not_divisible_by_device_count():
+  """A global batch of 6 rows on 4 devices: ValueError naming batch and pointing to shard_uneven."""
+  state = fresh_state()
+  with pytest.raises(ValueError, match=r"batch") as e:
+    good_step()(state, global_arrays(6), np.ones((6,), np.float32))
+  assert "shard_uneven" in str(e.value)
+  assert_still_usable(state)
+
+
+@pytest.mark.parametrize("shape", [(8, 2), (4,), (12,)])
+def test_weights_shape_does_not_match_losses(shape):
+  """Weights of another shape than the [8] losses: ValueError naming weights."""
+  state = fresh_state()
+  with pytest.raises(ValueError, match=r"weights"):
+    good_step()(state, global_arrays(8), np.ones(shape, np.float32))
+  assert_still_usable(state)
+
+
+def test_batch_leaves_with_different_leading_sizes():
+  """x with 8 rows but y with 4: ValueError naming batch."""
+  state = fresh_state()
+  batch = {"x": global_arrays(8)["x"], "y": np.zeros((4,), np.float32)}
+  with pytest.raises(ValueError, match=r"batch"):
+    good_step()(state, batch, np.ones((8,), np.float32))
+  assert_still_usable(state)
+
+
+@pytest.mark.parametrize("bad", [-1.0, -1e-30, np.nan, np.inf, -np.inf])
+def test_shard_uneven_rejects_negative_and_non_finite_weights(bad):
+  """One negative or non-finite weight on device 1: ValueError naming weights[1]."""
+  state = fresh_state()
+  batches, weights = device_data()
+  weights[1] = weights[1].copy()
+  weights[1][-1] = bad
+  with pytest.raises(ValueError, match=r"weights\[1\]"):
+    jaxdp.shard_uneven(batches, MESH, weights=weights)
+  assert_still_usable(state)
+
+
+def test_unknown_reduction_in_make_train_step():
+  state = fresh_state()
+  with pytest.raises(ValueError, match=r"reduction='avg'"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH, reduction="avg")
+  assert_still_usable(state)
+
+
+def test_unknown_reduction_in_train_step():
+  """train_step inside the user's own shard_map rejects it too, while tracing."""
+  state = fresh_state()
+
+  def replica(state, batch, weights):
+    return jaxdp.train_step(loss_fn, OPT, state, batch, weights, axis_name="data", reduction="avg")
+
+  step = jax.jit(jax.shard_map(replica, mesh=MESH, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P())))
+  batches, weights = device_data()
+  with pytest.raises(ValueError, match=r"reduction='avg'"):
+    step(state, *jaxdp.shard_uneven(batches, MESH, weights=weights))
+  assert_still_usable(state)
+
+
+def test_unknown_backend():
+  state = fresh_state()
+  with pytest.raises(ValueError, match=r"backend='xla'"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH, backend="xla")
+  assert_still_usable(state)
+
+
+def test_mesh_without_axis_name():
+  """A mesh whose only axis is "batch", with the default axis_name="data": ValueError naming axis_name."""
+  state = fresh_state()
+  mesh = jaxdp.data_mesh(jax.devices()[:K], axis_name="batch")
+  with pytest.raises(ValueError, match=r"axis_name='data'"):
+    jaxdp.make_train_step(loss_fn, OPT, mesh)
+  with pytest.raises(ValueError, match=r"axis_name='model'"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH, axis_name="model")
+  with pytest.raises(ValueError, match=r"axis_name='data'"):
+    jaxdp.init_state(init_params(), OPT, mesh)
+  with pytest.raises(ValueError, match=r"axis_name='data'"):
+    jaxdp.shard_uneven(device_data()[0], mesh)
+  assert_still_usable(state)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pytest.param(lambda: init_params(inputs=D + 1), id="other-shapes"),
+        pytest.param(lambda: {"w": np.zeros((D,), np.float32)}, id="other-structure"),
+    ],
+)
+def test_state_built_from_other_params(other):
+  """A state built from params that loss_fn cannot use: ValueError naming state.params; nothing donated."""
+  state, bad = fresh_state(), jaxdp.init_state(other(), OPT, MESH)
+  batches, weights = device_data()
+  with pytest.raises(ValueError, match=r"state\.params"):
+    good_step()(bad, *jaxdp.shard_uneven(batches, MESH, weights=weights))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(bad))
+  assert_still_usable(state)
+
+
+def test_opt_state_built_from_other_params():
+  """The right params with the optimizer state of other params: ValueError naming state.opt_state."""
+  state = fresh_state()
+  bad = state._replace(opt_state=OPT.init(init_params(hidden=H + 1)))
+  batches, weights = device_data()
+  with pytest.raises(ValueError, match=r"state\.opt_state"):
+    good_step()(bad, *jaxdp.shard_uneven(batches, MESH, weights=weights))
+  assert_still_usable(state)  # shares its params buffers with ``bad``
+
+
+@pytest.mark.parametrize("wrap", [tuple, lambda s: s._asdict()], ids=["tuple", "dict"])
+def test_state_that_is_not_a_train_state(wrap):
+  """A plain tuple or dict of the same leaves: TypeError naming state and TrainState."""
+  state = fresh_state()
+  batches, weights = device_data()
+  with pytest.raises(TypeError, match=r"state must be a jaxdp\.TrainState"):
+    good_step()(wrap(state), *jaxdp.shard_uneven(batches, MESH, weights=weights))
+  assert_still_usable(state)  # shares every buffer with the rejected container
+
+
+def test_pmap_backend_with_two_axis_mesh():
+  """backend="pmap" maps over one axis: a (data, model) mesh is a ValueError naming backend and mesh."""
+  state = fresh_state()
+  mesh = Mesh(np.array(jax.devices()).reshape(K, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  with pytest.raises(ValueError, match=r"backend='pmap'") as e:
+    jaxdp.make_train_step(loss_fn, OPT, mesh, backend="pmap")
+  assert "mesh" in str(e.value)
+  assert_still_usable(state)
+
+
+def test_donating_the_state_keeps_callers_params():
+  """init_state copies: a donated step consumes the state, never the caller's params on device 0."""
+  params = jax.tree.map(jnp.asarray, init_params())  # live on jax.devices()[0], part of MESH
+  state = jaxdp.init_state(params, OPT, MESH)
+  assert_still_usable(state)
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
+  assert_still_usable(jaxdp.init_state(params, OPT, MESH))  # the same params make a second state
