@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import jaxdp
 
@@ -56,9 +56,12 @@ def portions(draw, n_devices):
   return xs, ys, ws
 
 
-OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(0.05)}
+# Adam's eps is raised from 1e-8: with the default, a gradient component that is ~0 up to
+# round-off becomes a full-lr step of random sign, which no tolerance on the params survives.
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(0.05, eps=1e-3)}
 
 
+@settings(max_examples=12)
 @given(data=st.data())
 def test_accumulation_equals_whole_batch_reference(data):
   n = data.draw(st.sampled_from([1, 2, 3, 4, 8]), label="devices")
@@ -94,7 +97,7 @@ def test_accumulation_matches_one_micro_batch_for_every_reduction(reduction, bac
   sizes = [ROWS, 5, 0, 9]
   batches = [{"x": rng.normal(size=(s, FEATURES)).astype(np.float32), "y": rng.normal(size=(s,)).astype(np.float32)} for s in sizes]
   batch, weights = jaxdp.shard_uneven(batches, mesh)
-  optimizer = optax.adam(0.05)
+  optimizer = optax.adam(0.05, eps=1e-3)
   results = {}
   for accum in (1, 3, 4):
     state = jaxdp.init_state(init_params(2), optimizer, mesh)

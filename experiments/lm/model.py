@@ -1,0 +1,78 @@
+"""A small decoder-only byte-level transformer in Flax nnx, and its per-token loss.
+
+Pre-LayerNorm blocks of causal self-attention and a GELU MLP, learned position
+embeddings, untied output head. Dropout is keyed explicitly: ``model(tokens,
+rng)`` with ``rng=None`` is deterministic, a key turns dropout on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+VOCAB = 256  # bytes
+
+
+class Block(nnx.Module):
+  """``x + Drop(Attn(LN(x)))``, then ``x + Drop(MLP(LN(x)))``."""
+
+  def __init__(self, d_model: int, heads: int, d_ff: int, dropout: float, *, rngs: nnx.Rngs):
+    if d_model % heads:
+      raise ValueError(f"d_model={d_model} is not a multiple of heads={heads}")
+    self.heads = heads
+    self.ln1, self.ln2 = nnx.LayerNorm(d_model, rngs=rngs), nnx.LayerNorm(d_model, rngs=rngs)
+    # No qkv bias: a key bias cancels in the softmax, so its gradient is zero up to round-off,
+    # which Adam would blow up to steps of size lr (noise, not learning).
+    self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
+    self.proj = nnx.Linear(d_model, d_model, rngs=rngs)
+    self.up, self.down = nnx.Linear(d_model, d_ff, rngs=rngs), nnx.Linear(d_ff, d_model, rngs=rngs)
+    self.drop = nnx.Dropout(dropout)
+
+  def attend(self, x_BxTxD: jax.Array) -> jax.Array:
+    b, t, d = x_BxTxD.shape
+    qkv_BxTx3xNxH = self.qkv(x_BxTxD).reshape(b, t, 3, self.heads, d // self.heads)
+    q, k, v = (qkv_BxTx3xNxH[:, :, i] for i in range(3))
+    return self.proj(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
+
+  def __call__(self, x_BxTxD: jax.Array, rng: jax.Array | None) -> jax.Array:
+    keys = (None, None) if rng is None else tuple(jax.random.split(rng))
+    off = rng is None
+    x_BxTxD = x_BxTxD + self.drop(self.attend(self.ln1(x_BxTxD)), deterministic=off, rngs=keys[0])
+    mlp = self.down(jax.nn.gelu(self.up(self.ln2(x_BxTxD))))
+    return x_BxTxD + self.drop(mlp, deterministic=off, rngs=keys[1])
+
+
+class Transformer(nnx.Module):
+  """Byte tokens ``[B, T]`` to next-byte logits ``[B, T, 256]``."""
+
+  def __init__(self, *, seq_len: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(VOCAB, d_model, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
+    self.blocks = nnx.List([Block(d_model, heads, d_ff, dropout, rngs=rngs) for _ in range(layers)])
+    self.ln = nnx.LayerNorm(d_model, rngs=rngs)
+    self.head = nnx.Linear(d_model, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens_BxT: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    t = tokens_BxT.shape[1]
+    x_BxTxD = self.embed(tokens_BxT) + self.pos[None, :t]
+    keys = [None] * len(self.blocks) if rng is None else list(jax.random.split(rng, len(self.blocks)))
+    for block, key in zip(self.blocks, keys):
+      x_BxTxD = block(x_BxTxD, key)
+    return self.head(self.ln(x_BxTxD))
+
+
+def make_model(*, seed: int, **sizes) -> tuple[nnx.GraphDef, nnx.State]:
+  """``(graphdef, params)`` of a :class:`Transformer` initialised from ``seed``; params is a pytree of arrays."""
+  return nnx.split(Transformer(**sizes, rngs=nnx.Rngs(seed)), nnx.Param)
+
+
+def make_loss_fn(graphdef: nnx.GraphDef):
+  """``loss_fn(params, batch, rng=None) -> per-token cross-entropy [b, t]`` (dropout on when ``rng`` is a key)."""
+
+  def loss_fn(params, batch, rng=None):
+    logits_BxTxV = nnx.merge(graphdef, params)(batch["inputs"], rng)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV.astype(jnp.float32), batch["targets"])
+
+  return loss_fn

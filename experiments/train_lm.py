@@ -1,0 +1,390 @@
+"""A byte-level language model trained data-parallel with jaxdp.
+
+A small decoder-only transformer (Flax nnx, vocabulary of 256 bytes, dropout
+keyed per replica through the step's ``rng``) learns next-byte prediction on
+real text: by default the sources of this Python's standard library. Every
+document is cut into chunks of at most ``--seq-len`` bytes, the last one
+shorter, so the batches carry token masks and the devices hold uneven token
+counts. The loss is the per-token weighted mean over the global batch; a
+held-out set of documents gives the validation loss, evaluated data-parallel
+with the same weighted mean.
+
+  python experiments/train_lm.py                    # N devices, --reduction mean
+  python experiments/train_lm.py --compare          # 1 device vs N "mean" vs N "rank_mean"
+
+On CPU, ``--devices N`` simulates N devices (default 4); on GPU/TPU every
+visible device is used unless ``--devices`` says fewer.
+
+Outputs (``--out``, default ``out/lm``): ``metrics.jsonl`` (one line per step:
+step, loss, tokens, grad_norm, time) and ``summary.json``; with ``--compare``
+one sub-folder per run, ``compare.json`` and ``loss_curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+DEFAULT_CPU_DEVICES = 4
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--devices", type=int, default=None, help=f"data-parallel devices (CPU: simulated, default {DEFAULT_CPU_DEVICES}; else all)")
+  p.add_argument("--reduction", default="mean", choices=("mean", "rank_mean", "sum"), help="gradient reduction")
+  p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per device and step")
+  p.add_argument("--steps", type=int, default=150)
+  p.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
+  p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (the last chunk of a document is shorter)")
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--d-model", type=int, default=64)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--d-ff", type=int, default=256)
+  p.add_argument("--dropout", type=float, default=0.1, help="set to 0 under --compare")
+  p.add_argument("--corpus", default=None, help="text file or directory (default: the Python standard library's *.py)")
+  p.add_argument("--max-bytes", type=int, default=1_000_000, help="corpus budget in bytes (0: no limit)")
+  p.add_argument("--val-every", type=int, default=10, help="hold out every k-th document for validation")
+  p.add_argument("--out", default="out/lm")
+  p.add_argument("--compare", action="store_true", help="1 device vs N devices with mean vs N with rank_mean")
+  p.add_argument("--no-progress", dest="progress", action="store_false")
+  return p
+
+
+def _simulate_cpu_devices(argv: list[str]) -> None:
+  """Asks for ``--devices`` CPU devices, only when the platform is CPU or unspecified (before JAX starts)."""
+  if os.environ.get("JAX_PLATFORMS", "").strip().lower() not in ("", "cpu"):
+    return
+  devices = _parser().parse_known_args(argv)[0].devices
+  if devices is not None:
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(devices)
+  else:
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(DEFAULT_CPU_DEVICES))
+
+
+if __name__ == "__main__":  # must happen before JAX initialises its backend
+  _simulate_cpu_devices(sys.argv[1:])
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import tqdm  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxdp  # noqa: E402
+from experiments.lm import corpus  # noqa: E402
+from experiments.lm import model as lm  # noqa: E402
+from jaxdp.data import DataPipeline  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Every setting of a run; the flags of :func:`main` map one to one (``--d-model`` -> ``d_model``)."""
+
+  devices: int | None = None
+  reduction: str = "mean"
+  accum_steps: int = 1
+  steps: int = 150
+  batch_size: int = 32
+  seq_len: int = 64
+  lr: float = 3e-3
+  seed: int = 0
+  layers: int = 2
+  d_model: int = 64
+  heads: int = 4
+  d_ff: int = 256
+  dropout: float = 0.1
+  corpus: str | None = None
+  max_bytes: int = 1_000_000
+  val_every: int = 10
+  out: str | None = "out/lm"
+  compare: bool = False
+  progress: bool = True
+
+
+def select_devices(n: int | None) -> list[jax.Device]:
+  """The first ``n`` devices (default: every visible one)."""
+  devices = jax.devices()
+  if n is None:
+    return devices
+  if not 1 <= n <= len(devices):
+    raise ValueError(f"--devices {n} but {len(devices)} {devices[0].platform} devices are visible")
+  return devices[:n]
+
+
+def build_dataset(config: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """``(train_chunks, val_chunks)``: next-byte chunks of the training and held-out documents."""
+  docs = corpus.read_documents(config.corpus, config.max_bytes or None)
+  train_docs, val_docs = corpus.split_documents(docs, config.val_every)
+  return corpus.chunk_documents(train_docs, config.seq_len), corpus.chunk_documents(val_docs, config.seq_len)
+
+
+def make_model(config: Config):
+  """``(graphdef, params)`` of the transformer, initialised from ``config.seed``."""
+  sizes = {k: getattr(config, k) for k in ("seq_len", "layers", "d_model", "heads", "d_ff", "dropout")}
+  return lm.make_model(seed=config.seed, **sizes)
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+  """AdamW with a linear warm-up over the first tenth of the steps, then cosine decay."""
+  warmup = max(1, config.steps // 10)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(config.steps, warmup + 1))
+  return optax.adamw(schedule, weight_decay=0.01)
+
+
+def make_eval_step(loss_fn, mesh, axis_name: str = "data"):
+  """Jitted ``(params, batch, weights) -> (Σ w·l, Σ w)`` over the whole mesh (psum of the local sums)."""
+
+  def replica(params, batch, weights_BxT):
+    losses_BxT = loss_fn(params, batch)
+    loss_sum = jnp.sum(jnp.where(weights_BxT > 0, losses_BxT * weights_BxT, 0.0))
+    return lax.psum(loss_sum, axis_name), lax.psum(jnp.sum(weights_BxT), axis_name)
+
+  spec = P(axis_name)
+  return jax.jit(jax.shard_map(replica, mesh=mesh, in_specs=(P(), spec, spec), out_specs=(P(), P())))
+
+
+def evaluate(loss_fn, params, dataset, mesh, collate, per_device_batch: int) -> float | None:
+  """Per-token weighted mean loss ``Σ w·l / Σ w`` over one pass of ``dataset`` (``None`` if it is empty).
+
+  Data-parallel like training: every device sums its own tokens, one psum per
+  batch; the per-batch sums are added in float64 on the host.
+  """
+  if not dataset:
+    return None
+  pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0)
+  eval_step = make_eval_step(loss_fn, mesh)
+  sums = [eval_step(params, *data) for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch)]
+  loss_sum, weight_sum = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
+  return float(loss_sum / weight_sum)
+
+
+def _check_batch(config: Config, n: int) -> None:
+  if config.batch_size % (n * config.accum_steps):
+    raise ValueError(
+        f"--batch-size {config.batch_size} must be a multiple of devices x accum-steps = {n} x {config.accum_steps}"
+    )
+
+
+def _device_tokens(weights) -> list[float]:
+  """Σ w on each (addressable) device, in mesh order: how uneven the step's split of tokens is."""
+  shards = sorted(weights.addressable_shards, key=lambda s: s.index[0].start or 0)
+  return [float(np.sum(s.data)) for s in shards]
+
+
+def _log(pending, clock: float, records: list, bar, sink) -> float:
+  """Fetches one step's metrics (waiting for it), records, shows and writes them; returns the time."""
+  step, metrics, weights = pending
+  metrics = jax.device_get(metrics)
+  now = time.perf_counter()
+  rec = {"step": step, "loss": float(metrics["loss"]), "tokens": float(metrics["weight"]),
+         "grad_norm": float(metrics["grad_norm"]), "time": now - clock, "device_tokens": _device_tokens(weights)}
+  records.append(rec)
+  if sink is not None:
+    sink.write(json.dumps(rec) + "\n")
+  bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['time']:.0f}", step=step, refresh=False)
+  bar.update(1)
+  return now
+
+
+def fit(step_fn, state, pipeline, config: Config, rng, sink=None, desc: str = "train"):
+  """Runs ``config.steps`` steps; returns ``(state, records)``.
+
+  Step ``i``'s metrics are fetched after step ``i + 1`` is dispatched, so the
+  host prepares the next batch while the devices compute; a step's time is
+  the wall time between two fetched results (the first includes compilation).
+  """
+  records, pending, clock = [], None, time.perf_counter()
+  with tqdm.tqdm(total=config.steps, desc=desc, disable=not config.progress, dynamic_ncols=True) as bar:
+    for step, (batch, weights) in pipeline.iterate(num_steps=config.steps):
+      state, metrics = step_fn(state, batch, weights, rng=rng)
+      if pending is not None:
+        clock = _log(pending, clock, records, bar, sink)
+      pending = (step, metrics, weights)
+    if pending is not None:
+      _log(pending, clock, records, bar, sink)
+  return state, records
+
+
+def _throughput(records: list[dict]) -> float:
+  steady = records[1:] or records  # the first step includes compilation
+  return sum(r["tokens"] for r in steady) / max(sum(r["time"] for r in steady), 1e-9)
+
+
+def train(config: Config, *, devices=None, reduction: str | None = None, data=None, out: str | None = None, desc: str = "train") -> dict:
+  """Trains one model; returns its records, validation loss, throughput and final params.
+
+  Args:
+    config: the run's settings.
+    devices: the data-parallel devices (default ``select_devices(config.devices)``).
+    reduction: overrides ``config.reduction``.
+    data: ``(train_chunks, val_chunks)``, default ``build_dataset(config)``.
+    out: folder for ``metrics.jsonl`` and ``summary.json`` (``None``: write nothing).
+  """
+  devices = select_devices(config.devices) if devices is None else list(devices)
+  reduction = reduction or config.reduction
+  _check_batch(config, len(devices))
+  mesh = jaxdp.data_mesh(devices)
+  train_set, val_set = build_dataset(config) if data is None else data
+  collate = corpus.make_collate(config.seq_len)
+  graphdef, params = make_model(config)
+  loss_fn, optimizer = lm.make_loss_fn(graphdef), make_optimizer(config)
+  step_fn = jaxdp.make_train_step(loss_fn, optimizer, mesh, reduction=reduction, accum_steps=config.accum_steps)
+  per_device = config.batch_size // len(devices)
+  pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed)
+  rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
+  with _metrics_file(out) as sink:
+    state, records = fit(step_fn, jaxdp.init_state(params, optimizer, mesh), pipeline, config, rng, sink, desc)
+  val_loss = evaluate(loss_fn, state.params, val_set, mesh, collate, per_device_batch=4 * per_device)
+  summary = {
+      "devices": len(devices), "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
+      "train_sequences": len(train_set), "val_sequences": len(val_set), "steps": len(records),
+      "final_loss": records[-1]["loss"] if records else None, "val_loss": val_loss,
+      "tokens_per_s": _throughput(records), "config": dataclasses.asdict(config),
+  }
+  if out is not None:
+    (pathlib.Path(out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  return {"records": records, "summary": summary, "params": state.params}
+
+
+def _metrics_file(out: str | None):
+  if out is None:
+    return contextlib.nullcontext(None)
+  pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+  return open(pathlib.Path(out) / "metrics.jsonl", "w")
+
+
+RUNS = (("single", "mean"), ("mean", "mean"), ("rank_mean", "rank_mean"))
+"""The runs of :func:`compare`: (name, reduction); "single" is one device on the global batch."""
+
+
+def _param_diff(a, b) -> dict:
+  """Largest |a − b| over every parameter, and ‖a − b‖ / ‖b‖ over all of them."""
+  a, b = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)]) for t in (a, b))
+  return {"max_abs_param_diff": float(np.max(np.abs(a - b))), "rel_param_diff": float(np.linalg.norm(a - b) / np.linalg.norm(b))}
+
+
+def compare(config: Config) -> dict:
+  """Same init, same data: 1 device vs N devices ("mean") vs N devices ("rank_mean").
+
+  Dropout is set to 0: the per-replica dropout keys depend on the layout, so
+  with dropout on the runs would differ by their masks, not their reduction.
+  Returns (and, with ``config.out``, saves) for each N-device run against the
+  single device: the largest per-step |loss difference|, the difference of
+  the validation losses and of the final parameters; and the number of steps
+  in which the devices held uneven token counts.
+  """
+  config = dataclasses.replace(config, dropout=0.0)
+  devices = select_devices(config.devices)
+  if len(devices) == 1:
+    print("compare: only one device, so runs (1) and (2) have the same layout; use --devices N (N > 1).")
+  data = build_dataset(config)
+  runs = {}
+  for name, reduction in RUNS:
+    out = None if config.out is None else os.path.join(config.out, name)
+    layout = devices[:1] if name == "single" else devices
+    runs[name] = train(config, devices=layout, reduction=reduction, data=data, out=out, desc=name)
+  result = _gaps(runs, len(devices))
+  if config.out is not None:
+    out = pathlib.Path(config.out)
+    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps({k: r["summary"] for k, r in runs.items()}, indent=2) + "\n")
+    plot_curves(runs, result, out / "loss_curves.png")
+  return {**result, "runs": runs}
+
+
+def _gaps(runs: dict, n: int) -> dict:
+  loss = {k: np.array([r["loss"] for r in run["records"]]) for k, run in runs.items()}
+  val = {k: run["summary"]["val_loss"] for k, run in runs.items()}
+  uneven = sum(len(set(r["device_tokens"])) > 1 for r in runs["mean"]["records"])
+  ulp = float(np.spacing(np.float32(np.max(loss["single"]))))  # float32 spacing at the largest loss
+  result = {"devices": n, "dropout": 0.0, "steps": len(loss["single"]), "uneven_steps": uneven,
+            "float32_ulp_at_max_loss": ulp, "val_loss": val}
+  for k in ("mean", "rank_mean"):
+    result[f"{k}_vs_single"] = {
+        "max_abs_loss_diff": float(np.max(np.abs(loss[k] - loss["single"]))),
+        "final_val_loss_diff": None if val[k] is None else float(val[k] - val["single"]),
+        **_param_diff(runs[k]["params"], runs["single"]["params"]),
+    }
+  return result
+
+
+def plot_curves(runs: dict, result: dict, path) -> None:
+  """Loss per step of every run, and |loss − single device| on a log scale."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  n = result["devices"]
+  labels = {"single": "1 device, global batch", "mean": f"{n} devices, mean", "rank_mean": f"{n} devices, rank_mean"}
+  loss = {k: np.array([r["loss"] for r in run["records"]]) for k, run in runs.items()}
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+  for k, styles in (("single", "-"), ("mean", "--"), ("rank_mean", ":")):
+    left.plot(loss[k], styles, label=labels[k])
+  for k in ("mean", "rank_mean"):
+    right.semilogy(np.maximum(np.abs(loss[k] - loss["single"]), 1e-10), label=labels[k])
+  uneven = [r["step"] for r in runs["mean"]["records"] if len(set(r["device_tokens"])) > 1]
+  right.plot(uneven, np.full(len(uneven), 1e-10), "|", color="gray", markersize=12, label="uneven token counts")
+  right.axhline(result["float32_ulp_at_max_loss"], color="gray", lw=0.8, ls="--", label="float32 ulp at max loss")
+  left.set(xlabel="step", ylabel="train loss (nats/byte)", title="byte-level LM, dropout 0")
+  right.set(xlabel="step", ylabel="|loss − 1-device loss|", title="gap to the single-device run (0 drawn at 1e-10)")
+  right.set_ylim(5e-11, 10.0)  # room above the curves for the legend
+  left.legend(), right.legend(loc="upper center", ncol=2, fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def config_from_args(argv: list[str] | None = None) -> Config:
+  args = vars(_parser().parse_args(argv))
+  return Config(**args)
+
+
+def _report_train(summary: dict) -> str:
+  val = summary["val_loss"]
+  return (f"{summary['devices']} {summary['platform']} device(s), reduction={summary['reduction']!r}, "
+          f"dropout={summary['dropout']}: final train loss {summary['final_loss']:.4f}, "
+          f"val loss {'n/a' if val is None else f'{val:.4f}'} nats/byte, {summary['tokens_per_s']:.0f} tokens/s")
+
+
+def _report_compare(result: dict) -> str:
+  lines = [f"compare (dropout 0; same init, same data; {result['devices']} devices vs 1; "
+           f"devices held uneven token counts in {result['uneven_steps']} of {result['steps']} steps):"]
+  for k in ("mean", "rank_mean"):
+    g = result[f"{k}_vs_single"]
+    val = "n/a" if g["final_val_loss_diff"] is None else f"{g['final_val_loss_diff']:+.3e}"
+    lines.append(f"  {k:>9} vs single: max |Δ train loss| {g['max_abs_loss_diff']:.3e}, "
+                 f"Δ val loss {val}, ‖Δ params‖/‖params‖ {g['rel_param_diff']:.2e}")
+  lines.append(f"  (float32 ulp at the largest loss: {result['float32_ulp_at_max_loss']:.3e}; rank_mean's reported "
+               "loss is itself a mean of per-device means, so its gap includes that definition.)")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  config = config_from_args(argv)
+  start = time.perf_counter()
+  if config.compare:
+    result = compare(config)
+    for name, _ in RUNS:
+      print(f"[{name}] " + _report_train(result["runs"][name]["summary"]))
+    print(_report_compare(result))
+  else:
+    result = train(config, out=config.out)
+    print(_report_train(result["summary"]))
+  print(f"wall time {time.perf_counter() - start:.1f} s; outputs in {config.out}")
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,102 @@
+"""The byte-level LM experiment, end to end in a tiny configuration (8 simulated CPU devices, 4 used)."""
+
+import dataclasses
+import json
+import pathlib
+import sysconfig
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import train_lm
+from experiments.lm import corpus
+from experiments.lm import model as lm
+
+# Round-off tolerance on a loss of ~5.5 nats: float32's ulp there is 4.8e-7, so 1e-5 is ~20 ulps,
+# room for a different summation order (psum of 4 partial sums vs one sum) over a few Adam steps.
+F32_LOSS_ATOL = 1e-5
+
+TINY = train_lm.Config(
+    devices=4, steps=4, batch_size=8, seq_len=32, layers=1, d_model=16, heads=2, d_ff=32,
+    val_every=4, max_bytes=None, progress=False, out=None,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_compiles():
+  """Skips most XLA optimisation passes while these tests run, then restores the setting.
+
+  The tests check the experiment's plumbing and float32 agreement, not speed; compiling
+  the train step is most of their time, and this makes it ~2.5x faster on CPU.
+  """
+  before = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(scope="module")
+def paragraphs(tmp_path_factory) -> str:
+  """A single text file (real stdlib source); its blank-line paragraphs are documents of many lengths.
+
+  About one chunk in ten of 32 bytes ends a paragraph, so most steps give the devices uneven token counts.
+  """
+  path = tmp_path_factory.mktemp("corpus") / "textwrap.txt"
+  path.write_bytes((pathlib.Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_bytes())
+  return str(path)
+
+
+def test_chunks_cover_every_target_once():
+  docs = [b"abcdefghij", b"xy", b"z", b"0123"]
+  chunks = corpus.chunk_documents(docs, seq_len=4)
+  assert [bytes(c) for c in chunks] == [b"abcde", b"efghi", b"ij", b"xy", b"0123"]  # b"z" has no target
+  batch, mask = corpus.make_collate(4)(chunks)
+  assert mask.sum(axis=1).tolist() == [4, 4, 1, 1, 3]
+  assert sum(mask.sum(axis=1)) == sum(len(d) - 1 for d in docs)
+  assert bytes(batch["targets"][2, :1].astype(np.uint8)) == b"j" and batch["inputs"][2, 1:].sum() == 0
+
+
+def test_default_corpus_is_stdlib_and_split_is_disjoint():
+  docs = corpus.read_documents(None, max_bytes=50_000)
+  train_docs, val_docs = corpus.split_documents(docs, 10)
+  assert sum(map(len, docs)) >= 50_000 and len(val_docs) == len(docs) // 10
+  assert len(train_docs) + len(val_docs) == len(docs) and not set(train_docs) & set(val_docs)
+  assert docs == corpus.read_documents(None, max_bytes=50_000)  # deterministic
+
+
+def test_dropout_is_keyed_by_rng():
+  graphdef, params = train_lm.make_model(dataclasses.replace(TINY, dropout=0.5))
+  batch, _ = corpus.make_collate(TINY.seq_len)(corpus.chunk_documents([bytes(range(40))], TINY.seq_len))
+  loss_fn = jax.jit(lm.make_loss_fn(graphdef))  # one compile per signature; eager would compile every op
+  plain, a, a_again, b = (loss_fn(params, batch, *k) for k in ((), (jax.random.key(1),), (jax.random.key(1),), (jax.random.key(2),)))
+  assert np.array_equal(a, a_again) and not np.array_equal(a, plain) and not np.array_equal(a, b)
+
+
+def test_main_writes_metrics_and_same_seed_rerun_is_bitwise_equal(paragraphs, tmp_path):
+  out = tmp_path / "run"
+  argv = ["--devices", "4", "--steps", "4", "--batch-size", "8", "--seq-len", "32", "--layers", "1",
+          "--d-model", "16", "--heads", "2", "--d-ff", "32", "--val-every", "4", "--max-bytes", "0",
+          "--corpus", paragraphs, "--dropout", "0.1", "--no-progress", "--out", str(out)]
+  first = train_lm.main(argv)
+  lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in lines] == [0, 1, 2, 3]
+  assert all({"loss", "tokens", "grad_norm", "time"} <= set(r) and r["tokens"] > 0 for r in lines)
+  assert all(r["tokens"] == sum(r["device_tokens"]) for r in lines)
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["devices"] == 4 and np.isfinite(summary["val_loss"]) and summary["dropout"] == 0.1
+  again = train_lm.train(train_lm.config_from_args(argv), out=None)
+  assert [r["loss"] for r in again["records"]] == [r["loss"] for r in first["records"]]
+  assert again["summary"]["val_loss"] == first["summary"]["val_loss"]
+
+
+def test_compare_mean_matches_one_device_and_rank_mean_does_not(paragraphs, tmp_path):
+  config = dataclasses.replace(TINY, corpus=paragraphs, accum_steps=2, out=str(tmp_path))
+  result = train_lm.compare(config)
+  assert (tmp_path / "loss_curves.png").stat().st_size > 0
+  assert json.loads((tmp_path / "compare.json").read_text())["uneven_steps"] == result["uneven_steps"]
+  assert all((tmp_path / name / "metrics.jsonl").exists() for name, _ in train_lm.RUNS)
+  assert result["uneven_steps"] > 0  # paragraphs of many lengths: devices hold different token counts
+  mean, rank_mean = result["mean_vs_single"]["max_abs_loss_diff"], result["rank_mean_vs_single"]["max_abs_loss_diff"]
+  assert mean < F32_LOSS_ATOL, result
+  assert rank_mean > max(10 * mean, F32_LOSS_ATOL), result  # DDP's mean of means: a real, visible gap
