@@ -373,6 +373,10 @@ def _report_compare(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
   config = config_from_args(argv)
+  # Under `python -m jaxdp.launch` (or SLURM, Open MPI, a TPU slice) this joins the job; alone it does nothing.
+  info = jaxdp.distributed.initialize()
+  if info.process_index != 0:  # one writer: every process computes the same metrics
+    config = dataclasses.replace(config, out=None, progress=False)
   start = time.perf_counter()
   if config.compare:
     result = compare(config)

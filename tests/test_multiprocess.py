@@ -15,6 +15,7 @@ while any real error (a dropped or double-counted example, a wrong
 normalisation) moves the parameters by more than 1e-3.
 """
 
+import json
 import signal
 import sys
 
@@ -314,3 +315,25 @@ def test_differences_name_every_leaf_that_differs():
   ]
   c = distributed._describe({"lr": 0.1})
   assert "config (pytree structure): process 0:" in distributed._differences("config", [a, c])
+
+
+# --- The experiment itself under the launcher -----------------------------------------------------
+
+
+def test_train_lm_runs_unchanged_under_the_launcher(tmp_path):
+  """2 processes x 1 device give the losses of 1 process x 2 devices (the same mesh positions, examples, keys)."""
+  sys.path.insert(0, str(harness.ROOT))
+  from experiments import train_lm
+
+  flags = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--layers", "1", "--d-model", "16",
+           "--heads", "2", "--d-ff", "32", "--max-bytes", "30000", "--no-progress"]
+  result = harness.launch(["--nproc", "2", "--devices-per-proc", "1", "--grace-period", "2", "--timeout", "150"],
+                          [harness.ROOT / "experiments" / "train_lm.py", *flags, "--out", tmp_path / "mp"],
+                          timeout=JOB_SECONDS + 60)
+  assert result.returncode == 0, result.stdout + result.stderr
+  launched = [json.loads(line)["loss"] for line in (tmp_path / "mp" / "metrics.jsonl").read_text().splitlines()]
+  config = train_lm.config_from_args(flags + ["--devices", "2"])
+  local = [r["loss"] for r in train_lm.train(config, devices=jax.devices()[:2], out=None)["records"]]
+  assert len(launched) == len(local) == 3
+  np.testing.assert_allclose(launched, local, rtol=0, atol=ATOL)
+  harness.assert_no_leftovers(str(tmp_path))
