@@ -73,6 +73,7 @@ def run(devices=None, backends=jaxdp.BACKENDS) -> dict:
   for backend in backends:
     for case, data, reduction in [
         ("none", even, "none"),
+        ("even_sum", even, "sum"),
         ("even_mean", even, "mean"),
         ("uneven_mean", uneven, "mean"),
         ("uneven_rank_mean", uneven, "rank_mean"),
@@ -107,6 +108,7 @@ def report(out: dict, backends=jaxdp.BACKENDS) -> str:
   ]
   for case, label in [
       ("none", "'none' (no agreement)"),
+      ("even_sum", "'sum', even"),
       ("even_mean", "'mean', even"),
       ("uneven_mean", "'mean', uneven 1/1/4"),
       ("uneven_rank_mean", "'rank_mean', uneven 1/1/4"),

@@ -24,6 +24,10 @@ def _mean_of_all(groups):
   return float(np.mean([W0 - y for g in groups for y in g]))
 
 
+def _sum_of_all(groups):
+  return float(np.sum([W0 - y for g in groups for y in g]))
+
+
 def _mean_of_means(groups):
   return float(np.mean([np.mean([W0 - y for y in g]) for g in groups]))
 
@@ -46,6 +50,7 @@ def test_steps(out, backend):
   assert out[f"{backend}/none/replicas_equal"].startswith("no")
   assert float(out[f"{backend}/none/divergence"]) > 0
   for case, groups, mean in [
+      ("even_sum", seed_example.EVEN, _sum_of_all),
       ("even_mean", seed_example.EVEN, _mean_of_all),
       ("uneven_mean", seed_example.UNEVEN, _mean_of_all),
       ("uneven_rank_mean", seed_example.UNEVEN, _mean_of_means),
