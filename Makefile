@@ -19,3 +19,5 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) experiments/benchmark_step.py
+	$(PY) experiments/benchmark_lm.py
+	$(PY) experiments/zero_memory.py

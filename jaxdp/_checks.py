@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdp.sharding import abstract_zero_state, is_flat_shards, zero_stage_of
+from jaxdp.sharding import ZERO_STAGES, abstract_zero_state, is_flat_shards
 from jaxdp.state import TrainState
 
 
@@ -61,18 +61,51 @@ def check_state(state: Any, name: str = "state") -> None:
     raise TypeError(f"{name} must be a jaxdp.TrainState, got {type(state).__name__}; build it with jaxdp.init_state(params, optimizer, mesh).")
 
 
+def _layout(state_or_abstract: Any) -> tuple:
+  return signature(state_or_abstract.params, state_or_abstract.opt_state)
+
+
+def _check_layout(state, params, optimizer, n_replicas: int, zero_stage: int) -> None:
+  """The state must have the layout ``init_state(..., zero_stage)`` builds for this optimizer and mesh."""
+  layouts = {}
+  for stage in ZERO_STAGES:
+    try:
+      layouts[stage] = _layout(abstract_zero_state(params, optimizer, n_replicas, stage))
+    except Exception as e:
+      if stage == zero_stage:
+        raise ValueError(
+            f"optimizer.init fails on state.params ({type(e).__name__}: {e}); state.params is not a valid parameter tree."
+        ) from e
+  actual = _layout(state)
+  if actual == layouts[zero_stage]:
+    return
+  # A stateless optimizer (plain SGD) has the same layout at stages 0-2, so only a real difference is refused.
+  matches = [stage for stage, layout in layouts.items() if layout == actual]
+  if matches:
+    raise ValueError(
+        f"state has the layout of zero_stage={matches[0]} but the step was built with zero_stage={zero_stage}; "
+        f"build the state with jaxdp.init_state(..., zero_stage={zero_stage}), or convert it without losing the "
+        f"optimizer state: jaxdp.place_state(jaxdp.gather_state(state), optimizer, mesh, zero_stage={zero_stage})."
+    )
+  expected = abstract_zero_state(params, optimizer, n_replicas, zero_stage)
+  if signature(expected.params) != signature(state.params):
+    raise ValueError(
+        f"state.params does not have the zero_stage={zero_stage} layout for a mesh axis of {n_replicas} devices; "
+        "rebuild the state with jaxdp.init_state on this mesh."
+    )
+  raise ValueError(
+      "state.opt_state does not match optimizer.init(state.params) in structure, shape or dtype; "
+      "the state was built for other params or another optimizer. Rebuild it with jaxdp.init_state."
+  )
+
+
 def check_step_inputs(
     loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1, zero_stage: int = 0
 ) -> None:
   """Raises ``TypeError``/``ValueError`` naming the argument at fault and the fix."""
   check_state(state)
-  state_stage = zero_stage_of(state)
-  if state_stage != zero_stage:
-    raise ValueError(
-        f"state has the layout of zero_stage={state_stage} but the step was built with zero_stage={zero_stage}; "
-        f"build the state with jaxdp.init_state(..., zero_stage={zero_stage}), or convert it without losing the "
-        f"optimizer state: jaxdp.place_state(jaxdp.gather_state(state), optimizer, mesh, zero_stage={zero_stage})."
-    )
+  params = jax.tree.map(_full_struct, state.params, is_leaf=is_flat_shards)
+  _check_layout(state, params, optimizer, n_replicas, zero_stage)
   total = batch_size(batch)
   if total % n_replicas:
     raise ValueError(
@@ -86,7 +119,6 @@ def check_step_inputs(
         f"split into accum_steps={accum_steps} micro-batches; make the batch a multiple of {n_replicas * accum_steps}."
     )
   local_batch = jax.tree.map(lambda x: _struct(x, total // n_replicas), batch)
-  params = jax.tree.map(_full_struct, state.params, is_leaf=is_flat_shards)
   extra = () if rng is None else (jax.tree.map(_struct, rng),)
   try:
     losses = jax.eval_shape(loss_fn, params, local_batch, *extra)
@@ -110,19 +142,5 @@ def check_step_inputs(
           f"weights has shape {np.shape(weights)} but the losses of the global batch have shape {expected}; "
           "pass one weight per example (or per token), 0 for padding, or weights=None for all ones."
       )
-  try:
-    expected = abstract_zero_state(params, optimizer, n_replicas, zero_stage)
-  except Exception as e:
-    raise ValueError(f"optimizer.init fails on state.params ({type(e).__name__}: {e}); state.params is not a valid parameter tree.") from e
-  if signature(expected.params) != signature(state.params):
-    raise ValueError(
-        f"state.params does not have the zero_stage={zero_stage} layout for a mesh axis of {n_replicas} devices; "
-        "rebuild the state with jaxdp.init_state on this mesh."
-    )
-  if signature(expected.opt_state) != signature(state.opt_state):
-    raise ValueError(
-        "state.opt_state does not match optimizer.init(state.params) in structure, shape or dtype; "
-        "the state was built for other params or another optimizer. Rebuild it with jaxdp.init_state."
-    )
   if np.shape(state.step) != ():
     raise ValueError(f"state.step must be a scalar, got shape {np.shape(state.step)}.")

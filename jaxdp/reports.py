@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxdp.sharding import is_flat_shards, padded_size, zero_stage_of
+from jaxdp.sharding import is_flat_shards, padded_size
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -167,7 +167,7 @@ def memory_report(step, state, batch, weights=None, rng=None) -> MemoryReport:
   device = state.step.addressable_shards[0].device if isinstance(state.step, jax.Array) else jax.devices()[0]
   n = step.mesh.shape[step.axis_name]
   params, opt_state = _bytes_on(state.params, device), _bytes_on(state.opt_state, device)
-  grads = _grad_bytes(state.params, n, zero_stage_of(state))
+  grads = _grad_bytes(state.params, n, step.zero_stage)
   analysis = step.lower(state, batch, weights, rng).compile().memory_analysis()
   return MemoryReport(
       params=params,

@@ -64,7 +64,7 @@ def is_flat_shards(x: Any) -> bool:
 
 
 def check_zero_stage(zero_stage: Any) -> None:
-  if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+  if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
     raise ValueError(f"zero_stage={zero_stage!r} is not supported; use one of {ZERO_STAGES}.")
 
 
@@ -89,7 +89,11 @@ def flatten_tree(tree: Any, n: int, stage: int) -> Any:
 
 
 def zero_stage_of(state: TrainState) -> int:
-  """The ZeRO stage a state was built for (0 when nothing is sharded)."""
+  """The ZeRO stage visible in a state's layout (0 when nothing is sharded).
+
+  A stateless optimizer (plain SGD) leaves nothing to shard at stages 1-2, so
+  such a state reads as stage 0: its layout *is* stage 0's.
+  """
   stages = {x.stage for x in jax.tree.leaves((state.params, state.opt_state), is_leaf=is_flat_shards) if is_flat_shards(x)}
   if len(stages) > 1:
     raise ValueError(f"state mixes layouts of ZeRO stages {sorted(stages)}; rebuild it with jaxdp.init_state.")
@@ -134,11 +138,71 @@ def init_zero_state(params: Any, optimizer: optax.GradientTransformation, mesh: 
   caller's.
   """
   n = mesh.shape[axis_name]
+  if zero_stage and n > 1:
+    check_chunkable(optimizer, params, mesh, axis_name)
   abstract = abstract_zero_state(params, optimizer, n, zero_stage)
   shardings = state_shardings(abstract, mesh, axis_name)
   # Copying inside the jit keeps outputs from aliasing the caller's params, which a donating step would consume.
   build = jax.jit(lambda p: _build_state(jax.tree.map(jnp.copy, p), optimizer, n, zero_stage), out_shardings=shardings)
   return build(params)
+
+
+def _probe_updates(optimizer, params, grads):
+  """Parameters after two updates with ``grads[0]`` then ``grads[1]``."""
+  opt_state = optimizer.init(params)
+  for g in grads:
+    updates, opt_state = optimizer.update(g, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def check_chunkable(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh, axis_name: str) -> None:
+  """Refuses an optimizer whose update of a leaf is not the concatenation of the updates of its chunks.
+
+  ZeRO stages 1-3 run the optimizer on each device's flat chunk of every leaf.
+  That is exact for elementwise transforms (SGD, momentum, Adam, weight decay)
+  and for :func:`jaxdp.clip_by_global_norm`, whose norm is all-reduced; it is
+  silently wrong for anything computed over a whole leaf or tree from what it
+  is given (``optax.lamb``'s trust ratio, ``optax.clip_by_global_norm``).
+  This probe runs two updates on small random stand-ins of the params (same
+  structure and dtypes, every leaf a vector that pads and splits over the
+  devices) both whole, on one device, and chunked inside ``shard_map`` as the
+  step does, and raises if they differ beyond float32 round-off.
+
+  Raises:
+    ValueError: naming the optimizer's problem and the alternatives.
+  """
+  n = mesh.shape[axis_name]
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(0), 3 * max(len(leaves), 1)).reshape(3, -1)
+
+  def stand_in(row):
+    return treedef.unflatten(
+        [jax.random.normal(k, (2 * n + 1,), jnp.result_type(x)) for k, x in zip(keys[row], leaves)]
+    )
+
+  probe_params, grads = stand_in(0), (stand_in(1), stand_in(2))
+  whole = jax.jit(_probe_updates, static_argnums=0)(optimizer, probe_params, grads)
+
+  def chunked(params, grads):
+    out = _probe_updates(optimizer, my_chunk(params, axis_name, 1), [my_chunk(g, axis_name, 1) for g in grads])
+    return gather_chunks(out, axis_name)
+
+  run = jax.jit(jax.shard_map(chunked, mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+  split = run(*jax.device_put((probe_params, list(grads)), NamedSharding(mesh, P())))
+  # Compare the parameter *changes*: a learning rate makes them small next to the parameters.
+  start = [np.asarray(x, np.float64) for x in jax.tree.leaves(probe_params)]
+  moved = [np.asarray(x, np.float64) - x0 for x, x0 in zip(jax.tree.leaves(whole), start)]
+  moved_split = [np.asarray(x, np.float64) - x0 for x, x0 in zip(jax.tree.leaves(split), start)]
+  scale = max([np.max(np.abs(d)) for d in moved] + [1e-30])
+  for a, b in zip(moved, moved_split):
+    if not np.allclose(b, a, rtol=1e-3, atol=1e-5 * scale):
+      raise ValueError(
+          f"optimizer updates each device's chunk of a leaf differently from the whole leaf (relative difference "
+          f"{np.max(np.abs(a - b)) / scale:.3g} on a probe): it computes something over a whole leaf or tree, such as "
+          "optax.lamb's trust ratio or optax.clip_by_global_norm's norm, which ZeRO stages 1-3 would silently "
+          "change. Use zero_stage=0 with this optimizer, or jaxdp.clip_by_global_norm for clipping."
+      )
 
 
 def _to_host(x: Any) -> np.ndarray:
