@@ -193,7 +193,14 @@ def local_gradient(
   return total
 
 
+def _is_trivial(tree: Any, axis_name: str) -> bool:
+  # One device and no varying types (check_vma off): the sum is the value, and XLA would still copy it.
+  return lax.axis_size(axis_name) == 1 and not any(axis_name in _varying_axes(x) for x in jax.tree.leaves(tree))
+
+
 def _psum(tree: Any, axis_name: str) -> Any:
+  if _is_trivial(tree, axis_name):
+    return tree
   return lax.psum(as_varying(tree, axis_name), axis_name)
 
 

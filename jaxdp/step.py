@@ -14,9 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxdp import _checks
 from jaxdp.mesh import check_mesh_axis, data_mesh, place, replicated, split_along
 from jaxdp.reduction import (
-    LocalGradient,
     ReducedGradient,
-    as_varying,
     check_reduction,
     global_norm,
     local_gradient,
@@ -43,16 +41,6 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, gra
 
   # cond rather than a select over the whole state: a select copies every buffer each step.
   return lax.cond(apply, step, lambda state: state, state)
-
-
-def count_nonfinite(local: LocalGradient, axis_name: str | None) -> jax.Array:
-  """The number of replicas whose local gradient or loss holds a NaN or an Inf (int32, same everywhere).
-
-  With ``axis_name=None`` only this replica is counted (no communication).
-  """
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((local.grads, local.loss_sum))]))
-  bad = jnp.logical_not(finite).astype(jnp.int32)
-  return bad if axis_name is None else lax.psum(as_varying(bad, axis_name), axis_name)
 
 
 def train_step(
@@ -99,10 +87,12 @@ def train_step(
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
     ``reduction`` says), ``weight`` (global ``Σ w``; local under ``"none"``),
-    ``grad_norm`` (global norm of the applied gradient), ``nonfinite`` (how
-    many replicas had a NaN/Inf gradient or loss) and ``skipped`` (1 when the
-    update was skipped: zero global weight or any non-finite replica; the
-    state, ``step`` included, is then returned unchanged on every replica).
+    ``grad_norm`` (global norm of the applied gradient), ``nonfinite`` (1 when
+    the reduced gradient or loss holds a NaN/Inf, which happens when any
+    replica's does, or when the gradient norm overflows float32) and
+    ``skipped`` (1 when the update was skipped: zero global weight or
+    ``nonfinite``; the state, ``step`` included, is then returned unchanged
+    on every replica).
   """
   check_reduction(reduction)
   check_zero_stage(zero_stage)
@@ -115,9 +105,11 @@ def train_step(
   if zero_stage >= 2:
     local = local._replace(grads=flatten_tree(local.grads, lax.axis_size(axis_name), zero_stage))
   reduced: ReducedGradient = reduce_gradient(local, axis_name=axis_name, reduction=reduction, scatter=zero_stage >= 2)
-  # Decided collectively (one scalar psum) so that a NaN on one replica makes every replica skip.
-  nonfinite = count_nonfinite(local, None if reduction == "none" else axis_name)
-  apply = (reduced.weight > 0) & (nonfinite == 0)
+  # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
+  # a NaN is NaN; the norm of sharded chunks is all-reduced), so this flag is the same everywhere: all skip.
+  grad_norm = global_norm(reduced.grads, axis_name)
+  nonfinite = jnp.logical_not(jnp.isfinite(grad_norm) & jnp.isfinite(reduced.loss))
+  apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
   if zero_stage == 0:
     new_state = apply_update(optimizer, state, reduced.grads, apply)
   else:
@@ -130,8 +122,8 @@ def train_step(
   metrics = {
       "loss": reduced.loss,
       "weight": reduced.weight,
-      "grad_norm": global_norm(reduced.grads, axis_name),
-      "nonfinite": nonfinite,
+      "grad_norm": grad_norm,
+      "nonfinite": nonfinite.astype(jnp.int32),
       "skipped": jnp.logical_not(apply).astype(jnp.int32),
   }
   return new_state, metrics
@@ -297,7 +289,8 @@ def make_train_step(
     return new_state, metrics
 
   if backend == "shard_map":
-    mapped = _shard_map_over(replica_step, mesh, axis_name, check_vma=reduction != "none")
+    # One device needs no type-checked collectives, and without the check they compile to nothing.
+    mapped = _shard_map_over(replica_step, mesh, axis_name, check_vma=reduction != "none" and mesh.shape[axis_name] > 1)
   else:
     mapped = _pmap_over(replica_step, mesh, axis_name)
   jitted = jax.jit(mapped, donate_argnums=(0,) if donate else ())
