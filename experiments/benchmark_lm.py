@@ -5,7 +5,8 @@ layers, d_model 64, seq-len 64, global batch 32 sequences):
 
 * tokens/s of a training run at 1, 2, 4 and 8 simulated devices, same global
   batch (median step time over the steps after the first, which compiles);
-* for ``accum_steps`` K = 1, 2, 4, 8 at the same global batch on 4 devices:
+* for ``accum_steps`` K = 1, 2, 4, 8 at the same global batch (default 128
+  sequences, so that K = 8 still leaves 4 sequences per micro-batch) on 4 devices:
   the median step time, the time per real token relative to K = 1, and the
   all-reduce ops of the compiled step (``jaxdp.comm_report``).
 
@@ -76,12 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--accum", default="1,2,4,8", help="accum_steps values for the accumulation table")
   p.add_argument("--accum-devices", type=int, default=4)
   p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
-  p.add_argument("--batch-size", type=int, default=32)
+  p.add_argument("--batch-size", type=int, default=32, help="global batch of the throughput table")
+  p.add_argument("--accum-batch-size", type=int, default=128, help="global batch of the accumulation table")
   p.add_argument("--out", default="out/benchmark_lm.json")
   p.add_argument("--quick", action="store_true", help="devices 1,2; accum 1,2; 3 steps")
   args = p.parse_args(argv)
   if args.quick:
-    args.devices, args.accum, args.steps, args.accum_devices = "1,2", "1,2", 3, 2
+    args.devices, args.accum, args.steps, args.accum_devices, args.accum_batch_size = "1,2", "1,2", 3, 2, 32
   return args
 
 
@@ -90,14 +92,16 @@ def main(argv=None) -> dict:
   config = train_lm.Config(batch_size=args.batch_size, dropout=0.1, progress=False, out=None)
   data, _ = train_lm.build_dataset(config)
   throughput = [time_steps(config, jax.devices()[:int(n)], 1, args.steps, data) for n in args.devices.split(",")]
-  accum = [time_steps(config, jax.devices()[:args.accum_devices], int(k), args.steps, data) for k in args.accum.split(",")]
+  accum_config = train_lm.Config(batch_size=args.accum_batch_size, dropout=0.1, progress=False, out=None)
+  accum_devices = jax.devices()[:args.accum_devices]
+  accum = [time_steps(accum_config, accum_devices, int(k), args.steps, data) for k in args.accum.split(",")]
   base = accum[0]["median_s"] / accum[0]["tokens_per_step"]
   print(f"train_lm throughput, global batch {args.batch_size} x {config.seq_len} bytes, median of {args.steps} steps "
         f"({jax.device_count()} simulated {jax.devices()[0].platform} devices on {os.cpu_count()} cores, jax {jax.__version__}):")
   print("| devices | step ms | tokens/s |\n|---:|---:|---:|")
   for r in throughput:
     print(f"| {r['devices']} | {1e3 * r['median_s']:.1f} | {r['tokens_per_s']:,.0f} |")
-  print(f"\ngradient accumulation on {args.accum_devices} devices, same global batch:")
+  print(f"\ngradient accumulation on {args.accum_devices} devices, global batch {args.accum_batch_size} for every K:")
   print("| accum_steps | step ms | time per token vs K=1 | all-reduce ops | bytes all-reduced |\n|---:|---:|---:|---:|---:|")
   for r in accum:
     rel = r["median_s"] / r["tokens_per_step"] / base
