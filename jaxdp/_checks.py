@@ -6,6 +6,7 @@ caller's state usable. Results are cached per input signature by the caller.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
@@ -13,6 +14,17 @@ import numpy as np
 
 from jaxdp.sharding import ZERO_STAGES, abstract_zero_state, is_flat_shards
 from jaxdp.state import TrainState
+
+
+def check_int(value: Any, name: str, minimum: int, fix: str = "") -> int:
+  """``value`` as a Python int (not a bool), or a ``ValueError`` naming ``name``, the bound and the fix."""
+  try:
+    as_int = None if isinstance(value, bool) else operator.index(value)
+  except TypeError:
+    as_int = None
+  if as_int is None or as_int < minimum:
+    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}" + (f"; {fix}" if fix else "."))
+  return as_int
 
 
 def _abstract(x: Any) -> tuple:

@@ -45,7 +45,6 @@ ignored (and removed when the next manager opens the directory).
 from __future__ import annotations
 
 import json
-import operator
 import os
 import zlib
 from typing import Any, NamedTuple
@@ -56,7 +55,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp._checks import check_state
+from jaxdp._checks import check_int, check_state
 from jaxdp.mesh import check_mesh_axis
 from jaxdp.sharding import (
     FlatShards,
@@ -96,16 +95,6 @@ class Restored(NamedTuple):
   data_step: int
   step: int
   metadata: Any
-
-
-def _check_int(value: Any, name: str, minimum: int, fix: str) -> int:
-  try:
-    as_int = None if isinstance(value, bool) else operator.index(value)
-  except TypeError:
-    as_int = None
-  if as_int is None or as_int < minimum:
-    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}; {fix}")
-  return as_int
 
 
 # Leaf names ---------------------------------------------------------------------------------
@@ -367,9 +356,9 @@ class CheckpointManager:
       enable_async_checkpointing: bool = True,
   ):
     self.directory = os.path.abspath(os.fspath(directory))
-    self.save_interval_steps = _check_int(save_interval_steps, "save_interval_steps", 1, "save every k >= 1 steps.")
+    self.save_interval_steps = check_int(save_interval_steps, "save_interval_steps", 1, "save every k >= 1 steps.")
     if max_to_keep is not None:
-      max_to_keep = _check_int(max_to_keep, "max_to_keep", 1, "keep at least one checkpoint, or None to keep all.")
+      max_to_keep = check_int(max_to_keep, "max_to_keep", 1, "keep at least one checkpoint, or None to keep all.")
     if not isinstance(enable_async_checkpointing, bool):
       raise ValueError(f"enable_async_checkpointing must be a bool, got {enable_async_checkpointing!r}.")
     self.max_to_keep = max_to_keep
@@ -402,7 +391,7 @@ class CheckpointManager:
 
   def should_save(self, step: int) -> bool:
     """Whether :meth:`save` at ``step`` (not forced) writes a checkpoint."""
-    return self._manager.should_save(_check_int(step, "step", 0, "steps count from 0."))
+    return self._manager.should_save(check_int(step, "step", 0, "steps count from 0."))
 
   def save(
       self,
@@ -434,9 +423,9 @@ class CheckpointManager:
       forced, a step at or below the latest checkpoint's is never written
       (orbax's rule), e.g. after restoring an older checkpoint than the latest.
     """
-    step = _check_int(step, "step", 0, "steps count from 0.")
+    step = check_int(step, "step", 0, "steps count from 0.")
     check_state(state)
-    data_step = step if data_step is None else _check_int(data_step, "data_step", 0, "pass the pipeline's next step.")
+    data_step = step if data_step is None else check_int(data_step, "data_step", 0, "pass the pipeline's next step.")
     _check_metadata(metadata)
     if rng is not None:
       _is_typed_key(rng)
@@ -533,7 +522,7 @@ class CheckpointManager:
       if not steps:
         raise FileNotFoundError(f"no complete checkpoint in {self.directory}; start from jaxdp.init_state instead.")
       return steps[-1]
-    step = _check_int(step, "step", 0, "steps count from 0.")
+    step = check_int(step, "step", 0, "steps count from 0.")
     if step not in steps:
       raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory}; complete steps: {steps}.")
     return step

@@ -8,14 +8,13 @@ epoch-shuffled, resumable plan) and loads only this process's portions.
 from __future__ import annotations
 
 import itertools
-import operator
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxdp._checks import batch_size
+from jaxdp._checks import batch_size, check_int
 from jaxdp.mesh import check_mesh_axis, split_along
 
 
@@ -152,17 +151,6 @@ def _mix(x: np.ndarray) -> np.ndarray:
   return x ^ (x >> np.uint64(31))
 
 
-def _check_int(value: Any, name: str, minimum: int, fix: str) -> int:
-  """``value`` as a Python int, or a ``ValueError`` naming ``name`` and the fix."""
-  try:
-    as_int = None if isinstance(value, bool) else operator.index(value)
-  except TypeError:
-    as_int = None
-  if as_int is None or as_int < minimum:
-    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}; {fix}")
-  return as_int
-
-
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   """The order in which epoch ``epoch`` visits the examples.
 
@@ -179,9 +167,9 @@ def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   Returns:
     int64 ``[num_examples]``, a permutation of ``range(num_examples)``.
   """
-  num_examples = _check_int(num_examples, "num_examples", 1, "the dataset must not be empty.")
-  seed = _check_int(seed, "seed", 0, "use a non-negative integer seed.")
-  epoch = _check_int(epoch, "epoch", 0, "epochs count from 0.")
+  num_examples = check_int(num_examples, "num_examples", 1, "the dataset must not be empty.")
+  seed = check_int(seed, "seed", 0, "use a non-negative integer seed.")
+  epoch = check_int(epoch, "epoch", 0, "epochs count from 0.")
   if seed >= 2**64 or epoch >= 2**64:
     raise ValueError(f"seed and epoch must be < 2**64, got seed={seed}, epoch={epoch}.")
   key = _mix(_mix(np.array([seed], np.uint64)) ^ (_mix(np.array([epoch], np.uint64)) + _GOLDEN))
@@ -220,10 +208,10 @@ def device_indices(num_examples: int, n_devices: int, per_device_batch: int, see
     the ``ceil(num_examples / (n_devices * b))`` steps of an epoch they hold
     every index exactly once.
   """
-  num_examples = _check_int(num_examples, "num_examples", 1, "the dataset must not be empty.")
-  n_devices = _check_int(n_devices, "n_devices", 1, "pass the size of the mesh's data axis.")
-  per_device_batch = _check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
-  step = _check_int(step, "step", 0, "steps count from 0.")
+  num_examples = check_int(num_examples, "num_examples", 1, "the dataset must not be empty.")
+  n_devices = check_int(n_devices, "n_devices", 1, "pass the size of the mesh's data axis.")
+  per_device_batch = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
+  step = check_int(step, "step", 0, "steps count from 0.")
   epoch, index = divmod(step, _steps_per_epoch(num_examples, n_devices, per_device_batch))
   return _split_batch(epoch_permutation(num_examples, seed, epoch), n_devices, per_device_batch, index)
 
@@ -235,10 +223,10 @@ def process_positions(n_devices: int, n_processes: int, process_index: int) -> r
   simulate a multi-process split without processes. A real run asks the mesh:
   :func:`addressable_positions`.
   """
-  n_processes = _check_int(n_processes, "n_processes", 1, "pass the number of processes.")
+  n_processes = check_int(n_processes, "n_processes", 1, "pass the number of processes.")
   if n_devices % n_processes:
     raise ValueError(f"n_processes={n_processes} does not divide n_devices={n_devices}; give every process as many devices.")
-  process_index = _check_int(process_index, "process_index", 0, "processes count from 0.")
+  process_index = check_int(process_index, "process_index", 0, "processes count from 0.")
   if process_index >= n_processes:
     raise ValueError(f"process_index={process_index} must be < n_processes={n_processes}.")
   per_process = n_devices // n_processes
@@ -349,9 +337,9 @@ class DataPipeline:
     if not callable(collate):
       raise ValueError(f"collate must be callable, got {type(collate).__name__}; pass collate(examples) -> (batch, weights).")
     self.dataset, self.collate, self.mesh, self.axis_name = dataset, collate, mesh, axis_name
-    self.num_examples = _check_int(len(dataset), "len(dataset)", 1, "pass a non-empty dataset.")
-    self.per_device_batch = _check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
-    self.seed = _check_int(seed, "seed", 0, "use a non-negative integer seed.")
+    self.num_examples = check_int(len(dataset), "len(dataset)", 1, "pass a non-empty dataset.")
+    self.per_device_batch = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
+    self.seed = check_int(seed, "seed", 0, "use a non-negative integer seed.")
     self.n_devices = mesh.shape[axis_name]
     self.global_batch = self.n_devices * self.per_device_batch
     self.steps_per_epoch = _steps_per_epoch(self.num_examples, self.n_devices, self.per_device_batch)
@@ -370,7 +358,7 @@ class DataPipeline:
 
   def device_indices(self, step: int) -> list[np.ndarray]:
     """Each device's dataset indices at ``step`` (see :func:`device_indices`)."""
-    step = _check_int(step, "step", 0, "steps count from 0.")
+    step = check_int(step, "step", 0, "steps count from 0.")
     epoch, index = divmod(step, self.steps_per_epoch)
     return _split_batch(self._order(epoch), self.n_devices, self.per_device_batch, index)
 
@@ -413,9 +401,9 @@ class DataPipeline:
       start_step: the first step, e.g. the step counter of a checkpoint.
       num_steps: how many steps to yield; ``None`` for ever.
     """
-    start = _check_int(start_step, "start_step", 0, "steps count from 0.")
+    start = check_int(start_step, "start_step", 0, "steps count from 0.")
     if num_steps is None:
       steps = itertools.count(start)
     else:
-      steps = range(start, start + _check_int(num_steps, "num_steps", 0, "or None to iterate for ever."))
+      steps = range(start, start + check_int(num_steps, "num_steps", 0, "or None to iterate for ever."))
     return ((step, self.batch_at(step)) for step in steps)

@@ -20,13 +20,14 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
-import operator
 import os
 import sys
 from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
+
+from jaxdp._checks import check_int
 
 # The environment written by ``python -m jaxdp.launch`` for each worker.
 ENV_COORDINATOR = "JAXDP_COORDINATOR"
@@ -118,15 +119,7 @@ def _backend_started() -> bool:
 
 
 def _optional_int(value: Any, name: str, minimum: int) -> int | None:
-  if value is None:
-    return None
-  try:
-    as_int = None if isinstance(value, bool) else operator.index(value)
-  except TypeError:
-    as_int = None
-  if as_int is None or as_int < minimum:
-    raise ValueError(f"{name} must be an integer >= {minimum} (or None), got {value!r}.")
-  return as_int
+  return None if value is None else check_int(value, name, minimum, "or None.")
 
 
 def _env_int(variable: str, minimum: int) -> int | None:

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxdp._checks import check_int
+
 REDUCTIONS = ("mean", "rank_mean", "sum", "none")
 """The reduction modes accepted by :func:`reduce_gradient` and the steps.
 
@@ -161,8 +163,7 @@ def local_gradient(
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l`` and ``Σ w``.
   """
-  if not isinstance(accum_steps, int) or accum_steps < 1:
-    raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}.")
+  check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   if axis_name is not None:
     params = as_varying(params, axis_name)
 

@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp import _checks
+from jaxdp._checks import check_int
 from jaxdp.mesh import check_mesh_axis, data_mesh, place, replicated, split_along
 from jaxdp.reduction import (
     ReducedGradient,
@@ -256,8 +257,7 @@ def make_train_step(
   """
   check_reduction(reduction)
   check_zero_stage(zero_stage)
-  if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
-    raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}.")
+  check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
@@ -274,10 +274,8 @@ def make_train_step(
     )
   if zero_stage and reduction == "none":
     raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
-  if max_consecutive_skips is not None and (
-      not isinstance(max_consecutive_skips, int) or isinstance(max_consecutive_skips, bool) or max_consecutive_skips < 1
-  ):
-    raise ValueError(f"max_consecutive_skips must be a positive int or None, got {max_consecutive_skips!r}.")
+  if max_consecutive_skips is not None:
+    check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
 
   def replica_step(state, batch, weights, rng):
     new_state, metrics = train_step(
