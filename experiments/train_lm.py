@@ -17,7 +17,11 @@ visible device is used unless ``--devices`` says fewer.
 
 Outputs (``--out``, default ``out/lm``): ``metrics.jsonl`` (one line per step:
 step, loss, tokens, grad_norm, time) and ``summary.json``; with ``--compare``
-one sub-folder per run, ``compare.json`` and ``loss_curves.png``.
+one sub-folder per run, ``compare.json`` and ``loss_curves.png``. With
+``--ckpt-dir DIR`` the run checkpoints every ``--ckpt-every`` steps and, started
+again with the same flags, resumes from the latest checkpoint (bitwise the
+same run on CPU). Under ``python -m jaxdp.launch`` (or SLURM, Open MPI, a TPU
+slice) it joins the multi-process job.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--val-every", type=int, default=10, help="hold out every k-th document for validation")
   p.add_argument("--out", default="out/lm")
   p.add_argument("--compare", action="store_true", help="1 device vs N devices with mean vs N with rank_mean")
+  p.add_argument("--ckpt-dir", default=None, help="checkpoint here every --ckpt-every steps and resume from the latest")
+  p.add_argument("--ckpt-every", type=int, default=50)
   p.add_argument("--no-progress", dest="progress", action="store_false")
   return p
 
@@ -109,6 +115,8 @@ class Config:
   val_every: int = 10
   out: str | None = "out/lm"
   compare: bool = False
+  ckpt_dir: str | None = None
+  ckpt_every: int = 50
   progress: bool = True
 
 
@@ -197,17 +205,21 @@ def _log(pending, clock: float, records: list, bar, sink) -> float:
   return now
 
 
-def fit(step_fn, state, pipeline, config: Config, rng, sink=None, desc: str = "train"):
-  """Runs ``config.steps`` steps; returns ``(state, records)``.
+def fit(step_fn, state, pipeline, config: Config, rng, sink=None, desc: str = "train", start: int = 0, ckpt=None):
+  """Runs steps ``start .. config.steps - 1``; returns ``(state, records)``.
 
   Step ``i``'s metrics are fetched after step ``i + 1`` is dispatched, so the
   host prepares the next batch while the devices compute; a step's time is
   the wall time between two fetched results (the first includes compilation).
+  With ``ckpt`` (a ``jaxdp.CheckpointManager``) the state is saved after every
+  ``config.ckpt_every`` steps, with the pipeline position to resume from.
   """
   records, pending, clock = [], None, time.perf_counter()
-  with tqdm.tqdm(total=config.steps, desc=desc, disable=not config.progress, dynamic_ncols=True) as bar:
-    for step, (batch, weights) in pipeline.iterate(num_steps=config.steps):
+  with tqdm.tqdm(total=config.steps, initial=start, desc=desc, disable=not config.progress, dynamic_ncols=True) as bar:
+    for step, (batch, weights) in pipeline.iterate(start_step=start, num_steps=config.steps - start):
       state, metrics = step_fn(state, batch, weights, rng=rng)
+      if ckpt is not None:
+        ckpt.save(step + 1, state, rng=rng, data_step=step + 1)
       if pending is not None:
         clock = _log(pending, clock, records, bar, sink)
       pending = (step, metrics, weights)
@@ -243,8 +255,14 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   per_device = config.batch_size // len(devices)
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
-  with _metrics_file(out) as sink:
-    state, records = fit(step_fn, jaxdp.init_state(params, optimizer, mesh), pipeline, config, rng, sink, desc)
+  with _checkpoints(config) as ckpt:
+    state, start = jaxdp.init_state(params, optimizer, mesh), 0
+    if ckpt is not None and ckpt.latest_step() is not None:
+      restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh)
+      state, start = restored.state, restored.data_step
+      print(f"resuming from {config.ckpt_dir} at step {start}")
+    with _metrics_file(out, append=start > 0) as sink:
+      state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt)
   val_loss = evaluate(loss_fn, state.params, val_set, mesh, collate, per_device_batch=4 * per_device)
   summary = {
       "devices": len(devices), "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
@@ -257,11 +275,17 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   return {"records": records, "summary": summary, "params": state.params}
 
 
-def _metrics_file(out: str | None):
+def _metrics_file(out: str | None, append: bool = False):
   if out is None:
     return contextlib.nullcontext(None)
   pathlib.Path(out).mkdir(parents=True, exist_ok=True)
-  return open(pathlib.Path(out) / "metrics.jsonl", "w")
+  return open(pathlib.Path(out) / "metrics.jsonl", "a" if append else "w")
+
+
+def _checkpoints(config: Config):
+  if config.ckpt_dir is None:
+    return contextlib.nullcontext(None)
+  return jaxdp.CheckpointManager(config.ckpt_dir, save_interval_steps=config.ckpt_every, max_to_keep=2)
 
 
 RUNS = (("single", "mean"), ("mean", "mean"), ("rank_mean", "rank_mean"))
@@ -284,7 +308,7 @@ def compare(config: Config) -> dict:
   the validation losses and of the final parameters; and the number of steps
   in which the devices held uneven token counts.
   """
-  config = dataclasses.replace(config, dropout=0.0)
+  config = dataclasses.replace(config, dropout=0.0, ckpt_dir=None)  # three runs must not share checkpoints
   devices = select_devices(config.devices)
   if len(devices) == 1:
     print("compare: only one device, so runs (1) and (2) have the same layout; use --devices N (N > 1).")

@@ -3,11 +3,14 @@
 import dataclasses
 import json
 import pathlib
+import shutil
 import sysconfig
 
 import jax
 import numpy as np
 import pytest
+
+import jaxdp
 
 from experiments import train_lm
 from experiments.lm import corpus
@@ -100,3 +103,16 @@ def test_compare_mean_matches_one_device_and_rank_mean_does_not(paragraphs, tmp_
   mean, rank_mean = result["mean_vs_single"]["max_abs_loss_diff"], result["rank_mean_vs_single"]["max_abs_loss_diff"]
   assert mean < F32_LOSS_ATOL, result
   assert rank_mean > max(10 * mean, F32_LOSS_ATOL), result  # DDP's mean of means: a real, visible gap
+
+
+def test_a_run_resumed_from_its_checkpoint_is_the_same_run(paragraphs, tmp_path):
+  """Interrupted after step 2 (the step-4 checkpoint removed) and started again: steps 2-3 and the params are bitwise equal."""
+  ckpt = tmp_path / "ckpt"
+  config = dataclasses.replace(TINY, corpus=paragraphs, dropout=0.1, ckpt_dir=str(ckpt), ckpt_every=2)
+  full = train_lm.train(config)
+  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [2, 4]
+  shutil.rmtree(ckpt / "4")  # as if killed before the last save
+  resumed = train_lm.train(config)
+  assert [r["step"] for r in resumed["records"]] == [2, 3]
+  assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in full["records"][2:]]
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["params"]), jax.device_get(full["params"]))
