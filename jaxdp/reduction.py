@@ -242,30 +242,23 @@ def reduce_gradient(
   """
   check_reduction(reduction)
   grads, loss_sum, weight_sum = local
-  if scatter:
-    if reduction == "none":
-      raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")
-    summed = _psum_scatter(grads if reduction != "rank_mean" else _safe_divide(grads, weight_sum), axis_name)
-    total_loss, total_weight = _psum((loss_sum, weight_sum), axis_name)
-    if reduction == "sum":
-      return ReducedGradient(summed, total_loss, total_weight)
-    if reduction == "rank_mean":
-      n = lax.axis_size(axis_name)
-      mean_loss = _psum(_safe_divide(loss_sum, weight_sum), axis_name) / n
-      return ReducedGradient(jax.tree.map(lambda x: x / n, summed), mean_loss, total_weight)
-    return ReducedGradient(*_safe_divide((summed, total_loss), total_weight), total_weight)
   if reduction == "none":
+    if scatter:
+      raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")
     return ReducedGradient(_safe_divide(grads, weight_sum), _safe_divide(loss_sum, weight_sum), weight_sum)
-  if reduction == "rank_mean":
-    local_mean = _safe_divide((grads, loss_sum), weight_sum)
-    mean_grads, mean_loss = jax.tree.map(
-        lambda x: x / lax.axis_size(axis_name), _psum(local_mean, axis_name)
-    )
-    return ReducedGradient(mean_grads, mean_loss, _psum(weight_sum, axis_name))
-  total_grads, total_loss, total_weight = _psum((grads, loss_sum, weight_sum), axis_name)
+  if reduction == "rank_mean":  # each replica's local mean first, as DDP does
+    grads, loss_sum = _safe_divide((grads, loss_sum), weight_sum)
+  if scatter:
+    grads = _psum_scatter(grads, axis_name)
+    loss_sum, weight_sum = _psum((loss_sum, weight_sum), axis_name)
+  else:  # one psum call: XLA can reduce gradient and scalars in a single all-reduce
+    grads, loss_sum, weight_sum = _psum((grads, loss_sum, weight_sum), axis_name)
   if reduction == "sum":
-    return ReducedGradient(total_grads, total_loss, total_weight)
-  return ReducedGradient(*_safe_divide((total_grads, total_loss), total_weight), total_weight)
+    return ReducedGradient(grads, loss_sum, weight_sum)
+  if reduction == "rank_mean":
+    n = lax.axis_size(axis_name)
+    return ReducedGradient(jax.tree.map(lambda x: x / n, grads), loss_sum / n, weight_sum)
+  return ReducedGradient(*_safe_divide((grads, loss_sum), weight_sum), weight_sum)
 
 
 def global_norm(tree: Any, axis_name: str | None = None) -> jax.Array:

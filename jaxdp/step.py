@@ -28,6 +28,13 @@ from jaxdp.state import TrainState
 BACKENDS = ("shard_map", "pmap")
 
 
+def _check_modes(reduction: str, zero_stage: int) -> None:
+  check_reduction(reduction)
+  check_zero_stage(zero_stage)
+  if zero_stage and reduction == "none":
+    raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
+
+
 def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads: Any, apply: jax.Array | bool = True) -> TrainState:
   """Applies ``grads`` with ``optimizer``, or returns ``state`` unchanged when ``apply`` is false.
 
@@ -95,10 +102,7 @@ def train_step(
     ``nonfinite``; the state, ``step`` included, is then returned unchanged
     on every replica).
   """
-  check_reduction(reduction)
-  check_zero_stage(zero_stage)
-  if zero_stage and reduction == "none":
-    raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
+  _check_modes(reduction, zero_stage)
   if rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
   params = gather_chunks(state.params, axis_name) if zero_stage == 3 else state.params
@@ -255,8 +259,7 @@ def make_train_step(
     ``loss_fn(params, batch, key)`` with a key per replica, step and
     micro-batch.
   """
-  check_reduction(reduction)
-  check_zero_stage(zero_stage)
+  _check_modes(reduction, zero_stage)
   check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
@@ -272,8 +275,6 @@ def make_train_step(
         "backend='pmap' passes the state unmapped (replicated), so it cannot hold a ZeRO-sharded state; "
         "use backend='shard_map' with zero_stage > 0."
     )
-  if zero_stage and reduction == "none":
-    raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
   if max_consecutive_skips is not None:
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
 
