@@ -7,13 +7,18 @@ reduction is the exact gradient of the global weighted mean, whatever the
 split of examples or tokens over devices.
 
 Functional core (compose these inside your own ``shard_map``/``pmap``):
-:func:`local_gradient`, :func:`reduce_gradient`, :func:`apply_update`,
-:func:`train_step`. Edges: :func:`make_train_step`, :func:`data_mesh`,
-:func:`init_state`, :func:`shard_uneven`, :class:`DataPipeline`, :func:`per_replica`,
-:func:`assert_replicas_equal`.
+:func:`loss_sums`, :func:`local_gradient`, :func:`reduce_gradient`,
+:func:`apply_update`, :func:`train_step`, :func:`eval_sums`. Edges:
+:func:`make_train_step`, :func:`make_eval_step`, :func:`data_mesh`,
+:func:`init_state`, :func:`shard_uneven`, :class:`DataPipeline`,
+:func:`per_replica`, :func:`assert_replicas_equal`. Real programs: the
+loss protocol (:class:`LossOutput`, :mod:`jaxdp.loss`: model state,
+metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules) and
+:mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm).
 """
 
-from jaxdp import distributed
+from jaxdp import batchnorm, distributed, nnx
+from jaxdp.batchnorm import Moments, masked_moments
 from jaxdp.checkpoint import CheckpointManager, Restored, place_state
 from jaxdp.data import (
     DataPipeline,
@@ -23,7 +28,9 @@ from jaxdp.data import (
     process_positions,
     shard_uneven,
 )
-from jaxdp.mesh import data_mesh, init_state
+from jaxdp.evaluation import EvalStep, eval_sums, make_eval_step, means_from_sums
+from jaxdp.loss import LOSS_KEYWORDS, LossOutput
+from jaxdp.mesh import auto_mesh, data_mesh, init_state
 from jaxdp.reduction import (
     REDUCTIONS,
     LocalGradient,
@@ -32,7 +39,9 @@ from jaxdp.reduction import (
     clip_by_global_norm,
     global_norm,
     local_gradient,
+    loss_sums,
     reduce_gradient,
+    reduce_model_state,
 )
 from jaxdp.replicas import assert_replicas_equal, per_replica, replica_divergence
 from jaxdp.reports import Collective, MemoryReport, collectives_from_hlo, comm_report, memory_report
@@ -47,6 +56,10 @@ __all__ = [
     "FlatShards",
     "Collective",
     "CompiledStep",
+    "EvalStep",
+    "LOSS_KEYWORDS",
+    "LossOutput",
+    "Moments",
     "LocalGradient",
     "MemoryReport",
     "REDUCTIONS",
@@ -58,6 +71,8 @@ __all__ = [
     "apply_update",
     "as_varying",
     "assert_replicas_equal",
+    "auto_mesh",
+    "batchnorm",
     "clip_by_global_norm",
     "collectives_from_hlo",
     "comm_report",
@@ -65,16 +80,23 @@ __all__ = [
     "device_indices",
     "distributed",
     "epoch_permutation",
+    "eval_sums",
     "gather_state",
     "global_norm",
     "init_state",
     "local_gradient",
-    "memory_report",
+    "loss_sums",
+    "make_eval_step",
     "make_train_step",
+    "masked_moments",
+    "means_from_sums",
+    "memory_report",
+    "nnx",
     "per_replica",
     "place_state",
     "process_positions",
     "reduce_gradient",
+    "reduce_model_state",
     "replica_divergence",
     "shard_uneven",
     "state_specs",

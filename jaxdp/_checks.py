@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdp.loss import check_loss_fn
 from jaxdp.sharding import ZERO_STAGES, abstract_zero_state, is_flat_shards
 from jaxdp.state import TrainState
 
@@ -114,8 +115,15 @@ def _check_layout(state, params, optimizer, n_replicas: int, zero_stage: int) ->
 def check_step_inputs(
     loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1, zero_stage: int = 0
 ) -> None:
-  """Raises ``TypeError``/``ValueError`` naming the argument at fault and the fix."""
+  """Raises ``TypeError``/``ValueError`` naming the argument at fault and the fix.
+
+  ``loss_fn`` itself is not run here: it may use collectives (exact
+  BatchNorm statistics), which only exist inside the mapped step. What it
+  returns is checked while the step is traced (:func:`jaxdp.loss.call_loss`),
+  which still happens before anything runs or is donated.
+  """
   check_state(state)
+  check_loss_fn(loss_fn, with_model_state=state.model_state is not None)
   params = jax.tree.map(_full_struct, state.params, is_leaf=is_flat_shards)
   _check_layout(state, params, optimizer, n_replicas, zero_stage)
   total = batch_size(batch)
@@ -130,29 +138,10 @@ def check_step_inputs(
         f"batch has {total // n_replicas} rows per device ({total} over {n_replicas} devices), which do not "
         f"split into accum_steps={accum_steps} micro-batches; make the batch a multiple of {n_replicas * accum_steps}."
     )
-  local_batch = jax.tree.map(lambda x: _struct(x, total // n_replicas), batch)
-  extra = () if rng is None else (jax.tree.map(_struct, rng),)
-  try:
-    losses = jax.eval_shape(loss_fn, params, local_batch, *extra)
-  except Exception as e:  # the user's function: any failure means the inputs do not fit it
+  if weights is not None and (np.ndim(weights) not in (1, 2) or np.shape(weights)[0] != total):
     raise ValueError(
-        f"loss_fn(state.params, batch) fails on one device's slice of the batch ({type(e).__name__}: {e}). "
-        "Check that state.params has the structure and shapes loss_fn expects (build the state with "
-        "jaxdp.init_state from the params the model was initialised with) and that batch is what loss_fn reads."
-    ) from e
-  local_size = total // n_replicas
-  if not isinstance(losses, jax.ShapeDtypeStruct) or losses.ndim not in (1, 2) or losses.shape[0] != local_size:
-    got = getattr(losses, "shape", type(losses).__name__)
-    raise ValueError(
-        f"loss_fn must return per-example losses [b] or per-token losses [b, t] with b={local_size} rows "
-        f"(one device's slice), but it returned {got}; return the unreduced losses, jaxdp does the weighting."
+        f"weights has shape {np.shape(weights)} but the batch has {total} rows; pass one weight per example "
+        f"[{total}] (or per token [{total}, t]), 0 for padding, or weights=None for all ones."
     )
-  if weights is not None:
-    expected = (total, *losses.shape[1:])
-    if np.shape(weights) != expected:
-      raise ValueError(
-          f"weights has shape {np.shape(weights)} but the losses of the global batch have shape {expected}; "
-          "pass one weight per example (or per token), 0 for padding, or weights=None for all ones."
-      )
   if np.shape(state.step) != ():
     raise ValueError(f"state.step must be a scalar, got shape {np.shape(state.step)}.")

@@ -16,13 +16,29 @@ from jaxdp.state import TrainState
 def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "data") -> Mesh:
   """A 1-D mesh over ``devices`` (default: every device) with one data axis.
 
-  The axis type is set explicitly (``AxisType.Explicit``) so that behaviour
-  does not depend on the JAX version's default.
+  The axis type is set explicitly to ``AxisType.Auto`` so that behaviour does
+  not depend on the JAX version's default, and so that the arrays jaxdp
+  returns carry no mesh axes in their types (see :func:`auto_mesh`).
   """
   devices = jax.devices() if devices is None else list(devices)
   if not devices:
     raise ValueError("devices is empty; pass at least one device (or None for all of them).")
-  return Mesh(np.asarray(devices), (axis_name,), axis_types=(AxisType.Explicit,))
+  return Mesh(np.asarray(devices), (axis_name,), axis_types=(AxisType.Auto,))
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis of type ``AxisType.Auto`` (the same devices and names).
+
+  The jitted steps run on this twin of the caller's mesh, so the arrays they
+  return carry no mesh axes in their types. Arrays on an ``Explicit`` mesh
+  do, and ordinary single-device code that later meets them (``nnx.update``
+  then a metrics object's ``reset()``) fails with "Length of device
+  assignment 1 is not equal to the size of the mesh ... use jax.set_mesh".
+  Auto-typed arrays work anywhere.
+  """
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def check_mesh_axis(mesh: Any, axis_name: str) -> None:
@@ -69,7 +85,13 @@ def place(tree: Any, shardings: Any) -> Any:
 
 
 def init_state(
-    params: Any, optimizer: optax.GradientTransformation, mesh: Mesh, *, axis_name: str = "data", zero_stage: int = 0
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name: str = "data",
+    zero_stage: int = 0,
+    model_state: Any = None,
 ) -> TrainState:
   """Creates the training state and places it as :func:`make_train_step` expects.
 
@@ -81,6 +103,8 @@ def init_state(
     zero_stage: 0 replicates every leaf on every device (a full replica per
       device, as in DDP); 1 and 2 shard the optimizer state over
       ``axis_name``; 3 shards the parameters too (see :mod:`jaxdp.sharding`).
+    model_state: the model's non-trainable state (BatchNorm statistics), or
+      ``None``; replicated at every stage.
 
   Returns:
     A :class:`TrainState` of fresh buffers: a step that donates it never
@@ -88,4 +112,5 @@ def init_state(
   """
   check_mesh_axis(mesh, axis_name)
   check_zero_stage(zero_stage)
-  return init_zero_state(place(params, replicated(mesh)), optimizer, mesh, axis_name, zero_stage)
+  params, model_state = place((params, model_state), replicated(mesh))
+  return init_zero_state(params, optimizer, mesh, axis_name, zero_stage, model_state)

@@ -17,10 +17,12 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from jaxdp._checks import check_int
+from jaxdp.loss import call_loss
 
 REDUCTIONS = ("mean", "rank_mean", "sum", "none")
 """The reduction modes accepted by :func:`reduce_gradient` and the steps.
@@ -39,29 +41,40 @@ class LocalGradient(NamedTuple):
   """What one replica knows before any communication.
 
   Attributes:
-    grads: gradient of ``loss_sum`` with respect to the params (same pytree).
-    loss_sum: scalar ``Σ w·l`` over this replica's examples (or tokens).
-    weight_sum: scalar ``Σ w`` over this replica's examples (or tokens).
+    grads: gradient of ``loss_sum`` with respect to the params (same pytree),
+      accumulated in float32 at least.
+    loss_sum: scalar ``Σ w·l`` over this replica's examples (or tokens), float32 at least.
+    weight_sum: scalar float32 ``Σ w`` over this replica's examples (or tokens).
+    metric_sums: ``{name: Σ w·m}`` of the metrics ``loss_fn`` returned (empty if none).
+    model_state: the model state after this replica's forward pass(es), or ``None``.
   """
 
   grads: Any
   loss_sum: jax.Array
   weight_sum: jax.Array
+  metric_sums: Any = None
+  model_state: Any = None
 
 
 class ReducedGradient(NamedTuple):
-  """The gradient every replica applies, with the matching loss and weight.
+  """The gradient every replica applies, with the matching loss, weight, metrics and model state.
 
   Attributes:
     grads: the normalised gradient to hand to the optimizer.
     loss: the reduced loss matching the reduction mode.
     weight: the total weight behind ``grads``: global ``Σ w``, or the local one
       under ``"none"``. Zero means there is nothing to learn from.
+    metrics: ``{name: value}``, each metric reduced like the loss.
+    model_state: the model state every replica keeps (see :func:`reduce_model_state`).
+    totals: the ``totals`` given to :func:`reduce_gradient`, summed over replicas.
   """
 
   grads: Any
   loss: jax.Array
   weight: jax.Array
+  metrics: Any = None
+  model_state: Any = None
+  totals: Any = None
 
 
 def check_reduction(reduction: str) -> None:
@@ -99,21 +112,26 @@ def as_varying(tree: Any, axis_name: str) -> Any:
   return jax.tree.map(cast, tree)
 
 
-def _weighted_losses(losses: jax.Array, weights: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def _at_least_float32(x: jax.Array) -> jax.Array:
+  # Sums of many float16/bfloat16 terms lose counts (1,204 tokens sum to 1,200 in bfloat16) or overflow
+  # (float16 tops out at 65,504): weights, losses and gradients are summed in float32 at least.
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _weighted_sum(values: jax.Array, weights: jax.Array) -> jax.Array:
+  # where() keeps a non-finite value on a zero-weight (padding) row out of the sum.
+  return jnp.sum(jnp.where(weights > 0, _at_least_float32(values) * weights, 0))
+
+
+def _loss_weights(weights: jax.Array | None, losses: jax.Array) -> jax.Array:
   if weights is None:
-    weights = jnp.ones_like(losses)
+    return jnp.ones(losses.shape, jnp.float32)
   if weights.shape != losses.shape:
     raise ValueError(
         f"weights has shape {weights.shape} but loss_fn returned losses of shape {losses.shape}; "
         "pass weights with exactly the shape of the per-example (or per-token) losses."
     )
-  weights = weights.astype(losses.dtype)
-  # where() keeps a non-finite loss on a zero-weight (padding) row out of the sum.
-  return jnp.sum(jnp.where(weights > 0, losses * weights, 0)), jnp.sum(weights)
-
-
-def _call_loss(loss_fn, params, batch, rng):
-  return loss_fn(params, batch) if rng is None else loss_fn(params, batch, rng)
+  return _at_least_float32(weights)
 
 
 def _split_micro(tree: Any, accum_steps: int) -> Any:
@@ -130,8 +148,50 @@ def _split_micro(tree: Any, accum_steps: int) -> Any:
   return jax.tree.map(split, tree)
 
 
+def _rows(batch: Any) -> int:
+  leaves = jax.tree.leaves(batch)
+  if not leaves or not np.shape(leaves[0]):
+    raise ValueError("batch needs at least one array with a leading batch axis.")
+  return np.shape(leaves[0])[0]
+
+
+def _abstract_vma(x: Any) -> frozenset:
+  """The varying axes of an array or of a ``ShapeDtypeStruct`` from ``jax.eval_shape``."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    manual = getattr(x, "manual_axis_type", None)  # JAX 0.10
+    return frozenset(manual.varying) if manual is not None else frozenset(getattr(x, "vma", ()) or ())
+  return _varying_axes(x)
+
+
+def loss_sums(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    rng: jax.Array | None = None,
+    model_state: Any = None,
+    axis_name: str | None = None,
+    train: bool = True,
+) -> LocalGradient:
+  """This replica's weighted sums ``Σ w·l``, ``Σ w``, ``Σ w·m`` per metric, and its new model state.
+
+  The one definition of the loss and metrics that training and evaluation
+  share. Sums are in float32 at least; rows of weight 0 never contribute,
+  even if their loss or metric is NaN. Returns a :class:`LocalGradient` with
+  ``grads=None``.
+  """
+  row_weights = jnp.ones((_rows(batch),), jnp.float32) if weights is None else weights
+  out = call_loss(
+      loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
+  )
+  w = _loss_weights(weights, out.losses)
+  metric_sums = {name: _weighted_sum(values, w) for name, values in out.metrics.items()}
+  return LocalGradient(None, _weighted_sum(out.losses, w), jnp.sum(w), metric_sums, out.model_state)
+
+
 def local_gradient(
-    loss_fn: Callable[..., jax.Array],
+    loss_fn: Callable[..., Any],
     params: Any,
     batch: Any,
     weights: jax.Array | None = None,
@@ -139,13 +199,16 @@ def local_gradient(
     axis_name: str | None = None,
     accum_steps: int = 1,
     rng: jax.Array | None = None,
+    model_state: Any = None,
+    train: bool = True,
 ) -> LocalGradient:
-  """Gradient of this replica's weighted loss *sum*, with no communication.
+  """Gradient of this replica's weighted loss *sum*, with no communication of its own.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` (or ``loss_fn(params, batch, rng)``
-      when ``rng`` is given) returning per-example losses ``[b]`` or
-      per-token losses ``[b, t]``.
+      when ``rng`` is given) returning per-example losses ``[b]``, per-token
+      losses ``[b, t]``, or a :class:`jaxdp.LossOutput`; it may declare the
+      keyword arguments of :data:`jaxdp.LOSS_KEYWORDS` (see :mod:`jaxdp.loss`).
     params: the parameters (replicated across the axis).
     batch: this replica's slice of the batch.
     weights: ``None`` (all ones) or an array of the losses' shape with values
@@ -153,45 +216,62 @@ def local_gradient(
     axis_name: when called inside ``shard_map`` over this axis, the name of
       the axis; the params are then differentiated as a per-replica value, so
       that the result is the local gradient and not an implicit all-reduce.
+      (A ``loss_fn`` may still communicate, e.g. for exact BatchNorm statistics.)
     accum_steps: split the batch into this many contiguous micro-batches and
       accumulate their gradient *sums* with ``lax.scan`` (activation memory
       of one micro-batch). The result equals the whole-batch one: sums add
-      exactly, only the final normalisation divides.
+      exactly, only the final normalisation divides. The model state flows
+      through the micro-batches in order, as K forward passes would update it.
     rng: optional PRNG key for ``loss_fn`` (dropout); micro-batch ``i`` gets
       ``fold_in(rng, i)``.
+    model_state: the model state given to ``loss_fn`` (``None`` if the model
+      has none).
+    train: the ``train`` flag for a ``loss_fn`` that declares it.
 
   Returns:
-    A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l`` and ``Σ w``.
+    A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
+    ``Σ w``, the metric sums and the new model state.
   """
   check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   if axis_name is not None:
     params = as_varying(params, axis_name)
 
-  def micro_gradient(micro_batch, micro_weights, micro_rng):
+  def micro_gradient(micro_batch, micro_weights, micro_rng, state):
     def weighted_sum(p):
-      return _weighted_losses(_call_loss(loss_fn, p, micro_batch, micro_rng), micro_weights)
+      sums = loss_sums(
+          loss_fn, p, micro_batch, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train
+      )
+      return sums.loss_sum, sums
 
-    (loss_sum, weight_sum), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
-    return LocalGradient(grads, loss_sum, weight_sum)
+    (_, sums), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+    return sums._replace(grads=jax.tree.map(_at_least_float32, grads))
 
   if accum_steps == 1:
-    return micro_gradient(batch, weights, rng)
-
-  def accumulate(total, xs):
-    index, micro_batch, micro_weights = xs
-    micro_rng = None if rng is None else jax.random.fold_in(rng, index)
-    part = micro_gradient(micro_batch, micro_weights, micro_rng)
-    if axis_name is not None:  # keep the carry's type fixed under check_vma
-      part = as_varying(part, axis_name)
-    return jax.tree.map(jnp.add, total, part), None
+    return micro_gradient(batch, weights, rng, model_state)
 
   micro = _split_micro((batch, weights), accum_steps)
-  first = jax.eval_shape(micro_gradient, *jax.tree.map(lambda x: x[0], micro), rng)
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+  first = jax.eval_shape(micro_gradient, *jax.tree.map(lambda x: x[0], micro), rng, model_state)
+  if axis_name is not None:
+    # The carry's types must not change across iterations: a model state that the first micro-batch makes
+    # per-replica (local statistics) is per-replica from the start; one it keeps replicated stays so.
+    varying = jax.tree.map(lambda s: axis_name in _abstract_vma(s), first.model_state)
+    model_state = jax.tree.map(lambda x, v: as_varying(x, axis_name) if v else x, model_state, varying)
+
+  def accumulate(carry, xs):
+    total, state = carry
+    index, micro_batch, micro_weights = xs
+    micro_rng = None if rng is None else jax.random.fold_in(rng, index)
+    part = micro_gradient(micro_batch, micro_weights, micro_rng, state)
+    sums = part._replace(model_state=None)
+    if axis_name is not None:  # keep the carry's type fixed under check_vma
+      sums = as_varying(sums, axis_name)
+    return (jax.tree.map(jnp.add, total, sums), part.model_state), None
+
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first._replace(model_state=None))
   if axis_name is not None:
     zeros = as_varying(zeros, axis_name)
-  total, _ = lax.scan(accumulate, zeros, (jnp.arange(accum_steps), *micro))
-  return total
+  (total, new_state), _ = lax.scan(accumulate, (zeros, model_state), (jnp.arange(accum_steps), *micro))
+  return total._replace(model_state=new_state)
 
 
 def _is_trivial(tree: Any, axis_name: str) -> bool:
@@ -219,10 +299,70 @@ def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
   return jax.tree.map(lambda x: x / safe.astype(x.dtype), tree)
 
 
+def _tracks_replication(axis_name: str) -> bool:
+  # Inside shard_map with check_vma, JAX types every value as replicated or varying over the axis; under
+  # pmap (or check_vma=False) it does not, and then every model-state leaf must be assumed to vary.
+  return axis_name in _varying_axes(lax.axis_index(axis_name))
+
+
+def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str) -> tuple[list, list, Any]:
+  """``(how, contributions, treedef)``: how each model-state leaf is made identical, and what it psums.
+
+  ``how`` is ``"keep"`` (already replicated), ``"mean"`` (floating: weighted by
+  this replica's ``Σ w``) or ``"first"`` (other dtypes: replica 0's value).
+  """
+  leaves, treedef = jax.tree.flatten(model_state)
+  if lax.axis_size(axis_name) == 1:
+    return ["keep"] * len(leaves), [], treedef
+  tracked = _tracks_replication(axis_name)
+  how, contributions = [], []
+  for x in leaves:
+    if tracked and axis_name not in _varying_axes(x):
+      how.append("keep")
+    elif jnp.issubdtype(x.dtype, jnp.floating):
+      how.append("mean")
+      contributions.append(jnp.where(weight_sum > 0, _at_least_float32(x) * weight_sum, 0))
+    else:
+      how.append("first")
+      contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
+  return how, contributions, treedef
+
+
+def _rebuild_state(leaves: list, how: list, sums: list, weight: jax.Array, treedef: Any) -> Any:
+  sums, out = iter(sums), []
+  for x, mode in zip(leaves, how):
+    if mode == "keep":
+      out.append(x)
+    elif mode == "mean":
+      out.append(_safe_divide(next(sums), weight).astype(x.dtype))
+    else:
+      out.append(next(sums).astype(x.dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: str) -> Any:
+  """The model state every replica keeps, from each replica's own (one psum).
+
+  A leaf that is already replicated (computed from cross-replica statistics,
+  e.g. :class:`jaxdp.nnx.BatchNorm` in sync mode; known from JAX's
+  replication types inside ``shard_map``) is kept as it is. A floating leaf
+  that differs per replica (per-device BatchNorm statistics) becomes the mean
+  over replicas weighted by each replica's ``Σ w``, so a replica without real
+  rows does not count and per-device running means average to the running
+  mean of the global batch; other dtypes take replica 0's value. Under
+  ``pmap`` (no replication types) every leaf is treated as differing.
+  :func:`reduce_gradient` does the same inside its one all-reduce.
+  """
+  reduced = reduce_gradient(
+      LocalGradient(None, jnp.zeros(()), weight_sum, None, model_state), axis_name=axis_name
+  )
+  return reduced.model_state
+
+
 def reduce_gradient(
-    local: LocalGradient, *, axis_name: str, reduction: str = "mean", scatter: bool = False
+    local: LocalGradient, *, axis_name: str, reduction: str = "mean", scatter: bool = False, totals: Any = None
 ) -> ReducedGradient:
-  """Makes the replicas agree on one gradient (one all-reduce per leaf).
+  """Makes the replicas agree on one gradient, loss, metrics and model state, in one all-reduce.
 
   Must run inside ``shard_map`` or ``pmap`` over ``axis_name`` (except for
   ``reduction="none"``, which communicates nothing).
@@ -230,35 +370,48 @@ def reduce_gradient(
   Args:
     local: this replica's :class:`LocalGradient`.
     axis_name: the data-parallel mesh axis.
-    reduction: one of :data:`REDUCTIONS`.
+    reduction: one of :data:`REDUCTIONS`; metrics are reduced like the loss.
     scatter: reduce-scatter the gradient instead of all-reducing it (ZeRO
       stages 2 and 3): every gradient leaf must be flat with a length
       divisible by the axis size, and each device receives its contiguous
       chunk of the reduced gradient. A fully reduced gradient never exists.
+    totals: optional pytree of per-replica values to sum over replicas in the
+      same all-reduce (e.g. the streaming input's "has more data" flags);
+      left local under ``"none"``.
 
   Returns:
     A :class:`ReducedGradient`. Every replica holds the same values except
-    under ``"none"`` (and the gradient chunks under ``scatter``).
+    under ``"none"`` (and the gradient chunks under ``scatter``). The model
+    state is made identical as :func:`reduce_model_state` says (kept
+    per-replica under ``"none"``).
   """
   check_reduction(reduction)
-  grads, loss_sum, weight_sum = local
+  grads, loss_sum, weight_sum, metric_sums, model_state = local
+  metric_sums = {} if metric_sums is None else metric_sums
   if reduction == "none":
     if scatter:
       raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")
-    return ReducedGradient(_safe_divide(grads, weight_sum), _safe_divide(loss_sum, weight_sum), weight_sum)
+    grads, loss, metrics = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
+    return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals)
+  local_weight = weight_sum
   if reduction == "rank_mean":  # each replica's local mean first, as DDP does
-    grads, loss_sum = _safe_divide((grads, loss_sum), weight_sum)
+    grads, loss_sum, metric_sums = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
+  how, contributions, treedef = _state_contributions(model_state, local_weight, axis_name)
+  small = (loss_sum, weight_sum, metric_sums, contributions, totals)
   if scatter:
     grads = _psum_scatter(grads, axis_name)
-    loss_sum, weight_sum = _psum((loss_sum, weight_sum), axis_name)
-  else:  # one psum call: XLA can reduce gradient and scalars in a single all-reduce
-    grads, loss_sum, weight_sum = _psum((grads, loss_sum, weight_sum), axis_name)
+    loss_sum, weight_sum, metric_sums, contributions, totals = _psum(small, axis_name)
+  else:  # one psum call: XLA reduces gradient, scalars and model state in a single all-reduce
+    grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum((grads, small), axis_name)
+  model_state = _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight_sum, treedef)
   if reduction == "sum":
-    return ReducedGradient(grads, loss_sum, weight_sum)
+    return ReducedGradient(grads, loss_sum, weight_sum, metric_sums, model_state, totals)
   if reduction == "rank_mean":
     n = lax.axis_size(axis_name)
-    return ReducedGradient(jax.tree.map(lambda x: x / n, grads), loss_sum / n, weight_sum)
-  return ReducedGradient(*_safe_divide((grads, loss_sum), weight_sum), weight_sum)
+    grads, loss, metrics = jax.tree.map(lambda x: x / n, (grads, loss_sum, metric_sums))
+    return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals)
+  grads, loss, metrics = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
+  return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals)
 
 
 def global_norm(tree: Any, axis_name: str | None = None) -> jax.Array:

@@ -114,23 +114,35 @@ def state_shardings(state: Any, mesh: Mesh, axis_name: str) -> Any:
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(state, axis_name))
 
 
-def abstract_zero_state(params: Any, optimizer: optax.GradientTransformation, n: int, zero_stage: int) -> TrainState:
+def abstract_zero_state(
+    params: Any, optimizer: optax.GradientTransformation, n: int, zero_stage: int, model_state: Any = None
+) -> TrainState:
   """The state's layout as ``ShapeDtypeStruct``s, without computing anything."""
-  return jax.eval_shape(lambda p: _build_state(p, optimizer, n, zero_stage), params)
+  return jax.eval_shape(lambda p, m: _build_state(p, optimizer, n, zero_stage, m), params, model_state)
 
 
-def _build_state(params: Any, optimizer: optax.GradientTransformation, n: int, zero_stage: int) -> TrainState:
+def _build_state(
+    params: Any, optimizer: optax.GradientTransformation, n: int, zero_stage: int, model_state: Any = None
+) -> TrainState:
   if zero_stage == 0:
-    return TrainState.create(params, optimizer)
+    return TrainState.create(params, optimizer, model_state)
   flat = flatten_tree(params, n, zero_stage)
   return TrainState(
       params=flat if zero_stage == 3 else params,
       opt_state=optimizer.init(flat),
       step=jnp.zeros((), jnp.int32),
+      model_state=model_state,  # small and read by every replica's forward pass: never sharded
   )
 
 
-def init_zero_state(params: Any, optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str, zero_stage: int) -> TrainState:
+def init_zero_state(
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    axis_name: str,
+    zero_stage: int,
+    model_state: Any = None,
+) -> TrainState:
   """Builds the state of ``zero_stage`` directly in its sharded layout.
 
   Computed under ``jit`` with sharded outputs, so the full optimizer state is
@@ -140,11 +152,12 @@ def init_zero_state(params: Any, optimizer: optax.GradientTransformation, mesh: 
   n = mesh.shape[axis_name]
   if zero_stage and n > 1:
     check_chunkable(optimizer, params, mesh, axis_name)
-  abstract = abstract_zero_state(params, optimizer, n, zero_stage)
+  abstract = abstract_zero_state(params, optimizer, n, zero_stage, model_state)
   shardings = state_shardings(abstract, mesh, axis_name)
-  # Copying inside the jit keeps outputs from aliasing the caller's params, which a donating step would consume.
-  build = jax.jit(lambda p: _build_state(jax.tree.map(jnp.copy, p), optimizer, n, zero_stage), out_shardings=shardings)
-  return build(params)
+  # Copying inside the jit keeps outputs from aliasing the caller's arrays, which a donating step would consume.
+  copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+  build = jax.jit(lambda p, m: _build_state(copy(p), optimizer, n, zero_stage, copy(m)), out_shardings=shardings)
+  return build(params, model_state)
 
 
 def _probe_updates(optimizer, params, grads):

@@ -1,4 +1,4 @@
-"""The training state: parameters, optimizer state and step counter."""
+"""The training state: parameters, optimizer state, step counter and model state."""
 
 from __future__ import annotations
 
@@ -15,21 +15,29 @@ class TrainState(NamedTuple):
   and ``pmap`` as it is, and ``state._replace(...)`` returns a modified copy.
 
   Attributes:
-    params: the model parameters (any pytree of arrays).
+    params: the model parameters (any pytree of arrays), the only part that is
+      differentiated.
     opt_state: the optax optimizer state for ``params``.
     step: int32 scalar, the number of updates applied so far. Steps skipped
-      because the global batch weight was zero do not count.
+      because the global batch weight was zero (or a gradient was not finite)
+      do not count.
+    model_state: non-trainable model state that the forward pass updates
+      (BatchNorm running statistics: flax linen's ``batch_stats`` collection,
+      nnx ``BatchStat`` variables), or ``None`` for a model without any. The
+      step hands it to ``loss_fn`` and keeps it identical on every replica
+      (see :func:`jaxdp.train_step`). Always replicated, also under ZeRO.
   """
 
   params: Any
   opt_state: Any
   step: Any
+  model_state: Any = None
 
   @classmethod
-  def create(cls, params: Any, optimizer: optax.GradientTransformation) -> TrainState:
+  def create(cls, params: Any, optimizer: optax.GradientTransformation, model_state: Any = None) -> TrainState:
     """Builds a state at step 0 with ``optimizer.init(params)``.
 
     The arrays are not placed on any mesh; use :func:`jaxdp.init_state` for a
     state placed the way :func:`jaxdp.make_train_step` expects.
     """
-    return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+    return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), model_state=model_state)

@@ -7,13 +7,15 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp import _checks
 from jaxdp._checks import check_int
-from jaxdp.mesh import check_mesh_axis, data_mesh, place, replicated, split_along
+from jaxdp.loss import check_loss_fn
+from jaxdp.mesh import auto_mesh, check_mesh_axis, data_mesh, place, replicated, split_along
 from jaxdp.reduction import (
     ReducedGradient,
     check_reduction,
@@ -35,24 +37,36 @@ def _check_modes(reduction: str, zero_stage: int) -> None:
     raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
 
 
-def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads: Any, apply: jax.Array | bool = True) -> TrainState:
-  """Applies ``grads`` with ``optimizer``, or returns ``state`` unchanged when ``apply`` is false.
+def apply_update(
+    optimizer: optax.GradientTransformation,
+    state: TrainState,
+    grads: Any,
+    apply: jax.Array | bool = True,
+    model_state: Any = None,
+) -> TrainState:
+  """Applies ``grads`` with ``optimizer`` (and installs ``model_state``), or returns ``state`` unchanged.
 
   ``train_step`` passes ``apply = (global weight > 0) & (no replica saw a
   non-finite gradient)``, a value every replica holds identically, so all
-  replicas skip together: no NaN, no spurious optimizer step, no step count.
+  replicas skip together: no NaN, no spurious optimizer step, no step count,
+  and no model-state update from a batch that was not learned from.
+  ``model_state=None`` keeps ``state.model_state``. Gradients are cast to
+  the parameters' dtypes (they are reduced in float32 at least).
   """
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
-  def step(state):
+  def step(operand):
+    state, new_model_state = operand
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1)
+    kept = state.model_state if new_model_state is None else new_model_state
+    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1, kept)
 
   # cond rather than a select over the whole state: a select copies every buffer each step.
-  return lax.cond(apply, step, lambda state: state, state)
+  return lax.cond(apply, step, lambda operand: operand[0], (state, model_state))
 
 
 def train_step(
-    loss_fn: Callable[..., jax.Array],
+    loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     state: TrainState,
     batch: Any,
@@ -63,6 +77,7 @@ def train_step(
     accum_steps: int = 1,
     rng: jax.Array | None = None,
     zero_stage: int = 0,
+    has_more: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
@@ -72,7 +87,10 @@ def train_step(
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
-      or per-token losses ``[b, t]``.
+      or per-token losses ``[b, t]``, or a :class:`jaxdp.LossOutput` with the
+      new model state and metrics; it may declare the keyword arguments
+      ``model_state``, ``weights``, ``axis_name`` and ``train`` (see
+      :mod:`jaxdp.loss`).
     optimizer: an optax ``GradientTransformation``.
     state: this replica's :class:`TrainState`.
     batch: this replica's slice of the batch.
@@ -86,51 +104,65 @@ def train_step(
     rng: optional PRNG key, the same on every replica. Each replica derives
       its own key with ``fold_in(fold_in(rng, state.step), axis_index)`` (and
       ``fold_in(·, i)`` for micro-batch ``i``) and ``loss_fn`` is called as
-      ``loss_fn(params, batch, key)``. Only gradients depend on the key, so
-      the replicas stay identical.
+      ``loss_fn(params, batch, key)``. Only gradients and per-replica model
+      state depend on the key, so the replicas stay identical.
     zero_stage: the ZeRO stage of ``state``'s layout (see
       :func:`jaxdp.init_state`); stages 1-3 need ``shard_map`` with the
       state's specs from :func:`jaxdp.state_specs`.
+    has_more: optional per-replica count (e.g. 1 if this replica's input
+      stream has data after this batch), summed over replicas in the step's
+      own all-reduce into ``metrics["has_more"]``.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
-    ``reduction`` says), ``weight`` (global ``Σ w``; local under ``"none"``),
-    ``grad_norm`` (global norm of the applied gradient), ``nonfinite`` (1 when
-    the reduced gradient or loss holds a NaN/Inf, which happens when any
-    replica's does, or when the gradient norm overflows float32) and
-    ``skipped`` (1 when the update was skipped: zero global weight or
-    ``nonfinite``; the state, ``step`` included, is then returned unchanged
-    on every replica).
+    ``reduction`` says), each metric ``loss_fn`` returned (reduced like the
+    loss), ``weight`` (global ``Σ w``; local under ``"none"``), ``grad_norm``
+    (global norm of the applied gradient), ``nonfinite`` (1 when the reduced
+    gradient or loss holds a NaN/Inf, which happens when any replica's does,
+    or when the gradient norm overflows float32), ``skipped`` (1 when the
+    update was skipped: zero global weight or ``nonfinite``; the state,
+    ``step`` and model state included, is then returned unchanged on every
+    replica) and ``has_more`` when given. The new model state is identical
+    on every replica (see :func:`jaxdp.reduce_model_state`).
   """
   _check_modes(reduction, zero_stage)
   if rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
   params = gather_chunks(state.params, axis_name) if zero_stage == 3 else state.params
-  local = local_gradient(loss_fn, params, batch, weights, axis_name=axis_name, accum_steps=accum_steps, rng=rng)
+  local = local_gradient(
+      loss_fn, params, batch, weights,
+      axis_name=axis_name, accum_steps=accum_steps, rng=rng, model_state=state.model_state,
+  )
   if zero_stage >= 2:
     local = local._replace(grads=flatten_tree(local.grads, lax.axis_size(axis_name), zero_stage))
-  reduced: ReducedGradient = reduce_gradient(local, axis_name=axis_name, reduction=reduction, scatter=zero_stage >= 2)
+  totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
+  reduced: ReducedGradient = reduce_gradient(
+      local, axis_name=axis_name, reduction=reduction, scatter=zero_stage >= 2, totals=totals
+  )
   # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
   # a NaN is NaN; the norm of sharded chunks is all-reduced), so this flag is the same everywhere: all skip.
   grad_norm = global_norm(reduced.grads, axis_name)
   nonfinite = jnp.logical_not(jnp.isfinite(grad_norm) & jnp.isfinite(reduced.loss))
   apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
   if zero_stage == 0:
-    new_state = apply_update(optimizer, state, reduced.grads, apply)
+    new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state)
   else:
     # Each device updates only its chunk of the parameters, with its chunk of the optimizer state.
     grads = reduced.grads if zero_stage >= 2 else my_chunk(reduced.grads, axis_name, zero_stage)
     chunks = state.params if zero_stage == 3 else my_chunk(state.params, axis_name, zero_stage)
-    new_state = apply_update(optimizer, state._replace(params=chunks), grads, apply)
+    new_state = apply_update(optimizer, state._replace(params=chunks), grads, apply, reduced.model_state)
     if zero_stage < 3:
       new_state = new_state._replace(params=gather_chunks(new_state.params, axis_name))
   metrics = {
       "loss": reduced.loss,
+      **reduced.metrics,
       "weight": reduced.weight,
       "grad_norm": grad_norm,
       "nonfinite": nonfinite.astype(jnp.int32),
       "skipped": jnp.logical_not(apply).astype(jnp.int32),
   }
+  if has_more is not None:
+    metrics["has_more"] = reduced.totals
   return new_state, metrics
 
 
@@ -171,42 +203,56 @@ class CompiledStep:
           "one. Lower the learning rate, check the data, or raise max_consecutive_skips."
       )
 
-  def _prepare(self, state, batch, weights, rng):
+  def _prepare(self, state, batch, weights, rng, has_more=None):
     if jax.process_count() > 1:
       # Every call, on every process: a process whose inputs differ must fail with the others, not
       # leave them blocked in the step's all-reduce (a per-process cache could desynchronise them).
       from jaxdp.distributed import assert_same_across_processes
 
-      assert_same_across_processes({"state": state, "batch": batch, "weights": weights, "rng": rng}, "step inputs")
-    key = _checks.signature(state, batch, weights, rng)
+      inputs = {"state": state, "batch": batch, "weights": weights, "rng": rng, "has_more": has_more}
+      assert_same_across_processes(inputs, "step inputs")
+    key = _checks.signature(state, batch, weights, rng, has_more)
     if key not in self._validated:
+      n = self.mesh.shape[self.axis_name]
       _checks.check_step_inputs(
-          self.loss_fn,
-          self.optimizer,
-          state,
-          batch,
-          weights,
-          rng,
-          n_replicas=self.mesh.shape[self.axis_name],
-          accum_steps=self.accum_steps,
-          zero_stage=self.zero_stage,
+          self.loss_fn, self.optimizer, state, batch, weights, rng,
+          n_replicas=n, accum_steps=self.accum_steps, zero_stage=self.zero_stage,
       )
+      if has_more is not None and np.shape(has_more) != (n,):
+        raise ValueError(
+            f"has_more has shape {np.shape(has_more)}; pass one count per device of the data axis, shape ({n},) "
+            "(jaxdp.StreamingPipeline yields it), or None."
+        )
       self._validated.add(key)
     state = place(state, state_shardings(state, self.mesh, self.axis_name))
     rng = place(rng, replicated(self.mesh))
-    batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
-    return state, batch, weights, rng
+    batch, weights, has_more = jax.device_put((batch, weights, has_more), split_along(self.mesh, self.axis_name))
+    return state, batch, weights, rng, has_more
 
-  def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None):
+  def __call__(
+      self,
+      state: TrainState,
+      batch: Any,
+      weights: jax.Array | None = None,
+      rng: jax.Array | None = None,
+      *,
+      has_more: jax.Array | None = None,
+  ):
     self._check_previous_step()
-    state, metrics = self.jitted(*self._prepare(state, batch, weights, rng))
+    state, metrics = self.jitted(*self._prepare(state, batch, weights, rng, has_more))
     self._pending_nonfinite = metrics["nonfinite"]
     return state, metrics
 
   def lower(
-      self, state: TrainState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None
+      self,
+      state: TrainState,
+      batch: Any,
+      weights: jax.Array | None = None,
+      rng: jax.Array | None = None,
+      *,
+      has_more: jax.Array | None = None,
   ) -> jax.stages.Lowered:
-    return self.jitted.lower(*self._prepare(state, batch, weights, rng))
+    return self.jitted.lower(*self._prepare(state, batch, weights, rng, has_more))
 
 
 def make_train_step(
@@ -263,8 +309,10 @@ def make_train_step(
   check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
+  check_loss_fn(loss_fn)
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
   check_mesh_axis(mesh, axis_name)
+  mesh = auto_mesh(mesh)
   if backend == "pmap" and mesh.axis_names != (axis_name,):
     raise ValueError(
         f"backend='pmap' maps over one axis only, but mesh has axes {mesh.axis_names}; "
@@ -278,10 +326,11 @@ def make_train_step(
   if max_consecutive_skips is not None:
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
 
-  def replica_step(state, batch, weights, rng):
+  def replica_step(state, batch, weights, rng, has_more):
     new_state, metrics = train_step(
         loss_fn, optimizer, state, batch, weights,
         axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, zero_stage=zero_stage,
+        has_more=has_more,
     )
     if check_replicas:
       metrics["replica_divergence"] = replica_divergence(new_state, axis_name)
@@ -311,17 +360,17 @@ def _shard_map_over(replica_step, mesh: Mesh, axis_name: str, *, check_vma: bool
   """``shard_map`` with the state's specs read off its structure (ZeRO chunks split, the rest replicated)."""
 
   @functools.wraps(replica_step)
-  def step(state, batch, weights, rng):
+  def step(state, batch, weights, rng, has_more):
     specs = state_specs(state, axis_name)
     mapped = jax.shard_map(
         replica_step,
         mesh=mesh,
-        in_specs=(specs, P(axis_name), P(axis_name), P()),
+        in_specs=(specs, P(axis_name), P(axis_name), P(), P(axis_name)),
         out_specs=(specs, P()),
         # "none" returns replicas that differ on purpose, which the check would reject.
         check_vma=check_vma,
     )
-    return mapped(state, batch, weights, rng)
+    return mapped(state, batch, weights, rng, has_more)
 
   return step
 
@@ -330,24 +379,30 @@ def _pmap_over(replica_step, mesh: Mesh, axis_name: str):
   """The same step through ``jax.pmap``: global batch reshaped to ``[n, b, ...]``."""
   n = mesh.shape[axis_name]
   devices = list(mesh.devices.flat)
-  # pmap mis-flattens in_axes against a None argument, so the key-less step has its own map.
-  with_rng = jax.pmap(replica_step, axis_name, in_axes=(None, 0, 0, None), out_axes=(None, None), devices=devices)
-  without_rng = jax.pmap(
-      lambda state, batch, weights: replica_step(state, batch, weights, None),
-      axis_name,
-      in_axes=(None, 0, 0),
-      out_axes=(None, None),
-      devices=devices,
-  )
+  # pmap mis-flattens in_axes against a None argument, so each combination of absent arguments has its own map.
+  maps = {}
+
+  def mapped(rng_given: bool, has_more_given: bool):
+    if (rng_given, has_more_given) not in maps:
+      def replica(state, batch, weights, *rest):
+        rest = list(rest)
+        rng = rest.pop(0) if rng_given else None
+        has_more = rest.pop(0) if has_more_given else None
+        return replica_step(state, batch, weights, rng, has_more)
+
+      in_axes = (None, 0, 0) + ((None,) if rng_given else ()) + ((0,) if has_more_given else ())
+      maps[rng_given, has_more_given] = jax.pmap(
+          replica, axis_name, in_axes=in_axes, out_axes=(None, None), devices=devices
+      )
+    return maps[rng_given, has_more_given]
 
   def split_leading(x):
     return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
   @functools.wraps(replica_step)
-  def step(state, batch, weights, rng):
+  def step(state, batch, weights, rng, has_more):
     batch, weights = jax.tree.map(split_leading, (batch, weights))
-    if rng is None:
-      return without_rng(state, batch, weights)
-    return with_rng(state, batch, weights, rng)
+    extra = [x for x in (rng, has_more) if x is not None]
+    return mapped(rng is not None, has_more is not None)(state, batch, weights, *extra)
 
   return step

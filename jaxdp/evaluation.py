@@ -1,0 +1,149 @@
+"""Data-parallel evaluation: exact global weighted metrics over padded, uneven batches.
+
+The evaluation step calls the training ``loss_fn`` with ``train=False`` (if
+it declares ``train``) and no PRNG key, and reduces the loss and every metric
+it returns with the same weighted sums as the training step
+(:func:`jaxdp.loss_sums`): one definition of each metric for training and
+evaluation. Each real example counts once and padding (weight 0) never
+counts, unlike PyTorch's ``DistributedSampler``, which pads an evaluation set
+by repeating examples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxdp import _checks
+from jaxdp.loss import check_loss_fn
+from jaxdp.mesh import auto_mesh, check_mesh_axis, data_mesh, place, split_along
+from jaxdp.reduction import LocalGradient, _safe_divide, loss_sums, reduce_gradient
+from jaxdp.sharding import gather_chunks, state_shardings, state_specs
+from jaxdp.state import TrainState
+
+
+def eval_sums(
+    loss_fn: Callable[..., Any],
+    state: TrainState,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    axis_name: str = "data",
+) -> dict[str, jax.Array]:
+  """Global sums ``{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}`` of one batch, as seen by one replica.
+
+  Call it inside ``shard_map`` over ``axis_name`` (batch split, state as
+  :func:`jaxdp.state_specs` says); one all-reduce. Dividing by ``"weight"``
+  gives the exact global weighted means; adding sums over batches first gives
+  those of a whole dataset.
+  """
+  params = gather_chunks(state.params, axis_name)  # ZeRO-3 chunks; a no-op for replicated leaves
+  local = loss_sums(
+      loss_fn, params, batch, weights, model_state=state.model_state, axis_name=axis_name, train=False
+  )
+  reduced = reduce_gradient(local._replace(model_state=None), axis_name=axis_name, reduction="sum")
+  return {"loss": reduced.loss, "weight": reduced.weight, **reduced.metrics}
+
+
+def means_from_sums(sums: dict[str, Any]) -> dict[str, Any]:
+  """``{"loss": Σ w·l / Σ w, name: Σ w·m / Σ w, "weight": Σ w}`` (0, not NaN, when ``Σ w`` is 0)."""
+  weight = sums["weight"]
+  means = _safe_divide({k: v for k, v in sums.items() if k != "weight"}, weight)
+  return {**means, "weight": weight}
+
+
+class EvalStep:
+  """A jitted data-parallel evaluation step; built by :func:`make_eval_step`.
+
+  ``eval_step(state, batch, weights=None)`` returns the global weighted
+  means of one batch (``loss``, each metric, and ``weight`` = ``Σ w``) as
+  device scalars; ``eval_step.evaluate(state, batches)`` runs over an
+  iterable of ``(batch, weights)`` (e.g. one pass of a
+  :class:`jaxdp.DataPipeline`) and returns the exact weighted means over all
+  of it as Python floats, the per-batch float32 sums added in float64.
+  """
+
+  def __init__(self, jitted, *, loss_fn, mesh: Mesh, axis_name: str):
+    self.jitted, self.loss_fn, self.mesh, self.axis_name = jitted, loss_fn, mesh, axis_name
+    self._validated: set = set()
+
+  def _prepare(self, state, batch, weights):
+    _checks.check_state(state)
+    key = _checks.signature(state, batch, weights)
+    if key not in self._validated:
+      check_loss_fn(self.loss_fn, with_model_state=state.model_state is not None)
+      n = self.mesh.shape[self.axis_name]
+      total = _checks.batch_size(batch)
+      if total % n:
+        raise ValueError(
+            f"batch has leading size {total}, which does not split evenly over {n} devices; pad it with "
+            f"zero-weight rows (jaxdp.shard_uneven or jaxdp.DataPipeline do) to a multiple of {n}."
+        )
+      if weights is not None and (np.ndim(weights) not in (1, 2) or np.shape(weights)[0] != total):
+        raise ValueError(
+            f"weights has shape {np.shape(weights)} but the batch has {total} rows; pass [{total}] or "
+            f"[{total}, t] weights (0 for padding), or None."
+        )
+      self._validated.add(key)
+    if jax.process_count() > 1:
+      from jaxdp.distributed import assert_same_across_processes
+
+      assert_same_across_processes({"state": state, "batch": batch, "weights": weights}, "evaluation inputs")
+    state = place(state, state_shardings(state, self.mesh, self.axis_name))
+    batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
+    return state, batch, weights
+
+  def sums(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> dict[str, jax.Array]:
+    """The global sums of one batch (see :func:`eval_sums`)."""
+    return self.jitted(*self._prepare(state, batch, weights))
+
+  def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> dict[str, jax.Array]:
+    return means_from_sums(self.sums(state, batch, weights))
+
+  def evaluate(self, state: TrainState, batches: Iterable[tuple[Any, Any]]) -> dict[str, float]:
+    """Exact weighted means over every ``(batch, weights)`` of ``batches`` (Python floats).
+
+    ``weight`` is the total ``Σ w``. Batches are dispatched asynchronously;
+    the sums are fetched once at the end.
+    """
+    pending = [self.sums(state, batch, weights) for batch, weights in batches]
+    if not pending:
+      raise ValueError("batches is empty; pass at least one (batch, weights) pair.")
+    host = jax.device_get(pending)
+    totals = {k: np.sum([np.float64(s[k]) for s in host]) for k in host[0]}
+    weight = totals.pop("weight")
+    return {**{k: float(v / weight) if weight > 0 else 0.0 for k, v in totals.items()}, "weight": float(weight)}
+
+
+def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data") -> EvalStep:
+  """Builds the jitted evaluation step over every device of ``mesh[axis_name]``.
+
+  Args:
+    loss_fn: the training ``loss_fn`` (see :mod:`jaxdp.loss`); it is called
+      with ``train=False`` if it declares ``train``, with the state's
+      ``model_state`` if it declares ``model_state``, and without a PRNG key.
+    mesh: the device mesh; default ``jaxdp.data_mesh()`` over every device.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    An :class:`EvalStep`. It takes a :class:`jaxdp.TrainState` of any ZeRO
+    stage and never changes it (nothing is donated).
+  """
+  check_loss_fn(loss_fn)
+  mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
+  check_mesh_axis(mesh, axis_name)
+  mesh = auto_mesh(mesh)
+  check_vma = mesh.shape[axis_name] > 1
+
+  def step(state, batch, weights):
+    replica = lambda s, b, w: eval_sums(loss_fn, s, b, w, axis_name=axis_name)  # noqa: E731
+    specs = state_specs(state, axis_name)
+    mapped = jax.shard_map(
+        replica, mesh=mesh, in_specs=(specs, P(axis_name), P(axis_name)), out_specs=P(), check_vma=check_vma
+    )
+    return mapped(state, batch, weights)
+
+  return EvalStep(jax.jit(step), loss_fn=loss_fn, mesh=mesh, axis_name=axis_name)

@@ -1,0 +1,202 @@
+"""The loss protocol: what jaxdp hands to ``loss_fn`` and what ``loss_fn`` may return.
+
+``loss_fn(params, batch)`` (or ``loss_fn(params, batch, rng)`` when the step
+is given a PRNG key) returns unreduced losses: per-example ``[b]`` or
+per-token ``[b, t]``. jaxdp does the weighting and the reduction.
+
+A real program needs more, so ``loss_fn`` may also declare any of these
+keyword parameters, and jaxdp fills in the ones it declares (by name, or all
+of them through ``**kwargs``; the way optax passes extra arguments):
+
+* ``model_state``: this replica's non-trainable model state
+  (:attr:`jaxdp.TrainState.model_state`, e.g. BatchNorm statistics);
+* ``weights``: this replica's weights for the rows (micro-batch) being
+  evaluated, as given to the step (``[b]`` or ``[b, t]``; zero marks
+  padding), or all ones ``[b]`` when the step got ``weights=None``. Pass them
+  to anything that computes across rows (BatchNorm's ``mask``) so that
+  padding never enters it;
+* ``axis_name``: the data-parallel axis the step runs over;
+* ``train``: ``True`` in the training step, ``False`` in the evaluation step
+  (dropout off, BatchNorm on its running statistics).
+
+and return a :class:`LossOutput` instead of a bare array, to hand back the
+new model state and named per-example (or per-token) metrics, which the step
+reduces with the loss's weights into exact global weighted means.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LOSS_KEYWORDS = ("model_state", "weights", "axis_name", "train")
+"""The keyword arguments jaxdp passes to a ``loss_fn`` that declares them."""
+
+
+RESERVED_METRICS = ("loss", "weight", "grad_norm", "nonfinite", "skipped", "has_more", "replica_divergence")
+"""Names the steps use in ``metrics`` themselves; a ``loss_fn`` metric may not take them."""
+
+
+class LossOutput(NamedTuple):
+  """What ``loss_fn`` may return instead of a bare array of losses.
+
+  Attributes:
+    losses: per-example ``[b]`` or per-token ``[b, t]`` losses, unreduced.
+    model_state: the new model state (same structure, shapes and dtypes as
+      the ``model_state`` it was given), or ``None`` for a model without
+      state. A ``loss_fn`` given a model state must return one (return the
+      input unchanged if the model does not update it).
+    metrics: ``{name: values}`` with values of the losses' shape, e.g.
+      ``{"accuracy": logits.argmax(-1) == labels}``; reduced like the loss
+      (exact global weighted mean under ``reduction="mean"``).
+  """
+
+  losses: jax.Array
+  model_state: Any = None
+  metrics: Mapping[str, Any] | None = None
+
+
+def loss_keywords(loss_fn: Callable) -> frozenset:
+  """The names of :data:`LOSS_KEYWORDS` that ``loss_fn`` accepts as keyword arguments."""
+  try:
+    parameters = inspect.signature(loss_fn).parameters.values()
+  except (TypeError, ValueError):  # a callable without an inspectable signature takes none of them
+    return frozenset()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    return frozenset(LOSS_KEYWORDS)
+  keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  return frozenset(p.name for p in parameters if p.kind in keyword_kinds and p.name in LOSS_KEYWORDS)
+
+
+def check_loss_fn(loss_fn: Any, *, with_model_state: bool = False) -> None:
+  """Raises ``TypeError`` unless ``loss_fn`` is callable and, ``with_model_state``, accepts ``model_state``."""
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}; pass loss_fn(params, batch) -> losses.")
+  if with_model_state and "model_state" not in loss_keywords(loss_fn):
+    raise TypeError(
+        "state.model_state is not None but loss_fn takes no model_state argument; declare it "
+        "(def loss_fn(params, batch, *, model_state): ...) and return "
+        "jaxdp.LossOutput(losses, model_state=new_model_state), or build the state without model_state."
+    )
+
+
+def call_loss(
+    loss_fn: Callable,
+    params: Any,
+    batch: Any,
+    rng: jax.Array | None,
+    *,
+    model_state: Any,
+    weights: jax.Array,
+    axis_name: str | None,
+    train: bool,
+) -> LossOutput:
+  """Calls ``loss_fn`` with the arguments it declares and checks what it returns.
+
+  Returns a :class:`LossOutput` whose ``metrics`` is a dict (possibly empty)
+  and whose ``model_state`` has the structure, shapes and dtypes of the
+  input's. Checks run while tracing, on abstract values, inside the mapped
+  context (so a ``loss_fn`` that uses collectives is fine).
+  """
+  available = {"model_state": model_state, "weights": weights, "axis_name": axis_name, "train": train}
+  keywords = {k: available[k] for k in loss_keywords(loss_fn)}
+  args = (params, batch) if rng is None else (params, batch, rng)
+  try:
+    out = loss_fn(*args, **keywords)
+  except Exception as e:  # the user's own error, unchanged: only say where it happened
+    e.add_note(
+        f"jaxdp: raised inside loss_fn while the step was traced on one device's slice of the batch "
+        f"({np.shape(weights)[0]} rows), called with params of structure {_structure(params)}; nothing ran and "
+        "nothing was donated."
+    )
+    raise
+  if isinstance(out, LossOutput):
+    losses, new_state, metrics = out
+  elif isinstance(out, tuple):
+    raise TypeError(
+        f"loss_fn returned a {type(out).__name__} of {len(out)} items; return the per-example losses, or "
+        "jaxdp.LossOutput(losses, model_state=..., metrics={...}) for model state and metrics."
+    )
+  else:
+    losses, new_state, metrics = out, None, None
+  _check_losses(losses, np.shape(weights)[0])
+  metrics = _check_metrics(metrics, losses)
+  if model_state is not None or new_state is not None:
+    _check_model_state(model_state, new_state)
+  return LossOutput(losses, new_state, metrics)
+
+
+def _check_losses(losses: Any, rows: int) -> None:
+  shape, dtype = np.shape(losses), getattr(losses, "dtype", None)
+  if dtype is None or len(shape) not in (1, 2) or shape[0] != rows:
+    raise ValueError(
+        f"loss_fn must return per-example losses [b] or per-token losses [b, t] with b={rows} rows "
+        f"(this device's slice), but it returned {_describe(losses)}; return the unreduced losses, jaxdp "
+        "does the weighting."
+    )
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"loss_fn returned losses of dtype {dtype}; losses must be floating point to be differentiated "
+        "(cast them, e.g. losses.astype(jnp.float32))."
+    )
+
+
+def _check_metrics(metrics: Any, losses: jax.Array) -> dict:
+  if metrics is None:
+    return {}
+  if not isinstance(metrics, Mapping):
+    raise TypeError(f"LossOutput.metrics must be a dict {{name: values}}, got {type(metrics).__name__}.")
+  checked = {}
+  for name, values in metrics.items():
+    if not isinstance(name, str) or name in RESERVED_METRICS or not name:
+      raise ValueError(
+          f"metric name {name!r} is not allowed; use a non-empty string other than "
+          f"{', '.join(map(repr, RESERVED_METRICS))}, which the step reports itself."
+      )
+    if np.shape(values) != np.shape(losses):
+      raise ValueError(
+          f"metric {name!r} has shape {np.shape(values)} but the losses have shape {np.shape(losses)}; return one "
+          "value per example (or per token), unreduced, so the step can weight it like the loss."
+      )
+    checked[name] = jnp.asarray(values)
+  return checked
+
+
+def _structure(tree: Any, limit: int = 300) -> str:
+  text = str(jax.tree.map(lambda x: f"{getattr(x, 'dtype', '?')}{list(np.shape(x))}", tree))
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(x: Any) -> str:
+  return f"shape {np.shape(x)}, dtype {getattr(x, 'dtype', type(x).__name__)}"
+
+
+def _check_model_state(given: Any, returned: Any) -> None:
+  if given is None:
+    raise ValueError(
+        "loss_fn returned a model_state but the state has none; build the state with "
+        "jaxdp.init_state(params, optimizer, mesh, model_state=initial_model_state)."
+    )
+  if returned is None:
+    raise ValueError(
+        "loss_fn was given a model_state but returned none; return jaxdp.LossOutput(losses, "
+        "model_state=new_model_state) (the input unchanged if the model does not update it), else the "
+        "model's statistics would silently never change."
+    )
+  given_leaves, given_tree = jax.tree_util.tree_flatten_with_path(given)
+  returned_leaves, returned_tree = jax.tree_util.tree_flatten_with_path(returned)
+  if given_tree != returned_tree:
+    raise ValueError(
+        f"loss_fn returned a model_state of another structure than it was given:\n  given:    {given_tree}\n"
+        f"  returned: {returned_tree}\nreturn the updated state with the input's structure."
+    )
+  for (path, a), (_, b) in zip(given_leaves, returned_leaves):
+    if np.shape(a) != np.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+      raise ValueError(
+          f"loss_fn returned model_state{jax.tree_util.keystr(path)} with {_describe(b)}, but it was given "
+          f"{_describe(a)}; keep every leaf's shape and dtype."
+      )

@@ -1,0 +1,214 @@
+"""flax nnx models in jaxdp: from an ``nnx.Module`` to a state and a loss, and back.
+
+jaxdp's steps are pure functions over pytrees; an nnx Module is a mutable
+object graph. This module converts between the two in three calls::
+
+  definition, params, model_state = jaxdp.nnx.split(model)
+  state = jaxdp.init_state(params, optimizer, mesh, model_state=model_state)
+  loss_fn = jaxdp.nnx.loss_fn(definition, my_loss)   # my_loss(model, batch, *, weights, ...) -> losses
+  ...                                                # jaxdp.make_train_step(loss_fn, optimizer, mesh)
+  jaxdp.nnx.update(model, state)                     # back to the Module, for evaluation or export
+
+* ``params`` are the ``nnx.Param`` variables (what the optimizer updates);
+  ``model_state`` is every other variable (``nnx.BatchStat`` running
+  statistics, counters), or ``None`` if there is none. RNG streams
+  (``nnx.Rngs`` held by ``Dropout``) are neither: jaxdp reseeds them in every
+  step from the step's per-replica, per-step key, so dropout differs between
+  replicas, steps and micro-batches and the same seed reproduces a run.
+* The loss is called on a Module rebuilt inside the traced step (so
+  BatchNorm may update its statistics: no "Cannot mutate BatchStat from a
+  different trace level"), in ``model.train()`` mode in the training step and
+  ``model.eval()`` mode in the evaluation step.
+* flax's own ``nnx.BatchNorm`` is refused: it puts zero-weight padding rows
+  into its statistics unless every call passes a ``mask``, and even with a
+  mask it averages the devices' means with equal weight, which is not the
+  global batch statistic when devices hold different numbers of real rows.
+  Use :class:`jaxdp.nnx.BatchNorm` (same arguments) instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdp.batchnorm import BatchNorm
+from jaxdp.loss import LossOutput
+from jaxdp.sharding import gather_state
+from jaxdp.state import TrainState
+
+__all__ = ["BatchNorm", "Definition", "loss_fn", "merge", "split", "update"]
+
+_USER_KEYWORDS = ("weights", "rngs", "train", "axis_name")
+
+
+class Definition(NamedTuple):
+  """The static part of a split Module: its graph definition and its RNG streams.
+
+  Attributes:
+    graphdef: the ``nnx.GraphDef``.
+    rng_state: the ``nnx.RngState`` variables (keys and counts), replaced by
+      per-replica keys in every training step.
+    streams: the names of the RNG streams (e.g. ``("dropout",)``).
+  """
+
+  graphdef: Any
+  rng_state: Any
+  streams: tuple[str, ...]
+
+
+def _flax_batchnorms(model: nnx.Module) -> list[str]:
+  found = []
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm):
+      found.append("/".join(map(str, path)) or "<root>")
+  return found
+
+
+def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False) -> tuple[Definition, Any, Any]:
+  """``(definition, params, model_state)`` of ``model`` for :func:`jaxdp.init_state` and :func:`loss_fn`.
+
+  Args:
+    model: an ``nnx.Module``; it is not modified.
+    allow_flax_batchnorm: accept flax's ``nnx.BatchNorm`` layers (e.g. when
+      they only ever run on their running averages). By default they are
+      refused with a ``ValueError``: see the module docstring.
+
+  Returns:
+    ``definition`` (a :class:`Definition`), ``params`` (an ``nnx.State`` of
+    the ``nnx.Param`` arrays) and ``model_state`` (an ``nnx.State`` of every
+    other variable except RNG streams, or ``None`` if there is none).
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
+  flax_bn = [] if allow_flax_batchnorm else _flax_batchnorms(model)
+  if flax_bn:
+    raise ValueError(
+        f"model has flax nnx.BatchNorm layers ({', '.join(flax_bn[:4])}): their training statistics include "
+        "jaxdp's zero-weight padding rows, and across devices they average per-device means with equal weight, "
+        "which is not the global batch's statistic for uneven splits. Replace them with jaxdp.nnx.BatchNorm "
+        "(same arguments; pass mask=weights in the call), or pass allow_flax_batchnorm=True if they only run on "
+        "their running averages."
+    )
+  graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+  streams = tuple(sorted({stream for stream, _ in _stream_paths(model)}))
+  model_state = rest if jax.tree.leaves(rest) else None
+  return Definition(graphdef, rng_state, streams), params, model_state
+
+
+def _stream_paths(model: nnx.Module):
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.RngStream):
+      yield node.key.tag, path
+
+
+def merge(definition: Definition, params: Any, model_state: Any = None) -> nnx.Module:
+  """The Module of ``params`` and ``model_state`` (inverse of :func:`split`)."""
+  # Fresh variables, created in the caller's trace: ones that come from an outer trace (the stored RNG
+  # state; a model state closed over by jax.grad) cannot be updated in this one ("Cannot mutate BatchStat
+  # from a different trace level").
+  fresh = lambda tree: jax.tree.map(lambda x: x, tree)  # noqa: E731
+  states = [fresh(params), fresh(definition.rng_state)] + ([] if model_state is None else [fresh(model_state)])
+  return nnx.merge(definition.graphdef, *states)
+
+
+def _declared(fn: Callable) -> frozenset:
+  import inspect
+
+  try:
+    parameters = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return frozenset()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    return frozenset(_USER_KEYWORDS)
+  kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  return frozenset(p.name for p in parameters if p.kind in kinds and p.name in _USER_KEYWORDS)
+
+
+def _as_output(out: Any) -> tuple[jax.Array, Any]:
+  """``(losses, metrics)`` from what the user's function returned."""
+  if isinstance(out, LossOutput):
+    if out.model_state is not None:
+      raise ValueError(
+          "the nnx loss returned a model_state; jaxdp.nnx.loss_fn reads the new state off the Module itself, "
+          "so return losses, (losses, metrics) or LossOutput(losses, metrics=...)."
+      )
+    return out.losses, out.metrics
+  if isinstance(out, tuple):
+    if len(out) != 2 or not isinstance(out[1], dict):
+      raise TypeError(
+          f"the nnx loss returned a tuple of {len(out)} items; return losses, or (losses, {{name: values}})."
+      )
+    return out
+  return out, None
+
+
+def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., LossOutput]:
+  """A jaxdp ``loss_fn`` that runs ``fn`` on the Module rebuilt from the step's params and model state.
+
+  Args:
+    definition: from :func:`split`.
+    fn: ``fn(model, batch, **keywords)`` returning per-example (or per-token)
+      losses, ``(losses, {name: values})`` with metrics of the losses'
+      shape, or a :class:`jaxdp.LossOutput` without model state. It may
+      declare these keywords: ``weights`` (this replica's row weights, 0 for
+      padding: pass them to ``jaxdp.nnx.BatchNorm(..., mask=weights)``),
+      ``rngs`` (an ``nnx.Rngs`` of the per-replica key, ``None`` in
+      evaluation), ``train`` and ``axis_name``.
+
+  Returns:
+    ``loss(params, batch, rng=None, *, model_state, weights, axis_name, train)``
+    for :func:`jaxdp.make_train_step`, :func:`jaxdp.train_step` and
+    :func:`jaxdp.make_eval_step`.
+  """
+  if not isinstance(definition, Definition):
+    raise TypeError(f"definition must come from jaxdp.nnx.split(model), got {type(definition).__name__}.")
+  if not callable(fn):
+    raise TypeError(f"fn must be callable as fn(model, batch), got {type(fn).__name__}.")
+  declared = _declared(fn)
+
+  def loss(params, batch, rng=None, *, model_state=None, weights=None, axis_name=None, train=True):
+    model = merge(definition, params, model_state)
+    if train:
+      model.train()
+    else:
+      model.eval()
+    if rng is not None and definition.streams:
+      keys = jax.random.split(rng, len(definition.streams))
+      nnx.reseed(model, **dict(zip(definition.streams, keys)))
+    elif train and definition.streams:
+      raise ValueError(
+          f"the model draws random numbers (RNG streams {', '.join(definition.streams)}) but the step got no "
+          "key; pass rng=jax.random.key(seed) to the step, so that every replica and step gets its own key."
+      )
+    available = {
+        "weights": weights,
+        "rngs": None if rng is None else nnx.Rngs(rng),
+        "train": train,
+        "axis_name": axis_name,
+    }
+    losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}))
+    _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    return LossOutput(losses, new_state if model_state is not None else None, metrics)
+
+  return loss
+
+
+def update(model: nnx.Module, state: TrainState) -> nnx.Module:
+  """Writes ``state``'s params and model state into ``model`` as ordinary single-device arrays.
+
+  Works for every ZeRO stage and in multi-process runs (call it on every
+  process): the state is gathered to the host (:func:`jaxdp.gather_state`)
+  and placed on the default device, so the Module can be called on host
+  batches, passed to ``nnx.jit`` or saved like any other. Returns ``model``.
+  """
+  if not isinstance(state, TrainState):
+    raise TypeError(f"state must be a jaxdp.TrainState, got {type(state).__name__}.")
+  full = jax.tree.map(jnp.asarray, gather_state(state._replace(opt_state=None)))
+  if full.model_state is None:
+    nnx.update(model, full.params)
+  else:
+    nnx.update(model, full.params, full.model_state)
+  return model

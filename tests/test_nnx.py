@@ -1,0 +1,141 @@
+"""flax nnx Modules through jaxdp: split, train data-parallel, evaluate, and back to an ordinary Module.
+
+The model is a small MLP with jaxdp's BatchNorm and a Dropout; the data are
+uneven per-device portions padded with zero-weight rows. Tolerances as in
+test_model_state.py (rtol 1e-5, atol 2e-6: float32 re-association of sums).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+
+D, H = 3, 5
+RTOL, ATOL = 1e-5, 2e-6
+OPT = optax.sgd(0.1, momentum=0.9)
+
+
+class Net(nnx.Module):
+  def __init__(self, *, dropout=0.0, bn_axis="data", flax_bn=False, rngs):
+    self.dense = nnx.Linear(D, H, rngs=rngs)
+    self.bn = nnx.BatchNorm(H, rngs=rngs) if flax_bn else jaxdp.nnx.BatchNorm(H, axis_name=bn_axis, rngs=rngs)
+    self.drop = nnx.Dropout(dropout, rngs=rngs)
+    self.out = nnx.Linear(H, 1, rngs=rngs)
+
+  def __call__(self, x, mask=None):
+    h = self.drop(nnx.relu(self.bn(self.dense(x), mask=mask)))
+    return self.out(h)[:, 0]
+
+
+def objective(model, batch, *, weights):
+  pred = model(batch["x"], mask=weights)
+  return 0.5 * (pred - batch["y"]) ** 2, {"abs_err": jnp.abs(pred - batch["y"])}
+
+
+def portions(counts, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"x": rng.normal(size=(n, D)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)} for n in counts]
+
+
+def single_device_reference(steps_data, seed=0):
+  """The same Module trained on one device the ordinary nnx way: nnx.Optimizer and nnx.value_and_grad."""
+  model = Net(rngs=nnx.Rngs(seed))
+  optimizer = nnx.Optimizer(model, OPT, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, batch):
+    def loss(model):
+      losses, _ = objective(model, batch, weights=jnp.ones(batch["y"].shape))
+      return jnp.mean(losses)
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    optimizer.update(model, grads)
+    return value
+
+  losses = [float(step(model, optimizer, jax.tree.map(lambda *x: np.concatenate(x), *data))) for data in steps_data]
+  return model, losses
+
+
+def test_training_an_nnx_module_matches_the_ordinary_single_device_program():
+  """split -> init_state -> make_train_step -> update: the same params, BatchNorm statistics and losses."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  steps_data = [portions((3, 0, 4, 1), seed=s) for s in range(3)]
+  model = Net(rngs=nnx.Rngs(0))
+  definition, params, model_state = jaxdp.nnx.split(model)
+  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  step = jaxdp.make_train_step(loss_fn, OPT, mesh, check_replicas=True)
+  losses = []
+  for data in steps_data:
+    state, metrics = step(state, *jaxdp.shard_uneven(data, mesh), rng=jax.random.key(0))
+    assert float(metrics["replica_divergence"]) == 0.0
+    losses.append(float(metrics["loss"]))
+  jaxdp.nnx.update(model, state)
+  reference, reference_losses = single_device_reference(steps_data)
+  np.testing.assert_allclose(losses, reference_losses, rtol=RTOL, atol=ATOL)
+  for ours, theirs in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(reference, nnx.Param))):
+    np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(model.bn.mean[...], reference.bn.mean[...], rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(model.bn.var[...], reference.bn.var[...], rtol=RTOL, atol=ATOL)
+  # Back in ordinary code: the updated Module runs on a host batch, in eval mode, without jax.set_mesh.
+  model.eval(), reference.eval()
+  x = np.random.default_rng(5).normal(size=(7, D)).astype(np.float32)
+  np.testing.assert_allclose(model(x), reference(x), rtol=RTOL, atol=ATOL)
+  metric = nnx.metrics.Average()
+  metric.update(values=model(x))
+  metric.reset()
+
+
+def test_eval_step_uses_running_statistics_and_shares_the_metric_definition():
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  model = Net(rngs=nnx.Rngs(1))
+  definition, params, model_state = jaxdp.nnx.split(model)
+  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state, zero_stage=2)
+  state, _ = jaxdp.make_train_step(loss_fn, OPT, mesh, zero_stage=2)(state, *jaxdp.shard_uneven(portions((2, 2, 1, 0)), mesh), rng=jax.random.key(1))
+  data = portions((4, 1, 0, 2), seed=3)
+  got = jaxdp.make_eval_step(loss_fn, mesh)(state, *jaxdp.shard_uneven(data, mesh))
+  jaxdp.nnx.update(model, state).eval()
+  host = jax.tree.map(lambda *x: np.concatenate(x), *data)
+  pred = model(host["x"])
+  np.testing.assert_allclose(got["loss"], np.mean(0.5 * (pred - host["y"]) ** 2), rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(got["abs_err"], np.mean(np.abs(pred - host["y"])), rtol=RTOL, atol=ATOL)
+  assert float(got["weight"]) == 7.0
+
+
+def test_split_and_merge_round_trip():
+  model = Net(dropout=0.5, rngs=nnx.Rngs(2))
+  definition, params, model_state = jaxdp.nnx.split(model)
+  assert definition.streams == (model.drop.rngs.key.tag,)  # the stream Dropout draws from, reseeded per step
+  assert {type(v).__name__ for v in jax.tree.leaves(model_state, is_leaf=lambda x: isinstance(x, nnx.Variable))} == {"BatchStat"}
+  again = jaxdp.nnx.merge(definition, params, model_state)
+  again.eval(), model.eval()
+  x = np.ones((2, D), np.float32)
+  np.testing.assert_array_equal(again(x), model(x))
+
+
+def test_dropout_keys_differ_by_replica_and_step_and_need_a_key():
+  """Per-replica keys: with dropout on, "none" replicas diverge; a step without rng is refused clearly."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  model = Net(dropout=0.5, bn_axis=None, rngs=nnx.Rngs(3))
+  definition, params, model_state = jaxdp.nnx.split(model)
+  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  data = [portions((3, 3), seed=4)[0]] * 2  # the same rows on both devices
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  step = jaxdp.make_train_step(loss_fn, OPT, mesh, reduction="none")
+  new, _ = step(state, *jaxdp.shard_uneven(data, mesh), rng=jax.random.key(0))
+  replicas = jaxdp.per_replica(new.params)
+  assert not np.array_equal(*jax.tree.leaves(replicas)[0][:2])  # same data, different dropout masks
+  with pytest.raises(ValueError, match=r"RNG streams default.*pass rng=jax\.random\.key"):
+    jaxdp.make_train_step(loss_fn, OPT, mesh)(new, *jaxdp.shard_uneven(data, mesh))
+
+
+def test_flax_batchnorm_is_refused_with_the_fix():
+  with pytest.raises(ValueError, match=r"flax nnx\.BatchNorm.*jaxdp\.nnx\.BatchNorm"):
+    jaxdp.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)))
+  definition, _, _ = jaxdp.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)), allow_flax_batchnorm=True)
+  assert isinstance(definition, jaxdp.nnx.Definition)
