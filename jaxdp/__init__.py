@@ -22,6 +22,7 @@ from jaxdp.batchnorm import Moments, masked_moments
 from jaxdp.checkpoint import CheckpointManager, Restored, place_state
 from jaxdp.data import (
     DataPipeline,
+    StreamingPipeline,
     addressable_positions,
     device_indices,
     epoch_permutation,
@@ -53,6 +54,7 @@ __all__ = [
     "BACKENDS",
     "CheckpointManager",
     "DataPipeline",
+    "StreamingPipeline",
     "FlatShards",
     "Collective",
     "CompiledStep",

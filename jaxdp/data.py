@@ -1,14 +1,16 @@
 """Getting data onto the devices: uneven per-device portions padded with zero weight.
 
-Two entry points: :func:`shard_uneven` places portions the caller already
+Three entry points: :func:`shard_uneven` places portions the caller already
 has; :class:`DataPipeline` decides which examples each device gets (an
-epoch-shuffled, resumable plan) and loads only this process's portions.
+epoch-shuffled, resumable plan) and loads only this process's portions;
+:class:`StreamingPipeline` batches per-process streams of unknown, unequal
+lengths and ends the loop on every process at the same step.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -86,6 +88,12 @@ def shard_uneven(
   """
   check_mesh_axis(mesh, axis_name)
   n = mesh.shape[axis_name]
+  if isinstance(batches, (np.ndarray, jax.Array, Mapping)) or not isinstance(batches, Sequence):
+    raise TypeError(
+        f"batches must be a list with one pytree per device (its portion), got {type(batches).__name__}; to split "
+        f"one global batch evenly, pass e.g. [{{'x': x[i::{n}]}} for i in range({n})], or place it yourself with "
+        f"jax.device_put(batch, NamedSharding(mesh, P({axis_name!r})))."
+    )
   batches = list(batches)
   if len(batches) != n:
     raise ValueError(f"batches has {len(batches)} entries but mesh axis {axis_name!r} has {n} devices; pass one pytree per device.")
@@ -110,6 +118,20 @@ def shard_uneven(
   return _place_portions(portions, n, split_along(mesh, axis_name))
 
 
+_SMALLEST_WEIGHT = float(np.finfo(np.float32).tiny)
+
+
+def _check_normal(w: np.ndarray, name: str) -> None:
+  """Refuses weights in (0, float32's smallest normal): devices flush them to 0, silently dropping the rows."""
+  tiny = (w > 0) & (w < _SMALLEST_WEIGHT)
+  if np.any(tiny):
+    raise ValueError(
+        f"{name} has {int(np.sum(tiny))} weights below {_SMALLEST_WEIGHT:.3g} (float32's smallest normal number), "
+        "which accelerators and XLA's CPU backend flush to 0; scale the weights up (only their ratios matter under "
+        "reduction='mean') or set them to 0."
+    )
+
+
 def _check_weights(weights: Sequence[Any], sizes: list[int]) -> list[np.ndarray]:
   weights = [np.asarray(w, np.float32) for w in weights]
   if len(weights) != len(sizes):
@@ -124,6 +146,7 @@ def _check_weights(weights: Sequence[Any], sizes: list[int]) -> list[np.ndarray]
       raise ValueError(f"weights[{i}] has non-finite values; weights must be finite and >= 0 (0 for padding).")
     if np.any(w < 0):
       raise ValueError(f"weights[{i}] has negative values (min {w.min()}); weights must be >= 0 (0 for padding).")
+    _check_normal(w, f"weights[{i}]")
   return weights
 
 
@@ -262,6 +285,7 @@ def _collated(collate: Callable, examples: list, template: tuple[Any, np.ndarray
     raise ValueError(f"collate's weights have shape {weights.shape} for {k} examples; return [{k}] or [{k}, t].")
   if not np.all(np.isfinite(weights)) or np.any(weights < 0):
     raise ValueError("collate's weights must be finite and >= 0 (0 masks a row or token).")
+  _check_normal(weights, "collate's weights")
   if template is not None and _row_signature((batch, weights)) != _row_signature(template):
     raise ValueError(
         "collate returned a batch whose structure, trailing shapes or dtypes differ from those of example 0 "
@@ -407,3 +431,307 @@ class DataPipeline:
     else:
       steps = range(start, start + check_int(num_steps, "num_steps", 0, "or None to iterate for ever."))
     return ((step, self.batch_at(step)) for step in steps)
+
+
+# Streams of unknown length (what PyTorch's Join is for). Each process reads its own stream; a
+# device whose process has run dry gets zero-weight padding, and each device passes a count, 1 if
+# its process's stream has an example after this step, that the step sums inside its own
+# all-reduce. The sum of step s is 0 exactly when every stream is dry after step s, and every
+# process reads the same sum, so all of them end after the same step with no extra collective.
+
+
+class _Lookahead:
+  """An iterator with a one-example lookahead: whether more follows is known without losing an example."""
+
+  def __init__(self, examples: Iterable[Any]):
+    try:
+      self._it: Iterator[Any] | None = iter(examples)
+    except TypeError:
+      raise ValueError(f"examples must be an iterable or iterator of examples, got {type(examples).__name__}.") from None
+    self._head: list = []  # the next example, once read
+
+  def more(self) -> bool:
+    if not self._head and self._it is not None:
+      try:
+        self._head.append(next(self._it))
+      except StopIteration:
+        self._it = None  # never ask again: some iterators yield more after a StopIteration
+    return bool(self._head)
+
+  def peek(self) -> Any:
+    """The next example, still to be taken; only after :meth:`more` returned True."""
+    return self._head[0]
+
+  def take(self, k: int) -> list:
+    """Up to ``k`` examples, in stream order."""
+    taken = []
+    while len(taken) < k and self.more():
+      taken.append(self._head.pop())
+    return taken
+
+
+def _count(value: Any) -> int | None:
+  """``value`` as an int when it is already on the host; ``None`` for a ``jax.Array`` (reading it could wait)."""
+  if isinstance(value, jax.Array):
+    return None
+  return int(np.asarray(value))
+
+
+class StreamingPipeline:
+  """Batches per-process streams of unknown, unequal length; every process stops after the same step.
+
+  Each process passes its own stream of examples (a generator over its
+  files, a socket reader, ...); nobody needs to know how long any stream is.
+  Each step the process takes up to ``len(local_positions) * per_device_batch``
+  examples, in stream order, and cuts them into contiguous portions, one per
+  local device in mesh order, as evenly as possible (``k`` examples over
+  ``L`` devices: the first ``k % L`` get one more, as in
+  :class:`DataPipeline`'s last batch; the whole local batch is read before
+  it is split, so this needs no extra lookahead). Portions are
+  padded with zero rows of weight 0, so a process whose stream has run dry
+  keeps stepping with padding only, and ``reduction="mean"`` is exactly the
+  gradient of the real examples. Every example is used once; none is
+  repeated or dropped.
+
+  With each batch comes ``has_more``, int32 ``[n_devices]`` split over
+  ``axis_name``: 1 on every device of a process whose stream has an example
+  after this step (one example is read ahead to know), else 0. Passed to the
+  step, it is summed over devices inside the step's own all-reduce into
+  ``metrics["has_more"]``, the same on every process. Hand that back with
+  :meth:`report` after every step; iteration ends after the first step whose
+  count is 0, i.e. right after the last step that carried data, on every
+  process at once (if every stream starts empty, after one all-padding step,
+  which the step skips because its weight is 0)::
+
+    stream = StreamingPipeline(my_examples, collate, mesh, per_device_batch=8)
+    for batch, weights, has_more in stream:
+      state, metrics = step(state, batch, weights, has_more=has_more)
+      stream.report(metrics["has_more"])
+
+  :meth:`report` does not read the count. Drawing the next batch reads it
+  only when this process's own stream is dry: a process with data left
+  knows the count is at least its own devices' and prepares the next batch
+  while the device still runs the step. A dry process has only padding to
+  prepare, and must wait for the count of the step it just dispatched
+  before it can tell whether to dispatch another (running one padding step
+  ahead instead would waste a step at the end of every pass).
+
+  The count must come from a step that reduces over ``axis_name``: any
+  reduction but ``"none"``, which leaves it per replica.
+
+  Shapes: an empty portion needs the shapes of a collated example. The
+  pipeline takes them from ``template`` if given, else from the first
+  example of the stream (read at construction and kept, not lost). A
+  process whose stream may be empty must pass ``template``; every process
+  must collate to the same trailing shapes and dtypes, which the step checks
+  across processes.
+
+  Attributes:
+    n_devices: devices along ``axis_name``.
+    global_batch: ``n_devices * per_device_batch``, the leading size of every batch.
+    local_positions: the mesh positions whose portions this pipeline fills.
+    steps: the steps drawn in the current pass (the loop ran ``steps`` steps once it ended).
+    consumed: this process's examples placed in the current pass.
+    epoch: the pass, counted from 0; :meth:`reset` starts the next one.
+  """
+
+  def __init__(
+      self,
+      examples: Iterable[Any],
+      collate: Callable[[list], tuple[Any, Any]],
+      mesh: Mesh,
+      *,
+      per_device_batch: int,
+      template: Any = None,
+      axis_name: str = "data",
+      positions: Sequence[int] | None = None,
+  ):
+    """Builds the pipeline and checks ``collate`` on the template example.
+
+    Args:
+      examples: this process's examples, any iterable or iterator, of any
+        length (0 included, with ``template``); read once, in order.
+      collate: ``collate(examples) -> (batch, weights)``, as for
+        :class:`DataPipeline`: numpy leaves with leading size
+        ``len(examples)``, weights ``[k]`` or ``[k, t]``, finite and ``>= 0``.
+        Never called with an empty list.
+      mesh: the mesh to place batches on.
+      per_device_batch: rows per device ``b``, ``>= 1``.
+      template: one example shaped like every process's examples, for the
+        shapes of an empty portion; required when this process's stream is
+        empty. Only its shapes matter: it is never trained on.
+      axis_name: the data-parallel axis; batches are split along it and
+        replicated over any other axis.
+      positions: the mesh positions to fill, default this process's
+        (:func:`addressable_positions`). Others, e.g. from
+        :func:`process_positions`, simulate one process of a multi-process
+        run: such a pipeline only gives host portions (:meth:`next_portions`).
+
+    Raises:
+      ValueError: a bad argument, or an empty stream without ``template``.
+    """
+    check_mesh_axis(mesh, axis_name)
+    if not callable(collate):
+      raise ValueError(f"collate must be callable, got {type(collate).__name__}; pass collate(examples) -> (batch, weights).")
+    self.collate, self.mesh, self.axis_name = collate, mesh, axis_name
+    self.per_device_batch = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
+    self.n_devices = mesh.shape[axis_name]
+    self.global_batch = self.n_devices * self.per_device_batch
+    own = addressable_positions(mesh, axis_name)
+    self.local_positions = own if positions is None else self._checked_positions(positions)
+    if not self.local_positions:
+      raise ValueError("mesh has no device of this process; build the pipeline on a mesh that includes local devices.")
+    self._places = self.local_positions == own  # only this process's own positions can be placed here
+    self._sharding = split_along(mesh, axis_name)
+    self.epoch = 0
+    self._start(examples)
+    if template is None:
+      if not self._stream.more():
+        raise ValueError(
+            "this process's stream of examples is empty, so it cannot learn the shapes of a portion from its first "
+            "example; pass template=<one example shaped like every process's examples> (it is never trained on)."
+        )
+      template = self._stream.peek()
+    probe = _collated(collate, [template], None)
+    self._empty = jax.tree.map(lambda x: x[:0], probe)  # the portion of a device with no examples
+
+  def _checked_positions(self, positions: Sequence[int]) -> tuple[int, ...]:
+    checked = tuple(check_int(p, "positions entry", 0, "mesh positions count from 0.") for p in positions)
+    if not checked:
+      raise ValueError("positions is empty; give the mesh positions to fill, or None for this process's.")
+    bad = [p for p in checked if p >= self.n_devices]
+    if bad:
+      raise ValueError(f"positions {bad} are outside the mesh axis of {self.n_devices} devices.")
+    if len(set(checked)) != len(checked):
+      raise ValueError(f"positions {list(checked)} repeat a position; give each position once.")
+    return tuple(sorted(checked))  # mesh order: the stream fills them in that order
+
+  def reset(self, examples: Iterable[Any]) -> None:
+    """Starts the next pass (epoch) over ``examples``, a new stream of any length.
+
+    Every process must call it at the same point of the loop (typically after
+    the previous pass ended); what is left of the previous stream is dropped.
+    The shapes learnt at construction still apply, so an empty stream needs
+    no template here.
+    """
+    self._start(examples)
+    self.epoch += 1
+
+  def _start(self, examples: Iterable[Any]) -> None:
+    self._stream = _Lookahead(examples)
+    self.steps = self.consumed = 0
+    self._local_more = True  # this process's stream had an example after the last step drawn
+    self._awaiting_report = False
+    self._reported: Any = None
+    self._done = False
+
+  @property
+  def done(self) -> bool:
+    """Whether the current pass has ended (on every process alike)."""
+    return self._done
+
+  def report(self, has_more: Any) -> None:
+    """Hands over ``metrics["has_more"]`` of the step just run; call once after every step.
+
+    The value is kept, not read (reading a device value would wait for the
+    step): see the class docstring for when it is read.
+
+    Args:
+      has_more: the step's reduced count, an integer scalar (a ``jax.Array``
+        as the step returns it, or a host integer).
+
+    Raises:
+      RuntimeError: no step is awaiting a report (called twice, or before
+        the first batch).
+      ValueError: not an integer scalar, or (for a host value) not a count
+        this pipeline's own flags allow.
+    """
+    if not self._awaiting_report:
+      raise RuntimeError(
+          "report() was called with no step awaiting it; call it exactly once after each step, "
+          "with that step's metrics['has_more']."
+      )
+    dtype = getattr(has_more, "dtype", None)
+    dtype = np.asarray(has_more).dtype if dtype is None else np.dtype(dtype)
+    if np.shape(has_more) != () or not np.issubdtype(dtype, np.integer):
+      raise ValueError(
+          f"has_more must be the step's integer scalar metrics['has_more'], got shape {np.shape(has_more)} and "
+          f"dtype {dtype}; pass has_more=... to the step and report what it returns."
+      )
+    value = _count(has_more)
+    if value is not None:
+      self._check_count(value)
+    self._reported = has_more
+    self._awaiting_report = False
+
+  def _check_count(self, value: int) -> int:
+    # Each of this process's devices counted 1 if its stream has more, and no count exceeds the axis.
+    low = len(self.local_positions) if self._local_more else 0
+    if not low <= value <= self.n_devices:
+      raise ValueError(
+          f"has_more={value} cannot be the summed count of the step fed this pipeline's has_more: it lies in "
+          f"[{low}, {self.n_devices}] here; report metrics['has_more'] of that step."
+      )
+    return value
+
+  def _last_count(self) -> int:
+    """The reported count of the last step, read (and waited for) now."""
+    value = _count(self._reported)
+    if value is None:
+      value = self._check_count(int(jax.device_get(self._reported)))
+    return value
+
+  def next_portions(self) -> dict[int, tuple[Any, np.ndarray, np.ndarray]] | None:
+    """The next step's padded host portions, or ``None`` once the pass has ended.
+
+    Iteration is this, placed on the mesh; use it directly to inspect or
+    simulate (a pipeline built with other processes' ``positions``). It
+    follows the same protocol: :meth:`report` must come between two calls.
+
+    Returns:
+      ``{position: (batch, weights, has_more)}`` for :attr:`local_positions`:
+      ``batch`` and ``weights`` with ``per_device_batch`` rows (zero rows of
+      weight 0 after the real ones), ``has_more`` int32 ``[1]``.
+
+    Raises:
+      RuntimeError: the previous step was not reported.
+    """
+    if self._awaiting_report:
+      raise RuntimeError(
+          f"step {self.steps - 1}'s has_more was not reported: call stream.report(metrics['has_more']) after every "
+          "step, before drawing the next batch; without it the processes cannot agree on when to stop."
+      )
+    if self._done:
+      return None
+    # Only a dry process reads (and so waits for) the last count: one with data knows it is > 0.
+    if self.steps and not self._local_more and self._last_count() == 0:
+      self._done = True
+      return None
+    taken = self._stream.take(len(self.local_positions) * self.per_device_batch)
+    self._local_more = self._stream.more()
+    flag = np.full((1,), int(self._local_more), np.int32)
+    portions, start = {}, 0
+    for position, size in zip(self.local_positions, _portion_sizes(len(taken), len(self.local_positions))):
+      part, start = taken[start : start + size], start + size
+      batch, weights = _collated(self.collate, part, self._empty) if part else self._empty
+      portions[position] = (*_pad_portion(batch, weights, self.per_device_batch), flag)
+    self.steps += 1
+    self.consumed += len(taken)
+    self._awaiting_report = True
+    return portions
+
+  def __iter__(self) -> StreamingPipeline:
+    return self
+
+  def __next__(self) -> tuple[Any, jax.Array, jax.Array]:
+    """The next ``(batch, weights, has_more)`` as global arrays split over ``axis_name``."""
+    if not self._places:
+      own = addressable_positions(self.mesh, self.axis_name)
+      raise RuntimeError(
+          f"this pipeline fills positions {self.local_positions}, not this process's {own}, so it cannot place "
+          "batches; use next_portions(), or build it without positions."
+      )
+    portions = self.next_portions()
+    if portions is None:
+      raise StopIteration
+    return _place_portions(portions, self.n_devices, self._sharding)
