@@ -1,4 +1,4 @@
-"""Checkpoints: round trips, other layouts, retention, atomicity, bad checkpoints, resuming after a crash.
+"""Checkpoints: round trips, other layouts, retention, atomicity, failed saves, bad checkpoints, resuming after a crash.
 
 Exactness: a checkpoint moves numbers, it never computes them, so every
 restored state is compared with the saved one bitwise (``gather_state``
@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdp
 from jaxdp.checkpoint import CheckpointManager, place_state
@@ -44,6 +45,10 @@ TOLERANCE = 1e-5  # only for a step taken on another device count; see the modul
 def init_params() -> dict:
   rng = np.random.default_rng(0)
   return {"w": rng.normal(size=(5, 3)).astype(np.float32), "b": np.zeros((3,), np.float32)}
+
+
+# BatchNorm-like model state: a float and an int leaf, nested. The checkpoint of ``saved`` holds it.
+MODEL_STATE = {"bn": {"mean": np.array([0.5, -1.25, 3.0], np.float32), "count": np.array(7, np.int32)}}
 
 
 def loss_fn(params, batch):
@@ -84,9 +89,10 @@ def assert_bitwise_equal(got, want) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-  """A checkpoint (step 4) of a stage-1 state trained on 2 devices, and that state gathered."""
+  """A checkpoint (step 4) of a stage-1 state trained on 2 devices with ``MODEL_STATE``, and that state gathered."""
   directory = tmp_path_factory.mktemp("saved") / "ckpt"
-  state = trained(mesh_of(2), zero_stage=1)
+  mesh = mesh_of(2)
+  state = trained(mesh, zero_stage=1)._replace(model_state=jax.device_put(MODEL_STATE, NamedSharding(mesh, P())))
   with CheckpointManager(directory, enable_async_checkpointing=False) as ckpt:
     ckpt.save(4, state, rng=jax.random.key(9), data_step=5, metadata={"lr": 0.1, "note": "x"})
   return directory, jaxdp.gather_state(state)
@@ -99,7 +105,7 @@ def test_round_trip_restores_state_key_position_and_metadata(saved):
   directory, full = saved
   with CheckpointManager(directory) as ckpt:
     assert ckpt.all_steps() == [4] and ckpt.latest_step() == 4
-    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1)
+    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1, model_state=MODEL_STATE)
     assert ckpt.metadata() == {"lr": 0.1, "note": "x"} and ckpt.data_step(4) == 5
   assert_bitwise_equal(jaxdp.gather_state(restored.state), full)
   assert (restored.step, restored.data_step, restored.metadata) == (4, 5, {"lr": 0.1, "note": "x"})
@@ -120,17 +126,25 @@ LAYOUTS = [(1, 0), (3, 3), (4, 2), (2, 3), (8, 1)]  # (devices, zero_stage); the
 
 
 def test_restore_onto_other_layouts_gives_the_same_gathered_state(saved):
-  """Other device counts and ZeRO stages: the optimizer state is moved exactly, and the state is ready to step."""
+  """Other device counts and ZeRO stages: the optimizer and model state move exactly, and the state is ready to step.
+
+  The model state's template is given as arrays or as ``ShapeDtypeStruct``s
+  (alternately); it comes back replicated on every device of the mesh.
+  """
   directory, full = saved
   reference = None
-  for n, stage in LAYOUTS:
+  for k, (n, stage) in enumerate(LAYOUTS):
     mesh = mesh_of(n)
+    template = MODEL_STATE if k % 2 else jax.eval_shape(lambda: MODEL_STATE)
     with CheckpointManager(directory) as ckpt:
-      restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh, zero_stage=stage)
+      restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh, zero_stage=stage, model_state=template)
     assert zero_stage_of(restored.state) == stage
     assert_bitwise_equal(jaxdp.gather_state(restored.state), full)
+    for leaf in jax.tree.leaves(restored.state.model_state):
+      assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == n
+    # The step's use of model state is jaxdp.loss's to test; this one checks the moved optimizer state.
     step = jaxdp.make_train_step(loss_fn, OPT, mesh, zero_stage=stage)
-    after = jaxdp.gather_state(step(restored.state, *batch_for(mesh, 7))[0])
+    after = jaxdp.gather_state(step(restored.state._replace(model_state=None), *batch_for(mesh, 7))[0])
     reference = after if reference is None else reference
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(reference)))
     print(f"\n{n} devices, stage {stage}: one step after restoring differs from 1 device, stage 0 by {diff:.3g}")
@@ -140,12 +154,17 @@ def test_restore_onto_other_layouts_gives_the_same_gathered_state(saved):
 
 
 def test_place_state_is_the_inverse_of_gather_state(saved):
-  _, full = saved
+  _, full = saved  # with model state
   for n, stage in ((3, 2), (1, 3)):
-    assert_bitwise_equal(jaxdp.gather_state(place_state(full, OPT, mesh_of(n), zero_stage=stage)), full)
+    placed = place_state(full, OPT, mesh_of(n), zero_stage=stage)
+    assert_bitwise_equal(jaxdp.gather_state(placed), full)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(placed.model_state))
   message = r"not a full stage-0 state(.|\n)*opt_state/0/mu/w: in full_state \(shape \(5, 3\), dtype float32\)"
   with pytest.raises(ValueError, match=message):
     place_state(full, optax.sgd(0.1), mesh_of(2))
+  message = r"not a full stage-0 state(.|\n)*opt_state: tuple\(ScaleByAdamState\(.* in full_state, tuple\(ScaleByBelief"
+  with pytest.raises(ValueError, match=message):
+    place_state(full, optax.adabelief(0.1), mesh_of(2))
 
 
 # --- Every k steps, keep the last n, asynchronously -------------------------------------------
@@ -161,6 +180,23 @@ def test_saves_every_k_steps_and_keeps_the_last_n(tmp_path):
     with pytest.raises(ValueError, match="step 7 already has a checkpoint"):
       ckpt.save(7, state, force=True)
   assert sorted(os.listdir(tmp_path)) == ["6", "7"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_deleted_latest_step_falls_back_to_the_previous_one(asynchronous, tmp_path):
+  """A step removed from disk while the manager that wrote it is open is no longer offered, as for a new manager."""
+  state = jaxdp.init_state(init_params(), OPT, mesh_of(1))
+  with CheckpointManager(tmp_path, enable_async_checkpointing=asynchronous) as ckpt:
+    for k in (1, 2):
+      ckpt.save(k, state, metadata=k)
+    ckpt.wait()
+    shutil.rmtree(tmp_path / "2")
+    assert ckpt.latest_step() == 1 and ckpt.all_steps() == [1]
+    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1))
+    assert (restored.step, restored.metadata, ckpt.metadata(), ckpt.data_step()) == (1, 1, 1, 1)
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint for step 2 .* complete steps: \[1\]"):
+      ckpt.restore(2, params=init_params(), optimizer=OPT, mesh=mesh_of(1))
+    assert ckpt.save(2, state, metadata=22) and ckpt.all_steps() == [1, 2] and ckpt.metadata() == 22
 
 
 def test_async_save_copies_the_state_before_the_step_donates_it(tmp_path):
@@ -245,8 +281,33 @@ def test_partially_written_step_directories_are_ignored(saved, tmp_path):
         f.unlink()
   with CheckpointManager(directory) as ckpt:
     assert ckpt.all_steps() == [4] and ckpt.latest_step() == 4
-    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1))
+    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1), model_state=MODEL_STATE)
   assert_bitwise_equal(jaxdp.gather_state(restored.state), saved[1])
+
+
+# --- Failed saves ---------------------------------------------------------------------------------
+
+
+def test_a_failed_async_save_raises_and_the_process_exits_promptly(tmp_path):
+  """Each failure is raised (by save, wait, close or the next save) and nothing delays the process's exit.
+
+  See ``ckpt_workers/failed_save.py`` for the scenarios. With orbax's default
+  of creating the step's directories in a background thread, the first one
+  (the directory replaced by a file) raised at close() and then held the
+  process for 300 s, orbax's signal timeout.
+  """
+  code, out, seconds = _run([sys.executable, WORKERS / "failed_save.py", tmp_path / "ckpts"], timeout=30)
+  print(f"\nthe worker exited after {seconds:.1f} s")
+  _assert_no_process_with(str(tmp_path))
+  assert code == 0, out
+  lines = (tmp_path / "ckpts" / "report.txt").read_text().splitlines()
+  assert lines == [
+      "file: save NotADirectoryError, close ok",
+      "close: save ok, close NotADirectoryError noted",
+      "wait: wait PermissionError noted, wait again ok, then save True, close ok, steps [2]",
+      "save: next save PermissionError noted, retry ok, close ok, steps [2]",
+      "exit: save ok, failing True, exiting without close",
+  ], out
 
 
 # --- Bad checkpoints -------------------------------------------------------------------------------
@@ -276,8 +337,82 @@ def test_a_mismatched_target_raises_naming_the_leaf(kind, saved):
   optimizer, message = MISMATCHES[kind]
   mismatch = r"checkpoint step 4 in .* does not match the target state"
   with CheckpointManager(saved[0]) as ckpt, pytest.raises(ValueError, match=mismatch) as error:
-    ckpt.restore(params=_other_params(kind), optimizer=optimizer, mesh=mesh_of(2))
+    ckpt.restore(params=_other_params(kind), optimizer=optimizer, mesh=mesh_of(2), model_state=MODEL_STATE)
   assert re.search(message, str(error.value)), str(error.value)
+
+
+def test_model_state_must_match_the_checkpoint(saved, tmp_path):
+  with CheckpointManager(saved[0]) as ckpt:
+    message = r"holds model state \(model_state/bn/count, model_state/bn/mean\) but restore got model_state=None; pass"
+    with pytest.raises(ValueError, match=message):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2))
+  state = jaxdp.init_state(init_params(), OPT, mesh_of(1))
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(0, state)
+    message = r"holds no model state .* but restore got a model_state= template; restore it with model_state=None"
+    with pytest.raises(ValueError, match=message):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1), model_state=MODEL_STATE)
+
+
+def _edit_record(step_dir: Path, edit) -> None:
+  """Applies ``edit`` to the JSON record of a step, in place."""
+  path = step_dir / "jaxdp" / "metadata"
+  record = json.loads(path.read_text())
+  edit(record)
+  path.write_text(json.dumps(record))
+
+
+def test_another_optimizer_with_the_same_leaves_is_refused(saved, tmp_path):
+  """AdaBelief's state has Adam's leaf paths, shapes and dtypes; the recorded state types tell them apart."""
+  message = (r"checkpoint step 4 in .* holds the state of another optimizer: its optimizer state is "
+             r"tuple\(ScaleByAdamState\(.*\), the target optimizer's \(optimizer.init\(params\)\) is "
+             r"tuple\(ScaleByBeliefState\(")
+  for stage in (0, 3):  # the record holds stage 0's types whatever the stage saved from or restored to
+    with CheckpointManager(saved[0]) as ckpt, pytest.raises(ValueError, match=message):
+      ckpt.restore(params=init_params(), optimizer=optax.adabelief(0.1), mesh=mesh_of(2), zero_stage=stage,
+                   model_state=MODEL_STATE)
+  # A checkpoint of an older jaxdp has no such record: it restores, checked by leaves alone.
+  directory = tmp_path / "ckpt"
+  shutil.copytree(saved[0], directory)
+  _edit_record(directory / "4", lambda record: record.pop("opt_state_structure"))
+  with CheckpointManager(directory) as ckpt:
+    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1), model_state=MODEL_STATE)
+  assert_bitwise_equal(jaxdp.gather_state(restored.state), saved[1])
+
+
+def _set(field, value):
+  return lambda record: record.update({field: value})
+
+
+def _set_leaf(index, field, value):
+  return lambda record: record["leaves"][index].update({field: value})
+
+
+TAMPERED = {
+    "data_step string": (_set("data_step", "abc"), r"data_step is 'abc', expected an integer >= 0"),
+    "data_step negative": (_set("data_step", -3), r"data_step is -3, expected an integer >= 0"),
+    "data_step float": (_set("data_step", 5.0), r"data_step is 5.0, expected an integer >= 0"),
+    "rng_impl unknown": (_set("rng_impl", "nope"), r"rng_impl is 'nope', expected null or the name of a JAX PRNG"),
+    "rng_impl other": (_set("rng_impl", "rbg"), r"rng_impl is 'rbg', expected an implementation whose keys' data is"),
+    "leaf shape": (_set_leaf(0, "shape", [-1]), r"leaves\[0\]\.shape is \[-1\], expected a list of integers >= 0"),
+    "leaf dtype": (_set_leaf(1, "dtype", "float99"), r"leaves\[1\]\.dtype is 'float99', expected the name of a"),
+    "leaves": (_set("leaves", {"a": 1}), r"leaves is \{'a': 1\}, expected a non-empty list"),
+}
+
+
+@pytest.mark.parametrize("kind", list(TAMPERED))
+def test_a_tampered_record_is_reported_as_corrupt_naming_the_field(kind, saved, tmp_path):
+  edit, message = TAMPERED[kind]
+  directory = tmp_path / "ckpt"
+  shutil.copytree(saved[0], directory)
+  _edit_record(directory / "4", edit)
+  corrupt = r"checkpoint step 4 in .* is corrupt: its jaxdp record's field " + message
+  with CheckpointManager(directory) as ckpt:
+    for read in (ckpt.data_step, ckpt.metadata):
+      with pytest.raises(ValueError, match=corrupt):
+        read()
+    with pytest.raises(ValueError, match=corrupt):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1, model_state=MODEL_STATE)
 
 
 def _data_files(step_dir: Path) -> list[Path]:
@@ -330,7 +465,7 @@ def test_a_corrupt_checkpoint_raises_and_restores_nothing(kind, saved, tmp_path)
   shutil.copytree(saved[0], directory)
   corrupt(directory / "4")
   with CheckpointManager(directory) as ckpt, pytest.raises(ValueError, match=message) as error:
-    ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1)
+    ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1, model_state=MODEL_STATE)
   assert "checkpoint step 4" in str(error.value)
   time.sleep(0.5)
 
@@ -349,7 +484,7 @@ def test_checkpoints_contain_no_pickle_and_load_without_it(saved, monkeypatch):
   for name in ("load", "loads", "Unpickler"):
     monkeypatch.setattr(pickle, name, refuse)
   with CheckpointManager(saved[0]) as ckpt:
-    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1)
+    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1, model_state=MODEL_STATE)
   assert_bitwise_equal(jaxdp.gather_state(restored.state), saved[1])
 
 
