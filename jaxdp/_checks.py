@@ -28,6 +28,86 @@ def check_int(value: Any, name: str, minimum: int, fix: str = "") -> int:
   return as_int
 
 
+def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
+  """Raises ``TypeError`` unless ``optimizer`` is an optax ``GradientTransformation`` (has ``init`` and ``update``)."""
+  if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+    return
+  if callable(optimizer):
+    what = getattr(optimizer, "__qualname__", type(optimizer).__name__)
+    raise TypeError(
+        f"{name} is the function {getattr(optimizer, '__module__', '') or ''}.{what} itself, not an optimizer; "
+        f"call it, e.g. {name}=optax.adam(learning_rate=1e-3)."
+    )
+  raise TypeError(f"{name} must be an optax.GradientTransformation (init, update), got {type(optimizer).__name__}.")
+
+
+def check_not_donated(state: Any) -> None:
+  """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      raise ValueError(
+          f"state{jax.tree_util.keystr(path)} was donated to an earlier step (its buffer is deleted); a step "
+          "consumes the state it is given. Pass the state that step returned (state, metrics = step(state, ...)), "
+          "or build the step with donate=False to keep inputs alive."
+      )
+
+
+def unshared_buffers(state: Any) -> Any:
+  """``state`` with every array that appears twice (the same buffer in two leaves) copied.
+
+  Donation hands each input buffer to the output once; a buffer reached from
+  two leaves (``TrainState.create({"a": z, "b": z}, opt)``) cannot be donated
+  twice, which XLA reports as a crash rather than an error.
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  seen: set = set()
+  out = []
+  for leaf in leaves:
+    key = _buffer_key(leaf)
+    if key is not None and key in seen:
+      leaf = leaf.copy()
+    elif key is not None:
+      seen.add(key)
+    out.append(leaf)
+  return jax.tree.unflatten(treedef, out)
+
+
+def _buffer_key(leaf: Any) -> Any:
+  if not isinstance(leaf, jax.Array):
+    return None
+  try:
+    return tuple(shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards)
+  except Exception:  # no pointer for this kind of buffer: fall back to the object's identity
+    return id(leaf)
+
+
+def check_rng(rng: Any) -> None:
+  """Raises ``ValueError`` unless ``rng`` is ``None``, a typed PRNG key or raw ``uint32`` key data."""
+  if rng is None:
+    return
+  dtype = getattr(rng, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and np.shape(rng) == ():
+    return
+  if dtype is not None and np.dtype(dtype) == np.uint32 and np.ndim(rng) == 1:
+    return
+  raise ValueError(
+      f"rng must be a PRNG key, e.g. rng=jax.random.key(0) (or jax.random.PRNGKey(0)), got "
+      f"{type(rng).__name__} {getattr(rng, 'dtype', '')}{list(np.shape(rng))}; pass a key, the same on every call "
+      "and process (jaxdp derives per-replica, per-step keys from it), or rng=None."
+  )
+
+
+def check_params_dtypes(params: Any, name: str = "state.params") -> None:
+  """Raises ``TypeError`` if a parameter is not floating point (or complex): it cannot be differentiated."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+    if not (jax.dtypes.issubdtype(dtype, np.floating) or jax.dtypes.issubdtype(dtype, np.complexfloating)):
+      raise TypeError(
+          f"{name}{jax.tree_util.keystr(path)} has dtype {dtype}; parameters are differentiated, so they must be "
+          "floating point. Cast it (e.g. .astype(np.float32)), or keep integer values in model_state."
+      )
+
+
 def _abstract(x: Any) -> tuple:
   return (np.shape(x), str(getattr(x, "dtype", type(x).__name__)))
 
@@ -100,6 +180,13 @@ def _check_layout(state, params, optimizer, n_replicas: int, zero_stage: int) ->
         f"build the state with jaxdp.init_state(..., zero_stage={zero_stage}), or convert it without losing the "
         f"optimizer state: jaxdp.place_state(jaxdp.gather_state(state), optimizer, mesh, zero_stage={zero_stage})."
     )
+  placed_on = _zero_device_count(state)
+  if placed_on is not None and placed_on != n_replicas:
+    raise ValueError(
+        f"state is a ZeRO layout for {placed_on} devices, but the step runs on {n_replicas}; move it without "
+        f"losing the optimizer state with jaxdp.place_state(jaxdp.gather_state(state), optimizer, mesh, "
+        f"zero_stage={zero_stage}), or restore a checkpoint onto this mesh (CheckpointManager.restore(mesh=...))."
+    )
   expected = abstract_zero_state(params, optimizer, n_replicas, zero_stage)
   if signature(expected.params) != signature(state.params):
     raise ValueError(
@@ -110,6 +197,17 @@ def _check_layout(state, params, optimizer, n_replicas: int, zero_stage: int) ->
       "state.opt_state does not match optimizer.init(state.params) in structure, shape or dtype; "
       "the state was built for other params or another optimizer. Rebuild it with jaxdp.init_state."
   )
+
+
+def _zero_device_count(state: Any) -> int | None:
+  """The number of chunks of the state's ZeRO leaves (the device count it was laid out for), if any."""
+  for x in jax.tree.leaves((state.params, state.opt_state), is_leaf=is_flat_shards):
+    if is_flat_shards(x):
+      sharding = getattr(x.flat, "sharding", None)
+      if sharding is not None:
+        chunk = sharding.shard_shape(x.flat.shape)[0]
+        return x.flat.shape[0] // chunk if chunk else None
+  return None
 
 
 def check_step_inputs(
@@ -124,7 +222,10 @@ def check_step_inputs(
   """
   check_state(state)
   check_loss_fn(loss_fn, with_model_state=state.model_state is not None)
+  check_optimizer(optimizer)
+  check_rng(rng)
   params = jax.tree.map(_full_struct, state.params, is_leaf=is_flat_shards)
+  check_params_dtypes(params)
   _check_layout(state, params, optimizer, n_replicas, zero_stage)
   total = batch_size(batch)
   if total % n_replicas:

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdp._checks import check_optimizer, check_params_dtypes
 from jaxdp.sharding import check_zero_stage, init_zero_state
 from jaxdp.state import TrainState
 
@@ -23,6 +24,9 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "dat
   devices = jax.devices() if devices is None else list(devices)
   if not devices:
     raise ValueError("devices is empty; pass at least one device (or None for all of them).")
+  if len(set(devices)) != len(devices):
+    repeated = sorted({str(d) for d in devices if devices.count(d) > 1})
+    raise ValueError(f"devices lists {', '.join(repeated)} more than once; pass each device once.")
   return Mesh(np.asarray(devices), (axis_name,), axis_types=(AxisType.Auto,))
 
 
@@ -84,6 +88,20 @@ def place(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(_place_leaf, tree, shardings)
 
 
+def _assert_same_values(params: Any, model_state: Any) -> None:
+  """Every process must start from the same values: compares a CRC-32 of each leaf across processes."""
+  import zlib
+
+  from jaxdp.distributed import assert_same_across_processes
+
+  def crc(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return "global array"  # already one value, placed by the caller
+    return zlib.crc32(np.ascontiguousarray(np.asarray(x)).view(np.uint8).reshape(-1))
+
+  assert_same_across_processes(jax.tree.map(crc, {"params": params, "model_state": model_state}), "initial values")
+
+
 def init_state(
     params: Any,
     optimizer: optax.GradientTransformation,
@@ -112,5 +130,9 @@ def init_state(
   """
   check_mesh_axis(mesh, axis_name)
   check_zero_stage(zero_stage)
+  check_optimizer(optimizer)
+  check_params_dtypes(params, "params")
+  if jax.process_count() > 1:
+    _assert_same_values(params, model_state)
   params, model_state = place((params, model_state), replicated(mesh))
   return init_zero_state(params, optimizer, mesh, axis_name, zero_stage, model_state)

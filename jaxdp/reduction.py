@@ -187,7 +187,11 @@ def loss_sums(
   )
   w = _loss_weights(weights, out.losses)
   metric_sums = {name: _weighted_sum(values, w) for name, values in out.metrics.items()}
-  return LocalGradient(None, _weighted_sum(out.losses, w), jnp.sum(w), metric_sums, out.model_state)
+  loss_sum = _weighted_sum(out.losses, w)
+  # A negative weight has no meaning and would give a wrong denominator: poison the sum instead, so that the
+  # step's non-finite check skips it on every replica (metrics["nonfinite"]), as it does for NaN weights.
+  loss_sum = jnp.where(jnp.any(w < 0), jnp.nan, loss_sum)
+  return LocalGradient(None, loss_sum, jnp.sum(w), metric_sums, out.model_state)
 
 
 def local_gradient(

@@ -169,6 +169,41 @@ def _probe_updates(optimizer, params, grads):
   return params
 
 
+def _shape_only(tree: Any) -> Any:
+  """The tree with every leaf (a FlatShards node counting as one) replaced by its full element count."""
+  return jax.tree.map(lambda x: math.prod(x.shape), tree, is_leaf=is_flat_shards)
+
+
+def _check_relayout(optimizer: optax.GradientTransformation, params: Any, n: int) -> None:
+  """Refuses an optimizer whose state or update depends on the leaves' shapes (factored or matrix optimizers).
+
+  Abstract (``jax.eval_shape``) with the real shapes: the state built for the
+  flat chunks must be the flat re-layout of the state for the whole leaves,
+  leaf for leaf, and an update on the chunks must trace.
+  """
+  refuse = (
+      "optimizer keeps a state or computes an update that depends on the parameters' shapes ({why}), e.g. "
+      "optax.adafactor's factored moments or optax.contrib.muon's Newton-Schulz iteration on whole matrices; ZeRO "
+      "stages 1-3 hand it flat chunks, which would silently change or break it. Use zero_stage=0 with this optimizer."
+  )
+  try:
+    whole = jax.eval_shape(optimizer.init, params)
+    chunked = jax.eval_shape(lambda p: optimizer.init(flatten_tree(p, n, 1)), params)
+
+    def update_chunks(p):
+      flat = flatten_tree(p, n, 1)
+      chunks = jax.tree.map(lambda x: FlatShards(x.flat[: x.flat.size // n], x.shape, 1), flat, is_leaf=is_flat_shards)
+      return optimizer.update(chunks, optimizer.init(chunks), chunks)
+
+    jax.eval_shape(update_chunks, params)
+  except Exception as e:  # the optimizer's own failure on chunks: refuse it with the reason
+    raise ValueError(refuse.format(why=f"on flat chunks it fails with {type(e).__name__}: {e}")) from e
+  if jax.tree.structure(_shape_only(whole)) != jax.tree.structure(_shape_only(chunked)):
+    raise ValueError(refuse.format(why="its state has another structure for flat chunks"))
+  if jax.tree.leaves(_shape_only(whole)) != jax.tree.leaves(_shape_only(chunked)):
+    raise ValueError(refuse.format(why="its state has other sizes for flat chunks"))
+
+
 def check_chunkable(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh, axis_name: str) -> None:
   """Refuses an optimizer whose update of a leaf is not the concatenation of the updates of its chunks.
 
@@ -186,6 +221,7 @@ def check_chunkable(optimizer: optax.GradientTransformation, params: Any, mesh: 
     ValueError: naming the optimizer's problem and the alternatives.
   """
   n = mesh.shape[axis_name]
+  _check_relayout(optimizer, params, n)
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(0), 3 * max(len(leaves), 1)).reshape(3, -1)
 

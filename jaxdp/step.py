@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp import _checks
-from jaxdp._checks import check_int
+from jaxdp._checks import check_int, check_optimizer
 from jaxdp.loss import check_loss_fn
 from jaxdp.mesh import auto_mesh, check_mesh_axis, data_mesh, place, replicated, split_along
 from jaxdp.reduction import (
@@ -177,9 +177,10 @@ class CompiledStep:
   """
 
   def __init__(
-      self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage, max_consecutive_skips
+      self, jitted, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage,
+      max_consecutive_skips, donate=True,
   ):
-    self.jitted = jitted
+    self.jitted, self.donate = jitted, donate
     self.loss_fn, self.optimizer = loss_fn, optimizer
     self.mesh, self.axis_name = mesh, axis_name
     self.reduction, self.backend = reduction, backend
@@ -189,21 +190,32 @@ class CompiledStep:
     self._validated: set = set()
     self._pending_nonfinite = None
 
+  def reset_nonfinite_guard(self) -> None:
+    """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
+    self.consecutive_skips, self._pending_nonfinite = 0, None
+
   def _check_previous_step(self) -> None:
     # Reads the *previous* step's flag, which is done or nearly so: no stall of the current dispatch.
-    if self.max_consecutive_skips is None or self._pending_nonfinite is None:
+    if self.max_consecutive_skips is None:
       return
-    bad = int(jax.device_get(self._pending_nonfinite)) > 0
-    self._pending_nonfinite = None
-    self.consecutive_skips = self.consecutive_skips + 1 if bad else 0
+    if self._pending_nonfinite is not None:
+      bad = int(jax.device_get(self._pending_nonfinite)) > 0
+      self._pending_nonfinite = None
+      self.consecutive_skips = self.consecutive_skips + 1 if bad else 0
+    # Once tripped it stays tripped (nothing runs, so no good step can clear it) until reset_nonfinite_guard().
     if self.consecutive_skips >= self.max_consecutive_skips:
       raise FloatingPointError(
           f"the last {self.consecutive_skips} steps all had a NaN or Inf gradient or loss on at least one replica; "
           "every replica skipped them, so the replicas are still consistent and the state passed in is the last good "
-          "one. Lower the learning rate, check the data, or raise max_consecutive_skips."
+          "one. Lower the learning rate, check the data, or raise max_consecutive_skips; then call "
+          "step.reset_nonfinite_guard() to run again."
       )
 
   def _prepare(self, state, batch, weights, rng, has_more=None):
+    _checks.check_state(state)
+    _checks.check_not_donated(state)
+    if self.donate:
+      state = _checks.unshared_buffers(state)
     if jax.process_count() > 1:
       # Every call, on every process: a process whose inputs differ must fail with the others, not
       # leave them blocked in the step's all-reduce (a per-process cache could desynchronise them).
@@ -310,6 +322,7 @@ def make_train_step(
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
   check_loss_fn(loss_fn)
+  check_optimizer(optimizer)
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
   check_mesh_axis(mesh, axis_name)
   mesh = auto_mesh(mesh)
@@ -353,6 +366,7 @@ def make_train_step(
       accum_steps=accum_steps,
       zero_stage=zero_stage,
       max_consecutive_skips=max_consecutive_skips,
+      donate=donate,
   )
 
 

@@ -1,0 +1,170 @@
+"""Failures found by attacking the public API, each fixed as a class and pinned here.
+
+Crashes (a donated or shared buffer reaching XLA), silent wrong results
+(half-precision sums, negative or subnormal weights) and weak errors (the
+message must name the argument and the fix, before anything runs or is
+donated).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+
+K = 4
+MESH = jaxdp.data_mesh(jax.devices()[:K])
+OPT = optax.sgd(0.1)
+
+
+def loss_fn(params, batch):
+  return 0.5 * (batch["x"] @ params["w"] + params["b1"] + params["b2"] - batch["y"]) ** 2
+
+
+def params():
+  return {"w": np.ones((3,), np.float32), "b1": np.zeros((), np.float32), "b2": np.zeros((), np.float32)}
+
+
+def data(counts=(2, 1, 0, 3), seed=0):
+  rng = np.random.default_rng(seed)
+  batches = [{"x": rng.normal(size=(n, 3)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)} for n in counts]
+  return jaxdp.shard_uneven(batches, MESH)
+
+
+# Crashes ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", jaxdp.BACKENDS)
+def test_reusing_a_donated_state_is_a_value_error(backend):
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, backend=backend)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  new, _ = step(state, *data())
+  with pytest.raises(ValueError, match=r"donated to an earlier step.*Pass the state that step returned"):
+    step(state, *data())
+  step(new, *data())  # the returned state goes on
+
+
+def test_a_state_whose_leaves_share_one_buffer_runs():
+  """TrainState.create with one array in two leaves: the step copies the duplicate instead of crashing."""
+  z = jax.device_put(jnp.zeros(()), jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec()))
+  w = jax.device_put(jnp.ones(3), z.sharding)
+  state = jaxdp.TrainState.create({"w": w, "b1": z, "b2": z}, OPT)
+  reference = jaxdp.make_train_step(loss_fn, OPT, MESH, donate=False)(jaxdp.init_state(params(), OPT, MESH), *data())[0]
+  new, _ = jaxdp.make_train_step(loss_fn, OPT, MESH)(state, *data())
+  jax.tree.map(np.testing.assert_array_equal, new.params, reference.params)
+
+
+# Silent wrong results -------------------------------------------------------------------------------------
+
+
+def token_loss(dtype):
+  def loss(params, batch):
+    return (params["w"] * batch["x"]).astype(dtype)  # per-token losses [b, t] in half precision
+
+  return loss
+
+
+@pytest.mark.parametrize(
+    "dtype,tokens",
+    [(jnp.float16, 70_000), (jnp.bfloat16, 1_204)],
+    ids=["float16-beyond-65504", "bfloat16-1204"],
+)
+def test_half_precision_losses_are_summed_in_float32(dtype, tokens):
+  """The weights and weighted sums stay float32: the global weight is exact and the step is the float32 one.
+
+  float16 sums overflow past 65,504 tokens (weight inf, gradient 0, nothing flagged); bfloat16 counts
+  1,204 tokens as 1,200. The gradient of Σ w·w·x / Σ w with x = 1 is exactly 1 per token.
+  """
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  opt = optax.sgd(1.0)
+  rows = tokens // 4
+  portions = [{"x": np.ones((rows // 2 + r, 4), np.float32)} for r in (0, rows % 2)]
+  weights = [np.ones((p["x"].shape[0], 4), np.float32) for p in portions]
+  state = jaxdp.init_state({"w": np.zeros((), np.float32)}, opt, mesh)
+  new, metrics = jaxdp.make_train_step(token_loss(dtype), opt, mesh)(state, *jaxdp.shard_uneven(portions, mesh, weights=weights))
+  assert float(metrics["weight"]) == rows * 4 and int(metrics["skipped"]) == 0
+  assert float(new.params["w"]) == -1.0  # w - lr * 1
+
+
+def test_negative_weights_given_to_the_step_skip_it_everywhere():
+  """Checked in the step (one reduction over the weights) and folded into the non-finite flag."""
+  batch, weights = data()
+  bad = weights.at[0].set(-1.0)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  new, metrics = jaxdp.make_train_step(loss_fn, OPT, MESH, donate=False)(state, batch, bad)
+  assert int(metrics["nonfinite"]) == 1 and int(metrics["skipped"]) == 1
+  jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
+
+
+def test_subnormal_weights_are_refused_on_the_host():
+  with pytest.raises(ValueError, match=r"weights\[0\] has 1 weights below .*smallest normal"):
+    jaxdp.shard_uneven([{"x": np.ones((2, 3))}] + [{"x": np.ones((0, 3))}] * 3, MESH,
+                       weights=[np.array([1e-39, 1.0])] + [np.zeros(0)] * 3)
+
+
+# Weak errors: named argument and fix, before anything runs ------------------------------------------------
+
+
+def test_integer_losses_are_a_type_error():
+  step = jaxdp.make_train_step(lambda p, b: (b["x"] @ p["w"]).astype(jnp.int32), OPT, MESH)
+  with pytest.raises(TypeError, match=r"losses of dtype int32.*must be floating point"):
+    step(jaxdp.init_state(params(), OPT, MESH), *data())
+
+
+def test_integer_params_are_a_type_error():
+  with pytest.raises(TypeError, match=r"params\['w'\] has dtype int32.*floating point"):
+    jaxdp.init_state({"w": np.ones(3, np.int32)}, OPT, MESH)
+
+
+def test_a_zero_state_of_another_device_count_names_both_counts():
+  opt = optax.adam(1e-2)
+  state = jaxdp.init_state(params(), opt, jaxdp.data_mesh(jax.devices()[:2]), zero_stage=2)
+  step = jaxdp.make_train_step(loss_fn, opt, MESH, zero_stage=2)
+  with pytest.raises(ValueError, match=r"ZeRO layout for 2 devices, but the step runs on 4.*place_state"):
+    step(state, *data())
+
+
+def test_an_optimizer_factory_is_a_type_error():
+  with pytest.raises(TypeError, match=r"optax\.adam\(learning_rate"):
+    jaxdp.init_state(params(), optax.adam, MESH)
+  with pytest.raises(TypeError, match=r"optimizer is the function"):
+    jaxdp.make_train_step(loss_fn, optax.adam, MESH)
+
+
+def test_an_integer_rng_is_a_value_error():
+  state = jaxdp.init_state(params(), OPT, MESH)
+  with pytest.raises(ValueError, match=r"rng must be a PRNG key, e.g. rng=jax\.random\.key\(0\)"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH)(state, *data(), rng=0)
+  assert not state.params["w"].is_deleted()
+
+
+def test_a_mesh_with_a_repeated_device_is_refused():
+  with pytest.raises(ValueError, match=r"more than once"):
+    jaxdp.data_mesh([jax.devices()[0]] * 2)
+
+
+def test_shard_uneven_refuses_one_global_array():
+  with pytest.raises(TypeError, match=r"one pytree per device"):
+    jaxdp.shard_uneven(np.ones((4, 3)), MESH)
+
+
+@pytest.mark.parametrize("make", [lambda: optax.adafactor(1e-3), lambda: optax.contrib.muon(1e-3)], ids=["adafactor", "muon"])
+def test_shape_dependent_optimizers_are_refused_by_zero(make):
+  big = {"w": np.ones((256, 256), np.float32), "b": np.ones((256,), np.float32)}
+  with pytest.raises(ValueError, match=r"depends on the parameters' shapes.*zero_stage=0"):
+    jaxdp.init_state(big, make(), MESH, zero_stage=1)
+
+
+def test_the_nonfinite_guard_stays_tripped_until_reset():
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, max_consecutive_skips=1)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  batch, weights = data()
+  state, _ = step(state, jax.tree.map(lambda x: x.at[0].set(jnp.nan), batch), weights)
+  for _ in range(2):  # raises on every call, not every other one
+    with pytest.raises(FloatingPointError, match="reset_nonfinite_guard"):
+      step(state, batch, weights)
+  step.reset_nonfinite_guard()
+  state, metrics = step(state, batch, weights)
+  assert int(metrics["skipped"]) == 0
