@@ -84,8 +84,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import tqdm  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxdp  # noqa: E402
 from experiments.lm import corpus  # noqa: E402
@@ -138,7 +136,7 @@ def build_dataset(config: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def make_model(config: Config):
-  """``(graphdef, params)`` of the transformer, initialised from ``config.seed``."""
+  """``(definition, params)`` of the transformer (``jaxdp.nnx.split``), initialised from ``config.seed``."""
   sizes = {k: getattr(config, k) for k in ("seq_len", "layers", "d_model", "heads", "d_ff", "dropout")}
   return lm.make_model(seed=config.seed, **sizes)
 
@@ -150,31 +148,18 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
   return optax.adamw(schedule, weight_decay=0.01)
 
 
-def make_eval_step(loss_fn, mesh, axis_name: str = "data"):
-  """Jitted ``(params, batch, weights) -> (Σ w·l, Σ w)`` over the whole mesh (psum of the local sums)."""
+def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int) -> dict | None:
+  """Per-token weighted mean loss and accuracy over one pass of ``dataset`` (``None`` if it is empty).
 
-  def replica(params, batch, weights_BxT):
-    losses_BxT = loss_fn(params, batch)
-    loss_sum = jnp.sum(jnp.where(weights_BxT > 0, losses_BxT * weights_BxT, 0.0))
-    return lax.psum(loss_sum, axis_name), lax.psum(jnp.sum(weights_BxT), axis_name)
-
-  spec = P(axis_name)
-  return jax.jit(jax.shard_map(replica, mesh=mesh, in_specs=(P(), spec, spec), out_specs=(P(), P())))
-
-
-def evaluate(loss_fn, params, dataset, mesh, collate, per_device_batch: int) -> float | None:
-  """Per-token weighted mean loss ``Σ w·l / Σ w`` over one pass of ``dataset`` (``None`` if it is empty).
-
-  Data-parallel like training: every device sums its own tokens, one psum per
-  batch; the per-batch sums are added in float64 on the host.
+  Data-parallel like training, with the training loss's own definition
+  (``jaxdp.make_eval_step``): every device sums its own tokens, one psum per
+  batch, and the per-batch sums are added in float64 on the host.
   """
   if not dataset:
     return None
   pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0)
-  eval_step = make_eval_step(loss_fn, mesh)
-  sums = [eval_step(params, *data) for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch)]
-  loss_sum, weight_sum = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
-  return float(loss_sum / weight_sum)
+  batches = (data for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch))
+  return jaxdp.make_eval_step(loss_fn, mesh).evaluate(state, batches)
 
 
 def _check_batch(config: Config, n: int) -> None:
@@ -195,7 +180,7 @@ def _log(pending, clock: float, records: list, bar, sink) -> float:
   step, metrics, weights = pending
   metrics = jax.device_get(metrics)
   now = time.perf_counter()
-  rec = {"step": step, "loss": float(metrics["loss"]), "tokens": float(metrics["weight"]),
+  rec = {"step": step, "loss": float(metrics["loss"]), "accuracy": float(metrics["accuracy"]), "tokens": float(metrics["weight"]),
          "grad_norm": float(metrics["grad_norm"]), "time": now - clock, "device_tokens": _device_tokens(weights)}
   records.append(rec)
   if sink is not None:
@@ -249,8 +234,8 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   mesh = jaxdp.data_mesh(devices)
   train_set, val_set = build_dataset(config) if data is None else data
   collate = corpus.make_collate(config.seq_len)
-  graphdef, params = make_model(config)
-  loss_fn, optimizer = lm.make_loss_fn(graphdef), make_optimizer(config)
+  definition, params = make_model(config)
+  loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
   step_fn = jaxdp.make_train_step(loss_fn, optimizer, mesh, reduction=reduction, accum_steps=config.accum_steps)
   per_device = config.batch_size // len(devices)
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed)
@@ -263,11 +248,13 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
       print(f"resuming from {config.ckpt_dir} at step {start}")
     with _metrics_file(out, append=start > 0) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt)
-  val_loss = evaluate(loss_fn, state.params, val_set, mesh, collate, per_device_batch=4 * per_device)
+  val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device)
+  val_loss = None if val is None else val["loss"]
   summary = {
       "devices": len(devices), "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
       "train_sequences": len(train_set), "val_sequences": len(val_set), "steps": len(records),
       "final_loss": records[-1]["loss"] if records else None, "val_loss": val_loss,
+      "val_accuracy": None if val is None else val["accuracy"],
       "tokens_per_s": _throughput(records), "config": dataclasses.asdict(config),
   }
   if out is not None:

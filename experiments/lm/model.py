@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import jaxdp
+
 VOCAB = 256  # bytes
 
 
@@ -63,16 +65,25 @@ class Transformer(nnx.Module):
     return self.head(self.ln(x_BxTxD))
 
 
-def make_model(*, seed: int, **sizes) -> tuple[nnx.GraphDef, nnx.State]:
-  """``(graphdef, params)`` of a :class:`Transformer` initialised from ``seed``; params is a pytree of arrays."""
-  return nnx.split(Transformer(**sizes, rngs=nnx.Rngs(seed)), nnx.Param)
+def make_model(*, seed: int, **sizes) -> tuple[jaxdp.nnx.Definition, nnx.State]:
+  """``(definition, params)`` of a :class:`Transformer` initialised from ``seed``, split by ``jaxdp.nnx``.
+
+  The model has no model state (LayerNorm, no BatchNorm) and no stored RNG
+  streams (its dropout is keyed explicitly), so ``params`` is all there is.
+  """
+  definition, params, model_state = jaxdp.nnx.split(Transformer(**sizes, rngs=nnx.Rngs(seed)))
+  assert model_state is None, "the transformer has no model state"
+  return definition, params
 
 
-def make_loss_fn(graphdef: nnx.GraphDef):
-  """``loss_fn(params, batch, rng=None) -> per-token cross-entropy [b, t]`` (dropout on when ``rng`` is a key)."""
+def next_byte_loss(model: Transformer, batch: dict, *, rngs: nnx.Rngs | None, train: bool):
+  """Per-token cross-entropy and next-byte accuracy ``[b, t]``; dropout on in training when a key is given."""
+  key = rngs() if (train and rngs is not None) else None
+  logits_BxTxV = model(batch["inputs"], key).astype(jnp.float32)
+  losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
+  return losses_BxT, {"accuracy": (jnp.argmax(logits_BxTxV, -1) == batch["targets"]).astype(jnp.float32)}
 
-  def loss_fn(params, batch, rng=None):
-    logits_BxTxV = nnx.merge(graphdef, params)(batch["inputs"], rng)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV.astype(jnp.float32), batch["targets"])
 
-  return loss_fn
+def make_loss_fn(definition: jaxdp.nnx.Definition):
+  """jaxdp's ``loss_fn(params, batch, rng=None, ...)`` of the model: per-token losses and accuracy."""
+  return jaxdp.nnx.loss_fn(definition, next_byte_loss)
