@@ -1,10 +1,13 @@
-"""The local launcher ``python -m jaxdp.launch``: environment, output, failures, signals.
+"""The local launcher ``python -m jaxdp.launch``: environment, output, failures, signals, restarts.
 
 The workers here (``tests/mp_workers/plain.py``) do not import JAX, so each
-job takes well under a second; jobs of real JAX workers are in
-``test_multiprocess.py``. Every job is bounded in time and checked for
-processes left behind (workers and their children are tagged with the test's
-temporary directory on their command line).
+job takes well under a second (the launcher itself imports jaxdp, which takes
+seconds); jobs of real JAX workers are in ``test_multiprocess.py`` and
+``test_restart.py``. Every job is bounded in time and checked for processes
+left behind: workers, their descendants and the launcher's guardian are all
+tagged with the test's temporary directory on their command line, and some
+workers start descendants that leave the worker's process group and session
+(a child in a new session, a double-forked daemon).
 """
 
 import json
@@ -24,6 +27,7 @@ from mp_workers import harness
 
 PLAIN = harness.WORKERS / "plain.py"
 FAST = ["--grace-period", "1", "--timeout", "60"]
+LINUX = sys.platform.startswith("linux")
 
 
 def _launch(tmp_path, mode, *options, timeout=60):
@@ -61,6 +65,7 @@ def test_workers_get_the_environment_initialize_reads(env_job):
     assert e[distributed.ENV_HEARTBEAT_TIMEOUT] == "7"
     assert e[distributed.ENV_COORDINATOR_BIND] == e[distributed.ENV_COORDINATOR]  # loopback only
     assert e["PYTHONUNBUFFERED"] == "1"
+    assert e[launch.ENV_RESTART_COUNT] == "0"
 
 
 def test_output_is_prefixed_with_the_rank(env_job):
@@ -95,8 +100,8 @@ def test_output_is_streamed_while_workers_run(tmp_path):
 
 def test_a_failed_worker_stops_the_others(tmp_path):
   # Rank 1 exits with 3; the others sleep for 2 minutes, rank 0 ignoring SIGTERM and rank 2 with a
-  # sleeping child of its own: the launcher must end them all (SIGKILL after the 1 s grace period,
-  # the whole process group), promptly, and name rank 1.
+  # sleeping child in its process group, a child in a new session and a double-forked daemon: the
+  # launcher must end them all (SIGKILL after the 1 s grace period), promptly, and name rank 1.
   result = _launch(tmp_path, "fail", "--nproc", "3")
   assert result.returncode == 3, result
   assert "jaxdp.launch: rank 1 exited with code 3; stopped all 3 workers." in result.stderr
@@ -104,17 +109,19 @@ def test_a_failed_worker_stops_the_others(tmp_path):
   assert result.seconds < 20, f"took {result.seconds:.1f} s"
 
 
-def test_timeout_stops_everything(tmp_path):
-  result = harness.launch(["--nproc", "2", "--grace-period", "1", "--timeout", "2"], [PLAIN, "sleep", tmp_path], timeout=60)
+def test_timeout_stops_everything_and_is_not_restarted(tmp_path):
+  options = ["--nproc", "2", "--grace-period", "1", "--timeout", "2", "--max-restarts", "2"]
+  result = harness.launch(options, [PLAIN, "sleep", tmp_path], timeout=60)
   harness.assert_no_leftovers(str(tmp_path))
   assert result.returncode == 124, result
   assert "jaxdp.launch: timed out after 2 s; stopped all 2 workers." in result.stderr
+  assert "restart" not in result.stderr
   assert result.seconds < 20
 
 
-def test_ctrl_c_stops_everything(tmp_path):
-  sig = signal.SIGINT
-  job = _Job(tmp_path, "sleep", "--nproc", "2")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_everything_and_is_not_restarted(sig, tmp_path):
+  job = _Job(tmp_path, "sleep", "--nproc", "2", "--max-restarts", "2")
   try:
     assert sorted(job.stdout_lines(2, seconds=20)) == ["[rank 0] ready", "[rank 1] ready"]
     start = time.monotonic()
@@ -125,20 +132,76 @@ def test_ctrl_c_stops_everything(tmp_path):
   err = "\n".join(job.stderr_lines())
   assert job.proc.returncode == 128 + sig, err
   assert f"jaxdp.launch: interrupted by {signal.Signals(sig).name}; stopped all 2 workers." in err
+  assert "restart" not in err
   assert time.monotonic() - start < 15
   harness.assert_no_leftovers(str(tmp_path))
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
-def test_workers_die_with_the_launcher(tmp_path):
-  job = _Job(tmp_path, "sleep", "--nproc", "2")
+@pytest.mark.skipif(not LINUX, reason="the guardian finds descendants through /proc and PR_SET_CHILD_SUBREAPER")
+def test_descendants_in_other_sessions_end_with_the_job(tmp_path):
+  # Every worker exits 0 at once, leaving a child in a new session and a re-parented daemon asleep.
+  result = _launch(tmp_path, "orphans", "--nproc", "2")
+  assert result.returncode == 0, result
+  assert sorted(line.split(" ready ")[0] for line in result.stdout.splitlines()) == ["[rank 0]", "[rank 1]"], result
+  assert result.seconds < 20, f"took {result.seconds:.1f} s"
+
+
+@pytest.mark.skipif(not LINUX, reason="the guardian finds descendants through /proc and PR_SET_CHILD_SUBREAPER")
+@pytest.mark.parametrize("target", ["launcher", "launcher's process group"])
+def test_every_descendant_dies_with_the_launcher(target, tmp_path):
+  job = _Job(tmp_path, "orphans-sleep", "--nproc", "2")
   try:
-    assert sorted(job.stdout_lines(2, seconds=20)) == ["[rank 0] ready", "[rank 1] ready"]
-    job.proc.kill()  # SIGKILL: the launcher cannot clean up; the kernel must end the workers
+    pids = [json.loads(line.split(" ", 3)[3]) for line in job.stdout_lines(2, seconds=30)]
+    for p in pids:  # the descendants escaped the worker's session; the daemon was adopted by the guardian
+      assert os.getsid(p["child"]) == p["child"] != os.getsid(p["worker"])
+      guardian = _parent(p["worker"])
+      assert _parent(p["daemon"]) == guardian and _parent(guardian) == job.proc.pid
+      assert os.getsid(guardian) == guardian != os.getsid(job.proc.pid)
+    if target == "launcher":
+      job.proc.kill()  # SIGKILL: the launcher cannot clean up; its guardian must
+    else:
+      os.killpg(job.proc.pid, signal.SIGKILL)  # the guardian has a session of its own
     job.proc.wait(timeout=10)
   finally:
     job.kill()
   harness.assert_no_leftovers(str(tmp_path))
+
+
+def test_a_failed_worker_restarts_the_job_on_fewer_processes(tmp_path):
+  # The last rank fails on attempts 0 and 1; 3 x 2 devices restart as 2 x 3, then 1 x 6, which succeeds.
+  options = ["--nproc", "3", "--devices-per-proc", "2", "--min-nproc", "1", "--max-restarts", "2"]
+  result = _launch(tmp_path, "flaky", *options)
+  assert result.returncode == 0, result
+  restarts = [line for line in result.stderr.splitlines() if line.startswith("jaxdp.launch:")]
+  assert restarts == [
+      "jaxdp.launch: worker rank 2 failed with exit code 3; restart 1 of 2 with --nproc 2 --devices-per-proc 3",
+      "jaxdp.launch: worker rank 1 failed with exit code 3; restart 2 of 2 with --nproc 1 --devices-per-proc 6",
+  ], result.stderr
+  envs = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines()]
+  layouts = {(e[launch.ENV_RESTART_COUNT], e[distributed.ENV_NUM_PROCESSES], e[distributed.ENV_DEVICES_PER_PROC])
+             for e in envs}
+  assert layouts == {("0", "3", "2"), ("1", "2", "3"), ("2", "1", "6")}, layouts
+  coordinators = {e[launch.ENV_RESTART_COUNT]: e[distributed.ENV_COORDINATOR] for e in envs}
+  assert len(set(coordinators.values())) == 3, "each attempt has its own coordinator port"
+
+
+def test_restarts_run_out(tmp_path):
+  result = _launch(tmp_path, "flaky", "--nproc", "2", "--max-restarts", "1")
+  assert result.returncode == 3, result
+  messages = [line for line in result.stderr.splitlines() if line.startswith("jaxdp.launch:")]
+  assert messages == ["jaxdp.launch: worker rank 1 failed with exit code 3; restart 1 of 1",
+                      "jaxdp.launch: rank 1 exited with code 3; stopped all 2 workers."], result.stderr
+
+
+def test_restart_layouts():
+  def layouts(*args, **kwargs):
+    return [tuple(launch.restart_layout(k, *args, **kwargs)) for k in range(4)]
+
+  assert layouts(2, 1) == [(2, 1)] * 4  # --min-nproc defaults to --nproc
+  assert layouts(2, 2, min_nproc=1) == [(2, 2), (1, 4), (1, 4), (1, 4)]
+  assert layouts(3, 2, min_nproc=1) == [(3, 2), (2, 3), (1, 6), (1, 6)]
+  assert layouts(3, 1, min_nproc=1) == [(3, 1), (2, 1), (1, 3), (1, 3)]  # 3 devices do not split over 2
+  assert layouts(4, None, min_nproc=2) == [(4, None), (3, None), (2, None), (2, None)]
 
 
 def test_module_workers(tmp_path):
@@ -154,6 +217,8 @@ def test_module_workers(tmp_path):
         (["--nproc", "0", "--", "x.py"], "--nproc: must be >= 1"),
         (["--", "x.py"], "the following arguments are required: --nproc"),
         (["--nproc", "1", "--grace-period", "0", "--", "x.py"], "--grace-period: must be > 0"),
+        (["--nproc", "1", "--max-restarts", "-1", "--", "x.py"], "--max-restarts: must be >= 0"),
+        (["--nproc", "2", "--min-nproc", "3", "--", "x.py"], "--min-nproc 3 is more than --nproc 2"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
@@ -170,8 +235,8 @@ def test_free_port_is_bindable():
 
 
 def test_failures_are_named():
-  assert launch._failure(1, 3) == launch.Failure(1, 3, "rank 1 exited with code 3")
-  assert launch._failure(2, -9) == launch.Failure(2, 137, "rank 2 was killed by signal SIGKILL")
+  assert launch._failure(1, 3) == launch.Failure(1, 3, "rank 1 exited with code 3", 3)
+  assert launch._failure(2, -9) == launch.Failure(2, 137, "rank 2 was killed by signal SIGKILL", -9)
 
 
 def test_worker_env_overrides_and_removes():
@@ -182,6 +247,11 @@ def test_worker_env_overrides_and_removes():
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def _parent(pid: int) -> int:
+  with open(f"/proc/{pid}/stat") as f:
+    return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 class _Job:
