@@ -199,6 +199,27 @@ def _check_layout(state, params, optimizer, n_replicas: int, zero_stage: int) ->
   )
 
 
+def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: int = 1) -> None:
+  """The batch must split evenly over the devices (and micro-batches); weights must have its rows."""
+  total = batch_size(batch)
+  if total % n_replicas:
+    raise ValueError(
+        f"batch has leading size {total}, which does not split evenly over {n_replicas} devices; "
+        "pad it (e.g. with jaxdp.shard_uneven(per_device_batches, mesh), which adds zero-weight rows) "
+        f"to a multiple of {n_replicas}."
+    )
+  if (total // n_replicas) % accum_steps:
+    raise ValueError(
+        f"batch has {total // n_replicas} rows per device ({total} over {n_replicas} devices), which do not "
+        f"split into accum_steps={accum_steps} micro-batches; make the batch a multiple of {n_replicas * accum_steps}."
+    )
+  if weights is not None and (np.ndim(weights) not in (1, 2) or np.shape(weights)[0] != total):
+    raise ValueError(
+        f"weights has shape {np.shape(weights)} but the batch has {total} rows; pass one weight per example "
+        f"[{total}] (or per token [{total}, t]), 0 for padding, or weights=None for all ones."
+    )
+
+
 def _zero_device_count(state: Any) -> int | None:
   """The number of chunks of the state's ZeRO leaves (the device count it was laid out for), if any."""
   for x in jax.tree.leaves((state.params, state.opt_state), is_leaf=is_flat_shards):
@@ -227,22 +248,6 @@ def check_step_inputs(
   params = jax.tree.map(_full_struct, state.params, is_leaf=is_flat_shards)
   check_params_dtypes(params)
   _check_layout(state, params, optimizer, n_replicas, zero_stage)
-  total = batch_size(batch)
-  if total % n_replicas:
-    raise ValueError(
-        f"batch has leading size {total}, which does not split evenly over {n_replicas} devices; "
-        "pad it (e.g. with jaxdp.shard_uneven(per_device_batches, mesh), which adds zero-weight rows) "
-        f"to a multiple of {n_replicas}."
-    )
-  if (total // n_replicas) % accum_steps:
-    raise ValueError(
-        f"batch has {total // n_replicas} rows per device ({total} over {n_replicas} devices), which do not "
-        f"split into accum_steps={accum_steps} micro-batches; make the batch a multiple of {n_replicas * accum_steps}."
-    )
-  if weights is not None and (np.ndim(weights) not in (1, 2) or np.shape(weights)[0] != total):
-    raise ValueError(
-        f"weights has shape {np.shape(weights)} but the batch has {total} rows; pass one weight per example "
-        f"[{total}] (or per token [{total}, t]), 0 for padding, or weights=None for all ones."
-    )
+  check_batch_split(batch, weights, n_replicas, accum_steps)
   if np.shape(state.step) != ():
     raise ValueError(f"state.step must be a scalar, got shape {np.shape(state.step)}.")

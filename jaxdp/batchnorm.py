@@ -55,6 +55,8 @@ mask, :class:`BatchNorm` runs the same float32 operations as flax's
 
 from __future__ import annotations
 
+import contextvars
+
 import math
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -66,6 +68,10 @@ from flax.nnx.nn import dtypes
 from jax import lax
 
 __all__ = ["BatchNorm", "Moments", "masked_moments"]
+
+
+# Set by jaxdp.nnx.loss_fn while a training step runs the user's function: batches there may hold padding.
+_PADDED_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdp_padded_step", default=False)
 
 
 class Moments(NamedTuple):
@@ -335,6 +341,12 @@ class BatchNorm(nnx.Module):
     bias = self.bias[...] if self.bias is not None else None
     x, mean, var, scale, bias = self.promote_dtype((x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype)
     if not use_running_average:
+      if mask is None and _PADDED_STEP.get():
+        raise ValueError(
+            "jaxdp.nnx.BatchNorm is training inside a jaxdp step without a mask, so the step's zero-weight padding "
+            "rows would enter its statistics; pass the weights the loss receives: bn(x, mask=weights) "
+            "(declare `weights` in the function given to jaxdp.nnx.loss_fn)."
+        )
       mean, var, count = masked_moments(x, mask, axis_name=self.axis_name, feature_axes=feature_axes)
       self.mean[...] = self._updated(self.mean[...], mean, count)
       self.var[...] = self._updated(self.var[...], var, count)

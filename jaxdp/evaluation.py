@@ -75,18 +75,7 @@ class EvalStep:
     key = _checks.signature(state, batch, weights)
     if key not in self._validated:
       check_loss_fn(self.loss_fn, with_model_state=state.model_state is not None)
-      n = self.mesh.shape[self.axis_name]
-      total = _checks.batch_size(batch)
-      if total % n:
-        raise ValueError(
-            f"batch has leading size {total}, which does not split evenly over {n} devices; pad it with "
-            f"zero-weight rows (jaxdp.shard_uneven or jaxdp.DataPipeline do) to a multiple of {n}."
-        )
-      if weights is not None and (np.ndim(weights) not in (1, 2) or np.shape(weights)[0] != total):
-        raise ValueError(
-            f"weights has shape {np.shape(weights)} but the batch has {total} rows; pass [{total}] or "
-            f"[{total}, t] weights (0 for padding), or None."
-        )
+      _checks.check_batch_split(batch, weights, self.mesh.shape[self.axis_name])
       self._validated.add(key)
     if jax.process_count() > 1:
       from jaxdp.distributed import assert_same_across_processes

@@ -60,16 +60,21 @@ class LossOutput(NamedTuple):
   metrics: Mapping[str, Any] | None = None
 
 
-def loss_keywords(loss_fn: Callable) -> frozenset:
-  """The names of :data:`LOSS_KEYWORDS` that ``loss_fn`` accepts as keyword arguments."""
+def declared_keywords(fn: Callable, names: tuple[str, ...]) -> frozenset:
+  """The ``names`` that ``fn`` accepts as keyword arguments (all of them if it takes ``**kwargs``)."""
   try:
-    parameters = inspect.signature(loss_fn).parameters.values()
+    parameters = inspect.signature(fn).parameters.values()
   except (TypeError, ValueError):  # a callable without an inspectable signature takes none of them
     return frozenset()
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-    return frozenset(LOSS_KEYWORDS)
+    return frozenset(names)
   keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-  return frozenset(p.name for p in parameters if p.kind in keyword_kinds and p.name in LOSS_KEYWORDS)
+  return frozenset(p.name for p in parameters if p.kind in keyword_kinds and p.name in names)
+
+
+def loss_keywords(loss_fn: Callable) -> frozenset:
+  """The names of :data:`LOSS_KEYWORDS` that ``loss_fn`` accepts as keyword arguments."""
+  return declared_keywords(loss_fn, LOSS_KEYWORDS)
 
 
 def check_loss_fn(loss_fn: Any, *, with_model_state: bool = False) -> None:

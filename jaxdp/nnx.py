@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp.batchnorm import BatchNorm
-from jaxdp.loss import LossOutput
+from jaxdp.batchnorm import _PADDED_STEP, BatchNorm
+from jaxdp.loss import LossOutput, declared_keywords
 from jaxdp.sharding import gather_state
 from jaxdp.state import TrainState
 
@@ -114,19 +114,6 @@ def merge(definition: Definition, params: Any, model_state: Any = None) -> nnx.M
   return nnx.merge(definition.graphdef, *states)
 
 
-def _declared(fn: Callable) -> frozenset:
-  import inspect
-
-  try:
-    parameters = inspect.signature(fn).parameters.values()
-  except (TypeError, ValueError):
-    return frozenset()
-  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-    return frozenset(_USER_KEYWORDS)
-  kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-  return frozenset(p.name for p in parameters if p.kind in kinds and p.name in _USER_KEYWORDS)
-
-
 def _as_output(out: Any) -> tuple[jax.Array, Any]:
   """``(losses, metrics)`` from what the user's function returned."""
   if isinstance(out, LossOutput):
@@ -167,7 +154,7 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
     raise TypeError(f"definition must come from jaxdp.nnx.split(model), got {type(definition).__name__}.")
   if not callable(fn):
     raise TypeError(f"fn must be callable as fn(model, batch), got {type(fn).__name__}.")
-  declared = _declared(fn)
+  declared = declared_keywords(fn, _USER_KEYWORDS)
 
   def loss(params, batch, rng=None, *, model_state=None, weights=None, axis_name=None, train=True):
     model = merge(definition, params, model_state)
@@ -189,7 +176,11 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
         "train": train,
         "axis_name": axis_name,
     }
-    losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}))
+    token = _PADDED_STEP.set(train)  # a jaxdp.nnx.BatchNorm without mask= then refuses to train
+    try:
+      losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}))
+    finally:
+      _PADDED_STEP.reset(token)
     _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
     return LossOutput(losses, new_state if model_state is not None else None, metrics)
 

@@ -188,6 +188,8 @@ def test_disagreeing_processes_raise_on_every_process(tmp_path):
     assert shape in output
     config = f"[rank {rank}] config ValueError on rank {rank}: processes disagree on config"
     assert config in output and "config['lr']: process 0: 0.1, process 1: 0.2" in output
+    assert f"[rank {rank}] model_state ValueError on rank {rank}: processes disagree on initial values" in output
+  assert "initial values['model_state']['bn']['mean']" in output
   assert "no error" not in output
   harness.assert_no_leftovers(str(tmp_path))
 

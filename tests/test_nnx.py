@@ -134,6 +134,18 @@ def test_dropout_keys_differ_by_replica_and_step_and_need_a_key():
     jaxdp.make_train_step(loss_fn, OPT, mesh)(new, *jaxdp.shard_uneven(data, mesh))
 
 
+def test_batchnorm_without_a_mask_is_refused_in_a_training_step():
+  """The default path never lets padding into batch statistics: forgetting mask= is an error, not a drift."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  definition, params, model_state = jaxdp.nnx.split(Net(rngs=nnx.Rngs(0)))
+  no_mask = jaxdp.nnx.loss_fn(definition, lambda model, batch: 0.5 * (model(batch["x"]) - batch["y"]) ** 2)
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  with pytest.raises(ValueError, match=r"without a mask.*mask=weights"):
+    jaxdp.make_train_step(no_mask, OPT, mesh)(state, *jaxdp.shard_uneven(portions((2, 1)), mesh), rng=jax.random.key(0))
+  out = jaxdp.make_eval_step(no_mask, mesh)(state, *jaxdp.shard_uneven(portions((2, 1)), mesh))  # eval: running stats
+  assert np.isfinite(float(out["loss"]))
+
+
 def test_flax_batchnorm_is_refused_with_the_fix():
   with pytest.raises(ValueError, match=r"flax nnx\.BatchNorm.*jaxdp\.nnx\.BatchNorm"):
     jaxdp.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)))

@@ -1,4 +1,4 @@
-"""Worker: processes that disagree on the batch shape, then on the config.
+"""Worker: processes that disagree on the batch shape, on the config, then on the initial model state.
 
 Each disagreement must raise the same ``ValueError`` on every process. Each
 rank prints what it caught, then (after a barrier, so that every rank has
@@ -12,6 +12,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import jaxdp  # noqa: E402
@@ -47,6 +48,9 @@ def main():
   report(rank, "shape", lambda: distributed.assert_same_across_processes(batch, "batch"))
   config = {"lr": 0.1 * (rank + 1), "steps": problem.STEPS, "optimizer": "sgd"}
   report(rank, "config", lambda: distributed.assert_same_across_processes(config, "config"))
+  model_state = {"bn": {"mean": np.full((3,), float(rank), np.float32)}}  # process-local values that differ
+  optimizer = optax.sgd(problem.LR)
+  report(rank, "model_state", lambda: jaxdp.init_state(problem.init_params(), optimizer, mesh, model_state=model_state))
   multihost_utils.sync_global_devices("reported")
   sys.exit(2)
 
