@@ -229,6 +229,8 @@ def compare(config: Config, data: tuple[list, list] | None = None) -> dict:
         "max_abs_loss_diff_vs_single_while_stable": float(np.max(gap[:stable])) if stable else 0.0,
         "final_train_loss": float(loss[name][-1]), "seconds": run["seconds"],
     }
+  result["max_abs_loss_diff_sync_vs_single_shuffled"] = float(np.max(np.abs(loss["sync"] - loss["single_shuffled"])))
+  result["losses"] = {k: v.tolist() for k, v in loss.items()}
   if config.out is not None:
     out = pathlib.Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
