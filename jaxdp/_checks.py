@@ -41,6 +41,19 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   raise TypeError(f"{name} must be an optax.GradientTransformation (init, update), got {type(optimizer).__name__}.")
 
 
+def check_float_dtype(dtype: Any, name: str) -> Any:
+  """``dtype`` as a numpy floating dtype (``None`` passes through), or a ``ValueError`` naming ``name``."""
+  if dtype is None:
+    return None
+  try:
+    resolved = np.dtype(dtype)
+  except TypeError:
+    resolved = None
+  if resolved is None or not jax.dtypes.issubdtype(resolved, np.floating):
+    raise ValueError(f"{name}={dtype!r} is not a floating dtype; use e.g. jnp.bfloat16, jnp.float16 or jnp.float32.")
+  return resolved
+
+
 def check_not_donated(state: Any) -> None:
   """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):

@@ -115,9 +115,18 @@ def collectives_from_hlo(hlo: str, n_devices: int) -> dict[str, Collective]:
   }
 
 
-def comm_report(step, state, batch, weights=None, rng=None) -> dict[str, Collective]:
-  """The collectives of one step of ``step`` (a :func:`jaxdp.make_train_step` result), from its compiled HLO."""
-  hlo = step.lower(state, batch, weights, rng).compile().as_text()
+def comm_report(step, state, batch, weights=None, rng=None, *, compiled: bool = True) -> dict[str, Collective]:
+  """The collectives of one step of ``step`` (a :func:`jaxdp.make_train_step` result).
+
+  ``compiled=True`` reads the compiled HLO: what runs on this backend, after
+  XLA combined all-reduces and, on CPU, widened bfloat16 all-reduces to
+  float32. ``compiled=False`` reads the HLO before optimisation: the
+  communication the step asks for (one op per reduced leaf, in the dtype of
+  ``grad_reduce_dtype``), which is what GPU and TPU backends run in
+  bfloat16.
+  """
+  lowered = step.lower(state, batch, weights, rng)
+  hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
   return collectives_from_hlo(hlo, step.mesh.shape[step.axis_name])
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import functools
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -13,7 +15,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp import _checks
-from jaxdp._checks import check_int, check_optimizer
+from jaxdp._checks import check_float_dtype, check_int, check_optimizer
 from jaxdp.loss import check_loss_fn
 from jaxdp.mesh import auto_mesh, check_mesh_axis, data_mesh, place, replicated, split_along
 from jaxdp.reduction import (
@@ -28,6 +30,7 @@ from jaxdp.sharding import check_zero_stage, flatten_tree, gather_chunks, my_chu
 from jaxdp.state import TrainState
 
 BACKENDS = ("shard_map", "pmap")
+_MAX_UNREAD_FLAGS = 2  # non-finite flags of earlier steps read at the latest two calls later
 
 
 def _check_modes(reduction: str, zero_stage: int) -> None:
@@ -78,6 +81,9 @@ def train_step(
     rng: jax.Array | None = None,
     zero_stage: int = 0,
     has_more: jax.Array | None = None,
+    compute_dtype: Any = None,
+    grad_reduce_dtype: Any = None,
+    bucket_bytes: int | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
@@ -112,6 +118,13 @@ def train_step(
     has_more: optional per-replica count (e.g. 1 if this replica's input
       stream has data after this batch), summed over replicas in the step's
       own all-reduce into ``metrics["has_more"]``.
+    compute_dtype: mixed precision (see :func:`jaxdp.local_gradient`):
+      forward and backward in this dtype, e.g. ``jnp.bfloat16``, with the
+      params, optimizer state and sums kept as they are (float32).
+    grad_reduce_dtype: all-reduce (or reduce-scatter) the gradient in this
+      dtype, e.g. ``jnp.bfloat16`` for half the bytes; default float32.
+    bucket_bytes: reduce the gradient in buckets of about this many bytes
+      (see :func:`jaxdp.reduce_gradient`); ``None``: one all-reduce.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
@@ -132,12 +145,14 @@ def train_step(
   local = local_gradient(
       loss_fn, params, batch, weights,
       axis_name=axis_name, accum_steps=accum_steps, rng=rng, model_state=state.model_state,
+      compute_dtype=compute_dtype,
   )
   if zero_stage >= 2:
     local = local._replace(grads=flatten_tree(local.grads, lax.axis_size(axis_name), zero_stage))
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
   reduced: ReducedGradient = reduce_gradient(
-      local, axis_name=axis_name, reduction=reduction, scatter=zero_stage >= 2, totals=totals
+      local, axis_name=axis_name, reduction=reduction, scatter=zero_stage >= 2, totals=totals,
+      bucket_bytes=bucket_bytes, reduce_dtype=grad_reduce_dtype,
   )
   # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
   # a NaN is NaN; the norm of sharded chunks is all-reduced), so this flag is the same everywhere: all skip.
@@ -186,21 +201,27 @@ class CompiledStep:
     self.reduction, self.backend = reduction, backend
     self.accum_steps, self.zero_stage = accum_steps, zero_stage
     self.max_consecutive_skips = max_consecutive_skips
-    self.consecutive_skips = 0  # non-finite steps in a row, as of the previous call's step
+    self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
     self._validated: set = set()
-    self._pending_nonfinite = None
+    self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
+    self._returned: tuple = ()  # weak references to the leaves of the state the last call returned
+    self._returned_signature = self._prepared_signature = None
+    self._shardings: dict = {}
 
   def reset_nonfinite_guard(self) -> None:
     """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
-    self.consecutive_skips, self._pending_nonfinite = 0, None
+    self.consecutive_skips = 0
+    self._pending.clear()
 
-  def _check_previous_step(self) -> None:
-    # Reads the *previous* step's flag, which is done or nearly so: no stall of the current dispatch.
+  def _check_previous_steps(self) -> None:
+    # Reads the flags of earlier steps once they are done, and waits only for one two steps old: the
+    # device then still has the previous step to run while this one is prepared and dispatched.
     if self.max_consecutive_skips is None:
       return
-    if self._pending_nonfinite is not None:
-      bad = int(jax.device_get(self._pending_nonfinite)) > 0
-      self._pending_nonfinite = None
+    while self.consecutive_skips < self.max_consecutive_skips and self._pending and (
+        self._pending[0].is_ready() or len(self._pending) >= _MAX_UNREAD_FLAGS
+    ):
+      bad = int(jax.device_get(self._pending.popleft())) > 0
       self.consecutive_skips = self.consecutive_skips + 1 if bad else 0
     # Once tripped it stays tripped (nothing runs, so no good step can clear it) until reset_nonfinite_guard().
     if self.consecutive_skips >= self.max_consecutive_skips:
@@ -211,11 +232,18 @@ class CompiledStep:
           "step.reset_nonfinite_guard() to run again."
       )
 
+  def _is_returned_state(self, leaves: list) -> bool:
+    """Whether ``leaves`` are exactly those of the state the last call returned (placed, unshared, checked)."""
+    return len(leaves) == len(self._returned) and all(ref() is x for ref, x in zip(self._returned, leaves))
+
   def _prepare(self, state, batch, weights, rng, has_more=None):
     _checks.check_state(state)
-    _checks.check_not_donated(state)
-    if self.donate:
-      state = _checks.unshared_buffers(state)
+    leaves = jax.tree.leaves(state)
+    ours = self._is_returned_state(leaves)
+    if not ours:
+      _checks.check_not_donated(state)
+      if self.donate:
+        state = _checks.unshared_buffers(state)
     if jax.process_count() > 1:
       # Every call, on every process: a process whose inputs differ must fail with the others, not
       # leave them blocked in the step's all-reduce (a per-process cache could desynchronise them).
@@ -223,7 +251,9 @@ class CompiledStep:
 
       inputs = {"state": state, "batch": batch, "weights": weights, "rng": rng, "has_more": has_more}
       assert_same_across_processes(inputs, "step inputs")
-    key = _checks.signature(state, batch, weights, rng, has_more)
+    state_signature = self._returned_signature if ours else _checks.signature(state)
+    self._prepared_signature = state_signature
+    key = (state_signature, _checks.signature(batch, weights, rng, has_more))
     if key not in self._validated:
       n = self.mesh.shape[self.axis_name]
       _checks.check_step_inputs(
@@ -236,7 +266,10 @@ class CompiledStep:
             "(jaxdp.StreamingPipeline yields it), or None."
         )
       self._validated.add(key)
-    state = place(state, state_shardings(state, self.mesh, self.axis_name))
+    if not ours:  # the returned state is placed already: skip a device_put per leaf
+      if state_signature not in self._shardings:
+        self._shardings[state_signature] = state_shardings(state, self.mesh, self.axis_name)
+      state = place(state, self._shardings[state_signature])
     rng = place(rng, replicated(self.mesh))
     batch, weights, has_more = jax.device_put((batch, weights, has_more), split_along(self.mesh, self.axis_name))
     return state, batch, weights, rng, has_more
@@ -250,9 +283,14 @@ class CompiledStep:
       *,
       has_more: jax.Array | None = None,
   ):
-    self._check_previous_step()
-    state, metrics = self.jitted(*self._prepare(state, batch, weights, rng, has_more))
-    self._pending_nonfinite = metrics["nonfinite"]
+    self._check_previous_steps()
+    prepared = self._prepare(state, batch, weights, rng, has_more)
+    state, metrics = self.jitted(*prepared)
+    if self.max_consecutive_skips is not None:
+      self._pending.append(metrics["nonfinite"])
+    leaves = jax.tree.leaves(state)
+    self._returned = tuple(weakref.ref(x) for x in leaves)
+    self._returned_signature = self._prepared_signature  # the output has the input's structure and shapes
     return state, metrics
 
   def lower(
@@ -280,6 +318,9 @@ def make_train_step(
     accum_steps: int = 1,
     zero_stage: int = 0,
     max_consecutive_skips: int | None = 10,
+    compute_dtype: Any = None,
+    grad_reduce_dtype: Any = None,
+    bucket_bytes: int | None = None,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -307,9 +348,22 @@ def make_train_step(
     max_consecutive_skips: a step whose gradient or loss is NaN/Inf on any
       replica is skipped by every replica (``metrics["skipped"]``). After
       this many such steps in a row the next call raises
-      ``FloatingPointError`` (before running anything). ``None`` never
-      raises. The check reads the previous step's flag, so the error comes
-      one call after the limit is reached.
+      ``FloatingPointError`` (before running anything), and so does every
+      call until ``step.reset_nonfinite_guard()``. ``None`` never raises.
+      The check reads earlier steps' flags once they are done and never
+      waits for the previous step's, so dispatch stays asynchronous: the
+      error comes one call after the limit is reached when the steps keep
+      up, at the latest three calls after.
+    compute_dtype: mixed precision: forward and backward in this floating
+      dtype (e.g. ``jnp.bfloat16``); params, optimizer state and every sum
+      stay as they are (float32 master weights).
+    grad_reduce_dtype: communicate the gradient in this floating dtype
+      (``jnp.bfloat16`` halves the bytes); default: the gradient's own
+      (float32 at least). The loss, weights and the division stay float32.
+    bucket_bytes: reduce the gradient in buckets of about this many bytes,
+      in reverse layer order, one all-reduce each (DDP's ``bucket_cap_mb``);
+      ``None`` (default) reduces it in one; ``0`` per leaf. Bitwise the same
+      results.
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -339,11 +393,17 @@ def make_train_step(
   if max_consecutive_skips is not None:
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
 
+  compute_dtype = check_float_dtype(compute_dtype, "compute_dtype")
+  grad_reduce_dtype = check_float_dtype(grad_reduce_dtype, "grad_reduce_dtype")
+  if bucket_bytes is not None:
+    check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
+
   def replica_step(state, batch, weights, rng, has_more):
     new_state, metrics = train_step(
         loss_fn, optimizer, state, batch, weights,
         axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, zero_stage=zero_stage,
-        has_more=has_more,
+        has_more=has_more, compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype,
+        bucket_bytes=bucket_bytes,
     )
     if check_replicas:
       metrics["replica_divergence"] = replica_divergence(new_state, axis_name)

@@ -157,11 +157,24 @@ def test_shape_dependent_optimizers_are_refused_by_zero(make):
     jaxdp.init_state(big, make(), MESH, zero_stage=1)
 
 
+def test_the_nonfinite_flag_is_read_at_the_latest_two_calls_later():
+  """Dispatch never waits for the previous step's flag, but a flag two steps old is read, ready or not."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, max_consecutive_skips=1)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  batch, weights = data()
+  state, _ = step(state, jax.tree.map(lambda x: x.at[0].set(jnp.nan), batch), weights)
+  state, _ = step(state, batch, weights)  # may or may not see the bad flag yet
+  with pytest.raises(FloatingPointError):
+    for _ in range(2):
+      state, _ = step(state, batch, weights)
+
+
 def test_the_nonfinite_guard_stays_tripped_until_reset():
   step = jaxdp.make_train_step(loss_fn, OPT, MESH, max_consecutive_skips=1)
   state = jaxdp.init_state(params(), OPT, MESH)
   batch, weights = data()
   state, _ = step(state, jax.tree.map(lambda x: x.at[0].set(jnp.nan), batch), weights)
+  jax.block_until_ready(state)  # the next call reads the flag of a finished step without waiting
   for _ in range(2):  # raises on every call, not every other one
     with pytest.raises(FloatingPointError, match="reset_nonfinite_guard"):
       step(state, batch, weights)

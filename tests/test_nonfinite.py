@@ -77,6 +77,7 @@ def test_too_many_consecutive_skips_raise_before_running():
   poisoned = _batch(poison_device=0)
   state, _ = step(state, poisoned)
   state, _ = step(state, poisoned)
+  jax.block_until_ready(state)  # flags are read once their steps are done (at the latest two calls later)
   with pytest.raises(FloatingPointError, match="max_consecutive_skips"):
     step(state, _batch())
   jaxdp.assert_replicas_equal(state)  # not donated: the caller still holds the last good state
@@ -86,7 +87,8 @@ def test_too_many_consecutive_skips_raise_before_running():
 def test_a_good_step_resets_the_count():
   _, state, step = _setup(max_consecutive_skips=2)
   for batch in [_batch(0), _batch(), _batch(1), _batch(), _batch(3)]:
-    state, metrics = step(state, batch)
+    state, metrics = step(state, jax.block_until_ready(batch))
+    jax.block_until_ready(state)  # so that the next call reads this step's flag (it never waits for it)
   assert step.consecutive_skips == 0  # counted up to the previous call's step
   state, _ = step(state, _batch())
   assert step.consecutive_skips == 1
