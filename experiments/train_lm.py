@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, default=None, help=f"data-parallel devices (CPU: simulated, default {DEFAULT_CPU_DEVICES}; else all)")
   p.add_argument("--reduction", default="mean", choices=("mean", "rank_mean", "sum"), help="gradient reduction")
   p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per device and step")
+  p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="forward/backward dtype (params stay float32)")
+  p.add_argument("--grad-reduce-dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the gradient all-reduce")
+  p.add_argument("--bucket-bytes", type=int, default=None, help="reduce the gradient in buckets of this size (default: one all-reduce)")
   p.add_argument("--steps", type=int, default=150)
   p.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
   p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (the last chunk of a document is shorter)")
@@ -98,6 +101,9 @@ class Config:
   devices: int | None = None
   reduction: str = "mean"
   accum_steps: int = 1
+  compute_dtype: str = "float32"
+  grad_reduce_dtype: str = "float32"
+  bucket_bytes: int | None = None
   steps: int = 150
   batch_size: int = 32
   seq_len: int = 64
@@ -236,7 +242,12 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   collate = corpus.make_collate(config.seq_len)
   definition, params = make_model(config)
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
-  step_fn = jaxdp.make_train_step(loss_fn, optimizer, mesh, reduction=reduction, accum_steps=config.accum_steps)
+  step_fn = jaxdp.make_train_step(
+      loss_fn, optimizer, mesh, reduction=reduction, accum_steps=config.accum_steps,
+      compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
+      grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
+      bucket_bytes=config.bucket_bytes,
+  )
   per_device = config.batch_size // len(devices)
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
