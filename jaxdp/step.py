@@ -239,11 +239,10 @@ class CompiledStep:
   def _prepare(self, state, batch, weights, rng, has_more=None):
     _checks.check_state(state)
     leaves = jax.tree.leaves(state)
+    _checks.check_not_donated(state)  # also a state this step returned: another step may have consumed it
     ours = self._is_returned_state(leaves)
-    if not ours:
-      _checks.check_not_donated(state)
-      if self.donate:
-        state = _checks.unshared_buffers(state)
+    if not ours and self.donate:
+      state = _checks.unshared_buffers(state)
     if jax.process_count() > 1:
       # Every call, on every process: a process whose inputs differ must fail with the others, not
       # leave them blocked in the step's all-reduce (a per-process cache could desynchronise them).
