@@ -17,7 +17,7 @@ metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules) and
 :mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm).
 """
 
-from jaxdp import batchnorm, distributed, nnx
+from jaxdp import batchnorm, distributed, nnx, scaling
 from jaxdp.batchnorm import Moments, masked_moments
 from jaxdp.checkpoint import CheckpointManager, Restored, place_state
 from jaxdp.data import (
@@ -99,6 +99,7 @@ __all__ = [
     "process_positions",
     "reduce_gradient",
     "reduce_model_state",
+    "scaling",
     "replica_divergence",
     "shard_uneven",
     "state_specs",

@@ -1,0 +1,235 @@
+"""The α-β scaling model: properties of its formulas, never timings.
+
+The model is arithmetic, so most checks are exact identities (volumes,
+memory, latency per bucket) or equalities of two code paths (hierarchical
+vs ring on one node) up to float round-off (rel 1e-12: a handful of ulps of
+sums of a few terms). One test compiles a tiny jaxdp step and checks that the
+model's collective bytes equal those counted in its HLO.
+"""
+
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+from jaxdp import scaling
+from jaxdp.sharding import padded_size
+
+ROUND_OFF = 1e-12
+
+# A topology with round numbers: 1 GB/s and 1 µs inside a node of 4, 0.1 GB/s and 10 µs between nodes.
+FAST = scaling.Link("fast", 1e9, 1e-6)
+SLOW = scaling.Link("slow", 1e8, 1e-5)
+TOY = scaling.Topology("toy", FAST, 4, SLOW, launch_latency=5e-6)
+MODEL = scaling.ModelCost(params=10_000_000, seconds_per_example=1e-3, update_seconds=2e-3)
+
+
+def test_ring_all_reduce_volume_is_2_n_minus_1_over_n_psi_bytes():
+  for precision in (scaling.MIXED_ADAM, scaling.FP32_ADAM):
+    for n in range(1, 10):
+      volume = scaling.communication_volume(1_000_003, n, 0, precision)
+      assert volume == pytest.approx(2 * (n - 1) / n * 1_000_003 * precision.grad_bytes, rel=ROUND_OFF)
+
+
+def test_ring_traffic_uses_the_convention_of_collectives_from_hlo():
+  hlo = "\n".join([
+      "%a = f32[1000]{0} all-reduce(%x), replica_groups={{0,1,2,3,4}}",
+      "%b = f32[200]{0} reduce-scatter(%y), dimensions={0}",
+      "%c = bf16[1000]{0} all-gather(%z), dimensions={0}",
+  ])
+  counted = jaxdp.collectives_from_hlo(hlo, 5)
+  for kind, report in counted.items():
+    assert scaling.ring_traffic(kind, report.bytes, 5) == pytest.approx(report.traffic_bytes, rel=ROUND_OFF)
+
+
+def test_stage_volumes_relative_to_stage_0():
+  """jaxdp: stage 1 moves 1.5x stage 0, stages 2-3 the same (p = g); the paper's stage 3 1.5x."""
+  for n in (2, 8, 64):
+    base = scaling.communication_volume(10**6, n, 0, scaling.FP32_ADAM)
+    volume = lambda stage, schedule="jaxdp": scaling.communication_volume(
+        10**6, n, stage, scaling.FP32_ADAM, schedule=schedule)
+    assert volume(1) == pytest.approx(1.5 * base, rel=ROUND_OFF)
+    assert volume(2) == pytest.approx(base, rel=ROUND_OFF)
+    assert volume(3) == pytest.approx(base, rel=ROUND_OFF)
+    assert volume(1, "paper") == pytest.approx(base, rel=ROUND_OFF)
+    assert volume(3, "paper") == pytest.approx(1.5 * base, rel=ROUND_OFF)
+
+
+@pytest.mark.parametrize("algorithm", scaling.ALGORITHMS)
+@pytest.mark.parametrize("zero_stage", scaling.ZERO_STAGES)
+def test_efficiency_is_1_on_one_device(algorithm, zero_stage):
+  for bucket_bytes in (None, 1e6):
+    for overlap in (0.0, 0.5, 1.0):
+      t = scaling.step_time(MODEL, 1, TOY, batch_per_device=32, zero_stage=zero_stage, algorithm=algorithm,
+                            bucket_bytes=bucket_bytes, overlap=overlap)
+      assert (t.communication, t.hidden, t.launches, t.efficiency) == (0.0, 0.0, 0, 1.0)
+      assert t.total == t.compute == 32 * MODEL.seconds_per_example + MODEL.update_seconds
+
+
+def test_efficiency_below_1_with_communication_and_no_zero_update_saving():
+  for n in (2, 4, 8, 64):
+    assert scaling.step_time(MODEL, n, TOY, batch_per_device=32).efficiency < 1
+
+
+def test_memory_reproduces_the_zero_paper_7_5b_on_64_gpus():
+  """Rajbhandari et al. (2020): 7.5B params, N = 64, K = 12: 120, 31.4, 16.6, 1.88 GB (3 significant digits)."""
+  paper = (120, 31.4, 16.6, 1.88)
+  for stage, gb in zip(scaling.ZERO_STAGES, paper):
+    bytes_ = scaling.memory_per_device(7.5e9, 64, stage, scaling.MIXED_ADAM)
+    assert float(f"{bytes_ / scaling.GB:.3g}") == gb
+
+
+def test_memory_fp32_formulas_jaxdp_measures():
+  psi = 1_000_000
+  for n in (1, 2, 8, 1024):
+    got = [scaling.memory_per_device(psi, n, s, scaling.FP32_ADAM) for s in scaling.ZERO_STAGES]
+    want = [16 * psi, (8 + 8 / n) * psi, (4 + 12 / n) * psi, 16 * psi / n]
+    assert got == pytest.approx(want, rel=ROUND_OFF)
+
+
+def test_stage_3_is_stage_0_over_n_and_all_stages_agree_on_one_device():
+  for precision in (scaling.MIXED_ADAM, scaling.FP32_ADAM):
+    full = scaling.memory_per_device(7e9, 1, 0, precision)
+    assert all(scaling.memory_per_device(7e9, 1, s, precision) == full for s in scaling.ZERO_STAGES)
+    assert scaling.memory_per_device(7e9, 256, 3, precision) == pytest.approx(full / 256, rel=ROUND_OFF)
+
+
+def test_largest_model_is_the_inverse_of_memory():
+  for n in (1, 8, 64, 1000):
+    for stage in scaling.ZERO_STAGES:
+      psi = scaling.largest_model(80e9, n, stage, reserved_bytes=10e9)
+      assert scaling.memory_per_device(psi, n, stage) <= 70e9 < scaling.memory_per_device(psi + 1, n, stage)
+  assert scaling.largest_model(80e9, 8, 0) == 5_000_000_000  # 16 bytes per param, unsharded
+
+
+def test_buckets_add_the_collective_latency_per_bucket():
+  """k buckets pay k launches and k x 2(N-1) ring steps; the bandwidth term is the same."""
+  n, gradient_bytes = 4, MODEL.params * MODEL.precision.grad_bytes
+  per_call_latency = TOY.launch_latency + 2 * (n - 1) * FAST.latency
+  one = scaling.step_time(MODEL, n, TOY, batch_per_device=8, algorithm="ring")
+  for bucket_bytes, buckets in ((gradient_bytes, 1), (gradient_bytes / 4, 4), (3e6, 7)):
+    t = scaling.step_time(MODEL, n, TOY, batch_per_device=8, algorithm="ring", bucket_bytes=bucket_bytes)
+    assert t.launches == buckets == math.ceil(gradient_bytes / bucket_bytes)
+    assert t.communication - one.communication == pytest.approx((buckets - 1) * per_call_latency, rel=1e-9)
+
+
+@pytest.mark.parametrize("kind", scaling.KINDS)
+def test_hierarchical_equals_ring_on_one_node(kind):
+  for n in (1, 2, 3, 4):
+    for nbytes in (0, 1, 12345.0, 4e9):
+      ring = scaling.collective_time(kind, nbytes, n, TOY, algorithm="ring")
+      assert scaling.collective_time(kind, nbytes, n, TOY) == pytest.approx(ring, rel=ROUND_OFF)
+
+
+def test_hierarchical_across_nodes_sends_1_over_g_between_nodes():
+  """With a free intra-node link, the hierarchical all-reduce is the inter-node ring (or tree) on M/g."""
+  free = TOY._replace(intra=FAST._replace(bandwidth=1e300, latency=0.0), launch_latency=0.0)
+  nbytes, n, g = 1e9, 32, 4
+  nodes = n // g
+  ring_on_shard = 2 * (nodes - 1) * SLOW.latency + 2 * (nodes - 1) / nodes * (nbytes / g) / SLOW.bandwidth
+  assert scaling.collective_time("all-reduce", nbytes, n, free) == pytest.approx(ring_on_shard, rel=ROUND_OFF)
+
+
+def test_tree_latency_is_logarithmic_in_nodes():
+  no_bandwidth = TOY._replace(intra=FAST._replace(bandwidth=1e300), inter=SLOW._replace(bandwidth=1e300))
+  for nodes in (2, 3, 8, 100, 256):
+    t = scaling.collective_time("all-reduce", 1e6, 4 * nodes, no_bandwidth, algorithm="tree")
+    want = TOY.launch_latency + 2 * (3 * FAST.latency + math.ceil(math.log2(nodes)) * SLOW.latency)
+    assert t == pytest.approx(want, rel=ROUND_OFF)
+
+
+def test_overlap_hides_at_most_the_backward_pass_and_never_the_last_bucket():
+  kwargs = dict(batch_per_device=8, algorithm="ring")
+  one_bucket = scaling.step_time(MODEL, 4, TOY, overlap=1.0, **kwargs)
+  assert one_bucket.hidden == 0.0
+  for overlap in (0.0, 0.3, 1.0):
+    t = scaling.step_time(MODEL, 4, TOY, overlap=overlap, bucket_bytes=1e6, **kwargs)
+    assert t.hidden <= overlap * MODEL.backward_fraction * 8 * MODEL.seconds_per_example + 1e-15
+    assert t.total == pytest.approx(t.compute + t.communication - t.hidden, rel=ROUND_OFF)
+    assert (t.hidden == 0.0) == (overlap == 0.0)
+
+
+def test_communication_bound_at_matches_the_closed_form():
+  """α = 0: ring all-reduce time 2(N-1)/N · M/B exceeds compute c first at N > 2 / (2 - c B / M)."""
+  link = scaling.Link("bandwidth only", 1e9, 0.0)
+  topology = scaling.Topology("one big node", link, 1024)
+  per_example = 0.0701  # no ties between compute and 2(N-1)/N at any integer N
+  model = scaling.ModelCost(params=250_000_000, seconds_per_example=per_example, precision=scaling.FP32_ADAM)
+  for batch, want in ((16, 3), (24, 7), (27, 19)):  # M/B = 1 s; compute 1.12 s, 1.68 s, 1.89 s
+    assert want == math.floor(2 / (2 - batch * per_example)) + 1
+    assert scaling.communication_bound_at(model, topology, batch_per_device=batch, algorithm="ring") == want
+  assert scaling.communication_bound_at(model, topology, batch_per_device=29, algorithm="ring") is None
+
+
+def test_presets_are_consistent():
+  for topology in (scaling.H100_NDR, scaling.A100_HDR, scaling.V100_EDR, scaling.TPU_V4_POD, scaling.TPU_V5E_SLICES):
+    links = [topology.intra] + ([topology.inter] if topology.inter else [])
+    assert all(link.source and link.bandwidth > 0 and link.latency > 0 for link in links)
+    for n in scaling.valid_device_counts(topology, 1024)[-3:]:
+      assert 0 < scaling.step_time(MODEL, n, topology, batch_per_device=8).efficiency <= 1
+  assert scaling.NVLINK4_H100.bandwidth == 450e9 and scaling.IB_NDR.bandwidth == 50e9
+  assert scaling.TPU_V5E_ICI.bandwidth == 200e9
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: scaling.step_time(MODEL, 0, TOY, batch_per_device=1), "n_devices"),
+        (lambda: scaling.step_time(MODEL, True, TOY, batch_per_device=1), "n_devices"),
+        (lambda: scaling.step_time(MODEL, 6, TOY, batch_per_device=1), "n_devices=6"),
+        (lambda: scaling.step_time(MODEL, 8, TOY._replace(inter=None), batch_per_device=1), "topology.inter"),
+        (lambda: scaling.step_time(MODEL, 2, TOY, batch_per_device=0), "batch_per_device"),
+        (lambda: scaling.step_time(MODEL, 2, TOY, batch_per_device=1, zero_stage=4), "zero_stage"),
+        (lambda: scaling.step_time(MODEL, 2, TOY, batch_per_device=1, algorithm="butterfly"), "algorithm"),
+        (lambda: scaling.step_time(MODEL, 2, TOY, batch_per_device=1, overlap=1.5), "overlap"),
+        (lambda: scaling.step_time(MODEL, 2, TOY, batch_per_device=1, overlap=float("nan")), "overlap"),
+        (lambda: scaling.step_time(MODEL, 2, TOY, batch_per_device=1, bucket_bytes=0), "bucket_bytes"),
+        (lambda: scaling.step_time(MODEL, 2, TOY, batch_per_device=1, schedule="deepspeed"), "schedule"),
+        (lambda: scaling.step_time(MODEL._replace(seconds_per_example=-1.0), 2, TOY, batch_per_device=1),
+         "model.seconds_per_example"),
+        (lambda: scaling.step_time(MODEL, 2, "H100", batch_per_device=1), "topology"),
+        (lambda: scaling.step_time(MODEL, 2, TOY._replace(intra=FAST._replace(bandwidth=0.0)), batch_per_device=1),
+         "topology.intra.bandwidth"),
+        (lambda: scaling.collective_time("all-to-all", 1.0, 2, TOY), "kind"),
+        (lambda: scaling.communication_bound_at(MODEL, None, batch_per_device=1), "topology"),
+        (lambda: scaling.communication_bound_at(MODEL, TOY, batch_per_device=1, max_devices=0), "max_devices"),
+        (lambda: scaling.memory_per_device(-1, 8, 0), "psi"),
+        (lambda: scaling.memory_per_device(1e9, 8, 0, precision="bf16"), "precision"),
+        (lambda: scaling.largest_model(80e9, 8, 3, reserved_bytes=90e9), "reserved_bytes"),
+        (lambda: scaling.collectives(10, 4, 2, padded_params=5), "padded_params"),
+        (lambda: scaling.seconds_per_example(1e12, 1e15, 0.0), "utilization"),
+    ],
+)
+def test_bad_inputs_raise_value_errors_naming_the_argument(call, name):
+  with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+    call()
+
+
+def _loss(params, batch):
+  hidden = jax.numpy.tanh(batch["x"] @ params["w"] + params["b"][None, :])
+  return 0.5 * (hidden @ params["head"] + params["bias"] - batch["y"]) ** 2
+
+
+@pytest.mark.parametrize("zero_stage", (0, 2))
+def test_model_bytes_equal_bytes_counted_in_a_compiled_jaxdp_step(zero_stage):
+  """Leaves of 21, 7, 7 and 1 elements: every one is padded at N = 4. jaxdp also reduces Σw·l and Σw
+  (8 bytes) with the gradient, and at stages 2-3 the squared norm of the gradient chunks (4 bytes)."""
+  n = 4
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(3, 7)).astype(np.float32), "b": np.zeros(7, np.float32),
+            "head": rng.normal(size=(7,)).astype(np.float32), "bias": np.float32(0.1)}
+  batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=(8,)).astype(np.float32)}
+  mesh = jaxdp.data_mesh(jax.devices()[:n])
+  optimizer = optax.sgd(0.1)  # the collectives do not depend on the optimizer; SGD compiles fastest
+  state = jaxdp.init_state(params, optimizer, mesh, zero_stage=zero_stage)
+  step = jaxdp.make_train_step(_loss, optimizer, mesh, zero_stage=zero_stage)
+  counted = jaxdp.comm_report(step, state, batch)
+  leaves = jax.tree.leaves(params)
+  ops = scaling.collectives(sum(x.size for x in leaves), n, zero_stage, scaling.FP32_ADAM,
+                            padded_params=sum(padded_size(np.shape(x), n) for x in leaves),
+                            scalar_bytes=8 if zero_stage < 2 else 12)
+  for kind in scaling.KINDS:
+    assert counted[kind].bytes == sum(op.nbytes for op in ops if op.kind == kind), kind
