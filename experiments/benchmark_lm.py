@@ -20,11 +20,8 @@ within 10% of K = 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
 import sys
-import time
 
 if __name__ == "__main__":  # must happen before JAX initialises its backend
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
@@ -34,7 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdp  # noqa: E402
-from experiments import train_lm  # noqa: E402
+from experiments import common, train_lm  # noqa: E402
 from experiments.lm import corpus  # noqa: E402
 from experiments.lm import model as lm  # noqa: E402
 
@@ -54,19 +51,19 @@ def time_steps(config: train_lm.Config, devices, accum_steps: int, steps: int, d
   step, state, pipeline = _setup(config, devices, accum_steps, data)
   rng = jax.random.key(config.seed)
   batches = [pipeline.batch_at(i) for i in range(steps + 1)]  # loaded up front: time the step, not the host
-  state, metrics = step(state, *batches[0], rng=rng)
-  jax.block_until_ready(state)
-  times, tokens = [], []
-  for batch, weights in batches[1:]:
-    start = time.perf_counter()
-    state, metrics = step(state, batch, weights, rng=rng)
+  tokens = [float(np.sum(weights)) for _, weights in batches[1:]]
+  comm = jaxdp.comm_report(step, state, *batches[0], rng=rng)  # before the state is donated
+  feed = iter(batches)
+
+  def run():
+    nonlocal state
+    state, _ = step(state, *next(feed), rng=rng)
     jax.block_until_ready(state)
-    times.append(time.perf_counter() - start)
-    tokens.append(float(metrics["weight"]))
-  comm = jaxdp.comm_report(step, state, *batches[0], rng=rng)
+
+  times = common.time_steps(run, steps, warmup=1)
   return {
-      "devices": len(devices), "accum_steps": accum_steps, "median_s": float(np.median(times)),
-      "tokens_per_step": float(np.mean(tokens)), "tokens_per_s": float(np.sum(tokens) / np.sum(times)),
+      "devices": len(devices), "accum_steps": accum_steps, "median_s": common.stats(times)["median"] / 1e3,
+      "tokens_per_step": float(np.mean(tokens)), "tokens_per_s": float(np.sum(tokens) / (np.sum(times) / 1e3)),
       "all_reduce_ops": comm["all-reduce"].count, "all_reduce_bytes": comm["all-reduce"].bytes,
   }
 
@@ -97,7 +94,7 @@ def main(argv=None) -> dict:
   accum = [time_steps(accum_config, accum_devices, int(k), args.steps, data) for k in args.accum.split(",")]
   base = accum[0]["median_s"] / accum[0]["tokens_per_step"]
   print(f"train_lm throughput, global batch {args.batch_size} x {config.seq_len} bytes, median of {args.steps} steps "
-        f"({jax.device_count()} simulated {jax.devices()[0].platform} devices on {os.cpu_count()} cores, jax {jax.__version__}):")
+        f"({jax.device_count()} simulated {jax.devices()[0].platform} devices on {common.cpu_cores()} cores, jax {jax.__version__}):")
   print("| devices | step ms | tokens/s |\n|---:|---:|---:|")
   for r in throughput:
     print(f"| {r['devices']} | {1e3 * r['median_s']:.1f} | {r['tokens_per_s']:,.0f} |")
@@ -112,8 +109,7 @@ def main(argv=None) -> dict:
   print(f"\ngoal: all-reduce count flat in K: {'yes' if flat else 'NO'}; time per token within 10% of K=1: "
         f"{'yes' if within else 'NO'}")
   result = {"throughput": throughput, "accumulation": accum, "goals": {"flat_all_reduce": flat, "within_10pct": within}}
-  pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+  common.write_json(args.out, result)
   print(f"wrote {args.out}")
   return result
 

@@ -29,10 +29,8 @@ already set; writes JSON under ``out/``):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 if __name__ == "__main__":  # must happen before JAX initialises its backend
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
@@ -45,10 +43,12 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
+from experiments import common
 
-LAYERS = (784, 1024, 1024, 10)
+LAYERS = common.MLP_LAYERS
 METHODS = ("shard_map", "pmap", "auto_jit", "single")
 SHARDED = ("shard_map", "pmap", "auto_jit")  # the methods whose HLO has collectives
+
 
 def comm_report(hlo_text: str, n_devices: int) -> dict[str, dict[str, int]]:
   """``{kind: {"ops": count, "bytes": bytes}}`` per collective kind, via ``jaxdp.collectives_from_hlo``."""
@@ -58,43 +58,14 @@ def comm_report(hlo_text: str, n_devices: int) -> dict[str, dict[str, int]]:
   }
 
 
-def tree_bytes(tree) -> int:
-  """Sum of ``nbytes`` over the leaves of ``tree`` (e.g. the gradient bytes of params)."""
-  return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 # --------------------------------------------------------------------------
-# Model, data and the four steps.
+# Model, data and the four steps (the MLP and its data live in experiments/common.py).
 # --------------------------------------------------------------------------
-
-
-def init_params(seed: int = 0) -> dict:
-  """He-initialised weights and zero biases of the MLP ``LAYERS``."""
-  keys = jax.random.split(jax.random.key(seed), len(LAYERS) - 1)
-  params = {}
-  for i, (key, fan_in, fan_out) in enumerate(zip(keys, LAYERS[:-1], LAYERS[1:])):
-    params[f"w{i}"] = jax.random.normal(key, (fan_in, fan_out), jnp.float32) * np.sqrt(2.0 / fan_in)
-    params[f"b{i}"] = jnp.zeros((fan_out,), jnp.float32)
-  return params
-
-
-def loss_fn(params: dict, batch: dict) -> jax.Array:
-  """Per-example softmax cross-entropy losses ``[b]``."""
-  h = batch["x"]
-  n = len(LAYERS) - 1
-  for i in range(n):
-    h = h @ params[f"w{i}"] + params[f"b{i}"][None, :]
-    if i < n - 1:
-      h = jax.nn.relu(h)
-  return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"])
 
 
 def make_data(batch_size: int, seed: int = 0) -> tuple[dict, np.ndarray]:
   """Random inputs and labels (fixed seed) and all-one example weights."""
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((batch_size, LAYERS[0]), dtype=np.float32)
-  y = rng.integers(0, LAYERS[-1], batch_size).astype(np.int32)
-  return {"x": x, "y": y}, np.ones((batch_size,), np.float32)
+  return common.mlp_batch(LAYERS, batch_size, seed), np.ones((batch_size,), np.float32)
 
 
 def plain_step(optimizer: optax.GradientTransformation):
@@ -102,7 +73,7 @@ def plain_step(optimizer: optax.GradientTransformation):
 
   def step(state: jaxdp.TrainState, batch: dict, weights: jax.Array):
     def mean_loss(params):
-      return jnp.sum(weights * loss_fn(params, batch)) / jnp.sum(weights)
+      return jnp.sum(weights * common.mlp_loss(params, batch)) / jnp.sum(weights)
 
     loss, grads = jax.value_and_grad(mean_loss)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -117,23 +88,23 @@ class Case:
   def __init__(self, name, fn, state, batch, weights, lower):
     self.name, self.fn, self.state = name, fn, state
     self.batch, self.weights, self.lower = batch, weights, lower
-    self.times_ms, self.loss = [], float("nan")
+    self.out = None
 
   def hlo(self) -> str:
     return self.lower(self.state, self.batch, self.weights).compile().as_text()
 
-  def run(self, timed: bool) -> None:
-    start = time.perf_counter()
+  def __call__(self) -> None:
     self.state, out = self.fn(self.state, self.batch, self.weights)
     jax.block_until_ready((self.state, out))
-    if timed:
-      self.times_ms.append((time.perf_counter() - start) * 1e3)
-    self.loss = float(out["loss"] if isinstance(out, dict) else out)
+    self.out = out
+
+  def final_loss(self) -> float:
+    return float(self.out["loss"] if isinstance(self.out, dict) else self.out)
 
 
 def jaxdp_case(backend, devices, params, optimizer, batch, weights) -> Case:
   mesh = jaxdp.data_mesh(devices)
-  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, backend=backend)
+  step = jaxdp.make_train_step(common.mlp_loss, optimizer, mesh, backend=backend)
   sharding = NamedSharding(mesh, P("data"))
   batch, weights = jax.device_put((batch, weights), sharding)
   return Case(backend, step, jaxdp.init_state(params, optimizer, mesh), batch, weights, step.lower)
@@ -151,18 +122,8 @@ def auto_mesh(devices) -> Mesh:
   return Mesh(np.asarray(devices), ("data",), axis_types=(AxisType.Auto,))
 
 
-def host_copy(tree):
-  """Fresh numpy copies of ``tree``: each case's donated state then owns its buffers.
-
-  (``jax.device_put(x, replicated, may_alias=False)`` of a device array still
-  reuses ``x``'s buffer for the first device's shard on a multi-device mesh,
-  so donating one case's state would delete the arrays another case reads.)
-  """
-  return jax.tree.map(np.array, tree)
-
-
 def build_cases(k: int, params, optimizer, batch, weights) -> list[Case]:
-  devices = jax.devices()[:k]
+  devices, host_copy = jax.devices()[:k], common.host_copy
   return [
       jaxdp_case("shard_map", devices, host_copy(params), optimizer, batch, weights),
       jaxdp_case("pmap", devices, host_copy(params), optimizer, batch, weights),
@@ -176,24 +137,17 @@ def build_cases(k: int, params, optimizer, batch, weights) -> list[Case]:
 # --------------------------------------------------------------------------
 
 
-def stats(times_ms: list[float]) -> dict:
-  t = np.asarray(times_ms)
-  return {"median": float(np.median(t)), "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90))}
-
-
 def measure(k: int, args, params, optimizer, batch, weights) -> dict:
   """Times every method on ``k`` devices, interleaved step by step, and reads their HLO."""
   cases = build_cases(k, params, optimizer, batch, weights)
   comm = {c.name: comm_report(c.hlo(), k) for c in cases if c.name in SHARDED}
-  for i in range(args.warmup + args.steps):
-    for case in cases:
-      case.run(timed=i >= args.warmup)
-  losses = [c.loss for c in cases]
+  times = common.time_interleaved({c.name: c for c in cases}, args.steps, args.warmup)
+  losses = [c.final_loss() for c in cases]
   return {
       "devices": k,
-      "timings_ms": {c.name: {**stats(c.times_ms), "samples": c.times_ms} for c in cases},
+      "timings_ms": {name: {**common.stats(t), "samples": t} for name, t in times.items()},
       "comm": comm,
-      "final_loss": {c.name: c.loss for c in cases},
+      "final_loss": {c.name: c.final_loss() for c in cases},
       "loss_spread": float(np.max(losses) - np.min(losses)),
   }
 
@@ -214,10 +168,6 @@ def check_goals(rows: list[dict], grad_bytes: int, scalar_slack: int = 64) -> di
   }
 
 
-def _ms(t: dict) -> str:
-  return f"{t['median']:.1f} ({t['p10']:.1f}–{t['p90']:.1f})"
-
-
 def markdown_table(rows: list[dict], grad_bytes: int) -> str:
   lines = [
       "| devices | shard_map ms | pmap ms | auto-jit ms | single-device ms "
@@ -227,7 +177,7 @@ def markdown_table(rows: list[dict], grad_bytes: int) -> str:
   for r in rows:
     t, ar = r["timings_ms"], {m: r["comm"][m]["all-reduce"] for m in SHARDED}
     lines.append(
-        f"| {r['devices']} | " + " | ".join(_ms(t[m]) for m in METHODS)
+        f"| {r['devices']} | " + " | ".join(common.fmt_ms(t[m]) for m in METHODS)
         + " | " + " / ".join(str(ar[m]["ops"]) for m in SHARDED)
         + " | " + " / ".join(f"{ar[m]['bytes']:,}" for m in SHARDED)
         + f" | {grad_bytes:,} |"
@@ -240,7 +190,7 @@ def summary(rows: list[dict], goals: dict, args) -> str:
   lines = [
       f"Median (p10–p90) ms per step over {args.steps} steps after {args.warmup} warm-up; "
       f"global batch {args.batch}; {jax.device_count()} simulated {jax.default_backend()} devices "
-      f"on {os.cpu_count()} cores; jax {jax.__version__}.",
+      f"on {common.cpu_cores()} cores; jax {jax.__version__}.",
       "goal: shard_map no slower than auto-jit (median ratio): "
       + ", ".join(f"{k} dev {r:.2f} {'yes' if r <= 1 else 'NO'}" for k, r in ratio.items()),
       "goal: bytes all-reduced = gradient bytes + a few scalars: "
@@ -269,19 +219,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
   parser.add_argument("--out", default="out/benchmark_step.json", help="JSON output path")
   parser.add_argument("--quick", action="store_true", help=f"smoke run; defaults become {QUICK}")
-  args = parser.parse_args(argv)
-  for name, default in (QUICK if args.quick else FULL).items():
-    if getattr(args, name) is None:
-      setattr(args, name, default)
-  args.device_counts = [int(d) for d in args.devices.split(",") if d.strip()]
+  args = common.fill_defaults(parser.parse_args(argv), FULL, QUICK)
+  args.device_counts = common.device_counts(args.devices)
   return args
 
 
 def validate(args) -> None:
-  available = len(jax.devices())
   for k in args.device_counts:
-    if not 1 <= k <= available:
-      raise SystemExit(f"--devices asks for {k} devices but {available} exist; set JAX_NUM_CPU_DEVICES >= {k}.")
     if args.batch % k:
       raise SystemExit(f"--batch {args.batch} does not split evenly over {k} devices.")
 
@@ -289,9 +233,9 @@ def validate(args) -> None:
 def main(argv=None) -> dict:
   args = parse_args(argv)
   validate(args)
-  params, optimizer = init_params(), optax.adam(args.lr)
+  params, optimizer = common.mlp_params(LAYERS), optax.adam(args.lr)
   batch, weights = make_data(args.batch)
-  grad_bytes = tree_bytes(params)
+  grad_bytes = common.tree_bytes(params)
   rows = []
   for k in args.device_counts:
     print(f"[{k} device(s)] compiling and timing...", file=sys.stderr, flush=True)
@@ -305,15 +249,13 @@ def main(argv=None) -> dict:
       "jax_version": jax.__version__,
       "backend": jax.default_backend(),
       "device_count": jax.device_count(),
-      "cpu_count": os.cpu_count(),
+      "cpu_count": common.cpu_cores(),
       "layers": LAYERS,
       "gradient_bytes": grad_bytes,
       "rows": rows,
       "goals": goals,
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
+  common.write_json(args.out, result)
   print(f"wrote {args.out}", file=sys.stderr)
   return result
 

@@ -36,23 +36,19 @@ already set; writes ``zero_memory.json`` and ``zero_memory.png`` under --out):
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import statistics
 import sys
-import time
 
 if __name__ == "__main__":  # must happen before JAX initialises its backend
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jaxdp
+from experiments import common
 
 LAYERS = (256, 1024, 1024, 10)
 QUICK_LAYERS = (64, 256, 256, 10)
@@ -65,36 +61,6 @@ PAPER_BYTES = {0: (4 + 4 + 8, 0), 1: (4 + 4, 8), 2: (4, 4 + 8), 3: (0, 4 + 4 + 8
 # Psi elements sent per device per step, as multiples of (N-1)/N.
 COMM_PAPER = {0: 2, 1: 2, 2: 2, 3: 3}
 COMM_JAXDP = {0: 2, 1: 3, 2: 2, 3: 2}
-
-
-def mlp_params(layers, seed=0):
-  keys = jax.random.split(jax.random.key(seed), len(layers) - 1)
-  return {
-      f"layer{i}": {"w": jax.random.normal(k, (a, b)) / math.sqrt(a), "b": jnp.zeros((b,))}
-      for i, (k, a, b) in enumerate(zip(keys, layers[:-1], layers[1:]))
-  }
-
-
-def loss_fn(params, batch):
-  """Per-example softmax cross-entropy of a ReLU MLP."""
-  x = batch["x"]
-  layers = [params[f"layer{i}"] for i in range(len(params))]
-  for layer in layers[:-1]:
-    x = jax.nn.relu(x @ layer["w"] + layer["b"][None, :])
-  logits = x @ layers[-1]["w"] + layers[-1]["b"][None, :]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-
-
-def make_batch(layers, rows, seed=0):
-  rng = np.random.default_rng(seed)
-  return {
-      "x": rng.normal(size=(rows, layers[0])).astype(np.float32),
-      "y": rng.integers(0, layers[-1], size=(rows,)).astype(np.int32),
-  }
-
-
-def param_count(layers) -> int:
-  return sum(a * b + b for a, b in zip(layers[:-1], layers[1:]))
 
 
 def paper_bytes(psi, n, stage) -> float:
@@ -110,9 +76,9 @@ def padding_bound(layers, n, stage) -> float:
 
 def setup(layers, n, stage, optimizer):
   mesh = jaxdp.data_mesh(jax.devices()[:n])
-  state = jaxdp.init_state(mlp_params(layers), optimizer, mesh, zero_stage=stage)
-  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, zero_stage=stage)
-  return step, state, make_batch(layers, n * BATCH_PER_DEVICE)
+  state = jaxdp.init_state(common.mlp_params(layers), optimizer, mesh, zero_stage=stage)
+  step = jaxdp.make_train_step(common.mlp_loss, optimizer, mesh, zero_stage=stage)
+  return step, state, common.mlp_batch(layers, n * BATCH_PER_DEVICE)
 
 
 def measure(layers, n, stage, optimizer):
@@ -120,7 +86,7 @@ def measure(layers, n, stage, optimizer):
   step, state, batch = setup(layers, n, stage, optimizer)
   memory = jaxdp.memory_report(step, state, batch)
   comm = jaxdp.comm_report(step, state, batch)  # lower().compile() is cached: no second compile
-  psi = param_count(layers)
+  psi = common.param_count(layers)
   traffic = sum(c.traffic_bytes for c in comm.values()) / 4 / psi
   return {
       "n": n,
@@ -139,16 +105,13 @@ def measure(layers, n, stage, optimizer):
 
 def time_steps(step, state, batch, steps, warmup=2) -> float:
   """Median seconds per step after ``warmup`` steps (the first compiles, or reuses the compiled step)."""
-  for _ in range(warmup):
-    state, metrics = step(state, batch)
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
+
+  def run():
+    nonlocal state
     state, metrics = step(state, batch)
     jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+
+  return common.stats(common.time_steps(run, steps, warmup))["median"] / 1e3
 
 
 def square_layers(width):
@@ -160,7 +123,7 @@ def widest_square_mlp(budget_bytes, n, stage) -> int:
 
   def fits(width):
     layers = square_layers(width)
-    return paper_bytes(param_count(layers), n, stage) + padding_bound(layers, n, stage) <= budget_bytes
+    return paper_bytes(common.param_count(layers), n, stage) + padding_bound(layers, n, stage) <= budget_bytes
 
   low, high = 1, 2
   while fits(high):
@@ -178,12 +141,12 @@ def budget_rows(budget_mb, n, optimizer):
     width = widest_square_mlp(budget_mb * MIB, n, stage)
     layers = square_layers(width)
     step, state, _ = setup(layers, n, stage, optimizer)
-    batch = make_batch(layers, n)  # one row per device: the memory question is the model state
+    batch = common.mlp_batch(layers, n)  # one row per device: the memory question is the model state
     measured = jaxdp.memory_report(step, state, batch).model_state
     del state
     rows.append({
-        "stage": stage, "width": width, "params": param_count(layers),
-        "formula": paper_bytes(param_count(layers), n, stage), "measured": measured,
+        "stage": stage, "width": width, "params": common.param_count(layers),
+        "formula": paper_bytes(common.param_count(layers), n, stage), "measured": measured,
         "fits": measured <= budget_mb * MIB,
     })
   return rows
@@ -276,7 +239,7 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   layers = QUICK_LAYERS if args.quick else LAYERS
   optimizer = optax.adam(1e-3)
-  psi = param_count(layers)
+  psi = common.param_count(layers)
   print(f"MLP {layers}: Psi = {psi:,} params; Adam, fp32; devices {args.devices}")
   results, compiled = [], {}
   for n in args.devices:
@@ -310,8 +273,7 @@ def main(argv=None) -> dict:
   plot(results, args.devices, os.path.join(args.out, "zero_memory.png"))
   out = {"layers": layers, "psi": psi, "devices": args.devices, "results": results, "step_seconds": times,
          "budget_mb": args.budget_mb, "budget": budget, "goals": goals, "markdown": table}
-  with open(os.path.join(args.out, "zero_memory.json"), "w") as f:
-    json.dump(out, f, indent=1, default=float)
+  common.write_json(os.path.join(args.out, "zero_memory.json"), out)
   print(f"wrote {args.out}/zero_memory.json and {args.out}/zero_memory.png")
   return out
 

@@ -1,0 +1,47 @@
+"""Smoke test of the benchmark suite's numerics comparison (JAX only) and its timing statistic.
+
+No timing is asserted: speed goals are checked by the benchmarks, never by tests.
+
+Tolerances: one step of a small MLP on 4 devices against a one-device
+reference. The gradients of the same rule differ only by float32 round-off
+of reordered sums: 1e-5 relative to the largest gradient leaves an order of
+magnitude over what was measured (up to 1e-6). The two rules differ by
+order 1 on uneven counts.
+"""
+
+import numpy as np
+
+from experiments import benchmark, common
+
+LAYERS = (8, 16, 3)
+
+
+def test_numerics_rules_match_their_references():
+  sides = benchmark.numerics_jax(counts=(3, 5, 1, 7), layers=LAYERS, lr=1e-3)
+  rows = {(r["a"], r["b"]): r for r in benchmark.compare_numerics(sides)}
+  assert set(rows) == {
+      ("jaxdp_rank_mean", "jax_rank_mean"), ("jaxdp_mean", "jax_concat"), ("jaxdp_rank_mean", "jaxdp_mean")}
+  assert rows["jaxdp_rank_mean", "jax_rank_mean"]["grad_rel"] < 1e-5
+  assert rows["jaxdp_mean", "jax_concat"]["grad_rel"] < 1e-5
+  assert rows["jaxdp_rank_mean", "jaxdp_mean"]["grad_rel"] > 1e-2  # uneven counts: the rules differ
+
+
+def test_max_abs_diff_and_layout_round_trip():
+  params = common.host_copy(common.mlp_params(LAYERS))
+  state_dict = {f"{2 * i}.weight": p["w"].T for i, p in enumerate(params.values())}
+  state_dict.update({f"{2 * i}.bias": p["b"] for i, p in enumerate(params.values())})
+  assert benchmark.max_abs_diff(benchmark.torch_to_jax_params(state_dict), params) == 0.0
+  shifted = {k: {"w": v["w"], "b": v["b"] + 0.5} for k, v in params.items()}  # biases are 0: exact
+  assert benchmark.max_abs_diff(shifted, params) == 0.5
+
+
+def test_stats_and_interleaved_timing():
+  s = common.stats(np.arange(1.0, 12.0))
+  assert (s["median"], s["p10"], s["p90"], s["n"]) == (6.0, 2.0, 10.0, 11)
+  calls = []
+  times = common.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b") or 0.25},
+                                  steps=3, warmup=1)
+  assert calls == ["a", "b"] * 4  # interleaved, warm-up included
+  assert len(times["a"]) == 3 and times["b"] == [250.0] * 3  # a runner may report its own seconds
+  r = common.ratio_stats([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+  assert r["ratio"] == 2.0 and r["p10"] == r["p90"] == 2.0
