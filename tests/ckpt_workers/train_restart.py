@@ -11,7 +11,6 @@ Attempt ``N`` writes ``train_resume``'s files (``losses.jsonl``, and on rank
 0 ``restored.npz`` and ``final.npz``) to ``OUT/attemptN``.
 """
 
-import argparse
 import os
 import sys
 
@@ -24,14 +23,7 @@ import train_resume  # noqa: E402  (this directory is the script's: on sys.path)
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("out")
-  parser.add_argument("ckpt")
-  parser.add_argument("--steps", type=int, required=True)
-  parser.add_argument("--zero-stage", type=int, default=0)
-  parser.add_argument("--every", type=int, default=3)
-  parser.add_argument("--kill-at", type=int, default=None)
-  args = parser.parse_args()
+  args = train_resume.parse_args()
   restart = int(os.environ.get("JAXDP_RESTART_COUNT", "0"))
   out = os.path.join(args.out, f"attempt{restart}")
   os.makedirs(out, exist_ok=True)

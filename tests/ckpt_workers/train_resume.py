@@ -106,7 +106,8 @@ def train(mesh, out: str, ckpt_dir: str, *, steps: int, zero_stage: int = 0, eve
   save_gathered(os.path.join(out, "final.npz"), state, rng, steps)
 
 
-def main():
+def parse_args():
+  """The worker's command line (also read by train_restart.py)."""
   parser = argparse.ArgumentParser()
   parser.add_argument("out")
   parser.add_argument("ckpt")
@@ -114,7 +115,11 @@ def main():
   parser.add_argument("--zero-stage", type=int, default=0)
   parser.add_argument("--every", type=int, default=3)
   parser.add_argument("--kill-at", type=int, default=None)
-  args = parser.parse_args()
+  return parser.parse_args()
+
+
+def main():
+  args = parse_args()
   distributed.initialize()
   train(jaxdp.data_mesh(), args.out, args.ckpt, steps=args.steps, zero_stage=args.zero_stage, every=args.every,
         kill_at=args.kill_at)
