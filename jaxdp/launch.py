@@ -543,6 +543,18 @@ def _descendants(root: int) -> list[int]:
   return found
 
 
+def _last_ran(pid: int) -> float:
+  """When ``pid`` (a zombie: not yet reaped) last ran, in the scheduler's clock; ``inf`` where Linux does not say."""
+  try:
+    with open(f"/proc/{pid}/sched") as f:
+      for line in f:
+        if line.startswith("se.exec_start"):
+          return float(line.split(":")[1])
+  except (OSError, ValueError, IndexError):
+    pass
+  return float("inf")
+
+
 def _report(line: str) -> None:
   try:
     os.write(1, (line + "\n").encode())
@@ -553,13 +565,17 @@ def _report(line: str) -> None:
 class _LineReader:
   """Lines from a pipe, waiting at most ``timeout`` for each (the guardian also watches its children)."""
 
-  def __init__(self, fd: int):
-    self.fd, self.buffer, self.closed = fd, b"", False
+  def __init__(self, fd: int, wake: int | None = None):
+    self.fd, self.wake, self.buffer, self.closed = fd, wake, b"", False
 
   def read(self, timeout: float | None) -> str | None:
-    """The next line, or ``None`` if none came within ``timeout`` or the pipe closed (then ``closed``)."""
+    """The next line, or ``None`` if none came within ``timeout``, a byte came on ``wake``, or the pipe closed."""
     while b"\n" not in self.buffer and not self.closed:
-      if not select.select([self.fd], [], [], timeout)[0]:
+      ready = select.select([self.fd] + ([self.wake] if self.wake is not None else []), [], [], timeout)[0]
+      if self.wake in ready:
+        with contextlib.suppress(BlockingIOError):
+          os.read(self.wake, 1 << 10)
+      if self.fd not in ready:
         return None
       chunk = os.read(self.fd, 1 << 16)
       self.closed = not chunk
@@ -596,18 +612,31 @@ class _Guardian:
         os.close(worker["stderr"])
 
   def reap(self) -> bool:
-    """Reaps every exited child, reporting the workers; False once no child is left."""
+    """Reaps every exited child, reporting the workers in the order they exited; False once no child is left.
+
+    The order matters: the first worker to fail is the one the launcher names, and its peers usually fail
+    a moment later when their collectives lose it. Children that exited since the last pass are ordered
+    by when they last ran (``/proc/PID/sched``, read before reaping) where Linux shows it, else as found.
+    """
+    exited = []
     while True:
       try:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
       except ChildProcessError:
-        return False
-      if pid == 0:
-        return True
+        found, alive = None, False
+      else:
+        alive = True
+      if found is None:
+        break
+      last_ran = _last_ran(found.si_pid)
+      pid, status = os.waitpid(found.si_pid, 0)
+      exited.append((last_ran, len(exited), pid, status))
+    for _, _, pid, status in sorted(exited):
       rank, proc = self.workers.pop(pid, (None, None))
       if proc is not None:
         proc.returncode = os.waitstatus_to_exitcode(status)  # so that Popen never waits for it again
         _report(f"exit {rank} {proc.returncode}")
+    return alive
 
   def signal_all(self, sig: int) -> None:
     """``sig`` to the live workers' process groups and to every process below the guardian."""
@@ -640,9 +669,17 @@ def _guardian_main(command: list[str]) -> int:
     signal.signal(s, lambda signum, frame: stop.append(signum))
   signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # the launcher held them back while starting it
   _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-  control = _LineReader(0)
-  spec = control.read(timeout=None)
-  if spec is None:  # the launcher went away before sending the job
+  # A worker's exit wakes the loop at once (not at the next poll), so exits are reported in the order they came.
+  wake_read, wake_write = os.pipe()
+  for fd in (wake_read, wake_write):
+    os.set_blocking(fd, False)
+  signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+  signal.set_wakeup_fd(wake_write)
+  control = _LineReader(0, wake=wake_read)
+  spec = None
+  while spec is None and not control.closed and not stop:
+    spec = control.read(timeout=None)
+  if spec is None:  # the launcher went away (or stopped it) before sending the job
     return 0
   guardian = _Guardian(command)
   guardian.spawn(json.loads(spec)["workers"])
