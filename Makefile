@@ -19,6 +19,5 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) experiments/benchmark_step.py
-	$(PY) experiments/benchmark_lm.py
+	$(PY) experiments/benchmark.py
 	$(PY) experiments/zero_memory.py

@@ -20,7 +20,6 @@ the all-reduce ops and the bytes they reduce, next to the gradient bytes.
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself unless
 already set; writes JSON under ``out/``):
 
-  make bench                                                  # same as the first line
   .venv/bin/python experiments/benchmark_step.py              # 1,2,4,8 devices, 20 steps
   .venv/bin/python experiments/benchmark_step.py --quick      # smoke run
   .venv/bin/python experiments/benchmark_step.py --devices 2,8 --steps 50 --out out/b.json

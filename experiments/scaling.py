@@ -65,13 +65,13 @@ from scipy.optimize import nnls
 
 import jaxdp
 from jaxdp import scaling
-from jaxdp.sharding import padded_size
 
 LAYERS = (784, 1024, 1024, 10)
 GLOBAL_BATCH = 512
 SMALL_BATCH = 64  # second one-device batch: the slope between the two is the time per example
 MICRO_BYTES = (2**16, 2**20, 2**22, 2**24)  # psum sizes around the gradient's (7.45 MB), which is added
-JAXDP_SCALARS = {0: 8, 1: 8, 2: 12, 3: 12}  # Σw·l and Σw; stages 2-3 also psum the chunks' squared norm
+JAXDP_SCALARS = 8  # Σw·l and Σw, all-reduced with the gradient (alone at stages 2-3)
+NORM_BYTES_PER_SPLIT_LEAF = 4  # stages 2-3: XLA all-reduces each split leaf's float32 sum of squares (global norm)
 MS = 1e3
 
 SEQ_LEN, SEQS_PER_DEVICE, MFU = 2048, 4, 0.40
@@ -119,9 +119,9 @@ def param_count():
   return sum(a * b + b for a, b in zip(LAYERS[:-1], LAYERS[1:]))
 
 
-def padded_count(n):
-  """Ψ after jaxdp pads every leaf to a multiple of ``n`` (the size of its reduce-scatters and all-gathers)."""
-  return sum(padded_size(leaf.shape, n) for leaf in jax.tree.leaves(mlp_params()))
+def split_count(n):
+  """``(Ψ_s, leaves)``: parameters (and leaves) ZeRO splits over ``n`` devices; the others stay whole."""
+  return scaling.split_params_of(jax.eval_shape(mlp_params), n)
 
 
 class Case:
@@ -264,7 +264,7 @@ def check_rows(devices, timed, comm, topologies, model):
   rows = []
   for n in devices:
     predicted = {name: scaling.step_time(model, n, topology, batch_per_device=GLOBAL_BATCH // n,
-                                         scalar_bytes=JAXDP_SCALARS[0]) for name, topology in topologies.items()}
+                                         scalar_bytes=JAXDP_SCALARS) for name, topology in topologies.items()}
     measured, quiet = timed[n, "mean"]["median"], timed[n, "none"]["median"]
     row = {"n": n, "measured": measured, "p10": timed[n, "mean"]["p10"], "p90": timed[n, "mean"]["p90"],
            "no_comm": quiet, "measured_comm": comm[n], "model_ideal": predicted["psum"].total}
@@ -278,11 +278,12 @@ def check_rows(devices, timed, comm, topologies, model):
 
 
 def bytes_rows(counted, stage_counts, n_max):
-  """Counted collective bytes per kind against the model's schedule (padding and scalars included)."""
+  """Counted collective bytes per kind against the model's schedule (unsplit leaves and scalars included)."""
   rows = []
   for n, stage, report in [(n, 0, c) for n, c in counted.items()] + [(n_max, s, c) for s, c in stage_counts.items()]:
-    ops = scaling.collectives(param_count(), n, stage, scaling.FP32_ADAM, padded_params=padded_count(n),
-                              scalar_bytes=JAXDP_SCALARS[stage])
+    split, leaves = split_count(n)
+    ops = scaling.collectives(param_count(), n, stage, scaling.FP32_ADAM, split_params=split,
+                              scalar_bytes=JAXDP_SCALARS, norm_bytes=NORM_BYTES_PER_SPLIT_LEAF * leaves)
     for kind in scaling.KINDS:
       model = sum(op.nbytes for op in ops if op.kind == kind)
       model_traffic = sum(scaling.ring_traffic(kind, op.nbytes, n) for op in ops if op.kind == kind)
@@ -508,7 +509,8 @@ def _check_md(out):
   lines += [
       "",
       "Collective bytes per step, counted in the compiled HLO (`jaxdp.comm_report`) vs the model's schedule "
-      "(`scaling.collectives` with jaxdp's per-leaf padding and its 8 or 12 bytes of scalars):",
+      "(`scaling.collectives` with the parameters in leaves that split over N, the rest all-reduced, 8 bytes of "
+      "loss and weight sums, and at stages 2-3 4 bytes per split leaf for the global gradient norm):",
       "",
       "| N | stage | kind | ops in HLO | counted bytes | model bytes | counted ring traffic | model ring traffic |",
       "|---:|---:|---|---:|---:|---:|---:|---:|",
@@ -692,7 +694,7 @@ def calibrate(args):
   fits = {shared: fit_link(samples, shared) for shared in (False, True)}
   shared = fits[True][1] <= fits[False][1]
   psum_topology, residual = fits[shared]
-  topologies = {"psum": psum_topology, "step": refit_bandwidth(psum_topology, comm, grad_bytes + JAXDP_SCALARS[0])}
+  topologies = {"psum": psum_topology, "step": refit_bandwidth(psum_topology, comm, grad_bytes + JAXDP_SCALARS)}
   model = cpu_model({GLOBAL_BATCH: timed[1, "none"]["median"], SMALL_BATCH: timed["small"]["median"]})
   print(f"measured in {time.perf_counter() - start:.0f} s", flush=True)
   return {

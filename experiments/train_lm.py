@@ -15,6 +15,19 @@ with the same weighted mean.
 On CPU, ``--devices N`` simulates N devices (default 4); on GPU/TPU every
 visible device is used unless ``--devices`` says fewer.
 
+``--mesh`` lays the devices out on more axes than the data axis (on CPU it
+simulates as many devices as the mesh has)::
+
+  python experiments/train_lm.py --mesh data=4,model=2 --zero-stage 3   # tensor x data parallel
+  python experiments/train_lm.py --mesh replica=2,data=4 --zero-stage 3 # hybrid: ZeRO within a group, replicas across
+
+With a ``model`` axis the transformer is split Megatron-style (its
+``nnx.with_partitioning`` metadata, read by ``jaxdp.nnx.partition_specs``;
+see ``experiments/lm/model.py``) and the batch is replicated over ``model``.
+With a ``replica`` axis the data axes are ``("replica", "data")``: the batch
+is split over both. ``--zero-stage`` (0-3) shards the optimizer state (1, 2)
+and the params (3) over ``data``.
+
 Outputs (``--out``, default ``out/lm``): ``metrics.jsonl`` (one line per step:
 step, loss, tokens, grad_norm, time) and ``summary.json``; with ``--compare``
 one sub-folder per run, ``compare.json`` and ``loss_curves.png``. With
@@ -30,6 +43,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import sys
@@ -41,6 +55,9 @@ DEFAULT_CPU_DEVICES = 4
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--devices", type=int, default=None, help=f"data-parallel devices (CPU: simulated, default {DEFAULT_CPU_DEVICES}; else all)")
+  p.add_argument("--mesh", default=None, help="mesh axes as name=size,...: data (required), model (tensor parallel), "
+                 "replica (hybrid), e.g. data=4,model=2 or replica=2,data=4 (default: one data axis over --devices)")
+  p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the data axis")
   p.add_argument("--reduction", default="mean", choices=("mean", "rank_mean", "sum"), help="gradient reduction")
   p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per device and step")
   p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="forward/backward dtype (params stay float32)")
@@ -67,11 +84,38 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+MESH_AXES = ("replica", "data", "model")
+"""The axis names ``--mesh`` accepts: ``data`` (always), ``model`` (tensor parallel), ``replica`` (hybrid)."""
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+  """``"data=4,model=2"`` -> ``{"data": 4, "model": 2}`` (in the order given: the mesh's axis order)."""
+  axes = {}
+  for item in spec.split(","):
+    name, sep, size = item.strip().partition("=")
+    name = name.strip()
+    if not sep or not size.strip().isdigit() or int(size) < 1:
+      raise ValueError(f"--mesh {spec!r}: {item!r} is not name=size with a positive size (e.g. data=4,model=2)")
+    if name not in MESH_AXES:
+      raise ValueError(f"--mesh {spec!r}: unknown axis {name!r}; use {', '.join(MESH_AXES)}")
+    if name in axes:
+      raise ValueError(f"--mesh {spec!r} names axis {name!r} twice")
+    axes[name] = int(size)
+  if "data" not in axes:
+    raise ValueError(f"--mesh {spec!r} has no data axis; the data-parallel axis is always called 'data'")
+  return axes
+
+
 def _simulate_cpu_devices(argv: list[str]) -> None:
-  """Asks for ``--devices`` CPU devices, only when the platform is CPU or unspecified (before JAX starts)."""
+  """Asks for ``--devices`` (or ``--mesh``'s) CPU devices, only when the platform is CPU or unspecified (before JAX starts)."""
   if os.environ.get("JAX_PLATFORMS", "").strip().lower() not in ("", "cpu"):
     return
-  devices = _parser().parse_known_args(argv)[0].devices
+  parser = _parser()
+  args = parser.parse_known_args(argv)[0]
+  try:
+    devices = args.devices if args.mesh is None else math.prod(parse_mesh(args.mesh).values())
+  except ValueError as e:
+    parser.error(str(e))
   if devices is not None:
     os.environ["JAX_NUM_CPU_DEVICES"] = str(devices)
   else:
@@ -91,6 +135,7 @@ import tqdm  # noqa: E402
 import jaxdp  # noqa: E402
 from experiments.lm import corpus  # noqa: E402
 from experiments.lm import model as lm  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
 from jaxdp.data import DataPipeline  # noqa: E402
 
 
@@ -99,6 +144,8 @@ class Config:
   """Every setting of a run; the flags of :func:`main` map one to one (``--d-model`` -> ``d_model``)."""
 
   devices: int | None = None
+  mesh: str | None = None
+  zero_stage: int = 0
   reduction: str = "mean"
   accum_steps: int = 1
   compute_dtype: str = "float32"
@@ -134,6 +181,41 @@ def select_devices(n: int | None) -> list[jax.Device]:
   return devices[:n]
 
 
+def build_mesh(config: Config, devices=None) -> Mesh:
+  """The run's mesh: ``--mesh``'s axes (``AxisType.Auto``) or, without it, one data axis over ``devices``.
+
+  ``devices`` defaults to ``select_devices(config.devices)``; with ``--mesh``
+  the first ``prod(sizes)`` of them are used (``--devices``, if given, must
+  be that product).
+  """
+  devices = select_devices(config.devices) if devices is None else list(devices)
+  if config.mesh is None:
+    return jaxdp.data_mesh(devices)
+  axes = parse_mesh(config.mesh)
+  n = math.prod(axes.values())
+  if config.devices is not None and config.devices != n:
+    raise ValueError(f"--devices {config.devices} but --mesh {config.mesh} has {n} devices; give one or the other")
+  if len(devices) < n:
+    raise ValueError(f"--mesh {config.mesh} needs {n} devices but {len(devices)} {devices[0].platform} devices are visible")
+  return Mesh(np.asarray(devices[:n]).reshape(tuple(axes.values())), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+def data_axes(mesh: Mesh) -> str | tuple[str, ...]:
+  """jaxdp's ``axis_name``: ``"data"``, or ``("replica", "data")`` (in mesh order) on a hybrid mesh."""
+  axes = tuple(a for a in mesh.axis_names if a in ("replica", "data"))
+  return axes[0] if len(axes) == 1 else axes
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  """How many ways the batch is split: the product of the data axes' sizes (``model`` replicates it)."""
+  return math.prod(mesh.shape[a] for a in mesh.axis_names if a in ("replica", "data"))
+
+
+def param_specs(params, mesh: Mesh):
+  """The tensor-parallel ``param_specs`` for ``init_state`` on a mesh with a ``model`` axis, else ``None``."""
+  return jaxdp.nnx.partition_specs(params) if lm.MODEL_AXIS in mesh.axis_names else None
+
+
 def build_dataset(config: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
   """``(train_chunks, val_chunks)``: next-byte chunks of the training and held-out documents."""
   docs = corpus.read_documents(config.corpus, config.max_bytes or None)
@@ -154,7 +236,7 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
   return optax.adamw(schedule, weight_decay=0.01)
 
 
-def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int) -> dict | None:
+def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis_name="data") -> dict | None:
   """Per-token weighted mean loss and accuracy over one pass of ``dataset`` (``None`` if it is empty).
 
   Data-parallel like training, with the training loss's own definition
@@ -163,22 +245,26 @@ def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int) -> d
   """
   if not dataset:
     return None
-  pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0)
+  pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0, axis_name=axis_name)
   batches = (data for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch))
-  return jaxdp.make_eval_step(loss_fn, mesh).evaluate(state, batches)
+  return jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name).evaluate(state, batches)
 
 
 def _check_batch(config: Config, n: int) -> None:
   if config.batch_size % (n * config.accum_steps):
     raise ValueError(
-        f"--batch-size {config.batch_size} must be a multiple of devices x accum-steps = {n} x {config.accum_steps}"
+        f"--batch-size {config.batch_size} must be a multiple of data-parallel devices x accum-steps = "
+        f"{n} x {config.accum_steps}"
     )
 
 
 def _device_tokens(weights) -> list[float]:
-  """Σ w on each (addressable) device, in mesh order: how uneven the step's split of tokens is."""
-  shards = sorted(weights.addressable_shards, key=lambda s: s.index[0].start or 0)
-  return [float(np.sum(s.data)) for s in shards]
+  """Σ w on each (addressable) data-parallel position, in mesh order: how uneven the step's split of tokens is.
+
+  One entry per batch portion: the copies of a portion on other ``model`` devices are not counted again.
+  """
+  portions = {s.index[0].start or 0: s for s in weights.addressable_shards}
+  return [float(np.sum(portions[start].data)) for start in sorted(portions)]
 
 
 def _log(pending, clock: float, records: list, bar, sink) -> float:
@@ -229,40 +315,48 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
 
   Args:
     config: the run's settings.
-    devices: the data-parallel devices (default ``select_devices(config.devices)``).
+    devices: the devices (default ``select_devices(config.devices)``), laid
+      out as ``config.mesh`` says (default: one data axis over all of them).
     reduction: overrides ``config.reduction``.
     data: ``(train_chunks, val_chunks)``, default ``build_dataset(config)``.
     out: folder for ``metrics.jsonl`` and ``summary.json`` (``None``: write nothing).
   """
-  devices = select_devices(config.devices) if devices is None else list(devices)
+  mesh = build_mesh(config, devices)
+  devices = list(mesh.devices.flat)
+  axis_name, n = data_axes(mesh), data_parallel_size(mesh)
   reduction = reduction or config.reduction
-  _check_batch(config, len(devices))
-  mesh = jaxdp.data_mesh(devices)
+  _check_batch(config, n)
   train_set, val_set = build_dataset(config) if data is None else data
   collate = corpus.make_collate(config.seq_len)
   definition, params = make_model(config)
+  specs = param_specs(params, mesh)
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
   step_fn = jaxdp.make_train_step(
-      loss_fn, optimizer, mesh, reduction=reduction, accum_steps=config.accum_steps,
+      loss_fn, optimizer, mesh, axis_name=axis_name, zero_stage=config.zero_stage, reduction=reduction,
+      accum_steps=config.accum_steps,
       compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
       grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
       bucket_bytes=config.bucket_bytes,
   )
-  per_device = config.batch_size // len(devices)
-  pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed)
+  per_device = config.batch_size // n
+  pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
+  layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
   with _checkpoints(config) as ckpt:
-    state, start = jaxdp.init_state(params, optimizer, mesh), 0
+    state, start = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, **layout), 0
     if ckpt is not None and ckpt.latest_step() is not None:
-      restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh)
+      restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, **layout)
       state, start = restored.state, restored.data_step
+      if specs is not None:  # restore places the params replicated over "model"; split them again
+        state = jaxdp.place_state(state, optimizer, mesh, param_specs=specs, **layout)
       print(f"resuming from {config.ckpt_dir} at step {start}")
     with _metrics_file(out, append=start > 0) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt)
-  val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device)
+  val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
   val_loss = None if val is None else val["loss"]
   summary = {
-      "devices": len(devices), "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
+      "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": config.zero_stage,
+      "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
       "train_sequences": len(train_set), "val_sequences": len(val_set), "steps": len(records),
       "final_loss": records[-1]["loss"] if records else None, "val_loss": val_loss,
       "val_accuracy": None if val is None else val["accuracy"],
@@ -299,6 +393,8 @@ def _param_diff(a, b) -> dict:
 def compare(config: Config) -> dict:
   """Same init, same data: 1 device vs N devices ("mean") vs N devices ("rank_mean").
 
+  With ``config.mesh`` the two N-device runs use that mesh (and
+  ``config.zero_stage``); the single device has no mesh of its own.
   Dropout is set to 0: the per-replica dropout keys depend on the layout, so
   with dropout on the runs would differ by their masks, not their reduction.
   Returns (and, with ``config.out``, saves) for each N-device run against the
@@ -311,12 +407,15 @@ def compare(config: Config) -> dict:
   if len(devices) == 1:
     print("compare: only one device, so runs (1) and (2) have the same layout; use --devices N (N > 1).")
   data = build_dataset(config)
+  single = dataclasses.replace(config, devices=None, mesh=None, zero_stage=0)
   runs = {}
   for name, reduction in RUNS:
     out = None if config.out is None else os.path.join(config.out, name)
-    layout = devices[:1] if name == "single" else devices
-    runs[name] = train(config, devices=layout, reduction=reduction, data=data, out=out, desc=name)
-  result = _gaps(runs, len(devices))
+    if name == "single":
+      runs[name] = train(single, devices=devices[:1], reduction=reduction, data=data, out=out, desc=name)
+    else:
+      runs[name] = train(config, devices=devices, reduction=reduction, data=data, out=out, desc=name)
+  result = _gaps(runs, runs["mean"]["summary"]["devices"])
   if config.out is not None:
     out = pathlib.Path(config.out)
     (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -375,7 +474,9 @@ def config_from_args(argv: list[str] | None = None) -> Config:
 
 def _report_train(summary: dict) -> str:
   val = summary["val_loss"]
-  return (f"{summary['devices']} {summary['platform']} device(s), reduction={summary['reduction']!r}, "
+  mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
+  return (f"{summary['devices']} {summary['platform']} device(s) (mesh {mesh}, ZeRO stage {summary['zero_stage']}), "
+          f"reduction={summary['reduction']!r}, "
           f"dropout={summary['dropout']}: final train loss {summary['final_loss']:.4f}, "
           f"val loss {'n/a' if val is None else f'{val:.4f}'} nats/byte, {summary['tokens_per_s']:.0f} tokens/s")
 

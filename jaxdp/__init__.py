@@ -8,7 +8,8 @@ split of examples or tokens over devices.
 
 Functional core (compose these inside your own ``shard_map``/``pmap``):
 :func:`loss_sums`, :func:`local_gradient`, :func:`reduce_gradient`,
-:func:`apply_update`, :func:`train_step`, :func:`eval_sums`. Edges:
+:func:`gradient_step`, :func:`finish_step`, :func:`apply_update`,
+:func:`train_step`, :func:`eval_sums`. Edges:
 :func:`make_train_step`, :func:`make_eval_step`, :func:`data_mesh`,
 :func:`init_state`, :func:`shard_uneven`, :class:`DataPipeline`,
 :func:`per_replica`, :func:`assert_replicas_equal`. Real programs: the
@@ -17,9 +18,10 @@ metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules) and
 :mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm).
 """
 
-from jaxdp import batchnorm, distributed, nnx, scaling
+from jaxdp import batchnorm, distributed, layout, nnx, scaling
 from jaxdp.batchnorm import Moments, masked_moments
-from jaxdp.checkpoint import CheckpointManager, Restored, place_state
+from jaxdp.checkpoint import CheckpointManager, Restored
+from jaxdp.compiled import BACKENDS, CompiledStep, make_train_step
 from jaxdp.data import (
     DataPipeline,
     StreamingPipeline,
@@ -31,13 +33,21 @@ from jaxdp.data import (
 )
 from jaxdp.evaluation import EvalStep, eval_sums, make_eval_step, means_from_sums
 from jaxdp.loss import LOSS_KEYWORDS, LossOutput
-from jaxdp.mesh import auto_mesh, data_mesh, init_state
+from jaxdp.layout import (
+    ZERO_STAGES,
+    Layout,
+    auto_mesh,
+    data_mesh,
+    gather_state,
+    init_state,
+    place_state,
+    state_specs,
+)
 from jaxdp.reduction import (
     REDUCTIONS,
     LocalGradient,
     ReducedGradient,
     as_varying,
-    clip_by_global_norm,
     global_norm,
     local_gradient,
     loss_sums,
@@ -46,16 +56,15 @@ from jaxdp.reduction import (
 )
 from jaxdp.replicas import assert_replicas_equal, per_replica, replica_divergence
 from jaxdp.reports import Collective, MemoryReport, collectives_from_hlo, comm_report, memory_report
-from jaxdp.sharding import ZERO_STAGES, FlatShards, gather_state, state_specs
 from jaxdp.state import TrainState
-from jaxdp.step import BACKENDS, CompiledStep, apply_update, make_train_step, train_step
+from jaxdp.step import apply_update, finish_step, gradient_step, train_step
 
 __all__ = [
     "BACKENDS",
     "CheckpointManager",
     "DataPipeline",
     "StreamingPipeline",
-    "FlatShards",
+    "Layout",
     "Collective",
     "CompiledStep",
     "EvalStep",
@@ -75,7 +84,9 @@ __all__ = [
     "assert_replicas_equal",
     "auto_mesh",
     "batchnorm",
-    "clip_by_global_norm",
+    "layout",
+    "finish_step",
+    "gradient_step",
     "collectives_from_hlo",
     "comm_report",
     "data_mesh",

@@ -13,7 +13,6 @@ import jax
 import numpy as np
 
 from jaxdp.loss import check_loss_fn
-from jaxdp.sharding import ZERO_STAGES, abstract_zero_state, is_flat_shards
 from jaxdp.state import TrainState
 
 
@@ -131,13 +130,6 @@ def signature(*trees: Any) -> tuple:
   return treedef, tuple(_abstract(x) for x in leaves)
 
 
-def _full_struct(x: Any) -> jax.ShapeDtypeStruct:
-  """The abstract full leaf, also of a ZeRO-sharded one."""
-  if is_flat_shards(x):
-    return jax.ShapeDtypeStruct(x.shape, x.flat.dtype)
-  return _struct(x)
-
-
 def _struct(x: Any, leading: int | None = None) -> jax.ShapeDtypeStruct:
   shape = np.shape(x)
   if leading is not None:
@@ -167,49 +159,23 @@ def check_state(state: Any, name: str = "state") -> None:
     raise TypeError(f"{name} must be a jaxdp.TrainState, got {type(state).__name__}; build it with jaxdp.init_state(params, optimizer, mesh).")
 
 
-def _layout(state_or_abstract: Any) -> tuple:
-  return signature(state_or_abstract.params, state_or_abstract.opt_state)
+def check_opt_state(state, optimizer, name: str = "state") -> None:
+  """``state.opt_state`` must be what ``optimizer.init(state.params)`` builds (structure, shapes, dtypes).
 
-
-def _check_layout(state, params, optimizer, n_replicas: int, zero_stage: int) -> None:
-  """The state must have the layout ``init_state(..., zero_stage)`` builds for this optimizer and mesh."""
-  layouts = {}
-  for stage in ZERO_STAGES:
-    try:
-      layouts[stage] = _layout(abstract_zero_state(params, optimizer, n_replicas, stage))
-    except Exception as e:
-      if stage == zero_stage:
-        raise ValueError(
-            f"optimizer.init fails on state.params ({type(e).__name__}: {e}); state.params is not a valid parameter tree."
-        ) from e
-  actual = _layout(state)
-  if actual == layouts[zero_stage]:
-    return
-  # A stateless optimizer (plain SGD) has the same layout at stages 0-2, so only a real difference is refused.
-  matches = [stage for stage, layout in layouts.items() if layout == actual]
-  if matches:
+  Shardings are not checked: the step places the state in its own layout
+  (any ZeRO stage, device count or mesh shape holds the same arrays).
+  """
+  try:
+    expected = jax.eval_shape(optimizer.init, state.params)
+  except Exception as e:  # the user's optimizer and params: any failure means they do not fit
     raise ValueError(
-        f"state has the layout of zero_stage={matches[0]} but the step was built with zero_stage={zero_stage}; "
-        f"build the state with jaxdp.init_state(..., zero_stage={zero_stage}), or convert it without losing the "
-        f"optimizer state: jaxdp.place_state(jaxdp.gather_state(state), optimizer, mesh, zero_stage={zero_stage})."
-    )
-  placed_on = _zero_device_count(state)
-  if placed_on is not None and placed_on != n_replicas:
+        f"optimizer.init fails on {name}.params ({type(e).__name__}: {e}); {name}.params is not a valid parameter tree."
+    ) from e
+  if signature(expected) != signature(state.opt_state):
     raise ValueError(
-        f"state is a ZeRO layout for {placed_on} devices, but the step runs on {n_replicas}; move it without "
-        f"losing the optimizer state with jaxdp.place_state(jaxdp.gather_state(state), optimizer, mesh, "
-        f"zero_stage={zero_stage}), or restore a checkpoint onto this mesh (CheckpointManager.restore(mesh=...))."
+        f"{name}.opt_state does not match optimizer.init({name}.params) in structure, shape or dtype; "
+        "the state was built for other params or another optimizer. Rebuild it with jaxdp.init_state."
     )
-  expected = abstract_zero_state(params, optimizer, n_replicas, zero_stage)
-  if signature(expected.params) != signature(state.params):
-    raise ValueError(
-        f"state.params does not have the zero_stage={zero_stage} layout for a mesh axis of {n_replicas} devices; "
-        "rebuild the state with jaxdp.init_state on this mesh."
-    )
-  raise ValueError(
-      "state.opt_state does not match optimizer.init(state.params) in structure, shape or dtype; "
-      "the state was built for other params or another optimizer. Rebuild it with jaxdp.init_state."
-  )
 
 
 def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: int = 1) -> None:
@@ -233,19 +199,8 @@ def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: in
     )
 
 
-def _zero_device_count(state: Any) -> int | None:
-  """The number of chunks of the state's ZeRO leaves (the device count it was laid out for), if any."""
-  for x in jax.tree.leaves((state.params, state.opt_state), is_leaf=is_flat_shards):
-    if is_flat_shards(x):
-      sharding = getattr(x.flat, "sharding", None)
-      if sharding is not None:
-        chunk = sharding.shard_shape(x.flat.shape)[0]
-        return x.flat.shape[0] // chunk if chunk else None
-  return None
-
-
 def check_step_inputs(
-    loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1, zero_stage: int = 0
+    loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1
 ) -> None:
   """Raises ``TypeError``/``ValueError`` naming the argument at fault and the fix.
 
@@ -258,9 +213,8 @@ def check_step_inputs(
   check_loss_fn(loss_fn, with_model_state=state.model_state is not None)
   check_optimizer(optimizer)
   check_rng(rng)
-  params = jax.tree.map(_full_struct, state.params, is_leaf=is_flat_shards)
-  check_params_dtypes(params)
-  _check_layout(state, params, optimizer, n_replicas, zero_stage)
+  check_params_dtypes(state.params)
+  check_opt_state(state, optimizer)
   check_batch_split(batch, weights, n_replicas, accum_steps)
   if np.shape(state.step) != ():
     raise ValueError(f"state.step must be a scalar, got shape {np.shape(state.step)}.")

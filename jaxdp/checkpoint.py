@@ -1,45 +1,53 @@
-"""Checkpoints: the training state, PRNG key and input position, saved with orbax.
+"""Checkpoints: the training state, PRNG key and input position, saved with orbax, shard by shard.
 
-A checkpoint holds the *gathered* state: every leaf at its full shape, with
-the pytree structure of ZeRO stage 0 (what :func:`jaxdp.gather_state`
-returns), whatever the layout it was saved from. Restoring takes a target
-layout (params template, optimizer, mesh, ``zero_stage``) and builds the
-state for it directly from the host arrays, each process placing only its own
-shards. So a checkpoint restores onto any device count, process count or
-ZeRO stage, with the optimizer state moved exactly, never re-initialised.
+Saving writes every array of the state as it is sharded: the global
+``jax.Array``s go to orbax's ``StandardSave``, and each process writes the
+shards of its own devices (one copy of each replicated shard). No process
+ever holds a whole leaf that its layout does not replicate on it: a stage-3
+leaf on 8 processes costs each process an eighth of it, in host memory too.
+Every leaf keeps its global shape at every ZeRO stage and mesh (see
+:mod:`jaxdp.layout`), so a checkpoint is layout-free by construction.
 
-Why not save the sharded arrays and restore through an abstract target of
-``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``: orbax can re-split a
-global array over other devices, but not change its global shape, and the
-global shape of a ZeRO leaf depends on the device count (it is flattened and
-padded to a multiple of ``N``, see :mod:`jaxdp.sharding`). A stage-3 leaf
-saved on 2 devices has no shape to restore on 3 devices; the full-shape
-stage-0 form is the one layout-free representation. The price: saving copies
-the full state to the host of every process (the ZeRO shards are gathered,
-once per process), and process 0 writes it. That is what a replicated
-(stage-0) run already holds on every device.
+Restoring takes a target layout (params template, optimizer, mesh,
+``zero_stage``, tensor-parallel ``param_specs``), builds its abstract state
+(``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` from
+:func:`jaxdp.layout.make_layout`) and lets orbax read each device's part of
+each array straight into that layout (``StandardRestore``). So a checkpoint
+restores onto any device count, process count, mesh shape, ZeRO stage or
+tensor-parallel split, with the optimizer state moved exactly (never
+re-initialised): :func:`jaxdp.gather_state` of the restored state equals that
+of the saved one bitwise.
 
-Format (``jaxdp.checkpoint`` version 1), one orbax step directory per step:
+Format (``jaxdp.checkpoint`` version 2), one orbax step directory per step:
 
 * item ``state``: the arrays, through orbax's ``StandardCheckpointHandler``
   (tensorstore/OCDBT with JSON metadata), as a nested dict keyed by the leaf
   paths (``params/w``, ``opt_state/0/mu/w``, ``step``,
   ``model_state/batch_stats/mean`` when the state has model state, ``rng``);
-* item ``jaxdp``: JSON (``JsonCheckpointHandler``): the format, the
-  ``data_step`` (the input pipeline's position; ``TrainState.step`` does not
-  count steps skipped for zero weight), the PRNG key's implementation, the
-  layout saved from, the user's metadata, the optimizer state's container
-  types (``opt_state_structure``, e.g. ``ScaleByAdamState``: leaf paths alone
-  do not tell Adam from AdaBelief; absent from checkpoints of older jaxdp
-  versions, which then skip that check), and each leaf's path, shape, dtype
-  and CRC-32.
+* item ``jaxdp``: JSON (``JsonCheckpointHandler``): the format and version,
+  the ``data_step`` (the input pipeline's position; ``TrainState.step`` does
+  not count steps skipped for zero weight), the PRNG key's implementation,
+  the device and process counts saved from, the user's metadata, the
+  optimizer state's container types (``opt_state_structure``, e.g.
+  ``ScaleByAdamState``: leaf paths alone do not tell Adam from AdaBelief),
+  and each leaf's path, shape, dtype, ``PartitionSpec`` saved from (for the
+  reader) and checksum.
+
+The checksum composes over shards (see :mod:`jaxdp._ckpt_record`): with the
+leaf's elements read as unsigned words ``w_i`` at global flat index ``i``,
+``H = sum (w_i + 1) * (splitmix64(i) | 1) mod 2**64``. Each process adds the
+terms of its shards with ``replica_id == 0`` and the processes' sums are
+added, so it is computed where the data lies, in the layout saved from and
+again in the layout restored to, without gathering. Version 1 checkpoints
+(gathered state, whole-leaf CRC-32) are refused with a "format version"
+error: restore them with the jaxdp version that wrote them.
 
 Nothing is pickled and nothing executes code on load. Restoring validates
-the record (every field it reads), checks it against the target (structure,
-shapes, dtypes, optimizer state types) before reading any array, and every
-array against its CRC-32 after reading, before anything is placed on a
-device: a mismatched, truncated or corrupt checkpoint raises ``ValueError``
-and never restores part of a state.
+the record (every field it reads) and checks it against the target
+(structure, shapes, dtypes, optimizer state types) before reading any array,
+then every restored array against its shape, dtype and checksum: a
+mismatched, truncated or corrupt checkpoint raises ``ValueError`` and no
+part of a state is returned.
 
 Atomicity and retention are orbax's: a step is written to
 ``<step>.orbax-checkpoint-tmp`` and renamed when complete, so a crash during
@@ -50,41 +58,39 @@ by hand is not offered for restoring. An asynchronous save that fails raises
 its error at the next :meth:`CheckpointManager.wait`, :meth:`~CheckpointManager.close`
 or :meth:`~CheckpointManager.save`, and leaves no thread behind that would
 delay the process's exit.
+
+This module holds the orbax lifecycle (saving, restoring, waiting, closing);
+the record's format, its checks and the checksums are in
+:mod:`jaxdp._ckpt_record`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import zlib
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdp import _ckpt_record as record_lib
 from jaxdp._checks import check_int, check_state
-from jaxdp.mesh import check_mesh_axis, replicated, split_along
-from jaxdp.sharding import (
-    FlatShards,
-    _to_host,
-    abstract_zero_state,
+from jaxdp._ckpt_record import RNG
+from jaxdp.layout import (
+    auto_mesh,
+    check_mesh_axis,
+    check_param_specs,
     check_zero_stage,
-    gather_state,
-    is_flat_shards,
-    zero_stage_of,
+    make_layout,
+    model_specs_of,
 )
 from jaxdp.state import TrainState
 
-FORMAT = "jaxdp.checkpoint"
-FORMAT_VERSION = 1
+FORMAT, FORMAT_VERSION = record_lib.FORMAT, record_lib.FORMAT_VERSION
 _STATE_ITEM = "state"
 _RECORD_ITEM = "jaxdp"
-_RNG = ("rng",)
-_MODEL_STATE = "model_state"
-_MAX_LISTED = 8
 
 
 class Restored(NamedTuple):
@@ -108,336 +114,36 @@ class Restored(NamedTuple):
   metadata: Any
 
 
-# Leaf names ---------------------------------------------------------------------------------
-
-
-def _entry_name(entry: Any) -> str:
-  for attribute in ("key", "name", "idx"):
-    if hasattr(entry, attribute):
-      return str(getattr(entry, attribute))
-  return str(entry)
-
-
-def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
-  """``[(path components, leaf)]`` of ``tree`` in flattening order; paths must be distinct."""
-  named, seen = [], set()
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    components = tuple(_entry_name(e) for e in path)
-    if components in seen:
-      raise ValueError(f"two leaves of the state share the path {'/'.join(components)!r}; use distinct dict keys.")
-    seen.add(components)
-    named.append((components, leaf))
-  return named
-
-
-def _nested(named: list[tuple[tuple[str, ...], Any]]) -> dict:
-  """The nested dict ``{component: {...: leaf}}`` orbax stores, from ``_named_leaves``."""
-  root: dict = {}
-  for components, leaf in named:
-    node = root
-    for c in components[:-1]:
-      node = node.setdefault(c, {})
-      if not isinstance(node, dict):
-        raise ValueError(f"the state's path {'/'.join(components)!r} runs through a leaf; use distinct dict keys.")
-    node[components[-1]] = leaf
-  return root
-
-
-def _lookup(tree: dict, components: tuple[str, ...]) -> Any:
-  for c in components:
-    tree = tree[c]
-  return tree
-
-
-def _crc32(x: np.ndarray) -> int:
-  return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
-
-
 def _device_count(state: TrainState) -> int:
   """The number of devices ``state`` is placed on (1 for host arrays)."""
   sharding = getattr(jax.tree.leaves(state)[0], "sharding", None)
   return len(sharding.device_set) if sharding is not None else 1
 
 
-def _describe(components: tuple[str, ...], x: Any) -> dict:
-  return {"path": list(components), "shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).name}
+def _savable(x: Any) -> Any:
+  """A leaf as orbax saves it: a global ``jax.Array`` as it is; a host or process-local value as numpy.
 
-
-def _structure(tree: Any) -> str:
-  """The container types of ``tree``, e.g. ``tuple(ScaleByAdamState(*, dict(*, *), dict(*, *)), EmptyState())``.
-
-  What the leaf paths do not show: optax states of different optimizers can
-  have the same fields (Adam's and AdaBelief's ``count/mu/nu``). Built from
-  class names rather than ``str(treedef)``, whose format is JAX's to change.
+  A process-local array (fully addressable in a multi-process job) is a
+  value every process holds whole already; orbax writes numpy from one process.
   """
-
-  def describe(treedef) -> str:
-    node = treedef.node_data()
-    if node is None:
-      return "*"
-    return f"{node[0].__name__}({', '.join(describe(c) for c in treedef.children())})"
-
-  return describe(jax.tree.structure(tree))
+  if isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable):
+    return x
+  return np.asarray(x)
 
 
-# The PRNG key --------------------------------------------------------------------------------
-
-
-def _is_typed_key(rng: Any) -> bool:
-  """Whether ``rng`` is a typed key (else raw ``uint32`` key data); raises for anything else."""
-  dtype = getattr(rng, "dtype", None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    return True
-  if dtype is not None and np.dtype(dtype) == np.uint32:
-    return False
-  raise ValueError(
-      f"rng must be a PRNG key (jax.random.key(seed)) or raw uint32 key data (jax.random.PRNGKey(seed)), "
-      f"got {type(rng).__name__} of dtype {dtype}; pass the key your loop carries, or rng=None."
-  )
-
-
-def _key_to_host(rng: Any) -> tuple[np.ndarray | None, str | None]:
-  """``(raw key data as numpy, implementation name or None for a raw uint32 key)``."""
-  if rng is None:
-    return None, None
-  if _is_typed_key(rng):
-    return np.array(_to_host(jax.random.key_data(rng))), str(jax.random.key_impl(rng))
-  return np.array(_to_host(rng)), None
-
-
-def _key_from_host(data: np.ndarray, impl: str | None, mesh: Mesh) -> jax.Array:
-  placed = _from_host(data, replicated(mesh))
-  return placed if impl is None else jax.random.wrap_key_data(placed, impl=impl)
-
-
-def _key_data_shape(impl: str | None) -> jax.ShapeDtypeStruct | None:
-  """The shape and dtype of a key's raw data under PRNG implementation ``impl``; ``None`` if JAX has no such one."""
-  try:
-    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
-  except (ValueError, TypeError):
-    return None
-
-
-# Placing a full state on a layout ----------------------------------------------------------
-
-
-def _from_host(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  """The global array with this process's shards of host array ``x``, in fresh buffers."""
-  # A copy per shard: no device buffer may alias ``x`` or another device's buffer (steps donate them).
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: np.array(x[index], copy=True))
-
-
-def _place_leaf(x: np.ndarray, target: Any, mesh: Mesh, axis_name: str) -> Any:
-  # The shardings of jaxdp.mesh, so that a restored state is placed exactly as init_state places one.
-  if is_flat_shards(target):
-    flat = np.zeros(target.flat.shape, x.dtype)
-    flat[: x.size] = x.reshape(-1)
-    return FlatShards(_from_host(flat, split_along(mesh, axis_name)), target.shape, target.stage)
-  return _from_host(x, replicated(mesh))
-
-
-def _differences(found: dict, expected: dict, found_name: str, expected_name: str) -> list[str]:
-  """One line per leaf path that is missing, unexpected, or of another shape or dtype."""
-  lines = []
-  for name, want in expected.items():
-    got = found.get(name)
-    if got is None:
-      lines.append(f"{name}: missing from {found_name} ({expected_name} has shape {tuple(want[0])}, dtype {want[1]})")
-    elif tuple(got[0]) != tuple(want[0]):
-      lines.append(f"{name}: shape {tuple(got[0])} in {found_name}, {tuple(want[0])} in {expected_name}")
-    elif got[1] != want[1]:
-      lines.append(f"{name}: dtype {got[1]} in {found_name}, {want[1]} in {expected_name}")
-  for name, got in found.items():
-    if name not in expected:
-      lines.append(f"{name}: in {found_name} (shape {tuple(got[0])}, dtype {got[1]}) but not in {expected_name}")
-  return lines
-
-
-def _listing(lines: list[str]) -> str:
-  more = [f"... and {len(lines) - _MAX_LISTED} more"] if len(lines) > _MAX_LISTED else []
-  return "\n  " + "\n  ".join(lines[:_MAX_LISTED] + more)
-
-
-def _signature(tree: Any) -> dict:
-  return {"/".join(c): (np.shape(x), np.dtype(x.dtype).name) for c, x in _named_leaves(tree)}
-
-
-def _abstract_full_state(params: Any, optimizer: optax.GradientTransformation, model_state: Any) -> TrainState:
-  """The stage-0 state of ``params``, ``optimizer`` and ``model_state`` as ``ShapeDtypeStruct``s."""
-  if any(is_flat_shards(x) for x in jax.tree.leaves(params, is_leaf=is_flat_shards)):
-    raise ValueError(
-        "params holds ZeRO FlatShards; pass the full parameter tree (the initial params, "
-        "jax.eval_shape of the model's init, or jaxdp.gather_state(state).params)."
-    )
-  try:
-    return abstract_zero_state(params, optimizer, 1, 0, model_state)
-  except Exception as e:  # the user's optimizer and params: any failure means they do not fit
-    raise ValueError(
-        f"optimizer.init fails on params ({type(e).__name__}: {e}); pass the params template of the model."
-    ) from e
-
-
-def place_state(
-    full_state: TrainState,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    zero_stage: int = 0,
-    axis_name: str = "data",
-) -> TrainState:
-  """Places a full (gathered) state on ``mesh`` in the layout of ``zero_stage``; inverse of :func:`jaxdp.gather_state`.
-
-  The optimizer state is moved as it is (ZeRO chunks are cut from the full
-  moments), never re-initialised, so ``gather_state(place_state(full, ...))``
-  equals ``full`` exactly, on any device count and stage. Each process places
-  only the shards of its own devices; every process must pass the same
-  ``full_state``.
-
-  Args:
-    full_state: a :class:`jaxdp.TrainState` with the structure of stage 0 and
-      full-shape leaves (numpy or JAX), e.g. ``jaxdp.gather_state(state)``.
-      Its ``model_state`` (if any) is placed replicated, as at every stage.
-    optimizer: the optax optimizer the state belongs to.
-    mesh: the mesh to place the state on.
-    zero_stage: the layout wanted (see :func:`jaxdp.init_state`).
-    axis_name: the data-parallel axis.
-
-  Returns:
-    A :class:`jaxdp.TrainState` of fresh buffers, placed as
-    ``make_train_step(..., zero_stage=zero_stage)`` on ``mesh`` expects.
-
-  Raises:
-    ValueError: if ``full_state`` does not match ``optimizer.init(full_state.params)``
-      in structure, shapes, dtypes or state types, or if the optimizer's state under
-      ``zero_stage`` is not a re-layout of its stage-0 state (e.g. a factored
-      optimizer whose state depends on the parameters' shapes).
-  """
-  check_state(full_state, "full_state")
-  check_mesh_axis(mesh, axis_name)
-  check_zero_stage(zero_stage)
-  expected = _abstract_full_state(full_state.params, optimizer, full_state.model_state)
-  lines = _differences(_signature(full_state), _signature(expected), "full_state", "optimizer.init(full_state.params)")
-  if not lines:  # same leaves: the containers may still differ (Adam's state and AdaBelief's)
-    lines = [
-        f"{field}: {_structure(got)} in full_state, {_structure(want)} in optimizer.init(full_state.params)"
-        for field, got, want in zip(TrainState._fields, full_state, expected)
-        if _structure(got) != _structure(want)
-    ]
-  if lines:
-    raise ValueError(
-        "full_state is not a full stage-0 state of this optimizer; pass jaxdp.gather_state(state) of a state "
-        f"built with the same params and optimizer:{_listing(lines)}"
-    )
-  leaves = jax.tree.leaves(full_state)
-  return _place_full_leaves(leaves, full_state.params, full_state.model_state, optimizer, mesh, zero_stage, axis_name)
-
-
-def _place_full_leaves(
-    leaves: list, params: Any, model_state: Any, optimizer, mesh: Mesh, zero_stage: int, axis_name: str
-) -> TrainState:
-  """The state of ``zero_stage`` from the stage-0 state's leaves (host arrays, in flattening order)."""
-  layout = abstract_zero_state(params, optimizer, mesh.shape[axis_name], zero_stage, model_state)
-  targets, treedef = jax.tree.flatten(layout, is_leaf=is_flat_shards)
-  shapes = [t.shape if is_flat_shards(t) else tuple(t.shape) for t in targets]
-  if shapes != [np.shape(x) for x in leaves]:
-    raise ValueError(
-        f"the optimizer's state under zero_stage={zero_stage} is not a re-layout of its stage-0 state (its leaves "
-        "have other shapes), so it cannot be moved between stages; restore with zero_stage=0, or use an "
-        "elementwise optimizer (SGD, momentum, Adam) with ZeRO."
-    )
-  placed = [_place_leaf(np.asarray(x), t, mesh, axis_name) for x, t in zip(leaves, targets)]
-  return jax.tree.unflatten(treedef, placed)
-
-
-# The record ----------------------------------------------------------------------------------
-
-
-class _BadField(Exception):
-  """A field of a jaxdp record that is not what :meth:`CheckpointManager.save` writes."""
-
-  def __init__(self, field: str, value: Any, expected: str):
-    super().__init__(field, value, expected)
-    self.field, self.value, self.expected = field, value, expected
-
-
-def _require(condition: bool, field: str, value: Any, expected: str) -> None:
-  if not condition:
-    raise _BadField(field, value, expected)
-
-
-def _is_count(x: Any) -> bool:
-  return type(x) is int and x >= 0  # not bool, not a float such as 3.0: JSON keeps the type save() wrote
-
-
-def _is_dtype_name(x: Any) -> bool:
-  """Whether ``x`` is the name of a numeric numpy dtype (ml_dtypes' bfloat16 included), as ``_describe`` writes it."""
-  if not isinstance(x, str):
-    return False
-  try:
-    dtype = np.dtype(x)
-  except Exception:  # numpy parses dtype strings with several parsers, each with its own error
-    return False
-  return dtype.name == x and dtype.kind not in "OSUMm" and dtype.type is not np.void
-
-
-def _check_leaf_entry(entry: Any, name: str) -> None:
-  _require(isinstance(entry, dict), name, entry, "a dict with path, shape, dtype and crc32")
-  path, shape, dtype, crc32 = (entry.get(k) for k in ("path", "shape", "dtype", "crc32"))
-  ok_path = isinstance(path, list) and path and all(isinstance(c, str) and c for c in path)
-  _require(ok_path, f"{name}.path", path, "a non-empty list of non-empty strings")
-  _require(isinstance(shape, list) and all(map(_is_count, shape)), f"{name}.shape", shape, "a list of integers >= 0")
-  _require(_is_dtype_name(dtype), f"{name}.dtype", dtype, "the name of a numeric numpy dtype, e.g. float32")
-  _require(_is_count(crc32) and crc32 < 2**32, f"{name}.crc32", crc32, "an integer in [0, 2**32)")
-
-
-def _check_rng_impl(impl: Any, key: dict | None) -> None:
-  """``impl`` must fit the saved key: none without a key, a JAX PRNG whose key data has the saved shape and dtype."""
-  if key is None:
-    _require(impl is None, "rng_impl", impl, "null, as the checkpoint holds no PRNG key")
-  elif impl is None:
-    _require(key["dtype"] == "uint32", "rng_impl", impl, f"a PRNG implementation's name, as the key is {key['dtype']}")
-  else:
-    data = _key_data_shape(impl) if isinstance(impl, str) else None
-    _require(data is not None, "rng_impl", impl, "null or the name of a JAX PRNG implementation, e.g. threefry2x32")
-    fits = tuple(key["shape"]) == data.shape and key["dtype"] == np.dtype(data.dtype).name
-    _require(fits, "rng_impl", impl, f"an implementation whose keys' data is {key['dtype']}{key['shape']}, as saved")
-
-
-def _check_record(record: dict) -> None:
-  """Raises :class:`_BadField` for the first field read from ``record`` that save() could not have written."""
-  _require(_is_count(record.get("data_step")), "data_step", record.get("data_step"), "an integer >= 0")
-  leaves = record.get("leaves")
-  _require(isinstance(leaves, list) and len(leaves) > 0, "leaves", leaves, "a non-empty list of leaf entries")
-  seen = {}
-  for i, entry in enumerate(leaves):
-    _check_leaf_entry(entry, f"leaves[{i}]")
-    path = tuple(entry["path"])
-    _require(path not in seen, f"leaves[{i}].path", entry["path"], f"a path of its own, not leaves[{seen.get(path)}]'s")
-    seen[path] = i
-  _check_rng_impl(record.get("rng_impl"), leaves[seen[_RNG]] if _RNG in seen else None)
-  structure = record.get("opt_state_structure")  # absent from checkpoints of older jaxdp versions
-  _require(structure is None or isinstance(structure, str), "opt_state_structure", structure, "a string")
-
-
-# The manager ---------------------------------------------------------------------------------
-
-
-def _check_metadata(metadata: Any) -> None:
-  try:
-    json.dumps(metadata, allow_nan=False)
-  except (TypeError, ValueError) as e:
-    raise ValueError(
-        f"metadata must be JSON-serialisable (dicts, lists, strings, finite numbers, bools, None): {e}; "
-        "convert arrays with .tolist() and other objects to strings."
-    ) from e
+def _target_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -> Any:
+  """The params' model-axis specs: ``param_specs`` checked, else read off the template's shardings."""
+  if param_specs is not None:
+    return check_param_specs(param_specs, params, mesh, axis_name)
+  return model_specs_of(params, mesh, axis_name)
 
 
 class CheckpointManager:
   """Saves the training state every ``save_interval_steps`` steps and keeps the last ``max_to_keep``.
 
   A thin layer over ``orbax.checkpoint.CheckpointManager`` that stores the
-  state in a layout-free form (see :mod:`jaxdp.checkpoint`) together with
-  the PRNG key, the input pipeline's position and JSON metadata. In a
+  state shard by shard, restorable onto any layout (see :mod:`jaxdp.checkpoint`),
+  together with the PRNG key, the input pipeline's position and JSON metadata. In a
   multi-process job every process creates the manager on the same (shared)
   directory and calls :meth:`save` and :meth:`restore` at the same steps.
 
@@ -458,7 +164,7 @@ class CheckpointManager:
     save_interval_steps: :meth:`save` writes only steps that are multiples
       of it (unless forced).
     max_to_keep: how many of the newest checkpoints to keep; ``None`` keeps all.
-    enable_async_checkpointing: :meth:`save` returns once the arrays are on
+    enable_async_checkpointing: :meth:`save` returns once the shards are on
       the host and writes them in a background thread; call :meth:`wait`
       before relying on a save, and :meth:`close` (or use ``with``) before
       the process exits, else the last save is lost (never half-written).
@@ -552,12 +258,13 @@ class CheckpointManager:
     """Saves ``state`` as checkpoint ``step`` if ``step`` is due (a multiple of ``save_interval_steps``) or forced.
 
     A collective in a multi-process job: call it on every process with the
-    same arguments. The state is copied to the host before it returns, so the
-    step may donate ``state`` right after, even with asynchronous saving.
+    same arguments. Each process writes its own shards; none gathers a leaf.
+    The shards are copied to the host before it returns, so the step may
+    donate ``state`` right after, even with asynchronous saving.
 
     Args:
       step: the checkpoint's number, usually the number of loop steps done.
-      state: the :class:`jaxdp.TrainState`, in any layout.
+      state: the :class:`jaxdp.TrainState`, in any layout (or on the host).
       rng: the PRNG key the loop carries (typed or raw ``uint32``), or ``None``.
       data_step: the input pipeline's position to resume from (the
         ``start_step`` of ``DataPipeline.iterate``); default ``step``.
@@ -572,42 +279,31 @@ class CheckpointManager:
     step = check_int(step, "step", 0, "steps count from 0.")
     check_state(state)
     data_step = step if data_step is None else check_int(data_step, "data_step", 0, "pass the pipeline's next step.")
-    _check_metadata(metadata)
+    record_lib.check_metadata(metadata)
     if rng is not None:
-      _is_typed_key(rng)
+      record_lib.is_typed_key(rng)
     if force and step in self._manager.all_steps():
       raise ValueError(f"step {step} already has a checkpoint in {self.directory}; save under a new step.")
     if not (force or self._manager.should_save(step)):
       return False
     self.wait()  # orbax would too; here a failed previous save raises with jaxdp's note, before any work
-    rng_data, rng_impl = _key_to_host(rng)
-    full = gather_state(state)
-    arrays = _named_leaves(jax.tree.map(np.array, full))
+    rng_data, rng_impl = record_lib.key_to_host(rng)
+    named = [(c, _savable(x)) for c, x in record_lib.named_leaves(state)]
     if rng_data is not None:
-      arrays.append((_RNG, rng_data))
-    record = self._record(arrays, state, _structure(full.opt_state), data_step, rng_impl, metadata)
+      named.append((RNG, rng_data))
+    record = record_lib.build_record(
+        named,
+        record_lib.checksums([x for _, x in named]),
+        opt_state_structure=record_lib.structure(state.opt_state),
+        data_step=data_step,
+        rng_impl=rng_impl,
+        metadata=metadata,
+        devices=_device_count(state),
+    )
     args = ocp.args.Composite(
-        **{_STATE_ITEM: ocp.args.StandardSave(_nested(arrays)), _RECORD_ITEM: ocp.args.JsonSave(record)}
+        **{_STATE_ITEM: ocp.args.StandardSave(record_lib.nested(named)), _RECORD_ITEM: ocp.args.JsonSave(record)}
     )
     return bool(self._manager.save(step, args=args, force=force))
-
-  @staticmethod
-  def _record(arrays, state: TrainState, opt_state_structure: str, data_step: int, rng_impl, metadata) -> dict:
-    return {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "data_step": data_step,
-        "rng_impl": rng_impl,
-        "saved_from": {
-            "zero_stage": zero_stage_of(state),
-            "devices": _device_count(state),
-            "processes": jax.process_count(),
-        },
-        "metadata": metadata,
-        # The gathered state's: stage 0's structure, whatever the layout saved from, so any stage restores it.
-        "opt_state_structure": opt_state_structure,
-        "leaves": [{**_describe(c, x), "crc32": _crc32(x)} for c, x in arrays],
-    }
 
   def restore(
       self,
@@ -619,26 +315,31 @@ class CheckpointManager:
       zero_stage: int = 0,
       axis_name: str = "data",
       model_state: Any = None,
+      param_specs: Any = None,
   ) -> Restored:
     """Restores checkpoint ``step`` (default: the latest) onto the layout described by the target.
 
     The layout need not be the one saved from: another device count, process
-    count or ZeRO stage gives the same :func:`jaxdp.gather_state`. A
-    collective in a multi-process job; every process reads the arrays and
-    places its own shards.
+    count, mesh shape, ZeRO stage or tensor-parallel split gives the same
+    :func:`jaxdp.gather_state`. A collective in a multi-process job; each
+    process reads only the parts of the arrays its devices hold.
 
     Args:
       step: the checkpoint to restore; ``None`` for the latest complete one.
-      params: the model's parameter tree (arrays or ``jax.ShapeDtypeStruct``s;
-        only structure, shapes and dtypes are used), as given to
-        :func:`jaxdp.init_state`.
+      params: the model's parameter tree (arrays or ``jax.ShapeDtypeStruct``s,
+        in any layout; structure, shapes and dtypes are used, and their
+        splits over the mesh's model axes when they are ``NamedSharding``
+        arrays or ``ShapeDtypeStruct``s with such a sharding on a mesh with
+        ``mesh``'s axis names), as given to :func:`jaxdp.init_state`.
       optimizer: the optax optimizer of the run.
-      mesh: the mesh to place the state on.
+      mesh: the mesh to place the state on (it may have model axes).
       zero_stage: the layout wanted (0-3).
       axis_name: the data-parallel axis.
       model_state: the model state's template (arrays or ``ShapeDtypeStruct``s,
         as given to :func:`jaxdp.init_state`) if the checkpoint was saved
         from a state with model state, else ``None``. Placed replicated.
+      param_specs: the params' tree of ``PartitionSpec``s over the model axes
+        (as for :func:`jaxdp.init_state`); default: read off ``params``.
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``.
@@ -649,19 +350,33 @@ class CheckpointManager:
         leaf whose presence, shape or dtype differs, a ``model_state=`` given
         for a checkpoint without model state or missing for one with it, or
         an optimizer state of other types), was not written by
-        :mod:`jaxdp.checkpoint`, or is truncated or corrupt. Nothing is
-        placed on a device before every array has been read and checked.
+        :mod:`jaxdp.checkpoint` (version 2), or is truncated or corrupt. No
+        array is read before the record and the target are checked, and
+        nothing is returned before every array has passed its checksum.
     """
     check_mesh_axis(mesh, axis_name)
     check_zero_stage(zero_stage)
+    model_specs = _target_specs(params, param_specs, mesh, axis_name)
     step = self._resolve_step(step)
-    expected = _abstract_full_state(params, optimizer, model_state)
+    expected = record_lib.abstract_full_state(params, optimizer, model_state)
     record = self._read_record(step)
-    self._check_against(record, expected, step)
-    arrays = self._read_arrays(step, record)
-    leaves = [arrays[c] for c, _ in _named_leaves(expected)]
-    state = _place_full_leaves(leaves, params, model_state, optimizer, mesh, zero_stage, axis_name)
-    rng = _key_from_host(arrays[_RNG], record["rng_impl"], mesh) if _RNG in arrays else None
+    record_lib.check_against(record, expected, self._where(step))
+    mesh = auto_mesh(mesh)  # as init_state places a state
+    shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs).shardings(mesh)
+    target = [
+        (c, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+        for (c, x), s in zip(record_lib.named_leaves(expected), jax.tree.leaves(shardings))
+    ]
+    entries = {tuple(e["path"]): e for e in record["leaves"]}
+    if RNG in entries:
+      key, replicated = entries[RNG], NamedSharding(mesh, P())
+      target.append((RNG, jax.ShapeDtypeStruct(tuple(key["shape"]), np.dtype(key["dtype"]), sharding=replicated)))
+    arrays = self._read_arrays(step, record, target)
+    state = jax.tree.unflatten(jax.tree.structure(expected), [arrays[c] for c, _ in record_lib.named_leaves(expected)])
+    rng = None
+    if RNG in arrays:
+      impl = record["rng_impl"]
+      rng = arrays[RNG] if impl is None else jax.random.wrap_key_data(arrays[RNG], impl=impl)
     return Restored(state, rng, record["data_step"], step, record["metadata"])
 
   def metadata(self, step: int | None = None) -> Any:
@@ -704,8 +419,8 @@ class CheckpointManager:
           f"{FORMAT_VERSION}. Restore it with the jaxdp version that wrote it."
       )
     try:
-      _check_record(record)
-    except _BadField as bad:
+      record_lib.check_record(record)
+    except record_lib.BadField as bad:
       value = repr(bad.value)
       raise ValueError(
           f"{self._where(step)} is corrupt: its jaxdp record's field {bad.field} is "
@@ -714,56 +429,22 @@ class CheckpointManager:
       ) from None
     return record
 
-  def _check_against(self, record: dict, expected: TrainState, step: int) -> None:
-    """Refuses a target that does not fit the checkpoint, before any array is read."""
-    saved_model_state = ["/".join(e["path"]) for e in record["leaves"] if e["path"][0] == _MODEL_STATE]
-    if saved_model_state and not jax.tree.leaves(expected.model_state):
-      raise ValueError(
-          f"{self._where(step)} holds model state ({', '.join(saved_model_state[:3])}"
-          f"{', ...' if len(saved_model_state) > 3 else ''}) but restore got model_state=None; pass its template "
-          "as model_state= (the model state given to jaxdp.init_state, e.g. flax's batch_stats, or "
-          "jax.ShapeDtypeStructs of it)."
-      )
-    if jax.tree.leaves(expected.model_state) and not saved_model_state:
-      raise ValueError(
-          f"{self._where(step)} holds no model state (it was saved from a TrainState with model_state=None) but "
-          "restore got a model_state= template; restore it with model_state=None."
-      )
-    found = {"/".join(e["path"]): (e["shape"], e["dtype"]) for e in record["leaves"] if tuple(e["path"]) != _RNG}
-    lines = _differences(found, _signature(expected), "the checkpoint", "the target")
-    if lines:
-      raise ValueError(
-          f"{self._where(step)} does not match the target state (params and model_state templates and "
-          f"optimizer); restore with the model and optimizer it was saved with:{_listing(lines)}"
-      )
-    saved, target = record.get("opt_state_structure"), _structure(expected.opt_state)
-    if saved is not None and saved != target:
-      raise ValueError(
-          f"{self._where(step)} holds the state of another optimizer: its optimizer state is {saved}, the "
-          f"target optimizer's (optimizer.init(params)) is {target}; restore with the optimizer it was saved with."
-      )
-
-  def _read_arrays(self, step: int, record: dict) -> dict[tuple[str, ...], np.ndarray]:
-    """Every array of the checkpoint as numpy, checked against the record's shape, dtype and CRC-32."""
-    entries = [(tuple(e["path"]), e) for e in record["leaves"]]
-    target = _nested([(c, jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))) for c, e in entries])
+  def _read_arrays(self, step: int, record: dict, target: list) -> dict[tuple[str, ...], jax.Array]:
+    """Every array of the checkpoint, read into the shardings of ``target`` and checked against the record."""
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.StandardRestore(target)}))
-      tree = restored[_STATE_ITEM]
-      arrays = {c: np.asarray(_lookup(tree, c)) for c, _ in entries}
+      args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.StandardRestore(record_lib.nested(target))})
+      tree = self._manager.restore(step, args=args)[_STATE_ITEM]
+      arrays = {c: record_lib.lookup(tree, c) for c, _ in target}
     except Exception as e:  # orbax and tensorstore raise many kinds; all mean "unreadable"
       raise ValueError(
           f"{self._where(step)} could not be read ({type(e).__name__}: {e}); it is truncated or corrupt. "
           f"Complete steps: {self.all_steps()}; restore another with step=."
       ) from e
-    bad = [
-        "/".join(c) for c, e in entries
-        if arrays[c].shape != tuple(e["shape"]) or arrays[c].dtype.name != e["dtype"] or _crc32(arrays[c]) != e["crc32"]
-    ]
+    bad = record_lib.failed_leaves(record, arrays)
     if bad:
       raise ValueError(
-          f"{self._where(step)} is corrupt: {', '.join(bad[:_MAX_LISTED])} fail their shape, dtype or CRC-32 check. "
-          f"Complete steps: {self.all_steps()}; restore another with step=."
+          f"{self._where(step)} is corrupt: {', '.join(bad[:record_lib.MAX_LISTED])} fail their shape, dtype or "
+          f"checksum check. Complete steps: {self.all_steps()}; restore another with step=."
       )
     return arrays
 

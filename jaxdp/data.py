@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdp._checks import batch_size, check_int
-from jaxdp.mesh import check_mesh_axis, split_along
+from jaxdp.layout import check_mesh_axis, data_rows, data_size, global_array, split_along
 
 
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
@@ -35,20 +35,14 @@ def _place_blocks(blocks: Mapping[int, np.ndarray], n: int, sharding) -> jax.Arr
 
   Only the blocks of this process's devices need to be present.
   """
-  # make_array_from_callback rather than make_array_from_process_local_data: the
-  # callback is handed the global index of each *addressable* shard and returns
-  # exactly that device's block, so a process needs (and touches) only its own
-  # portions, whatever the order of the processes' devices along the axis and
-  # whatever other mesh axes the batch is replicated over. The process-local
-  # variant would need this process's rows concatenated in the device order it
-  # infers from the sharding, a layout we would have to reproduce by hand.
+  # A process builds only its own devices' blocks (see jaxdp.layout.global_array).
   first = next(iter(blocks.values()))
   rows = first.shape[0]
 
   def block(index: tuple[slice, ...]) -> np.ndarray:
     return blocks[(index[0].start or 0) // rows][(slice(None), *index[1:])]
 
-  return jax.make_array_from_callback((n * rows, *first.shape[1:]), sharding, block)
+  return global_array((n * rows, *first.shape[1:]), sharding, block)
 
 
 def _place_portions(portions: Mapping[int, Any], n: int, sharding) -> Any:
@@ -87,7 +81,7 @@ def shard_uneven(
     float32 ``[n_devices * max_len]`` or ``[n_devices * max_len, t]``.
   """
   check_mesh_axis(mesh, axis_name)
-  n = mesh.shape[axis_name]
+  n = data_size(mesh, axis_name)
   if isinstance(batches, (np.ndarray, jax.Array, Mapping)) or not isinstance(batches, Sequence):
     raise TypeError(
         f"batches must be a list with one pytree per device (its portion), got {type(batches).__name__}; to split "
@@ -263,7 +257,7 @@ def addressable_positions(mesh: Mesh, axis_name: str = "data") -> tuple[int, ...
   position counts if any device in its slice (over the other axes) is local.
   """
   check_mesh_axis(mesh, axis_name)
-  devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(mesh.shape[axis_name], -1)
+  devices = data_rows(mesh, axis_name)
   me = jax.process_index()
   return tuple(i for i, row in enumerate(devices) if any(d.process_index == me for d in row))
 
@@ -364,7 +358,7 @@ class DataPipeline:
     self.num_examples = check_int(len(dataset), "len(dataset)", 1, "pass a non-empty dataset.")
     self.per_device_batch = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
     self.seed = check_int(seed, "seed", 0, "use a non-negative integer seed.")
-    self.n_devices = mesh.shape[axis_name]
+    self.n_devices = data_size(mesh, axis_name)
     self.global_batch = self.n_devices * self.per_device_batch
     self.steps_per_epoch = _steps_per_epoch(self.num_examples, self.n_devices, self.per_device_batch)
     self.local_positions = addressable_positions(mesh, axis_name)
@@ -575,7 +569,7 @@ class StreamingPipeline:
       raise ValueError(f"collate must be callable, got {type(collate).__name__}; pass collate(examples) -> (batch, weights).")
     self.collate, self.mesh, self.axis_name = collate, mesh, axis_name
     self.per_device_batch = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
-    self.n_devices = mesh.shape[axis_name]
+    self.n_devices = data_size(mesh, axis_name)
     self.global_batch = self.n_devices * self.per_device_batch
     own = addressable_positions(mesh, axis_name)
     self.local_positions = own if positions is None else self._checked_positions(positions)

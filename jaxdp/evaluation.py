@@ -15,14 +15,22 @@ from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _checks
 from jaxdp.loss import check_loss_fn
-from jaxdp.mesh import auto_mesh, check_mesh_axis, data_mesh, place, split_along
-from jaxdp.reduction import LocalGradient, _safe_divide, loss_sums, reduce_gradient
-from jaxdp.sharding import gather_chunks, state_shardings, state_specs
+from jaxdp.layout import (
+    auto_mesh,
+    check_mesh_axis,
+    data_mesh,
+    data_part,
+    data_size,
+    place,
+    split_along,
+)
+from jaxdp.reduction import _safe_divide, axis_names, loss_sums, reduce_gradient
 from jaxdp.state import TrainState
+from jaxdp.step import gather_params
 
 
 def eval_sums(
@@ -32,15 +40,17 @@ def eval_sums(
     weights: jax.Array | None = None,
     *,
     axis_name: str = "data",
+    params_split: Any = None,
 ) -> dict[str, jax.Array]:
   """Global sums ``{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}`` of one batch, as seen by one replica.
 
-  Call it inside ``shard_map`` over ``axis_name`` (batch split, state as
-  :func:`jaxdp.state_specs` says); one all-reduce. Dividing by ``"weight"``
-  gives the exact global weighted means; adding sums over batches first gives
-  those of a whole dataset.
+  Call it inside ``shard_map`` over ``axis_name`` (batch split); one
+  all-reduce. ``params_split``: the params' tree of data-axis specs of
+  parameters that arrive split over ``axis_name`` (ZeRO stage 3), gathered
+  first. Dividing by ``"weight"`` gives the exact global weighted means;
+  adding sums over batches first gives those of a whole dataset.
   """
-  params = gather_chunks(state.params, axis_name)  # ZeRO-3 chunks; a no-op for replicated leaves
+  params = gather_params(state.params, params_split, axis_name)
   local = loss_sums(
       loss_fn, params, batch, weights, model_state=state.model_state, axis_name=axis_name, train=False
   )
@@ -66,28 +76,40 @@ class EvalStep:
   of it as Python floats, the per-batch float32 sums added in float64.
   """
 
-  def __init__(self, jitted, *, loss_fn, mesh: Mesh, axis_name: str):
-    self.jitted, self.loss_fn, self.mesh, self.axis_name = jitted, loss_fn, mesh, axis_name
+  def __init__(self, build, *, loss_fn, mesh: Mesh, axis_name: str):
+    self._build, self.loss_fn, self.mesh, self.axis_name = build, loss_fn, mesh, axis_name
     self._validated: set = set()
+    self._jitted: dict = {}  # the params' data-axis splits -> the jitted step
 
   def _prepare(self, state, batch, weights):
     _checks.check_state(state)
     key = _checks.signature(state, batch, weights)
     if key not in self._validated:
       check_loss_fn(self.loss_fn, with_model_state=state.model_state is not None)
-      _checks.check_batch_split(batch, weights, self.mesh.shape[self.axis_name])
+      _checks.check_batch_split(batch, weights, data_size(self.mesh, self.axis_name))
       self._validated.add(key)
     if jax.process_count() > 1:
       from jaxdp.distributed import assert_same_across_processes
 
       assert_same_across_processes({"state": state, "batch": batch, "weights": weights}, "evaluation inputs")
-    state = place(state, state_shardings(state, self.mesh, self.axis_name))
+    # Parameters stay where they are (a ZeRO-3 split is gathered inside); the optimizer state is not needed.
+    specs = jax.tree.map(lambda x: _current_spec(x, self.mesh), state.params)
+    state = TrainState(
+        place(state.params, jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)), None,
+        place(state.step, NamedSharding(self.mesh, P())),
+        place(state.model_state, NamedSharding(self.mesh, P())),
+    )
+    split = jax.tree.map(lambda s: data_part(s, self.axis_name), specs)
+    split_key = tuple(jax.tree.leaves(split))
+    if split_key not in self._jitted:
+      self._jitted[split_key] = self._build(split)
     batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
-    return state, batch, weights
+    return self._jitted[split_key], (state, batch, weights)
 
   def sums(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> dict[str, jax.Array]:
     """The global sums of one batch (see :func:`eval_sums`)."""
-    return self.jitted(*self._prepare(state, batch, weights))
+    jitted, prepared = self._prepare(state, batch, weights)
+    return jitted(*prepared)
 
   def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> dict[str, jax.Array]:
     return means_from_sums(self.sums(state, batch, weights))
@@ -125,14 +147,25 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
   check_mesh_axis(mesh, axis_name)
   mesh = auto_mesh(mesh)
-  check_vma = mesh.shape[axis_name] > 1
+  check_vma = data_size(mesh, axis_name) > 1
+  batch_spec = split_along(mesh, axis_name).spec
 
-  def step(state, batch, weights):
-    replica = lambda s, b, w: eval_sums(loss_fn, s, b, w, axis_name=axis_name)  # noqa: E731
-    specs = state_specs(state, axis_name)
-    mapped = jax.shard_map(
-        replica, mesh=mesh, in_specs=(specs, P(axis_name), P(axis_name)), out_specs=P(), check_vma=check_vma
-    )
-    return mapped(state, batch, weights)
+  def build(params_split):
+    replica = lambda s, b, w: eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split)  # noqa: E731
+    state_specs = TrainState(params_split, None, P(), P())
+    return jax.jit(jax.shard_map(
+        replica, mesh=mesh, in_specs=(state_specs, batch_spec, batch_spec), out_specs=P(),
+        axis_names=set(axis_names(axis_name)), check_vma=check_vma,
+    ))
 
-  return EvalStep(jax.jit(step), loss_fn=loss_fn, mesh=mesh, axis_name=axis_name)
+  return EvalStep(build, loss_fn=loss_fn, mesh=mesh, axis_name=axis_name)
+
+
+def _current_spec(x: Any, mesh: Mesh) -> P:
+  """Where a parameter lives now on ``mesh`` (its full spec), or ``P()`` when it is not placed on it."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names) and (
+      sharding.mesh.devices.shape == mesh.devices.shape
+  ):
+    return sharding.spec
+  return P()

@@ -9,6 +9,12 @@ object graph. This module converts between the two in three calls::
   ...                                                # jaxdp.make_train_step(loss_fn, optimizer, mesh)
   jaxdp.nnx.update(model, state)                     # back to the Module, for evaluation or export
 
+With tensor parallelism, annotate the Module's weights with flax's
+partitioning metadata (``nnx.with_partitioning(init, (None, "model"))``) and
+pass ``param_specs=jaxdp.nnx.partition_specs(model)`` to ``init_state``: each
+parameter keeps that split over the model axes, and ZeRO adds its own over
+the data axis.
+
 * ``params`` are the ``nnx.Param`` variables (what the optimizer updates);
   ``model_state`` is every other variable (``nnx.BatchStat`` running
   statistics, counters), or ``None`` if there is none. RNG streams
@@ -36,10 +42,10 @@ from flax import nnx
 
 from jaxdp.batchnorm import _PADDED_STEP, BatchNorm
 from jaxdp.loss import LossOutput, declared_keywords
-from jaxdp.sharding import gather_state
+from jaxdp.layout import gather_state
 from jaxdp.state import TrainState
 
-__all__ = ["BatchNorm", "Definition", "loss_fn", "merge", "split", "update"]
+__all__ = ["BatchNorm", "Definition", "loss_fn", "merge", "partition_specs", "split", "update"]
 
 _USER_KEYWORDS = ("weights", "rngs", "train", "axis_name")
 
@@ -96,6 +102,40 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False) -> tuple[Def
   streams = tuple(sorted({stream for stream, _ in _stream_paths(model)}))
   model_state = rest if jax.tree.leaves(rest) else None
   return Definition(graphdef, rng_state, streams), params, model_state
+
+
+def partition_specs(model_or_params: Any) -> Any:
+  """The ``PartitionSpec`` of every parameter, as :func:`jaxdp.init_state`'s ``param_specs``.
+
+  Reads the partitioning metadata of each ``nnx.Param``
+  (``nnx.with_partitioning(init, (None, "model"))``, or
+  ``out_sharding=``/``kernel_metadata=`` given to a layer) with
+  ``nnx.get_partition_spec``, so flax's logical axis rules apply when set; a
+  parameter without metadata gets ``PartitionSpec()`` (replicated over the
+  model axes).
+
+  Args:
+    model_or_params: an ``nnx.Module``, or the ``params`` that :func:`split`
+      returned for it (an ``nnx.State`` of ``nnx.Param`` variables; abstract
+      ones from ``nnx.eval_shape`` work too).
+
+  Returns:
+    A tree of the structure of :func:`split`'s ``params``, one
+    ``PartitionSpec`` per parameter, to pass as
+    ``jaxdp.init_state(params, optimizer, mesh, param_specs=...)``. The specs
+    name model axes only; the mesh must have every axis they name, and
+    ``init_state`` refuses a spec that names the data axis.
+  """
+  if isinstance(model_or_params, nnx.Module):
+    _, params, _, _ = nnx.split(model_or_params, nnx.Param, nnx.RngState, ...)
+  elif isinstance(model_or_params, nnx.State):
+    params = model_or_params
+  else:
+    raise TypeError(
+        "partition_specs takes an nnx.Module or the params nnx.State that jaxdp.nnx.split returns, got "
+        f"{type(model_or_params).__name__}."
+    )
+  return nnx.get_partition_spec(params)
 
 
 def _stream_paths(model: nnx.Module):

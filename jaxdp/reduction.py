@@ -93,6 +93,16 @@ def _varying_axes(x: Any) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))  # JAX 0.11 spelling
 
 
+def axis_names(axis_name: Any) -> tuple[str, ...]:
+  """The data axes named by ``axis_name``: one mesh axis (a str) or several (a tuple, e.g. ``("replica", "data")``)."""
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def varies(x: Any, axis_name: Any) -> bool:
+  """Whether ``x`` is typed (inside ``shard_map``) as varying over any of the axes of ``axis_name``."""
+  return bool(set(axis_names(axis_name)) & _varying_axes(x))
+
+
 def as_varying(tree: Any, axis_name: str) -> Any:
   """Marks every leaf of ``tree`` as varying over ``axis_name`` (a no-op at run time).
 
@@ -105,9 +115,10 @@ def as_varying(tree: Any, axis_name: str) -> Any:
   """
 
   def cast(x):
-    if axis_name in _varying_axes(x):
+    missing = tuple(a for a in axis_names(axis_name) if a not in _varying_axes(x))
+    if not missing:
       return x
-    return lax.pcast(x, axis_name, to="varying")
+    return lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
 
   return jax.tree.map(cast, tree)
 
@@ -293,7 +304,7 @@ def local_gradient(
 
 def _is_trivial(tree: Any, axis_name: str) -> bool:
   # One device and no varying types (check_vma off): the sum is the value, and XLA would still copy it.
-  return lax.axis_size(axis_name) == 1 and not any(axis_name in _varying_axes(x) for x in jax.tree.leaves(tree))
+  return lax.axis_size(axis_name) == 1 and not any(varies(x, axis_name) for x in jax.tree.leaves(tree))
 
 
 def _psum(tree: Any, axis_name: str) -> Any:
@@ -302,11 +313,36 @@ def _psum(tree: Any, axis_name: str) -> Any:
   return lax.psum(as_varying(tree, axis_name), axis_name)
 
 
-def _psum_scatter(tree: Any, axis_name: str) -> Any:
-  # Leaves are flat and padded to a multiple of the axis size: each device keeps its chunk of the sum.
-  return jax.tree.map(
-      lambda x: lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True), as_varying(tree, axis_name)
-  )
+def _scatter_dim(spec: Any, axis_name: str) -> int | None:
+  if spec is True:
+    return 0
+  return next((d for d, entry in enumerate(spec) if entry == axis_name or (
+      isinstance(entry, tuple) and axis_name in entry)), None)
+
+
+def _psum_scatter(tree: Any, specs: Any, axis_name: Any) -> Any:
+  """Each leaf reduce-scattered along the dimension its spec names (each device keeps its slice of the
+  sum), or all-reduced where the spec names none (a leaf with no dimension that divides).
+
+  With several data axes (hybrid sharding), the scatter is over the last one (ZeRO's) and the slices are
+  then all-reduced over the others (plain data parallelism between the groups).
+  """
+  names = axis_names(axis_name)
+  zero, others = names[-1], names[:-1]
+
+  def reduce(x, spec):
+    dim = _scatter_dim(spec, zero)
+    if dim is None:
+      return _psum(x, axis_name)
+    if x.shape[dim] % lax.axis_size(zero):
+      raise ValueError(
+          f"scatter: a gradient leaf of shape {x.shape} cannot be reduce-scattered along dimension {dim} over "
+          f"{lax.axis_size(zero)} devices; give that leaf a dimension that divides, or P() to all-reduce it."
+      )
+    sliced = lax.psum_scatter(as_varying(x, axis_name), zero, scatter_dimension=dim, tiled=True)
+    return lax.psum(sliced, others) if others else sliced
+
+  return jax.tree.map(reduce, tree, specs)
 
 
 def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
@@ -319,7 +355,7 @@ def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
 def _tracks_replication(axis_name: str) -> bool:
   # Inside shard_map with check_vma, JAX types every value as replicated or varying over the axis; under
   # pmap (or check_vma=False) it does not, and then every model-state leaf must be assumed to vary.
-  return axis_name in _varying_axes(lax.axis_index(axis_name))
+  return set(axis_names(axis_name)) <= _varying_axes(lax.axis_index(axis_name))
 
 
 def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str) -> tuple[list, list, Any]:
@@ -334,7 +370,7 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
   tracked = _tracks_replication(axis_name)
   how, contributions = [], []
   for x in leaves:
-    if tracked and axis_name not in _varying_axes(x):
+    if tracked and not varies(x, axis_name):
       how.append("keep")
     elif jnp.issubdtype(x.dtype, jnp.floating):
       how.append("mean")
@@ -429,7 +465,7 @@ def reduce_gradient(
     *,
     axis_name: str,
     reduction: str = "mean",
-    scatter: bool = False,
+    scatter: Any = False,
     totals: Any = None,
     bucket_bytes: int | None = None,
     reduce_dtype: Any = None,
@@ -444,9 +480,11 @@ def reduce_gradient(
     axis_name: the data-parallel mesh axis.
     reduction: one of :data:`REDUCTIONS`; metrics are reduced like the loss.
     scatter: reduce-scatter the gradient instead of all-reducing it (ZeRO
-      stages 2 and 3): every gradient leaf must be flat with a length
-      divisible by the axis size, and each device receives its contiguous
-      chunk of the reduced gradient. A fully reduced gradient never exists.
+      stages 2 and 3): a tree of ``PartitionSpec``s like the gradient's,
+      each naming ``axis_name`` at the dimension that leaf is split along
+      (each device receives its slice of the reduced leaf; a fully reduced
+      leaf never exists), or ``P()`` for a leaf to all-reduce. ``True``
+      splits every leaf along its first dimension. ``False``: all-reduce.
     totals: optional pytree of per-replica values to sum over replicas in the
       same all-reduce (e.g. the streaming input's "has more data" flags);
       left local under ``"none"``.
@@ -475,7 +513,7 @@ def reduce_gradient(
   grads, loss_sum, weight_sum, metric_sums, model_state = local
   metric_sums = {} if metric_sums is None else metric_sums
   if reduction == "none":
-    if scatter:
+    if scatter is not False:
       raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")
     grads, loss, metrics = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
     return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals)
@@ -487,8 +525,9 @@ def reduce_gradient(
   dtypes = jax.tree.map(lambda x: x.dtype, grads)
   if reduce_dtype is not None:
     grads = jax.tree.map(lambda x: x.astype(reduce_dtype), grads)
-  if scatter:
-    grads = _psum_scatter(grads, axis_name)
+  if scatter is not False:
+    specs = jax.tree.map(lambda _: True, grads) if scatter is True else scatter
+    grads = _psum_scatter(grads, specs, axis_name)
     loss_sum, weight_sum, metric_sums, contributions, totals = _psum(small, axis_name)
   else:
     grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum_buckets(grads, small, axis_name, bucket_bytes)
@@ -517,36 +556,10 @@ def global_norm(tree: Any, axis_name: str | None = None) -> jax.Array:
   local, shared = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
   for leaf in jax.tree.leaves(tree):
     squares = jnp.sum(jnp.square(leaf.astype(jnp.float32)))
-    if axis_name is not None and axis_name in _varying_axes(leaf):
+    if axis_name is not None and varies(leaf, axis_name):
       local = local + squares
     else:
       shared = shared + squares
-  if axis_name is not None and axis_name in _varying_axes(local):
+  if axis_name is not None and varies(local, axis_name):
     local = lax.psum(local, axis_name)
   return jnp.sqrt(local + shared)
-
-
-def clip_by_global_norm(max_norm: float, axis_name: str | None = "data") -> optax.GradientTransformation:
-  """``optax.clip_by_global_norm`` with the norm of the *global* gradient under ZeRO.
-
-  ``optax.clip_by_global_norm`` computes the norm of what it is given; under
-  ZeRO stages 1-3 that is one device's chunk, so each device would clip by a
-  different, too small norm (the bug class of PyTorch FSDP #72548). This
-  transform uses :func:`global_norm`, which all-reduces the squared norms of
-  sharded chunks, and is identical to optax's at stage 0.
-  """
-  if not max_norm > 0:
-    raise ValueError(f"max_norm must be > 0, got {max_norm!r}.")
-
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
-    del params
-    norm = global_norm(updates, axis_name)
-    trigger = norm < max_norm
-    clipped = jax.tree.map(lambda t: lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates)
-    return clipped, state
-
-  return optax.GradientTransformation(init_fn, update_fn)

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdp.reduction import as_varying
-from jaxdp.sharding import is_flat_shards
+from jaxdp.reduction import as_varying, axis_names, varies
 
 
 def _device_copies(leaf: Any) -> tuple[list[jax.Device], list[np.ndarray]]:
@@ -99,10 +98,12 @@ def replica_divergence(tree: Any, axis_name: str) -> jax.Array:
   float32) is compared across ``axis_name`` with ``pmax - pmin``; the largest
   gap is returned, identical on every replica. It is ``0`` for consistent
   replicas. Call it inside ``shard_map``/``pmap`` over ``axis_name``.
-  ZeRO chunks (:class:`jaxdp.FlatShards`) differ by design and are skipped.
+  Leaves split over ``axis_name`` (ZeRO's, typed as varying inside
+  ``shard_map``) differ by design and are skipped.
   """
   gaps = [jnp.zeros((), jnp.float32)]
-  replicated = jax.tree.leaves(jax.tree.map(lambda x: None if is_flat_shards(x) else x, tree, is_leaf=is_flat_shards))
+  tracked = varies(lax.axis_index(axis_name), axis_names(axis_name)[-1])
+  replicated = [x for x in jax.tree.leaves(tree) if not (tracked and varies(x, axis_names(axis_name)[-1]))]
   for leaf in replicated:
     x = as_varying(jnp.asarray(leaf).astype(jnp.float32), axis_name)
     checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxdp.sharding import is_flat_shards, padded_size
+from jaxdp.layout import data_size, zero_axis
+
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -127,20 +128,24 @@ def comm_report(step, state, batch, weights=None, rng=None, *, compiled: bool = 
   """
   lowered = step.lower(state, batch, weights, rng)
   hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
-  return collectives_from_hlo(hlo, step.mesh.shape[step.axis_name])
+  return collectives_from_hlo(hlo, data_size(step.mesh, step.axis_name))
 
 
 class MemoryReport(NamedTuple):
-  """Bytes per device (the first addressable device; all are alike up to padding).
+  """Bytes per device (the first addressable device; all are alike up to uneven model-axis splits).
 
   Attributes:
     params: parameter bytes held at rest (from ``addressable_shards``).
     opt_state: optimizer-state bytes held at rest (from ``addressable_shards``).
-    grads: gradient bytes the step materialises per device after reduction:
-      the full gradient at stages 0-1, one padded chunk at stages 2-3
-      (derived from the layout: gradients are not part of the state).
+    grads: gradient bytes the step keeps per device after reduction: the
+      whole gradient at stages 0-1, each leaf's slice at stages 2-3 (derived
+      from the layout: gradients are not part of the state).
     model_state: ``params + opt_state + grads``, the quantity of the ZeRO paper.
     argument, output, temp: the compiled step's ``memory_analysis()``.
+    unsplit: ``{key path: bytes}`` of the state's leaves (parameters at stage
+      3, optimizer state at stages 1-3) that the ZeRO stage would split over
+      the data axis but that stay whole on every device there, because no
+      dimension divides by the device count (see :func:`jaxdp.layout.zero_dim`).
   """
 
   params: int
@@ -150,34 +155,47 @@ class MemoryReport(NamedTuple):
   argument: int
   output: int
   temp: int
+  unsplit: dict = {}
 
 
-def _bytes_on(tree: Any, device) -> int:
+def _bytes_per_device(tree: Any, shardings: Any) -> int:
+  """Bytes each device holds of ``tree`` placed with ``shardings`` (its largest shard: splits may be uneven)."""
+  return sum(
+      math.prod(sharding.shard_shape(np.shape(x))) * np.dtype(x.dtype).itemsize
+      for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+  )
+
+
+def _grad_bytes(params: Any, grad_specs: Any, model_shardings: Any, mesh) -> int:
   total = 0
-  for leaf in jax.tree.leaves(tree):
-    if isinstance(leaf, jax.Array):
-      total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
-    else:
-      total += np.asarray(leaf).nbytes
+  for leaf, spec, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(grad_specs), jax.tree.leaves(model_shardings)):
+    split = math.prod(mesh.shape[a] for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
+    total += math.prod(sharding.shard_shape(np.shape(leaf))) // split * np.dtype(leaf.dtype).itemsize
   return total
 
 
-def _grad_bytes(params: Any, n: int, stage: int) -> int:
-  total = 0
-  for leaf in jax.tree.leaves(params, is_leaf=is_flat_shards):
-    shape = leaf.shape
-    itemsize = np.dtype((leaf.flat if is_flat_shards(leaf) else leaf).dtype).itemsize
-    total += (padded_size(shape, n) // n if stage >= 2 else math.prod(shape)) * itemsize
-  return total
+def _unsplit(state: Any, layout, axis_name: str) -> dict:
+  stage = layout.zero_stage
+  fields = (["params"] if stage == 3 else []) + (["opt_state"] if stage >= 1 else [])
+  found = {}
+  for field in fields:
+    leaves = jax.tree_util.tree_leaves_with_path(getattr(state, field))
+    for (path, leaf), spec in zip(leaves, jax.tree.leaves(getattr(layout.specs, field))):
+      if np.ndim(leaf) and not any(axis_name in ((e,) if isinstance(e, str) else (e or ())) for e in spec):
+        found[f"{field}{jax.tree_util.keystr(path)}"] = int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
+  return found
 
 
 def memory_report(step, state, batch, weights=None, rng=None) -> MemoryReport:
-  """Per-device memory of ``state`` and of one compiled step of ``step``."""
-  device = state.step.addressable_shards[0].device if isinstance(state.step, jax.Array) else jax.devices()[0]
-  n = step.mesh.shape[step.axis_name]
-  params, opt_state = _bytes_on(state.params, device), _bytes_on(state.opt_state, device)
-  grads = _grad_bytes(state.params, n, step.zero_stage)
-  analysis = step.lower(state, batch, weights, rng).compile().memory_analysis()
+  """Per-device memory of ``state`` (placed as ``step`` places it) and of one compiled step of ``step``."""
+  layout = step.layout(state)
+  lowered = step.lower(state, batch, weights, rng)
+  shardings = layout.shardings(step.mesh)
+  params, opt_state = _bytes_per_device(state.params, shardings.params), _bytes_per_device(state.opt_state, shardings.opt_state)
+  # The gradient has its parameter's model-axis split (stage 0's layout) and, at stages 2-3, the data split too.
+  model = jax.tree.map(lambda x: jax.sharding.NamedSharding(step.mesh, x), step.layout_at(state, 0).specs.params)
+  grads = _grad_bytes(state.params, layout.grad_specs, model, step.mesh)
+  analysis = lowered.compile().memory_analysis()
   return MemoryReport(
       params=params,
       opt_state=opt_state,
@@ -186,4 +204,5 @@ def memory_report(step, state, batch, weights=None, rng=None) -> MemoryReport:
       argument=int(analysis.argument_size_in_bytes),
       output=int(analysis.output_size_in_bytes),
       temp=int(analysis.temp_size_in_bytes),
+      unsplit=_unsplit(state, layout, zero_axis(step.axis_name)) if step.mesh.shape[zero_axis(step.axis_name)] > 1 else {},
   )

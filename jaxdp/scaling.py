@@ -50,14 +50,51 @@ Adam (what jaxdp measures in ``experiments/zero_memory.py``): p = g = 4,
 K = 8, also 16 bytes/param: 16Ψ, (8 + 8/N)Ψ, (4 + 12/N)Ψ, 16Ψ/N. Model
 state only: activations, temporary buffers and fragmentation are not counted.
 
-Communication per ZeRO stage (``schedule="jaxdp"``, what jaxdp compiles, see
-README "ZeRO"): stage 0 all-reduces the gradient (2(N−1)/N Ψ elements sent);
-stage 1 all-reduces it *and* all-gathers the updated parameters (3(N−1)/N Ψ,
-1.5× stage 0); stage 2 reduce-scatters the gradient and all-gathers the
-parameters (2(N−1)/N Ψ); stage 3 all-gathers the parameters once and keeps
-them for the backward pass, then reduce-scatters the gradient (2(N−1)/N Ψ).
+jaxdp's layout (:mod:`jaxdp.layout`): each leaf keeps its shape and is split
+over the N devices along one dimension that divides by N
+(:func:`jaxdp.layout.zero_dim`); a leaf with no such dimension (an odd-sized
+bias, a scalar) stays whole on every device, unpadded. So of the Ψ
+parameters only Ψ_s (``split_params``, default Ψ; :func:`split_params_of`
+counts them) split; the other Ψ_u = Ψ − Ψ_s are replicated at every stage:
+per-device memory is the formula above for Ψ_s plus (p + g + K) Ψ_u.
+
+Communication per ZeRO stage (``schedule="jaxdp"``, what jaxdp compiles:
+read off the compiled HLO with :func:`jaxdp.comm_report`, see README "ZeRO").
+Stage 0 runs the whole step per replica; stages 1-3 compute the reduced
+gradient per replica and run the optimizer on the global, sharded arrays,
+where XLA partitions the update and inserts the collectives it needs:
+
+* stage 0: all-reduce of the gradient, Ψ·g;
+* stage 1: the same all-reduce, then XLA all-gathers the updated split
+  parameters (the update of a split leaf runs on each device's slice,
+  where its optimizer state lives), Ψ_s·p: 1.5× stage 0 at p = g. An
+  optimizer without state (K = 0, SGD) splits nothing at stage 1, which is
+  then stage 0;
+* stage 2: reduce-scatter of the split gradient leaves (Ψ_s·g, each along
+  its dimension), all-reduce of the unsplit ones (Ψ_u·g), all-gather of the
+  updated split parameters (Ψ_s·p): stage 0's bytes when p = g;
+* stage 3: all-gather of the split parameters once before the forward pass
+  (kept for the backward pass), reduce-scatter Ψ_s·g, all-reduce Ψ_u·g; the
+  update leaves the parameters split, so nothing is gathered after it.
+
+Small all-reduces: ``scalar_bytes`` (jaxdp: Σ w·l and Σ w, 8 bytes, inside
+the gradient all-reduce at stages 0-1, a separate one at stages 2-3) and
+``norm_bytes``: at stages 2-3 the update's global gradient norm is computed
+on the global arrays, and XLA partitions each split leaf's sum of squares
+into a local sum and an all-reduce of one float32 scalar, 4 bytes per split
+leaf (combined with the Ψ_u all-reduce on CPU). No other collective
+appears: the optimizer state never moves.
+
 ``schedule="paper"``: stages 1 and 2 reduce-scatter + all-gather, stage 3
-gathers the parameters twice (forward and backward): 3(N−1)/N Ψ.
+gathers the parameters twice (forward and backward): 3(N−1)/N Ψ elements
+sent, against 2(N−1)/N Ψ for jaxdp's stage 3. Both schedules all-reduce
+the unsplit Ψ_u.
+
+Not modelled: tensor parallelism (a ``("data", "model")`` mesh, where the
+model axis adds activation all-reduces and XLA's partitioning of the
+data-axis collectives of model-split leaves; see
+``experiments/zero_memory.py``), and optimizers whose state is not shaped
+like the parameters (Adafactor's factored moments).
 """
 
 from __future__ import annotations
@@ -450,8 +487,8 @@ def ring_traffic(kind: str, nbytes: float, n_devices: int) -> float:
 
 
 def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
-                schedule: str = "jaxdp", padded_params: int | None = None,
-                scalar_bytes: int = 0) -> tuple[CollectiveOp, ...]:
+                schedule: str = "jaxdp", split_params: int | None = None, scalar_bytes: int = 0,
+                norm_bytes: int = 0) -> tuple[CollectiveOp, ...]:
   """The collectives of one step of ZeRO stage ``zero_stage`` (none on one device).
 
   Args:
@@ -459,52 +496,87 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
     n_devices: N.
     zero_stage: 0-3.
     precision: bytes per gradient (all-reduced, reduce-scattered) and per
-      parameter (all-gathered) element.
+      parameter (all-gathered) element; ``optimizer_bytes == 0`` (no
+      optimizer state) makes stage 1 stage 0.
     schedule: ``"jaxdp"`` (what jaxdp compiles) or ``"paper"`` (Rajbhandari
       et al. 2020); see the module docstring.
-    padded_params: Ψ after padding every sharded leaf to a multiple of N
-      (jaxdp shards flat, padded leaves); the size of reduce-scatters and
-      all-gathers. Default Ψ.
+    split_params: Ψ_s, the parameter elements in leaves that ZeRO splits
+      over the N devices (see :func:`split_params_of`); they are
+      reduce-scattered and all-gathered. The other Ψ − Ψ_s are all-reduced
+      at every stage. Default Ψ.
     scalar_bytes: bytes of scalars reduced with the gradient (jaxdp: Σ w·l
-      and Σ w, 8 bytes, inside the gradient all-reduce at stages 0-1; at
-      stages 2-3 they and the chunk norm, 12 bytes, are separate all-reduces).
+      and Σ w, 8 bytes): inside the gradient all-reduce at stages 0-1, a
+      separate all-reduce at stages 2-3.
+    norm_bytes: bytes of the partial sums of squares of the split gradient
+      leaves that XLA all-reduces for the global gradient norm at stages 2-3
+      (jaxdp: 4 bytes per split leaf); all-reduced with the unsplit
+      gradient.
 
   Returns:
-    The step's :class:`CollectiveOp` s in program order.
+    The step's :class:`CollectiveOp` s in program order (ops of 0 bytes left out).
   """
   psi = _int(psi, "psi", 1)
   n = _int(n_devices, "n_devices", 1)
   _choice(zero_stage, "zero_stage", ZERO_STAGES)
   _choice(schedule, "schedule", SCHEDULES)
   precision = _check_precision(precision)
-  padded = psi if padded_params is None else _int(padded_params, "padded_params", psi)
+  split = psi if split_params is None else _int(split_params, "split_params", 0)
+  if split > psi:
+    raise ValueError(f"split_params must be <= psi={psi}, got {split_params!r}.")
   scalar_bytes = _int(scalar_bytes, "scalar_bytes", 0)
+  norm_bytes = _int(norm_bytes, "norm_bytes", 0)
   if n == 1:
     return ()
-  grad, grad_chunks = psi * precision.grad_bytes, padded * precision.grad_bytes
-  params = padded * precision.param_bytes
-  all_reduce = CollectiveOp("all-reduce", grad + scalar_bytes, True)
-  reduce_scatter = CollectiveOp("reduce-scatter", grad_chunks, True)
-  gather = CollectiveOp("all-gather", params, False)
-  scalars = (CollectiveOp("all-reduce", scalar_bytes, False),) if scalar_bytes else ()
-  if zero_stage == 0:
+  g, p = precision.grad_bytes, precision.param_bytes
+  all_reduce = CollectiveOp("all-reduce", psi * g + scalar_bytes, True)
+  if zero_stage == 0 or (zero_stage == 1 and schedule == "jaxdp" and precision.optimizer_bytes == 0):
     return (all_reduce,)
+  gather = (CollectiveOp("all-gather", split * p, False),) if split else ()
   if zero_stage == 1 and schedule == "jaxdp":
-    return (all_reduce, gather)
+    return (all_reduce,) + gather
+  scalars = (CollectiveOp("all-reduce", scalar_bytes, False),) if scalar_bytes else ()
+  scatter = (CollectiveOp("reduce-scatter", split * g, True),) if split else ()
+  rest = (psi - split) * g + norm_bytes
+  unsplit = (CollectiveOp("all-reduce", rest, False),) if rest else ()
   if zero_stage in (1, 2):
-    return (reduce_scatter, gather) + scalars
-  gathers = (gather, gather) if schedule == "paper" else (gather,)  # the paper gathers again for backward
-  return gathers + (reduce_scatter,) + scalars
+    return scalars + scatter + unsplit + gather
+  gathers = gather * (2 if schedule == "paper" else 1)  # the paper gathers again for the backward pass
+  return gathers + scalars + scatter + unsplit
+
+
+def split_params_of(params, n_devices: int, model_specs=None) -> tuple[int, int]:
+  """``(Ψ_s, leaves)``: the parameter elements, and the leaves, that ZeRO splits over ``n_devices``.
+
+  A leaf splits when :func:`jaxdp.layout.zero_dim` finds a dimension for it
+  (one that divides by ``n_devices`` and is not split over a model axis).
+  ``params`` is a pytree of arrays or ``jax.ShapeDtypeStruct`` s;
+  ``model_specs`` an optional matching tree of model-axis ``PartitionSpec`` s.
+  Pass the leaves to ``norm_bytes = 4 * leaves`` of :func:`collectives`.
+  """
+  import jax  # the rest of this module is plain arithmetic
+
+  from jaxdp.layout import zero_dim
+
+  n = _int(n_devices, "n_devices", 1)
+  leaves = jax.tree.leaves(params)
+  specs = [None] * len(leaves) if model_specs is None else jax.tree.leaves(
+      model_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  split = [math.prod(x.shape) for x, spec in zip(leaves, specs)
+           if zero_dim(tuple(x.shape), spec, n) is not None]
+  return sum(split), len(split)
 
 
 def communication_volume(psi: int, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
-                         schedule: str = "jaxdp") -> float:
-  """Bytes one device sends per step under ring algorithms.
+                         schedule: str = "jaxdp", split_params: int | None = None) -> float:
+  """Bytes one device sends per step under ring algorithms (scalars not counted).
 
-  Stage 0: 2(N−1)/N · Ψ · g. jaxdp stage 1: 2(N−1)/N · Ψ · g + (N−1)/N · Ψ · p;
-  stages 2 and 3: (N−1)/N · Ψ · (g + p); the paper's stage 3 gathers twice.
+  With every leaf split (``split_params`` = Ψ, the default): stage 0
+  2(N−1)/N · Ψ · g; jaxdp stage 1 2(N−1)/N · Ψ · g + (N−1)/N · Ψ · p;
+  stages 2 and 3 (N−1)/N · Ψ · (g + p); the paper's stage 3 gathers twice.
+  Unsplit elements add 2(N−1)/N · g each at stages 2-3 (all-reduced)
+  instead of (N−1)/N · (g + p).
   """
-  ops = collectives(psi, n_devices, zero_stage, precision, schedule=schedule)
+  ops = collectives(psi, n_devices, zero_stage, precision, schedule=schedule, split_params=split_params)
   return sum(ring_traffic(op.kind, op.nbytes, n_devices) for op in ops)
 
 
@@ -523,8 +595,8 @@ def _buckets(nbytes: float, bucket_bytes: float | None) -> tuple[int, float, flo
 
 def step_time(model: ModelCost, n_devices: int, topology: Topology, *, batch_per_device: int,
               zero_stage: int = 0, bucket_bytes: float | None = None, algorithm: str = "hierarchical",
-              overlap: float = 0.0, schedule: str = "jaxdp", padded_params: int | None = None,
-              scalar_bytes: int = 0) -> StepTime:
+              overlap: float = 0.0, schedule: str = "jaxdp", split_params: int | None = None,
+              scalar_bytes: int = 0, norm_bytes: int = 0) -> StepTime:
   """Predicted time of one data-parallel step on ``n_devices`` devices.
 
   Args:
@@ -541,8 +613,9 @@ def step_time(model: ModelCost, n_devices: int, topology: Topology, *, batch_per
       bucket* that runs during the backward pass (DDP's overlap: the last
       bucket can only start when the backward pass ends). 0: no overlap.
     schedule: ``"jaxdp"`` or ``"paper"`` (see :func:`collectives`).
-    padded_params: Ψ after per-leaf padding (see :func:`collectives`).
+    split_params: Ψ_s, parameters in leaves ZeRO splits (see :func:`collectives`).
     scalar_bytes: scalars reduced with the gradient (see :func:`collectives`).
+    norm_bytes: partial gradient norms all-reduced at stages 2-3 (see :func:`collectives`).
 
   Returns:
     A :class:`StepTime`.
@@ -557,7 +630,7 @@ def step_time(model: ModelCost, n_devices: int, topology: Topology, *, batch_per
   _choice(algorithm, "algorithm", ALGORITHMS)
   overlap = _real(overlap, "overlap", 0.0, 1.0)
   ops = collectives(model.params, n, zero_stage, model.precision, schedule=schedule,
-                    padded_params=padded_params, scalar_bytes=scalar_bytes)
+                    split_params=split_params, scalar_bytes=scalar_bytes, norm_bytes=norm_bytes)
   forward_backward = batch * model.seconds_per_example
   update = model.update_seconds / (n if zero_stage >= 1 else 1)  # ZeRO updates one chunk per device
   communication, before_last, launches = 0.0, 0.0, 0
@@ -607,7 +680,8 @@ def _state_bytes(zero_stage: int, precision: Precision) -> tuple[int, int]:
   return {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[zero_stage]
 
 
-def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM) -> float:
+def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
+                      split_params: float | None = None) -> float:
   """Bytes of model state (params, gradients, optimizer state) per device, the ZeRO paper's formulas.
 
   Args:
@@ -616,16 +690,21 @@ def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Pr
     zero_stage: 0-3.
     precision: :data:`MIXED_ADAM` (2 + 2 + 12 bytes, the paper's K = 12) or
       :data:`FP32_ADAM` (4 + 4 + 8), or your own.
+    split_params: Ψ_s, the parameters in leaves ZeRO splits (see
+      :func:`split_params_of`); the other Ψ − Ψ_s stay whole on every device
+      at every stage. Default Ψ (the paper's formulas).
 
   Returns:
-    ``(p+g+K)Ψ``, ``(p+g)Ψ + KΨ/N``, ``pΨ + (g+K)Ψ/N`` or ``(p+g+K)Ψ/N``.
+    ``(p+g+K)Ψ``, ``(p+g)Ψ + KΨ/N``, ``pΨ + (g+K)Ψ/N`` or ``(p+g+K)Ψ/N``
+    (with Ψ_s < Ψ: the formula for Ψ_s plus ``(p+g+K)(Ψ − Ψ_s)``).
     Activations and temporary buffers are not included.
   """
   psi = _real(psi, "psi")
   n = _int(n_devices, "n_devices", 1)
   _choice(zero_stage, "zero_stage", ZERO_STAGES)
+  split = psi if split_params is None else _real(split_params, "split_params", 0.0, psi)
   replicated, sharded = _state_bytes(zero_stage, _check_precision(precision))
-  return psi * (replicated + sharded / n)
+  return split * (replicated + sharded / n) + (psi - split) * (replicated + sharded)
 
 
 def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
@@ -640,7 +719,8 @@ def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precisio
     reserved_bytes: memory kept for activations, workspace and the runtime.
 
   Returns:
-    The largest integer Ψ with ``memory_per_device(Ψ, ...) <= memory_bytes - reserved_bytes``.
+    The largest integer Ψ with ``memory_per_device(Ψ, ...) <= memory_bytes - reserved_bytes``, every
+    leaf split (``split_params`` = Ψ).
   """
   memory = _real(memory_bytes, "memory_bytes")
   reserved = _real(reserved_bytes, "reserved_bytes", 0.0, memory)

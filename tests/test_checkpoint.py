@@ -1,5 +1,10 @@
 """Checkpoints: round trips, other layouts, retention, atomicity, failed saves, bad checkpoints, resuming after a crash.
 
+Saving writes each array as it is sharded (no process assembles a leaf its
+layout does not replicate) and restoring reads each device's part straight
+into the target layout (other device counts, ZeRO stages, mesh shapes,
+tensor-parallel splits).
+
 Exactness: a checkpoint moves numbers, it never computes them, so every
 restored state is compared with the saved one bitwise (``gather_state``
 leaf by leaf, dtypes included), whatever the layout. A resumed run repeats
@@ -27,11 +32,13 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax._src import array as jax_array
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
-from jaxdp.checkpoint import CheckpointManager, place_state
-from jaxdp.sharding import zero_stage_of
+from jaxdp import _ckpt_record, checkpoint, layout
+from jaxdp.checkpoint import CheckpointManager
+from jaxdp.layout import abstract_state, auto_mesh, make_layout, place_state
 
 from ckpt_workers import crash_save, train_resume
 
@@ -75,6 +82,17 @@ def trained(mesh, zero_stage: int, steps: int = 2):
   for k in range(steps):
     state, _ = step(state, *batch_for(mesh, k))
   return state
+
+
+def assert_layout(state, params, mesh, zero_stage: int, model_specs=None) -> None:
+  """``state``'s shardings are those ``init_state`` gives a state of ``params`` on ``mesh`` at ``zero_stage``."""
+  mesh = auto_mesh(mesh)
+  abstract = abstract_state(params, OPT, state.model_state)
+  want = make_layout(abstract, mesh, "data", zero_stage, model_specs).shardings(mesh)
+  got = jax.tree.map(lambda x: x.sharding, state)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    assert a == b, (jax.tree_util.keystr(path), a, b)
 
 
 def assert_bitwise_equal(got, want) -> None:
@@ -138,7 +156,7 @@ def test_restore_onto_other_layouts_gives_the_same_gathered_state(saved):
     template = MODEL_STATE if k % 2 else jax.eval_shape(lambda: MODEL_STATE)
     with CheckpointManager(directory) as ckpt:
       restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh, zero_stage=stage, model_state=template)
-    assert zero_stage_of(restored.state) == stage
+    assert_layout(restored.state, init_params(), mesh, stage)
     assert_bitwise_equal(jaxdp.gather_state(restored.state), full)
     for leaf in jax.tree.leaves(restored.state.model_state):
       assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == n
@@ -159,12 +177,110 @@ def test_place_state_is_the_inverse_of_gather_state(saved):
     placed = place_state(full, OPT, mesh_of(n), zero_stage=stage)
     assert_bitwise_equal(jaxdp.gather_state(placed), full)
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(placed.model_state))
-  message = r"not a full stage-0 state(.|\n)*opt_state/0/mu/w: in full_state \(shape \(5, 3\), dtype float32\)"
-  with pytest.raises(ValueError, match=message):
-    place_state(full, optax.sgd(0.1), mesh_of(2))
-  message = r"not a full stage-0 state(.|\n)*opt_state: tuple\(ScaleByAdamState\(.* in full_state, tuple\(ScaleByBelief"
-  with pytest.raises(ValueError, match=message):
-    place_state(full, optax.adabelief(0.1), mesh_of(2))
+  for optimizer in (optax.sgd(0.1), optax.adabelief(0.1)):
+    with pytest.raises(ValueError, match=r"full_state.opt_state does not match optimizer.init\(full_state.params\)"):
+      place_state(full, optimizer, mesh_of(2))
+
+
+# --- Tensor parallelism: meshes with a model axis -------------------------------------------------
+
+TP_SPECS = {"w": P(None, "model"), "b": P("model")}
+
+
+def tp_params() -> dict:
+  rng = np.random.default_rng(1)
+  return {"w": rng.normal(size=(8, 16)).astype(np.float32), "b": rng.normal(size=(16,)).astype(np.float32)}
+
+
+def tp_mesh(data: int, model: int) -> Mesh:
+  devices = np.asarray(jax.devices()[: data * model]).reshape(data, model)
+  return Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def moved_full_state(params: dict) -> jaxdp.TrainState:
+  """A host state of ``params`` and ``OPT`` whose moments and counts are not zero (as after some steps)."""
+  rng = np.random.default_rng(2)
+
+  def fill(x):
+    if np.issubdtype(x.dtype, np.floating):
+      return rng.normal(size=x.shape).astype(x.dtype)
+    return np.full(x.shape, 3, x.dtype)
+
+  return jax.tree.map(fill, abstract_state(params, OPT))._replace(params=params)
+
+
+def test_restore_onto_tensor_parallel_layouts_keeps_the_model_axis(tmp_path):
+  """Saved on a 4 x 2 (data, model) mesh at stage 1; restored onto other mesh shapes, stages and splits.
+
+  The model-axis split comes from ``param_specs=``, from ``ShapeDtypeStruct``
+  templates with shardings, or from the placed params themselves; without
+  any, the params are replicated over the model axis.
+  """
+  params = tp_params()
+  full = moved_full_state(params)
+  state = place_state(full, OPT, tp_mesh(4, 2), zero_stage=1, param_specs=TP_SPECS)
+  assert state.params["w"].sharding.spec == P(None, "model")
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(1, state, rng=jax.random.key(4))
+    abstract_on = lambda mesh: {  # noqa: E731
+        k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, TP_SPECS[k])) for k, x in params.items()
+    }
+    cases = [  # (mesh, zero_stage, params template, param_specs, model specs expected)
+        (tp_mesh(2, 4), 3, params, TP_SPECS, TP_SPECS),
+        (tp_mesh(4, 2), 2, abstract_on(tp_mesh(4, 2)), None, TP_SPECS),
+        (tp_mesh(4, 2), 0, state.params, None, TP_SPECS),
+        (tp_mesh(4, 2), 3, params, None, None),  # no split given: replicated over the model axis
+        (mesh_of(8), 3, params, None, None),
+    ]
+    for mesh, stage, template, param_specs, model_specs in cases:
+      restored = ckpt.restore(params=template, optimizer=OPT, mesh=mesh, zero_stage=stage, param_specs=param_specs)
+      assert_bitwise_equal(jaxdp.gather_state(restored.state), full)
+      assert_layout(restored.state, params, mesh, stage, model_specs)
+      split = "model" in str(restored.state.params["w"].sharding.spec)
+      assert split == (model_specs is not None), (mesh.shape, stage, restored.state.params["w"].sharding.spec)
+      np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(jax.random.key(4)))
+
+
+# --- Saving never gathers ------------------------------------------------------------------------------
+
+
+def test_save_and_restore_never_assemble_a_sharded_leaf(tmp_path, monkeypatch):
+  """Stage 3 on 8 devices: no leaf that its layout splits is ever assembled whole on the host.
+
+  Every whole-array host copy of a ``jax.Array`` (``np.asarray``,
+  ``jax.device_get``, ``gather_state``, ``to_host``) goes through
+  ``ArrayImpl._value``; it is made to refuse arrays that are not fully
+  replicated, while orbax writes and reads the shards and jaxdp checksums them.
+  """
+  params = {"w": np.random.default_rng(3).normal(size=(16, 8)).astype(np.float32), "b": np.ones((8,), np.float32)}
+  state = jaxdp.place_state(moved_full_state(params), OPT, mesh_of(8), zero_stage=3)
+  full = jaxdp.gather_state(state)
+  assert state.params["w"].sharding.spec == P("data") and state.opt_state[0].nu["b"].sharding.spec == P("data")
+
+  value = jax_array.ArrayImpl._value
+
+  def guarded(self):
+    if not self.sharding.is_fully_replicated:
+      raise AssertionError(f"a whole {self.shape} array split as {self.sharding.spec} was assembled on the host")
+    return value.fget(self)
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("a checkpoint must not gather the state")
+
+  monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(guarded))
+  for module in (layout, checkpoint, _ckpt_record):
+    for name in ("gather_state", "to_host"):
+      if hasattr(module, name):
+        monkeypatch.setattr(module, name, refuse)
+  with pytest.raises(AssertionError, match="was assembled on the host"):
+    np.asarray(state.params["w"])  # the guard works
+  with CheckpointManager(tmp_path) as ckpt:  # asynchronous
+    assert ckpt.save(1, state, rng=jax.random.key(1))
+    ckpt.wait()
+    restored = [ckpt.restore(params=params, optimizer=OPT, mesh=mesh_of(n), zero_stage=3) for n in (8, 4)]
+  monkeypatch.undo()
+  for r in restored:
+    assert_bitwise_equal(jaxdp.gather_state(r.state), full)
 
 
 # --- Every k steps, keep the last n, asynchronously -------------------------------------------
@@ -371,13 +487,20 @@ def test_another_optimizer_with_the_same_leaves_is_refused(saved, tmp_path):
     with CheckpointManager(saved[0]) as ckpt, pytest.raises(ValueError, match=message):
       ckpt.restore(params=init_params(), optimizer=optax.adabelief(0.1), mesh=mesh_of(2), zero_stage=stage,
                    model_state=MODEL_STATE)
-  # A checkpoint of an older jaxdp has no such record: it restores, checked by leaves alone.
+
+
+@pytest.mark.parametrize("version", [1, 3, None])
+def test_a_checkpoint_of_another_format_version_is_refused(version, saved, tmp_path):
+  """Version 1 (a gathered state with whole-leaf CRC-32s) is not read: restore it with the jaxdp that wrote it."""
   directory = tmp_path / "ckpt"
   shutil.copytree(saved[0], directory)
-  _edit_record(directory / "4", lambda record: record.pop("opt_state_structure"))
+  _edit_record(directory / "4", _set("version", version))
+  message = rf"checkpoint step 4 in .* has format version {version}; this jaxdp reads version 2"
   with CheckpointManager(directory) as ckpt:
-    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1), model_state=MODEL_STATE)
-  assert_bitwise_equal(jaxdp.gather_state(restored.state), saved[1])
+    with pytest.raises(ValueError, match=message):
+      ckpt.metadata()
+    with pytest.raises(ValueError, match=message):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1), model_state=MODEL_STATE)
 
 
 def _set(field, value):
@@ -397,6 +520,9 @@ TAMPERED = {
     "leaf shape": (_set_leaf(0, "shape", [-1]), r"leaves\[0\]\.shape is \[-1\], expected a list of integers >= 0"),
     "leaf dtype": (_set_leaf(1, "dtype", "float99"), r"leaves\[1\]\.dtype is 'float99', expected the name of a"),
     "leaves": (_set("leaves", {"a": 1}), r"leaves is \{'a': 1\}, expected a non-empty list"),
+    "leaf checksum": (_set_leaf(2, "checksum", 12), r"leaves\[2\]\.checksum is 12, expected 16 lowercase hexadecimal"),
+    "leaf crc32": (lambda r: r["leaves"][0].pop("checksum"), r"leaves\[0\]\.checksum is None, expected 16 lowercase"),
+    "opt_state_structure": (lambda r: r.pop("opt_state_structure"), r"opt_state_structure is None, expected a string"),
 }
 
 
@@ -433,12 +559,12 @@ def _flip_bytes(step_dir: Path) -> None:
 
 
 def _wrong_checksum(step_dir: Path) -> None:
-  """Silent corruption that every reader accepts: only the record's CRC-32 can tell."""
+  """Silent corruption that every reader accepts: only the record's checksum can tell."""
   path = step_dir / "jaxdp" / "metadata"
   record = json.loads(path.read_text())
   for leaf in record["leaves"]:
     if leaf["path"] == ["params", "w"]:
-      leaf["crc32"] ^= 1
+      leaf["checksum"] = f"{int(leaf['checksum'], 16) ^ 1:016x}"
   path.write_text(json.dumps(record))
 
 
@@ -448,8 +574,8 @@ def _no_record(step_dir: Path) -> None:
 
 CORRUPTIONS = {
     "truncated": (_truncate, r"could not be read .* it is truncated or corrupt"),
-    "flipped bytes": (_flip_bytes, r"(could not be read .* truncated or corrupt|is corrupt: .* CRC-32)"),
-    "wrong checksum": (_wrong_checksum, r"is corrupt: params/w fail their shape, dtype or CRC-32 check"),
+    "flipped bytes": (_flip_bytes, r"(could not be read .* truncated or corrupt|is corrupt: .* checksum check)"),
+    "wrong checksum": (_wrong_checksum, r"is corrupt: params/w fail their shape, dtype or checksum check"),
     "no record": (_no_record, r"has no readable jaxdp record"),
 }
 
@@ -468,6 +594,44 @@ def test_a_corrupt_checkpoint_raises_and_restores_nothing(kind, saved, tmp_path)
     ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1, model_state=MODEL_STATE)
   assert "checkpoint step 4" in str(error.value)
   time.sleep(0.5)
+
+
+@pytest.mark.parametrize("flipped", [1, 4])
+def test_bytes_flipped_inside_an_array_file_fail_the_checksum(flipped, tmp_path):
+  """Incompressible float32 data is stored raw: flipped bytes decode without error into other numbers.
+
+  Saved from 1 device (the weights in one raw chunk), restored at stage 3
+  on 4 devices: the checksum, computed over other shards than those saved,
+  catches the change.
+  """
+  params = {"w": np.random.default_rng(5).normal(size=(64, 64)).astype(np.float32)}
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(1, jaxdp.init_state(params, OPT, mesh_of(1)))
+  largest = max(_data_files(tmp_path / "1"), key=lambda f: f.stat().st_size)
+  assert largest.stat().st_size > params["w"].nbytes * 0.9, "the weights are stored raw, not compressed"
+  data = bytearray(largest.read_bytes())
+  for i in range(len(data) // 2, len(data) // 2 + flipped):
+    data[i] ^= 0x5A
+  largest.write_bytes(bytes(data))
+  with CheckpointManager(tmp_path) as ckpt, pytest.raises(ValueError) as error:
+    ckpt.restore(params=params, optimizer=OPT, mesh=mesh_of(4), zero_stage=3)
+  assert re.search(r"checkpoint step 1 in .* is corrupt: params/w fail their shape, dtype or checksum check",
+                   str(error.value)), str(error.value)
+
+
+def test_the_checksum_does_not_depend_on_the_layout():
+  """The same value has the same checksum in every layout, and any changed word changes it."""
+  x = np.random.default_rng(6).normal(size=(8, 16, 4)).astype(np.float32)
+  sums = set()
+  for mesh, spec in ((mesh_of(1), P()), (mesh_of(8), P("data")), (tp_mesh(4, 2), P(None, "model", "data")),
+                     (tp_mesh(2, 4), P("model", None, "data")), (tp_mesh(4, 2), P(None, "data"))):
+    sums.update(_ckpt_record.checksums([jax.device_put(x, NamedSharding(mesh, spec))]))
+  assert sums == set(_ckpt_record.checksums([x]))
+  y = x.copy()
+  y[3, 5, 1] = np.nextafter(y[3, 5, 1], np.float32(np.inf))  # one ulp
+  z = x.copy()
+  z[[0, 1]] = z[[1, 0]]  # two rows swapped
+  assert len(set(_ckpt_record.checksums([x, y, z, x.astype(np.float16), -x]))) == 5
 
 
 def test_checkpoints_contain_no_pickle_and_load_without_it(saved, monkeypatch):
@@ -503,12 +667,17 @@ def test_bad_arguments_raise_naming_the_argument(saved, tmp_path):
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
       ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1))
     assert ckpt.all_steps() == []
-  sharded = jaxdp.init_state(init_params(), OPT, mesh_of(2), zero_stage=3)
   with CheckpointManager(saved[0]) as ckpt:
     with pytest.raises(FileNotFoundError, match=r"no complete checkpoint for step 3 .* complete steps: \[4\]"):
       ckpt.restore(3, params=init_params(), optimizer=OPT, mesh=mesh_of(1))
-    with pytest.raises(ValueError, match="params holds ZeRO FlatShards"):
-      ckpt.restore(params=sharded.params, optimizer=OPT, mesh=mesh_of(2))
+    with pytest.raises(ValueError, match=r"param_specs\['w'\] = .* names axis 'model', which the mesh"):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), model_state=MODEL_STATE,
+                   param_specs={"w": P(None, "model"), "b": None})
+    # The params of a placed state (any stage) serve as the template too.
+    sharded = jaxdp.init_state(init_params(), OPT, mesh_of(2), zero_stage=3)
+    restored = ckpt.restore(params=sharded.params, optimizer=OPT, mesh=mesh_of(2), zero_stage=3,
+                            model_state=MODEL_STATE)
+  assert_bitwise_equal(jaxdp.gather_state(restored.state), saved[1])
 
 
 # --- Resuming after a crash, across processes --------------------------------------------------

@@ -118,12 +118,16 @@ def test_integer_params_are_a_type_error():
     jaxdp.init_state({"w": np.ones(3, np.int32)}, OPT, MESH)
 
 
-def test_a_zero_state_of_another_device_count_names_both_counts():
+def test_a_zero_state_of_another_device_count_is_moved_onto_the_step_mesh():
+  """Leaves keep their shapes at every stage, so a state placed on 2 devices runs on 4: the step moves it."""
   opt = optax.adam(1e-2)
-  state = jaxdp.init_state(params(), opt, jaxdp.data_mesh(jax.devices()[:2]), zero_stage=2)
-  step = jaxdp.make_train_step(loss_fn, opt, MESH, zero_stage=2)
-  with pytest.raises(ValueError, match=r"ZeRO layout for 2 devices, but the step runs on 4.*place_state"):
-    step(state, *data())
+  elsewhere = jaxdp.init_state(params(), opt, jaxdp.data_mesh(jax.devices()[:2]), zero_stage=2)
+  here = jaxdp.init_state(params(), opt, MESH, zero_stage=2)
+  step = jaxdp.make_train_step(loss_fn, opt, MESH, zero_stage=2, donate=False)
+  moved, _ = step(elsewhere, *data())
+  expected, _ = step(here, *data())
+  np.testing.assert_array_equal(jaxdp.gather_state(moved).params["w"], jaxdp.gather_state(expected).params["w"])
+  assert moved.params["w"].sharding.mesh.devices.size == 4
 
 
 def test_an_optimizer_factory_is_a_type_error():
@@ -151,10 +155,12 @@ def test_shard_uneven_refuses_one_global_array():
 
 
 @pytest.mark.parametrize("make", [lambda: optax.adafactor(1e-3), lambda: optax.contrib.muon(1e-3)], ids=["adafactor", "muon"])
-def test_shape_dependent_optimizers_are_refused_by_zero(make):
+def test_shape_dependent_optimizers_keep_their_shapes_under_zero(make):
+  """Factored and matrix optimizers see whole leaves: their state has stage 0's shapes at every stage."""
   big = {"w": np.ones((256, 256), np.float32), "b": np.ones((256,), np.float32)}
-  with pytest.raises(ValueError, match=r"depends on the parameters' shapes.*zero_stage=0"):
-    jaxdp.init_state(big, make(), MESH, zero_stage=1)
+  whole = jax.eval_shape(make().init, big)
+  sharded = jaxdp.init_state(big, make(), MESH, zero_stage=1).opt_state
+  assert jax.tree.map(lambda x: x.shape, sharded) == jax.tree.map(lambda x: x.shape, whole)
 
 
 def test_the_nonfinite_flag_is_read_at_the_latest_two_calls_later():

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import jaxdp
 
@@ -151,3 +152,71 @@ def test_flax_batchnorm_is_refused_with_the_fix():
     jaxdp.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)))
   definition, _, _ = jaxdp.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)), allow_flax_batchnorm=True)
   assert isinstance(definition, jaxdp.nnx.Definition)
+
+
+class TensorParallelNet(nnx.Module):
+  """Megatron-style MLP: the first layer column-split over "model", the second row-split, LayerNorm replicated."""
+
+  def __init__(self, *, rngs):
+    kernel, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+    self.up = nnx.Linear(8, 16, kernel_init=nnx.with_partitioning(kernel, (None, "model")),
+                         bias_init=nnx.with_partitioning(zeros, ("model",)), rngs=rngs)
+    self.down = nnx.Linear(16, 4, kernel_init=nnx.with_partitioning(kernel, ("model", None)), rngs=rngs)
+    self.ln = nnx.LayerNorm(4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.ln(self.down(nnx.gelu(self.up(x))))
+
+
+def tp_objective(model, batch):
+  return jnp.sum((model(batch["x"]) - batch["y"]) ** 2, axis=-1)
+
+
+TP_SPECS = {"up": {"kernel": P(None, "model"), "bias": P("model")}, "down": {"kernel": P("model", None), "bias": P()},
+            "ln": {"scale": P(), "bias": P()}}
+
+
+def _trimmed(spec):
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
+
+
+def _specs_by_path(tree):
+  return {jax.tree_util.keystr(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_partition_specs_read_nnx_metadata_and_init_state_keeps_the_model_splits():
+  with nnx.use_eager_sharding(False):  # plain arrays with metadata: no mesh needed to build the model
+    model = TensorParallelNet(rngs=nnx.Rngs(0))
+  definition, params, _ = jaxdp.nnx.split(model)
+  specs = jaxdp.nnx.partition_specs(model)
+  assert jax.tree.structure(specs) == jax.tree.structure(params)  # params-shaped, as init_state wants it
+  assert _specs_by_path(specs) == _specs_by_path(jaxdp.nnx.partition_specs(params))
+  assert _specs_by_path(specs) == {f"['{layer}']['{name}'].value": spec for layer, d in TP_SPECS.items() for name, spec in d.items()}
+  with pytest.raises(TypeError, match="nnx.Module or the params"):
+    jaxdp.nnx.partition_specs({"w": np.ones(2)})
+
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  opt = optax.adam(1e-2)
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+  loss_fn = jaxdp.nnx.loss_fn(definition, tp_objective)
+  one = jaxdp.data_mesh(jax.devices()[:1])
+  reference, _ = jaxdp.make_train_step(loss_fn, opt, one)(jaxdp.init_state(params, opt, one), batch)
+  # Stage 3 adds "data" along the largest dimension not split over "model" that 4 divides (None: none does).
+  stage3_dims = {"up": {"kernel": 0, "bias": None}, "down": {"kernel": 1, "bias": 0}, "ln": {"scale": 0, "bias": 0}}
+  for stage in (0, 3):
+    state = jaxdp.init_state(params, opt, mesh, zero_stage=stage, param_specs=specs)
+    for layer, names in TP_SPECS.items():
+      for name, model_spec in names.items():
+        x = state.params[layer][name].get_value()
+        entries = list(model_spec) + [None] * (x.ndim - len(model_spec))
+        if stage == 3 and stage3_dims[layer][name] is not None:
+          entries[stage3_dims[layer][name]] = "data"
+        assert _trimmed(x.sharding.spec) == _trimmed(P(*entries)), (stage, layer, name, x.sharding.spec)
+    new, _ = jaxdp.make_train_step(loss_fn, opt, mesh, zero_stage=stage)(state, batch)
+    assert new.params["up"]["kernel"].get_value().sharding.spec[1] == "model"  # still split after a step
+    for got, want in zip(jax.tree.leaves(new.params), jax.tree.leaves(reference.params)):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)

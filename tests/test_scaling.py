@@ -3,8 +3,9 @@
 The model is arithmetic, so most checks are exact identities (volumes,
 memory, latency per bucket) or equalities of two code paths (hierarchical
 vs ring on one node) up to float round-off (rel 1e-12: a handful of ulps of
-sums of a few terms). One test compiles a tiny jaxdp step and checks that the
-model's collective bytes equal those counted in its HLO.
+sums of a few terms). One test compiles tiny jaxdp steps (stages 0-3, 3 and 4
+devices, leaves that split and leaves that stay whole) and checks that the
+model's collective bytes equal those counted in their HLO.
 """
 
 import math
@@ -16,7 +17,6 @@ import pytest
 
 import jaxdp
 from jaxdp import scaling
-from jaxdp.sharding import padded_size
 
 ROUND_OFF = 1e-12
 
@@ -199,7 +199,10 @@ def test_presets_are_consistent():
         (lambda: scaling.memory_per_device(-1, 8, 0), "psi"),
         (lambda: scaling.memory_per_device(1e9, 8, 0, precision="bf16"), "precision"),
         (lambda: scaling.largest_model(80e9, 8, 3, reserved_bytes=90e9), "reserved_bytes"),
-        (lambda: scaling.collectives(10, 4, 2, padded_params=5), "padded_params"),
+        (lambda: scaling.collectives(10, 4, 2, split_params=11), "split_params"),
+        (lambda: scaling.collectives(10, 4, 2, split_params=-1), "split_params"),
+        (lambda: scaling.collectives(10, 4, 2, norm_bytes=-4), "norm_bytes"),
+        (lambda: scaling.memory_per_device(10, 4, 2, split_params=11), "split_params"),
         (lambda: scaling.seconds_per_example(1e12, 1e15, 0.0), "utilization"),
     ],
 )
@@ -208,28 +211,94 @@ def test_bad_inputs_raise_value_errors_naming_the_argument(call, name):
     call()
 
 
+def test_unsplit_leaves_are_all_reduced_at_every_stage():
+  """Ψ_u = Ψ - Ψ_s elements: 2(N-1)/N·g each at every stage; the split ones as before."""
+  psi, split, n = 1_000_000, 999_000, 8
+  fp32 = scaling.FP32_ADAM
+  for stage in scaling.ZERO_STAGES:
+    ops = scaling.collectives(psi, n, stage, fp32, split_params=split)
+    gathered = sum(op.nbytes for op in ops if op.kind == "all-gather")
+    scattered = sum(op.nbytes for op in ops if op.kind == "reduce-scatter")
+    reduced = sum(op.nbytes for op in ops if op.kind == "all-reduce")
+    assert gathered == (0 if stage == 0 else split * 4)
+    assert scattered == (split * 4 if stage >= 2 else 0)
+    assert reduced == (psi * 4 if stage <= 1 else (psi - split) * 4)
+  # Nothing split: stages 2-3 all-reduce everything, like stage 0, and gather nothing.
+  for stage in (2, 3):
+    ops = scaling.collectives(psi, n, stage, fp32, split_params=0, scalar_bytes=8)
+    assert {op.kind for op in ops} == {"all-reduce"} and sum(op.nbytes for op in ops) == psi * 4 + 8
+  volume = lambda stage: scaling.communication_volume(psi, n, stage, fp32, split_params=split)
+  assert volume(2) == pytest.approx(volume(0), rel=ROUND_OFF)  # p = g: the unsplit part costs the same
+  assert volume(1) == pytest.approx(volume(0) + (n - 1) / n * split * 4, rel=ROUND_OFF)
+
+
+def test_stage_1_without_optimizer_state_is_stage_0():
+  """K = 0 (SGD): stage 1 has nothing to split, so XLA gathers nothing; stage 2 still gathers the update."""
+  sgd = scaling.Precision("fp32 SGD", 4, 4, 0)
+  assert scaling.collectives(1000, 8, 1, sgd) == scaling.collectives(1000, 8, 0, sgd)
+  assert [op.kind for op in scaling.collectives(1000, 8, 2, sgd)] == ["reduce-scatter", "all-gather"]
+
+
+def test_norm_and_scalar_bytes_are_separate_all_reduces_at_stages_2_and_3():
+  for stage in (2, 3):
+    ops = scaling.collectives(100, 4, stage, scaling.FP32_ADAM, split_params=90, scalar_bytes=8, norm_bytes=12)
+    assert [op.nbytes for op in ops if op.kind == "all-reduce"] == [8, 10 * 4 + 12]
+  for stage in (0, 1):
+    ops = scaling.collectives(100, 4, stage, scaling.FP32_ADAM, split_params=90, scalar_bytes=8, norm_bytes=12)
+    assert [op.nbytes for op in ops if op.kind == "all-reduce"] == [100 * 4 + 8]
+
+
+def test_memory_keeps_unsplit_leaves_whole():
+  psi, split = 1_000_000, 600_000
+  for n in (1, 2, 8):
+    for stage in scaling.ZERO_STAGES:
+      got = scaling.memory_per_device(psi, n, stage, scaling.FP32_ADAM, split_params=split)
+      want = (scaling.memory_per_device(split, n, stage, scaling.FP32_ADAM)
+              + scaling.memory_per_device(psi - split, 1, stage, scaling.FP32_ADAM))
+      assert got == pytest.approx(want, rel=ROUND_OFF)
+  assert scaling.memory_per_device(psi, 8, 3, split_params=0) == scaling.memory_per_device(psi, 8, 0)
+
+
+def test_split_params_of_follows_the_layout_rule():
+  params = {"w": np.zeros((3, 8)), "b": np.zeros(8), "odd": np.zeros(7), "s": np.float32(0)}
+  assert scaling.split_params_of(params, 4) == (24 + 8, 2)
+  assert scaling.split_params_of(params, 3) == (24, 1)  # w along its first dimension
+  assert scaling.split_params_of(params, 1) == (0, 0)
+  specs = {"w": jax.sharding.PartitionSpec(None, "model"), "b": jax.sharding.PartitionSpec(),
+           "odd": jax.sharding.PartitionSpec(), "s": jax.sharding.PartitionSpec()}
+  assert scaling.split_params_of(params, 4, specs) == (8, 1)  # w's only divisible dimension is model-split
+
+
 def _loss(params, batch):
-  hidden = jax.numpy.tanh(batch["x"] @ params["w"] + params["b"][None, :])
+  hidden = jax.numpy.tanh((batch["x"] + params["shift"][None, :]) @ params["w"] + params["b"][None, :])
   return 0.5 * (hidden @ params["head"] + params["bias"] - batch["y"]) ** 2
 
 
-@pytest.mark.parametrize("zero_stage", (0, 2))
-def test_model_bytes_equal_bytes_counted_in_a_compiled_jaxdp_step(zero_stage):
-  """Leaves of 21, 7, 7 and 1 elements: every one is padded at N = 4. jaxdp also reduces Σw·l and Σw
-  (8 bytes) with the gradient, and at stages 2-3 the squared norm of the gradient chunks (4 bytes)."""
-  n = 4
+@pytest.mark.parametrize(
+    "n, zero_stage, optimizer_name",
+    [(4, 0, "adam"), (4, 1, "adam"), (4, 2, "adam"), (4, 3, "adam"), (3, 2, "adam"), (3, 3, "adam"), (4, 1, "sgd")],
+)
+def test_model_bytes_equal_bytes_counted_in_a_compiled_jaxdp_step(n, zero_stage, optimizer_name):
+  """Leaves w [3, 8], b [8], head [8], shift [3] and a scalar bias: at N = 4 w (along its 8), b and head split,
+  shift and bias stay whole; at N = 3 only w (along its 3) and shift split. jaxdp reduces Σw·l and Σw
+  (8 bytes) with the gradient; at stages 2-3 XLA all-reduces one float32 partial sum of squares per split
+  leaf for the global gradient norm. SGD (no optimizer state) splits nothing at stage 1."""
   rng = np.random.default_rng(0)
-  params = {"w": rng.normal(size=(3, 7)).astype(np.float32), "b": np.zeros(7, np.float32),
-            "head": rng.normal(size=(7,)).astype(np.float32), "bias": np.float32(0.1)}
-  batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=(8,)).astype(np.float32)}
+  params = {"w": rng.normal(size=(3, 8)).astype(np.float32), "b": np.zeros(8, np.float32),
+            "head": rng.normal(size=(8,)).astype(np.float32), "shift": np.zeros(3, np.float32),
+            "bias": np.float32(0.1)}
+  batch = {"x": rng.normal(size=(12, 3)).astype(np.float32), "y": rng.normal(size=(12,)).astype(np.float32)}
   mesh = jaxdp.data_mesh(jax.devices()[:n])
-  optimizer = optax.sgd(0.1)  # the collectives do not depend on the optimizer; SGD compiles fastest
+  optimizer, precision = {
+      "adam": (optax.adam(1e-3), scaling.FP32_ADAM),
+      "sgd": (optax.sgd(0.1), scaling.Precision("fp32 SGD", 4, 4, 0)),
+  }[optimizer_name]
   state = jaxdp.init_state(params, optimizer, mesh, zero_stage=zero_stage)
   step = jaxdp.make_train_step(_loss, optimizer, mesh, zero_stage=zero_stage)
   counted = jaxdp.comm_report(step, state, batch)
-  leaves = jax.tree.leaves(params)
-  ops = scaling.collectives(sum(x.size for x in leaves), n, zero_stage, scaling.FP32_ADAM,
-                            padded_params=sum(padded_size(np.shape(x), n) for x in leaves),
-                            scalar_bytes=8 if zero_stage < 2 else 12)
+  split, split_leaves = scaling.split_params_of(params, n)
+  assert (split, split_leaves) == ({4: 40, 3: 27}[n], {4: 3, 3: 2}[n])
+  ops = scaling.collectives(sum(np.size(x) for x in jax.tree.leaves(params)), n, zero_stage, precision,
+                            split_params=split, scalar_bytes=8, norm_bytes=4 * split_leaves)
   for kind in scaling.KINDS:
-    assert counted[kind].bytes == sum(op.nbytes for op in ops if op.kind == kind), kind
+    assert counted[kind].bytes == sum(op.nbytes for op in ops if op.kind == kind), (kind, counted)

@@ -117,3 +117,60 @@ def test_a_run_resumed_from_its_checkpoint_is_the_same_run(paragraphs, tmp_path)
   assert [r["step"] for r in resumed["records"]] == [2, 3]
   assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in full["records"][2:]]
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["params"]), jax.device_get(full["params"]))
+
+
+# Combined meshes (tensor parallel x data parallel, hybrid) against one device. Two layers, dropout 0, batch 16 of
+# 16 bytes; the global batch and its order are the same on every layout, so the losses must agree to round-off.
+MESH_ARGS = ["--steps", "4", "--batch-size", "16", "--seq-len", "16", "--layers", "2", "--d-model", "32", "--heads", "4",
+             "--d-ff", "64", "--dropout", "0", "--val-every", "4", "--max-bytes", "0", "--no-progress"]
+MESH_RTOL = 1e-5  # ~20 float32 ulps on losses of ~5: XLA's partitioned sums (over "model") re-associate
+
+
+@pytest.fixture(scope="module")
+def one_device_run(paragraphs):
+  """The reference shared by the mesh tests: the same flags on one device (a 1-device data mesh)."""
+  return train_lm.train(train_lm.config_from_args(MESH_ARGS + ["--corpus", paragraphs, "--devices", "1"]), out=None)
+
+
+@pytest.mark.parametrize("mesh, zero_stage", [
+    ("data=4,model=2", 0),
+    ("data=4,model=2", 3),
+    ("replica=2,data=4", 3),
+])
+def test_combined_mesh_losses_equal_one_device(paragraphs, one_device_run, mesh, zero_stage):
+  config = train_lm.config_from_args(MESH_ARGS + ["--corpus", paragraphs, "--mesh", mesh, "--zero-stage", str(zero_stage)])
+  run = train_lm.train(config, out=None)
+  axes = train_lm.parse_mesh(mesh)
+  assert run["summary"]["mesh"] == axes and run["summary"]["devices"] == 8 and run["summary"]["zero_stage"] == zero_stage
+  data_ways = 8 // axes.get("model", 1)
+  assert all(len(r["device_tokens"]) == data_ways and r["tokens"] == sum(r["device_tokens"]) for r in run["records"])
+  want = [r["loss"] for r in one_device_run["records"]]
+  np.testing.assert_allclose([r["loss"] for r in run["records"]], want, rtol=MESH_RTOL, atol=0)
+  np.testing.assert_allclose(run["summary"]["val_loss"], one_device_run["summary"]["val_loss"], rtol=MESH_RTOL)
+  specs = {jax.tree_util.keystr(p): x.sharding.spec for p, x in jax.tree_util.tree_leaves_with_path(run["params"])}
+  qkv, down = specs["['blocks'][0]['qkv']['kernel'].value"], specs["['blocks'][0]['down']['kernel'].value"]
+  if "model" in axes:  # Megatron: heads column-split, the MLP's second layer row-split, kept through training
+    assert tuple(qkv)[2] == "model" and tuple(down)[0] == "model", specs
+  else:
+    assert "model" not in str(specs)
+  if zero_stage == 3:  # and ZeRO-3 splits every such kernel over "data" too
+    assert "data" in tuple(qkv) and "data" in tuple(down), specs
+
+
+def test_mesh_flag_parsing_and_simulated_device_count(monkeypatch):
+  assert train_lm.parse_mesh("replica=2, data=4") == {"replica": 2, "data": 4}
+  for bad, match in (("model=2", "no data axis"), ("data=4,pipe=2", "unknown axis"), ("data=0", "positive size"),
+                     ("data=2,data=2", "twice"), ("data", "name=size")):
+    with pytest.raises(ValueError, match=match):
+      train_lm.parse_mesh(bad)
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+  train_lm._simulate_cpu_devices(["--mesh", "data=4,model=2"])
+  assert train_lm.os.environ["JAX_NUM_CPU_DEVICES"] == "8"
+  with pytest.raises(SystemExit):
+    train_lm._simulate_cpu_devices(["--mesh", "model=2"])
+  mesh = train_lm.build_mesh(train_lm.config_from_args(["--mesh", "replica=2,data=2,model=2"]))
+  assert mesh.axis_names == ("replica", "data", "model") and train_lm.data_axes(mesh) == ("replica", "data")
+  assert train_lm.data_parallel_size(mesh) == 4 and train_lm.data_axes(train_lm.build_mesh(TINY)) == "data"
+  with pytest.raises(ValueError, match="--devices 4 but --mesh"):
+    train_lm.build_mesh(train_lm.config_from_args(["--mesh", "data=4,model=2", "--devices", "4"]))

@@ -3,6 +3,18 @@
 Pre-LayerNorm blocks of causal self-attention and a GELU MLP, learned position
 embeddings, untied output head. Dropout is keyed explicitly: ``model(tokens,
 rng)`` with ``rng=None`` is deterministic, a key turns dropout on.
+
+Every weight carries Megatron-style tensor-parallel metadata over the mesh
+axis :data:`MODEL_AXIS` (``nnx.with_partitioning``; Shoeybi et al., 2019):
+the fused q/k/v projection and the MLP's first layer are column-split (the
+attention heads and the hidden units over ``"model"``), the attention output
+projection and the MLP's second layer row-split, the token embedding and the
+output head split over the vocabulary; LayerNorms, the position embedding and
+the row-split layers' biases are replicated. ``jaxdp.nnx.partition_specs``
+reads these off as ``init_state``'s ``param_specs``; on a mesh without a
+``"model"`` axis they are simply not passed, and the model is the same.
+The annotations change no value: the initial params are the same with or
+without them.
 """
 
 from __future__ import annotations
@@ -11,10 +23,20 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.nnx.nn import linear
 
 import jaxdp
 
 VOCAB = 256  # bytes
+MODEL_AXIS = "model"
+
+_M = MODEL_AXIS
+_kernel, _zeros = linear.default_kernel_init, nnx.initializers.zeros_init()  # nnx.Linear's own defaults
+
+
+def _split(init, *spec):
+  """``init`` with tensor-parallel metadata: the value's dimensions split over ``spec``'s mesh axes."""
+  return nnx.with_partitioning(init, spec)
 
 
 class Block(nnx.Module):
@@ -27,14 +49,20 @@ class Block(nnx.Module):
     self.ln1, self.ln2 = nnx.LayerNorm(d_model, rngs=rngs), nnx.LayerNorm(d_model, rngs=rngs)
     # No qkv bias: a key bias cancels in the softmax, so its gradient is zero up to round-off,
     # which Adam would blow up to steps of size lr (noise, not learning).
-    self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
-    self.proj = nnx.Linear(d_model, d_model, rngs=rngs)
-    self.up, self.down = nnx.Linear(d_model, d_ff, rngs=rngs), nnx.Linear(d_ff, d_model, rngs=rngs)
+    # The fused projection's kernel is [d_model, 3, heads, head_dim] (drawn as [d_model, 3 * d_model], then
+    # reshaped), so that splitting its heads dimension gives every "model" device whole heads of q, k and v.
+    self.qkv = nnx.LinearGeneral(
+        d_model, (3, heads, d_model // heads), use_bias=False, kernel_init=_split(_kernel, None, None, _M, None),
+        rngs=rngs,
+    )
+    self.proj = nnx.Linear(d_model, d_model, kernel_init=_split(_kernel, _M, None), rngs=rngs)  # row-split
+    self.up = nnx.Linear(d_model, d_ff, kernel_init=_split(_kernel, None, _M), bias_init=_split(_zeros, _M), rngs=rngs)
+    self.down = nnx.Linear(d_ff, d_model, kernel_init=_split(_kernel, _M, None), rngs=rngs)  # row-split
     self.drop = nnx.Dropout(dropout)
 
   def attend(self, x_BxTxD: jax.Array) -> jax.Array:
     b, t, d = x_BxTxD.shape
-    qkv_BxTx3xNxH = self.qkv(x_BxTxD).reshape(b, t, 3, self.heads, d // self.heads)
+    qkv_BxTx3xNxH = self.qkv(x_BxTxD)
     q, k, v = (qkv_BxTx3xNxH[:, :, i] for i in range(3))
     return self.proj(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
 
@@ -50,11 +78,11 @@ class Transformer(nnx.Module):
   """Byte tokens ``[B, T]`` to next-byte logits ``[B, T, 256]``."""
 
   def __init__(self, *, seq_len: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(VOCAB, d_model, rngs=rngs)
+    self.embed = nnx.Embed(VOCAB, d_model, embedding_init=_split(linear.default_embed_init, _M, None), rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
     self.blocks = nnx.List([Block(d_model, heads, d_ff, dropout, rngs=rngs) for _ in range(layers)])
     self.ln = nnx.LayerNorm(d_model, rngs=rngs)
-    self.head = nnx.Linear(d_model, VOCAB, rngs=rngs)
+    self.head = nnx.Linear(d_model, VOCAB, kernel_init=_split(_kernel, None, _M), bias_init=_split(_zeros, _M), rngs=rngs)
 
   def __call__(self, tokens_BxT: jax.Array, rng: jax.Array | None = None) -> jax.Array:
     t = tokens_BxT.shape[1]
@@ -68,10 +96,16 @@ class Transformer(nnx.Module):
 def make_model(*, seed: int, **sizes) -> tuple[jaxdp.nnx.Definition, nnx.State]:
   """``(definition, params)`` of a :class:`Transformer` initialised from ``seed``, split by ``jaxdp.nnx``.
 
-  The model has no model state (LayerNorm, no BatchNorm) and no stored RNG
-  streams (its dropout is keyed explicitly), so ``params`` is all there is.
+  The params are ordinary (unsharded) arrays that keep their partitioning
+  metadata: built without eager sharding, so no mesh is needed here and
+  every layout starts from the same values; ``jaxdp.nnx.partition_specs(params)``
+  gives the tensor-parallel specs. The model has no model state (LayerNorm,
+  no BatchNorm) and no stored RNG streams (its dropout is keyed explicitly),
+  so ``params`` is all there is.
   """
-  definition, params, model_state = jaxdp.nnx.split(Transformer(**sizes, rngs=nnx.Rngs(seed)))
+  with nnx.use_eager_sharding(False):
+    model = Transformer(**sizes, rngs=nnx.Rngs(seed))
+  definition, params, model_state = jaxdp.nnx.split(model)
   assert model_state is None, "the transformer has no model state"
   return definition, params
 

@@ -1,0 +1,440 @@
+"""The jitted data-parallel step: placement, ``jit`` and the mapping over the data axis.
+
+:func:`make_train_step` composes the pure functions of :mod:`jaxdp.step`:
+
+- ZeRO stage 0: the whole :func:`jaxdp.train_step` runs per replica inside
+  ``shard_map`` (or ``pmap``);
+- stages 1-3: :func:`jaxdp.gradient_step` runs per replica inside
+  ``shard_map`` (the stage-3 all-gather of the parameters, the forward and
+  backward pass, the all-reduce or reduce-scatter of the gradient), and
+  :func:`jaxdp.finish_step` runs on the global arrays: the optimizer sees
+  every leaf whole, with its real shape, and XLA partitions the update as
+  the state is sharded. Every optax optimizer (clipping by the global norm,
+  LAMB's trust ratio, Adafactor's factored moments, Muon's matrix
+  iterations) then gives stage 0's numbers.
+
+Only the data axis is manual (``shard_map(..., axis_names={axis_name})``);
+any other mesh axis (tensor parallelism) is left to the compiler.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import weakref
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxdp import _checks
+from jaxdp._checks import check_float_dtype, check_int, check_optimizer
+from jaxdp.layout import (
+    Layout,
+    data_size,
+    auto_mesh,
+    check_mesh_axis,
+    check_zero_stage,
+    data_mesh,
+    data_part,
+    make_layout,
+    model_specs_of,
+    place,
+    replicated,
+    split_along,
+)
+from jaxdp.loss import check_loss_fn
+from jaxdp.reduction import ReducedGradient, axis_names, check_reduction
+from jaxdp.replicas import replica_divergence
+from jaxdp.step import finish_step, gradient_step, train_step
+from jaxdp.state import TrainState
+
+BACKENDS = ("shard_map", "pmap")
+_MAX_UNREAD_FLAGS = 2  # non-finite flags of earlier steps read at the latest two calls later
+
+
+def check_modes(reduction: str, zero_stage: int) -> None:
+  check_reduction(reduction)
+  check_zero_stage(zero_stage)
+  if zero_stage and reduction == "none":
+    raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
+
+
+class CompiledStep:
+  """A jitted data-parallel step: ``step(state, batch, weights=None, rng=None) -> (state, metrics)``.
+
+  Built by :func:`make_train_step`. Inputs are validated on the host (shapes
+  and structure only, cached per signature) before anything runs or is
+  donated, then placed on the mesh. ``lower(...)`` validates and places the
+  same way and returns the ``jax.stages.Lowered`` of the jitted step, for HLO
+  and ``memory_analysis()``.
+  """
+
+  def __init__(
+      self, build, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage,
+      max_consecutive_skips, donate=True,
+  ):
+    self._build, self.donate = build, donate
+    self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
+    self._layouts: dict = {}  # layout key -> Layout
+    self.loss_fn, self.optimizer = loss_fn, optimizer
+    self.mesh, self.axis_name = mesh, axis_name
+    self.reduction, self.backend = reduction, backend
+    self.accum_steps, self.zero_stage = accum_steps, zero_stage
+    self.max_consecutive_skips = max_consecutive_skips
+    self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
+    self._validated: set = set()
+    self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
+    self._returned: tuple = ()  # weak references to the leaves of the state the last call returned
+    self._returned_layout = self._prepared_layout = None
+
+  def reset_nonfinite_guard(self) -> None:
+    """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
+    self.consecutive_skips = 0
+    self._pending.clear()
+
+  def _check_previous_steps(self) -> None:
+    # Reads the flags of earlier steps once they are done, and waits only for one two steps old: the
+    # device then still has the previous step to run while this one is prepared and dispatched.
+    if self.max_consecutive_skips is None:
+      return
+    while self.consecutive_skips < self.max_consecutive_skips and self._pending and (
+        self._pending[0].is_ready() or len(self._pending) >= _MAX_UNREAD_FLAGS
+    ):
+      bad = int(jax.device_get(self._pending.popleft())) > 0
+      self.consecutive_skips = self.consecutive_skips + 1 if bad else 0
+    # Once tripped it stays tripped (nothing runs, so no good step can clear it) until reset_nonfinite_guard().
+    if self.consecutive_skips >= self.max_consecutive_skips:
+      raise FloatingPointError(
+          f"the last {self.consecutive_skips} steps all had a NaN or Inf gradient or loss on at least one replica; "
+          "every replica skipped them, so the replicas are still consistent and the state passed in is the last good "
+          "one. Lower the learning rate, check the data, or raise max_consecutive_skips; then call "
+          "step.reset_nonfinite_guard() to run again."
+      )
+
+  def _is_returned_state(self, leaves: list) -> bool:
+    """Whether ``leaves`` are exactly those of the state the last call returned (placed, unshared, checked)."""
+    return len(leaves) == len(self._returned) and all(ref() is x for ref, x in zip(self._returned, leaves))
+
+  def _prepare(self, state, batch, weights, rng, has_more=None):
+    _checks.check_state(state)
+    leaves = jax.tree.leaves(state)
+    _checks.check_not_donated(state)  # also a state this step returned: another step may have consumed it
+    ours = self._is_returned_state(leaves)
+    if not ours and self.donate:
+      state = _checks.unshared_buffers(state)
+    if jax.process_count() > 1:
+      # Every call, on every process: a process whose inputs differ must fail with the others, not
+      # leave them blocked in the step's all-reduce (a per-process cache could desynchronise them).
+      from jaxdp.distributed import assert_same_across_processes
+
+      inputs = {"state": state, "batch": batch, "weights": weights, "rng": rng, "has_more": has_more}
+      assert_same_across_processes(inputs, "step inputs")
+    if ours:
+      layout_key, model_specs = self._returned_layout, None
+    else:
+      # The layout follows the state's shapes and its params' splits over the model axes (kept as given).
+      model_specs = model_specs_of(state.params, self.mesh, self.axis_name)
+      layout_key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
+    self._prepared_layout = layout_key
+    key = (layout_key, _checks.signature(batch, weights, rng, has_more))
+    if key not in self._validated:
+      n = data_size(self.mesh, self.axis_name)
+      _checks.check_step_inputs(
+          self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
+      )
+      if has_more is not None and np.shape(has_more) != (n,):
+        raise ValueError(
+            f"has_more has shape {np.shape(has_more)}; pass one count per device of the data axis, shape ({n},) "
+            "(jaxdp.StreamingPipeline yields it), or None."
+        )
+      self._validated.add(key)
+    if layout_key not in self._layouts:
+      self._layouts[layout_key] = make_layout(state, self.mesh, self.axis_name, self.zero_stage, model_specs)
+    layout = self._layouts[layout_key]
+    if not ours:  # the returned state is placed already: skip the placement of each leaf
+      state = place(state, layout.shardings(self.mesh))
+    rng = place(rng, replicated(self.mesh))
+    batch, weights, has_more = jax.device_put((batch, weights, has_more), split_along(self.mesh, self.axis_name))
+    return layout_key, (state, batch, weights, rng, has_more)
+
+  def _jitted_for(self, layout_key):
+    if layout_key not in self._jitted:
+      self._jitted[layout_key] = self._build(self._layouts[layout_key])
+    return self._jitted[layout_key]
+
+  def layout(self, state: TrainState) -> Layout:
+    """The :class:`jaxdp.layout.Layout` this step places ``state`` in (model splits kept, ZeRO's added)."""
+    return self.layout_at(state, self.zero_stage)
+
+  def layout_at(self, state: TrainState, zero_stage: int) -> Layout:
+    """The layout of ``state`` on this step's mesh at ``zero_stage``."""
+    return make_layout(state, self.mesh, self.axis_name, zero_stage, model_specs_of(state.params, self.mesh, self.axis_name))
+
+  def __call__(
+      self,
+      state: TrainState,
+      batch: Any,
+      weights: jax.Array | None = None,
+      rng: jax.Array | None = None,
+      *,
+      has_more: jax.Array | None = None,
+  ):
+    self._check_previous_steps()
+    layout_key, prepared = self._prepare(state, batch, weights, rng, has_more)
+    state, metrics = self._jitted_for(layout_key)(*prepared)
+    if self.max_consecutive_skips is not None:
+      self._pending.append(metrics["nonfinite"])
+    leaves = jax.tree.leaves(state)
+    self._returned = tuple(weakref.ref(x) for x in leaves)
+    self._returned_layout = layout_key  # the output has the input's structure, shapes and layout
+    return state, metrics
+
+  def lower(
+      self,
+      state: TrainState,
+      batch: Any,
+      weights: jax.Array | None = None,
+      rng: jax.Array | None = None,
+      *,
+      has_more: jax.Array | None = None,
+  ) -> jax.stages.Lowered:
+    layout_key, prepared = self._prepare(state, batch, weights, rng, has_more)
+    return self._jitted_for(layout_key).lower(*prepared)
+
+
+def make_train_step(
+    loss_fn: Callable[..., jax.Array],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh | None = None,
+    *,
+    axis_name: str = "data",
+    reduction: str = "mean",
+    backend: str = "shard_map",
+    donate: bool = True,
+    check_replicas: bool = False,
+    accum_steps: int = 1,
+    zero_stage: int = 0,
+    max_consecutive_skips: int | None = 10,
+    compute_dtype: Any = None,
+    grad_reduce_dtype: Any = None,
+    bucket_bytes: int | None = None,
+) -> CompiledStep:
+  """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
+      or per-token losses ``[b, t]``.
+    optimizer: an optax ``GradientTransformation``.
+    mesh: the device mesh; default ``jaxdp.data_mesh()`` over every device.
+      It may have more axes than ``axis_name`` (tensor parallelism: e.g.
+      ``("data", "model")``): only the data axes are manual in the step, the
+      compiler partitions the others as the parameters' shardings say, and
+      the batch is replicated over them.
+    axis_name: the data-parallel axis, or several (a tuple): pure data
+      parallelism over a 2-D device grid, or hybrid sharding with
+      ``("replica", "data")``: ZeRO splits the state over the last axis only
+      and the gradient is all-reduced over the others.
+    reduction: one of :data:`jaxdp.REDUCTIONS`.
+    backend: ``"shard_map"`` (``jit`` of ``jax.shard_map``) or ``"pmap"``
+      (``jit`` of ``jax.pmap`` with the state passed unmapped); both take and
+      return the same global arrays and compute the same numbers. ``"pmap"``
+      needs a mesh whose only axis is ``axis_name`` and ``zero_stage=0``.
+    donate: donate the input state's buffers to the output state.
+    check_replicas: add ``metrics["replica_divergence"]`` (see
+      :func:`jaxdp.replica_divergence`), computed in the graph.
+    accum_steps: gradient accumulation: each device's slice is split into
+      this many contiguous micro-batches, scanned, and reduced once per step.
+    zero_stage: 0 (replicated, DDP), 1 (sharded optimizer state), 2 (also
+      reduce-scattered gradients) or 3 (also sharded parameters); see
+      :mod:`jaxdp.layout`. Leaves keep their shapes at every stage, so any
+      state of the right structure is accepted: one laid out otherwise
+      (another stage, device count or mesh) is moved into this step's
+      layout first. The optimizer sees whole leaves at every stage.
+    max_consecutive_skips: a step whose gradient or loss is NaN/Inf on any
+      replica is skipped by every replica (``metrics["skipped"]``). After
+      this many such steps in a row the next call raises
+      ``FloatingPointError`` (before running anything), and so does every
+      call until ``step.reset_nonfinite_guard()``. ``None`` never raises.
+      The check reads earlier steps' flags once they are done and never
+      waits for the previous step's, so dispatch stays asynchronous: the
+      error comes one call after the limit is reached when the steps keep
+      up, at the latest three calls after.
+    compute_dtype: mixed precision: forward and backward in this floating
+      dtype (e.g. ``jnp.bfloat16``); params, optimizer state and every sum
+      stay as they are (float32 master weights).
+    grad_reduce_dtype: communicate the gradient in this floating dtype
+      (``jnp.bfloat16`` halves the bytes); default: the gradient's own
+      (float32 at least). The loss, weights and the division stay float32.
+    bucket_bytes: reduce the gradient in buckets of about this many bytes,
+      in reverse layer order, one all-reduce each (DDP's ``bucket_cap_mb``);
+      ``None`` (default) reduces it in one; ``0`` per leaf. Bitwise the same
+      results.
+
+  Returns:
+    A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
+    (state, metrics)``; with ``rng`` (a PRNG key) ``loss_fn`` is called as
+    ``loss_fn(params, batch, key)`` with a key per replica, step and
+    micro-batch.
+  """
+  check_modes(reduction, zero_stage)
+  check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
+  check_loss_fn(loss_fn)
+  check_optimizer(optimizer)
+  mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
+  check_mesh_axis(mesh, axis_name)
+  mesh = auto_mesh(mesh)
+  if backend == "pmap" and mesh.axis_names != (axis_name,):
+    raise ValueError(
+        f"backend='pmap' maps over one axis only, but mesh has axes {mesh.axis_names}; "
+        "use backend='shard_map' for multi-axis meshes."
+    )
+  if backend == "pmap" and zero_stage:
+    raise ValueError(
+        "backend='pmap' passes the state unmapped (replicated), so it cannot hold a ZeRO-sharded state; "
+        "use backend='shard_map' with zero_stage > 0."
+    )
+  if max_consecutive_skips is not None:
+    check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
+
+  compute_dtype = check_float_dtype(compute_dtype, "compute_dtype")
+  grad_reduce_dtype = check_float_dtype(grad_reduce_dtype, "grad_reduce_dtype")
+  if bucket_bytes is not None:
+    check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
+
+  options = dict(
+      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
+      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes,
+  )
+  # One device needs no type-checked collectives, and without the check they compile to nothing.
+  check_vma = reduction != "none" and data_size(mesh, axis_name) > 1
+
+  def replica_step(state, batch, weights, rng, has_more):
+    new_state, metrics = train_step(loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more, **options)
+    if check_replicas:
+      metrics["replica_divergence"] = replica_divergence(new_state, axis_name)
+    return new_state, metrics
+
+  def build(layout: Layout):
+    if backend == "pmap":
+      return jax.jit(_pmap_over(replica_step, mesh, axis_name), donate_argnums=(0,) if donate else ())
+    if zero_stage == 0:
+      mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
+    else:
+      mapped = _global_update_over(
+          loss_fn, optimizer, mesh, layout, options, check_vma=check_vma, check_replicas=check_replicas
+      )
+    # The outputs keep the layout exactly (model-axis splits included), so the next call needs no placement.
+    return jax.jit(
+        mapped, donate_argnums=(0,) if donate else (), out_shardings=(layout.shardings(mesh), replicated(mesh))
+    )
+
+  return CompiledStep(
+      build,
+      loss_fn=loss_fn,
+      optimizer=optimizer,
+      mesh=mesh,
+      axis_name=axis_name,
+      reduction=reduction,
+      backend=backend,
+      accum_steps=accum_steps,
+      zero_stage=zero_stage,
+      max_consecutive_skips=max_consecutive_skips,
+      donate=donate,
+  )
+
+
+def _manual_specs(layout: Layout, axis_name: str) -> TrainState:
+  """The state's specs as ``shard_map`` sees them with only the data axis manual."""
+  return jax.tree.map(lambda s: data_part(s, axis_name), layout.specs)
+
+
+def _shard_map_over(replica_step, mesh: Mesh, axis_name: str, layout: Layout, *, check_vma: bool):
+  """The whole step per replica (stage 0): ``shard_map`` over the data axis, other axes left to the compiler."""
+  specs = _manual_specs(layout, axis_name)
+  batch_spec = split_along(mesh, axis_name).spec
+  return jax.shard_map(
+      replica_step,
+      mesh=mesh,
+      in_specs=(specs, batch_spec, batch_spec, P(), batch_spec),
+      out_specs=(specs, P()),
+      axis_names=set(axis_names(axis_name)),
+      # "none" returns replicas that differ on purpose, which the check would reject.
+      check_vma=check_vma,
+  )
+
+
+def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options: dict, *, check_vma: bool,
+                        check_replicas: bool):
+  """ZeRO stages 1-3: the reduced gradient per replica, then the update on the global (sharded) arrays."""
+  axis_name, stage = options["axis_name"], layout.zero_stage
+  specs = _manual_specs(layout, axis_name)
+  batch_spec = split_along(mesh, axis_name).spec
+  params_split = specs.params if stage == 3 else None
+  grads_split = layout.grad_specs if stage >= 2 else None
+  grad_specs = layout.grad_specs if stage >= 2 else jax.tree.map(lambda _: P(), layout.grad_specs)
+
+  def per_replica(state, batch, weights, rng, has_more):
+    return gradient_step(
+        loss_fn, state, batch, weights, rng=rng, has_more=has_more, params_split=params_split,
+        grads_split=grads_split, **options,
+    )
+
+  gradient = jax.shard_map(
+      per_replica,
+      mesh=mesh,
+      in_specs=(TrainState(specs.params, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
+      out_specs=ReducedGradient(grad_specs, P(), P(), P(), P(), P()),
+      axis_names=set(axis_names(axis_name)),
+      check_vma=check_vma,
+  )
+  divergence = jax.shard_map(
+      lambda state: replica_divergence(state, axis_name),
+      mesh=mesh, in_specs=(specs,), out_specs=P(), axis_names=set(axis_names(axis_name)), check_vma=True,
+  )
+
+  def step(state, batch, weights, rng, has_more):
+    reduced = gradient(state._replace(opt_state=None), batch, weights, rng, has_more)
+    new_state, metrics = finish_step(optimizer, state, reduced)
+    if check_replicas:
+      metrics["replica_divergence"] = divergence(new_state)
+    return new_state, metrics
+
+  return step
+
+
+def _pmap_over(replica_step, mesh: Mesh, axis_name: str):
+  """The same step through ``jax.pmap``: global batch reshaped to ``[n, b, ...]``."""
+  n = mesh.shape[axis_name]
+  devices = list(mesh.devices.flat)
+  # pmap mis-flattens in_axes against a None argument, so each combination of absent arguments has its own map.
+  maps = {}
+
+  def mapped(rng_given: bool, has_more_given: bool):
+    if (rng_given, has_more_given) not in maps:
+      def replica(state, batch, weights, *rest):
+        rest = list(rest)
+        rng = rest.pop(0) if rng_given else None
+        has_more = rest.pop(0) if has_more_given else None
+        return replica_step(state, batch, weights, rng, has_more)
+
+      in_axes = (None, 0, 0) + ((None,) if rng_given else ()) + ((0,) if has_more_given else ())
+      maps[rng_given, has_more_given] = jax.pmap(
+          replica, axis_name, in_axes=in_axes, out_axes=(None, None), devices=devices
+      )
+    return maps[rng_given, has_more_given]
+
+  def split_leading(x):
+    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+  @functools.wraps(replica_step)
+  def step(state, batch, weights, rng, has_more):
+    batch, weights = jax.tree.map(split_leading, (batch, weights))
+    extra = [x for x in (rng, has_more) if x is not None]
+    return mapped(rng is not None, has_more is not None)(state, batch, weights, *extra)
+
+  return step

@@ -1,0 +1,527 @@
+"""Layout and placement: meshes, where each leaf of the training state lives, and putting it there.
+
+Every leaf keeps its shape at every ZeRO stage; only its ``NamedSharding``
+changes. A leaf's sharding has two parts:
+
+- its *model* part: whatever the user gave it over the mesh's other axes
+  (tensor parallelism: ``NamedSharding`` arrays, or explicit
+  ``param_specs``), kept as it is by every function here;
+- its *data* part: at ZeRO stage 1 and above, each leaf of the optimizer
+  state is also split over the data axis along one dimension, and at stage 3
+  each parameter too (Rajbhandari et al., 2020; PyTorch FSDP2's per-parameter
+  sharding).
+
+The dimension rule (:func:`zero_dim`): the largest dimension that is not
+already sharded over a model axis and whose size divides by the data axis's
+device count (the first such one on a tie). A leaf with no such dimension
+(a scalar, a bias of odd length) stays replicated over the data axis rather
+than being padded: padding would change its shape, and with it what a
+shape-aware optimizer (Adafactor's factored moments, Muon's matrices) and a
+checkpoint see. :func:`jaxdp.memory_report` lists those leaves and their bytes.
+
+The optimizer state takes its model part from the parameter it belongs to:
+an optimizer-state leaf whose key path ends with a parameter's key path and
+has that parameter's shape (Adam's ``mu['w']`` for ``params['w']``) gets that
+parameter's model spec; any other leaf (counts, Adafactor's factored rows and
+columns) is replicated over the model axes before the data rule is applied.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdp._checks import check_optimizer, check_params_dtypes
+from jaxdp.state import TrainState
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+# Meshes ------------------------------------------------------------------------------------------
+
+
+def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "data") -> Mesh:
+  """A 1-D mesh over ``devices`` (default: every device) with one data axis.
+
+  The axis type is set explicitly to ``AxisType.Auto`` so that behaviour does
+  not depend on the JAX version's default, and so that the arrays jaxdp
+  returns carry no mesh axes in their types (see :func:`auto_mesh`). For
+  tensor parallelism or hybrid sharding build a ``Mesh`` with more axes
+  (e.g. ``jax.make_mesh((4, 2), ("data", "model"))``) and pass it instead.
+  """
+  devices = jax.devices() if devices is None else list(devices)
+  if not devices:
+    raise ValueError("devices is empty; pass at least one device (or None for all of them).")
+  if len(set(devices)) != len(devices):
+    repeated = sorted({str(d) for d in devices if devices.count(d) > 1})
+    raise ValueError(f"devices lists {', '.join(repeated)} more than once; pass each device once.")
+  return Mesh(np.asarray(devices), (axis_name,), axis_types=(AxisType.Auto,))
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis of type ``AxisType.Auto`` (the same devices and names).
+
+  The jitted steps run on this twin of the caller's mesh, so the arrays they
+  return carry no mesh axes in their types. Arrays on an ``Explicit`` mesh
+  do, and ordinary single-device code that later meets them (``nnx.update``
+  then a metrics object's ``reset()``) fails with "Length of device
+  assignment 1 is not equal to the size of the mesh ... use jax.set_mesh".
+  Auto-typed arrays work anywhere.
+  """
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _names(axis_name: Any) -> tuple[str, ...]:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def zero_axis(axis_name: Any) -> str:
+  """The axis ZeRO splits the state over: ``axis_name``, or the last of several data axes.
+
+  With ``axis_name=("replica", "data")`` (hybrid sharding, FSDP's
+  ``HYBRID_SHARD``) the state is split over ``"data"`` and replicated over
+  ``"replica"``; the batch is split over both.
+  """
+  return _names(axis_name)[-1]
+
+
+def data_size(mesh: Mesh, axis_name: Any) -> int:
+  """The number of data-parallel replicas: the product of the sizes of the data axes."""
+  return math.prod(mesh.shape[a] for a in _names(axis_name))
+
+
+def data_rows(mesh: Mesh, axis_name: Any) -> np.ndarray:
+  """``mesh.devices`` as ``[data-parallel position, other devices]`` (positions in ``P(axis_name)`` order)."""
+  names = _names(axis_name)
+  order = [mesh.axis_names.index(a) for a in names]
+  rest = [i for i in range(len(mesh.axis_names)) if i not in order]
+  return np.transpose(mesh.devices, order + rest).reshape(data_size(mesh, axis_name), -1)
+
+
+def check_mesh_axis(mesh: Any, axis_name: Any) -> None:
+  """Raises unless ``mesh`` is a ``Mesh`` with the axis ``axis_name`` (a str), or each of several (a tuple)."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with jaxdp.data_mesh().")
+  names = _names(axis_name) if isinstance(axis_name, (str, tuple)) else None
+  if not names or not all(isinstance(a, str) for a in names) or len(set(names)) != len(names):
+    raise TypeError(
+        f"axis_name must name a mesh axis (a str) or several distinct ones (a tuple of str, e.g. "
+        f"('replica', 'data') for hybrid sharding), got {axis_name!r}."
+    )
+  for name in names:
+    if name not in mesh.axis_names:
+      raise ValueError(
+          f"mesh has axes {mesh.axis_names} but no axis {name!r} (axis_name={axis_name!r}); "
+          f"pass axis_name= one of {mesh.axis_names}, or build the mesh with jaxdp.data_mesh(axis_name={name!r})."
+      )
+
+
+def check_zero_stage(zero_stage: Any) -> None:
+  if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
+    raise ValueError(f"zero_stage={zero_stage!r} is not supported; use one of {ZERO_STAGES}.")
+
+
+# Placement ---------------------------------------------------------------------------------------
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """The sharding of a value held whole by every device of ``mesh``."""
+  return NamedSharding(mesh, P())
+
+
+def split_along(mesh: Mesh, axis_name: Any) -> NamedSharding:
+  """The sharding of a batch whose leading axis is split over ``axis_name`` (replicated over other axes)."""
+  return NamedSharding(mesh, P(axis_name if isinstance(axis_name, str) else tuple(axis_name)))
+
+
+def global_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding, block: Any) -> jax.Array:
+  """The global array of ``shape`` whose shard at each global index is ``block(index)`` (a host array).
+
+  The one place jaxdp calls ``jax.make_array_from_callback``, rather than
+  ``make_array_from_process_local_data``: the callback is handed the global
+  index of each *addressable* shard and returns exactly that device's data,
+  so a process needs (and touches) only its own shards, whatever the order
+  of the processes' devices along the axes and whatever axes the array is
+  replicated over.
+  """
+  return jax.make_array_from_callback(tuple(shape), sharding, block)
+
+
+def from_host(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A global array from a host array that every process holds whole: each process places its own shards."""
+  # A copy per shard: no device buffer may alias ``host`` or another device's buffer (steps donate them).
+  return global_array(host.shape, sharding, lambda index: np.array(host[index], copy=True))
+
+
+def _place_leaf(x: Any, sharding: jax.sharding.Sharding) -> Any:
+  if isinstance(x, jax.Array) and getattr(x, "sharding", None) == sharding:
+    return x
+  if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+    return jax.device_put(x, sharding)
+  # A process-local value (numpy, or a jax.Array on this process's devices, e.g. jax.random.key(0)) that every
+  # process holds alike: device_put cannot target other processes' devices, so each places its own shards.
+  typed_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  placed = from_host(np.asarray(jax.random.key_data(x) if typed_key else x), sharding)
+  return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(x)) if typed_key else placed
+
+
+def place(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put(tree, shardings)`` that also works for process-local values in a multi-process run.
+
+  ``shardings`` is one ``Sharding`` or a matching tree of them. Every process
+  must pass the same values. A leaf already placed as asked is returned as it is.
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: _place_leaf(x, shardings), tree)
+  return jax.tree.map(_place_leaf, tree, shardings)
+
+
+def to_host(x: Any) -> np.ndarray:
+  """The whole value of ``x`` as a numpy array (gathered from every process when it spans several)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+# The layout --------------------------------------------------------------------------------------
+
+
+def _entries(spec: P | None, ndim: int) -> list:
+  entries = list(spec or ())
+  return entries + [None] * (ndim - len(entries))
+
+
+def _spec(entries: list) -> P:
+  while entries and entries[-1] is None:
+    entries = entries[:-1]
+  return P(*entries)
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def zero_dim(shape: Sequence[int], model_spec: P | None, n: int) -> int | None:
+  """The dimension a leaf of ``shape`` is split along over ``n`` data-parallel devices, or ``None``.
+
+  The largest dimension not already sharded over a model axis whose size
+  divides by ``n`` (the first such one on a tie); ``None`` (replicated over
+  the data axis) if there is none, or if ``n == 1``.
+  """
+  if n <= 1:
+    return None
+  entries = _entries(model_spec, len(shape))
+  candidates = [d for d, size in enumerate(shape) if entries[d] is None and size >= n and size % n == 0]
+  return max(candidates, key=lambda d: (shape[d], -d)) if candidates else None
+
+
+def _with_data(model_spec: P, ndim: int, dim: int | None, axis_name: str) -> P:
+  entries = _entries(model_spec, ndim)
+  if dim is not None:
+    entries[dim] = axis_name
+  return _spec(entries)
+
+
+def model_spec_of(x: Any, mesh: Mesh, axis_name: str) -> P:
+  """The part of ``x``'s sharding over ``mesh``'s axes other than ``axis_name`` (``P()`` if it has none)."""
+  sharding = getattr(x, "sharding", None)
+  if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+    return P()
+  entries = []
+  for entry in _entries(sharding.spec, np.ndim(x)):
+    kept = tuple(a for a in _axes_of(entry) if a not in _names(axis_name))
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return _spec(entries)
+
+
+def check_param_specs(param_specs: Any, params: Any, mesh: Mesh, axis_name: str) -> Any:
+  """``param_specs`` checked against ``params`` and ``mesh``: a tree of ``PartitionSpec`` over the model axes."""
+  try:
+    specs = jax.tree.leaves(jax.tree.map(lambda _, s: [s], params, param_specs), is_leaf=lambda x: isinstance(x, list))
+  except ValueError as e:
+    raise ValueError(f"param_specs must have the structure of params, one PartitionSpec (or None) per leaf: {e}") from None
+  specs = [s[0] for s in specs]
+  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs):
+    name = f"param_specs{jax.tree_util.keystr(path)}"
+    if spec is None:
+      continue
+    if not isinstance(spec, P):
+      raise TypeError(f"{name} is {spec!r}; pass a jax.sharding.PartitionSpec (or None for replicated).")
+    if len(spec) > np.ndim(x):
+      raise ValueError(f"{name} = {spec} has more entries than the leaf has dimensions ({np.shape(x)}).")
+    for d, entry in enumerate(spec):
+      for axis in _axes_of(entry):
+        if axis in _names(axis_name):
+          raise ValueError(
+              f"{name} = {spec} shards over the data axis {axis!r}; give only the model axes, and let "
+              "zero_stage= shard over the data axis."
+          )
+        if axis not in mesh.axis_names:
+          raise ValueError(f"{name} = {spec} names axis {axis!r}, which the mesh (axes {mesh.axis_names}) lacks.")
+      size = math.prod(mesh.shape[a] for a in _axes_of(entry))
+      if np.shape(x)[d] % size:
+        raise ValueError(
+            f"{name} = {spec} splits dimension {d} (size {np.shape(x)[d]}) over {size} devices, which does "
+            "not divide it."
+        )
+  return jax.tree.map(lambda _, s: P() if s is None else s, params, param_specs)
+
+
+def data_dim(spec: P, axis_name: Any) -> int | None:
+  """The dimension ``spec`` splits over ZeRO's axis (:func:`zero_axis`), or ``None``."""
+  zero = zero_axis(axis_name)
+  return next((d for d, entry in enumerate(spec) if zero in _axes_of(entry)), None)
+
+
+def data_part(spec: P, axis_name: Any) -> P:
+  """``spec`` with only ZeRO's axis kept: the spec ``shard_map`` sees when only the data axes are manual."""
+  zero = zero_axis(axis_name)
+  return _spec([zero if zero in _axes_of(entry) else None for entry in spec])
+
+
+class Layout(NamedTuple):
+  """Where every leaf of a :class:`jaxdp.TrainState` lives, for one mesh, data axis and ZeRO stage.
+
+  Attributes:
+    specs: a ``TrainState`` of full ``PartitionSpec``s (model and data axes).
+    grad_specs: the params' tree of the data-axis ``PartitionSpec`` each
+      reduced gradient leaf has: split along the dimension its parameter
+      is split along at stage 3 (reduce-scattered) at stages 2 and 3,
+      ``P()`` (all-reduced) at stages 0 and 1.
+    zero_stage: the stage.
+  """
+
+  specs: TrainState
+  grad_specs: Any
+  zero_stage: int
+
+  def shardings(self, mesh: Mesh) -> TrainState:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs)
+
+
+def _opt_model_specs(opt_state: Any, params: Any, model_specs: Any) -> Any:
+  """The model spec of each optimizer-state leaf: its parameter's if its path ends with one and shapes agree."""
+  shapes = {path: np.shape(x) for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  specs = dict(jax.tree_util.tree_leaves_with_path(model_specs))
+  longest_first = sorted(shapes, key=len, reverse=True)
+
+  def spec(path, x):
+    for param_path in longest_first:
+      if len(param_path) <= len(path) and tuple(path[len(path) - len(param_path):]) == tuple(param_path) and (
+          np.shape(x) == shapes[param_path]
+      ):
+        return specs[param_path]
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec, opt_state)
+
+
+def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: int, model_specs: Any = None) -> Layout:
+  """The :class:`Layout` of a state shaped like ``abstract`` (arrays or ``ShapeDtypeStruct``s).
+
+  ``model_specs`` is the params' tree of model-axis ``PartitionSpec``s
+  (``None``: every parameter replicated over the model axes).
+  """
+  zero = zero_axis(axis_name)
+  n = mesh.shape[zero]
+  if model_specs is None:
+    model_specs = jax.tree.map(lambda _: P(), abstract.params)
+
+  def sharded(x, model_spec):  # the leaf's full spec when it is split over the data axis (where it can be)
+    return _with_data(model_spec, np.ndim(x), zero_dim(np.shape(x), model_spec, n), zero)
+
+  opt_specs = _opt_model_specs(abstract.opt_state, abstract.params, model_specs)
+  specs = TrainState(
+      params=jax.tree.map(sharded, abstract.params, model_specs) if zero_stage == 3 else model_specs,
+      opt_state=jax.tree.map(sharded, abstract.opt_state, opt_specs) if zero_stage >= 1 else opt_specs,
+      step=P(),
+      model_state=jax.tree.map(lambda _: P(), abstract.model_state),
+  )
+  grad_specs = jax.tree.map(
+      lambda x, s: data_part(sharded(x, s), axis_name) if zero_stage >= 2 else P(), abstract.params, model_specs
+  )
+  return Layout(specs, grad_specs, zero_stage)
+
+
+def model_specs_of(params: Any, mesh: Mesh, axis_name: str) -> Any:
+  """The params' tree of model-axis specs read off their shardings (``P()`` for unsharded leaves)."""
+  return jax.tree.map(lambda x: model_spec_of(x, mesh, axis_name), params)
+
+
+def state_specs(state: TrainState) -> TrainState:
+  """The ``PartitionSpec`` of every leaf of a placed state, read off its arrays (``P()`` for host values).
+
+  The layout is in the shardings: ``state_specs(state).opt_state`` shows
+  which optimizer-state leaves ZeRO split over the data axis, and along
+  which dimension; model axes show tensor-parallel splits.
+  """
+
+  def spec(x):
+    sharding = getattr(x, "sharding", None)
+    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
+  return jax.tree.map(spec, state)
+
+
+def abstract_state(params: Any, optimizer: optax.GradientTransformation, model_state: Any = None) -> TrainState:
+  """The stage-0 state of ``params`` as ``ShapeDtypeStruct``s (every stage has these shapes)."""
+  return jax.eval_shape(lambda p, m: TrainState.create(p, optimizer, m), params, model_state)
+
+
+def _assert_same_values(params: Any, model_state: Any) -> None:
+  """Every process must start from the same values: compares a CRC-32 of each leaf across processes."""
+  from jaxdp.distributed import assert_same_across_processes
+
+  def crc(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return "global array"  # already one value, placed by the caller
+    return zlib.crc32(np.ascontiguousarray(np.asarray(x)).view(np.uint8).reshape(-1))
+
+  assert_same_across_processes(jax.tree.map(crc, {"params": params, "model_state": model_state}), "initial values")
+
+
+def _model_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -> Any:
+  if param_specs is not None:
+    return check_param_specs(param_specs, params, mesh, axis_name)
+  return model_specs_of(params, mesh, axis_name)
+
+
+def _unboxed(params: Any) -> tuple[Any, Any]:
+  """``(params, specs)``: flax partitioning boxes (``nn.with_partitioning``'s ``Partitioned``) removed, and
+  the specs they carried (``None`` when there are no boxes)."""
+  try:
+    from flax.core import meta
+  except ImportError:  # flax is optional for the core
+    return params, None
+  is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+  if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
+    return params, None
+  return meta.unbox(params), meta.get_partition_spec(params)
+
+
+def init_state(
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name: Any = "data",
+    zero_stage: int = 0,
+    model_state: Any = None,
+    param_specs: Any = None,
+) -> TrainState:
+  """Creates the training state and places it as :func:`make_train_step` expects.
+
+  Args:
+    params: the initial parameters (a pytree of arrays, the same on every
+      process). Leaves that are ``NamedSharding`` arrays on ``mesh`` keep
+      their split over the mesh's other (model) axes; flax linen
+      ``nn.with_partitioning`` boxes are unboxed and their specs used.
+    optimizer: an optax ``GradientTransformation``.
+    mesh: the mesh to place the state on; it may have model axes besides
+      ``axis_name`` (tensor parallelism).
+    axis_name: the data-parallel axis, or several (a tuple): hybrid
+      sharding splits the state over the last one only (:func:`zero_axis`).
+    zero_stage: 0 replicates every leaf over the data axis (a full replica
+      per device, as in DDP); 1 and 2 split the optimizer state over
+      ``axis_name``; 3 splits the parameters too (see :mod:`jaxdp.layout`
+      for the dimension rule).
+    model_state: the model's non-trainable state (BatchNorm statistics), or
+      ``None``; replicated at every stage.
+    param_specs: optional params' tree of ``PartitionSpec``s over the model
+      axes (e.g. from ``jaxdp.nnx.partition_specs(model)`` or
+      ``nnx.get_partition_spec``); default: read off the params' shardings.
+
+  Returns:
+    A :class:`TrainState` of fresh buffers: a step that donates it never
+    consumes the caller's ``params``.
+  """
+  check_mesh_axis(mesh, axis_name)
+  check_zero_stage(zero_stage)
+  check_optimizer(optimizer)
+  params, boxed_specs = _unboxed(params)
+  if param_specs is None:
+    param_specs = boxed_specs
+  check_params_dtypes(params, "params")
+  model_specs = _model_specs(params, param_specs, mesh, axis_name)
+  if jax.process_count() > 1:
+    _assert_same_values(params, model_state)
+  mesh = auto_mesh(mesh)
+  # Host values are placed as the layout says (no leaf is ever whole on one device unless replicated there).
+  abstract = abstract_state(params, optimizer, model_state)
+  layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs)
+  shardings = layout.shardings(mesh)
+  params = place(params, jax.tree.map(lambda x, s: x.sharding if _is_global(x) else s, params, shardings.params))
+  model_state = place(model_state, replicated(mesh))
+  # Copying inside the jit keeps outputs from aliasing the caller's arrays, which a donating step would consume.
+  copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+  build = jax.jit(lambda p, m: TrainState.create(copy(p), optimizer, copy(m)), out_shardings=shardings)
+  return build(params, model_state)
+
+
+def _is_global(x: Any) -> bool:
+  return isinstance(x, jax.Array) and isinstance(getattr(x, "sharding", None), NamedSharding) and (
+      len(x.sharding.device_set) > 1
+  )
+
+
+def place_state(
+    full_state: TrainState,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    zero_stage: int = 0,
+    axis_name: str = "data",
+    param_specs: Any = None,
+) -> TrainState:
+  """Places a state (gathered on the host, or placed in any other layout) in the layout of ``zero_stage``.
+
+  Nothing is recomputed: each leaf is moved as it is, so
+  ``gather_state(place_state(full, ...))`` equals ``full`` bitwise, on any
+  device count, mesh shape and stage. Each process places only the shards of
+  its own devices; with host arrays every process must pass the same values.
+
+  Args:
+    full_state: a :class:`jaxdp.TrainState`, e.g. ``jaxdp.gather_state(state)``.
+    optimizer: the optax optimizer the state belongs to (its state's
+      structure, shapes and dtypes are checked against ``optimizer.init``).
+    mesh: the mesh to place the state on.
+    zero_stage: the layout wanted (see :func:`jaxdp.init_state`).
+    axis_name: the data-parallel axis.
+    param_specs: the params' model-axis ``PartitionSpec``s (default: read
+      off ``full_state.params``' shardings when they are on a mesh with the
+      same axis names, else replicated).
+  """
+  from jaxdp._checks import check_opt_state, check_state
+
+  check_state(full_state, "full_state")
+  check_optimizer(optimizer)
+  check_opt_state(full_state, optimizer, "full_state")
+  check_mesh_axis(mesh, axis_name)
+  check_zero_stage(zero_stage)
+  mesh = auto_mesh(mesh)
+  model_specs = _model_specs(full_state.params, param_specs, mesh, axis_name)
+  layout = make_layout(full_state, mesh, axis_name, zero_stage, model_specs)
+  return place(full_state, layout.shardings(mesh))
+
+
+def gather_state(state: TrainState) -> TrainState:
+  """The whole state as numpy arrays, whatever its layout (stage, mesh, device count).
+
+  In a multi-process run every process receives the whole arrays (call it on
+  every process). Use it to export or to compare layouts; checkpoints do not
+  need it (they save each shard where it lives).
+  """
+  return jax.tree.map(to_host, state)
