@@ -363,8 +363,8 @@ def markdown(results, devices, times, budget, budget_mb, tp, goals, layers):
         f"device's model shard. Memory per device (MiB) and collectives (ops / bytes); 'model data-axis bytes' is "
         f"`jaxdp.scaling.collectives` on the model shard over the {d} data replicas (all-reduce / reduce-scatter / "
         "all-gather; the model axis's activation all-reduce is not modelled). 'sent' is `comm_report`'s ring "
-        f"traffic, which takes every op to span the {d} data replicas (ops over the {m}-device model axis are "
-        "overstated by it):",
+        f"traffic, each op over its own device group (the {d} data replicas, or the {m}-device model axis for "
+        "the activations' all-reduce):",
         "",
         "| stage | params | opt state | grads | model state | vs stage 0 | unsplit (bytes) | all-reduce | "
         "reduce-scatter | all-gather | model data-axis bytes | sent (MiB) | vs stage 0 |",

@@ -39,6 +39,7 @@ from jaxdp.layout import (
     check_zero_stage,
     data_mesh,
     data_part,
+    joined,
     make_layout,
     model_specs_of,
     place,
@@ -374,8 +375,9 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
   axis_name, stage = options["axis_name"], layout.zero_stage
   specs = _manual_specs(layout, axis_name)
   batch_spec = split_along(mesh, axis_name).spec
-  params_split = specs.params if stage == 3 else None
-  grads_split = layout.grad_specs if stage >= 2 else None
+  # Full specs (model axes too): the data-axis gather and scatter then run per model shard.
+  params_split = layout.specs.params if stage == 3 else None
+  grads_split = jax.tree.map(joined, layout.specs.params, layout.grad_specs) if stage >= 2 else None
   grad_specs = layout.grad_specs if stage >= 2 else jax.tree.map(lambda _: P(), layout.grad_specs)
 
   def per_replica(state, batch, weights, rng, has_more):

@@ -292,6 +292,41 @@ def data_part(spec: P, axis_name: Any) -> P:
   return _spec([zero if zero in _axes_of(entry) else None for entry in spec])
 
 
+def model_part(spec: P, axis_name: Any) -> P:
+  """``spec`` without the data axes: the part the compiler partitions inside ``shard_map`` over the data axes."""
+  names = _names(axis_name)
+  entries = []
+  for entry in spec:
+    kept = tuple(a for a in _axes_of(entry) if a not in names)
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return _spec(entries)
+
+
+def joined(model_spec: P, data_spec: P) -> P:
+  """``model_spec`` with the data-axis entries of ``data_spec`` added (the two split different dimensions)."""
+  entries = _entries(model_spec, max(len(model_spec), len(data_spec)))
+  for d, entry in enumerate(data_spec):
+    if entry is not None:
+      entries[d] = entry
+  return _spec(entries)
+
+
+def per_model_shard(fn: Any, spec: P, axis_name: Any) -> Any:
+  """``fn`` (a data-axis collective) run on each model-axis shard of a leaf whose full spec is ``spec``.
+
+  For use inside ``shard_map`` over the data axes. A data-axis collective on
+  a leaf the compiler partitions over model axes otherwise makes XLA gather
+  the leaf over those axes first (measured: stage 2 sent 2.4x stage 0's
+  bytes on a 4 x 2 ("data", "model") mesh); a nested ``shard_map`` over the
+  model axes keeps every device on its own model shard.
+  """
+  model = model_part(spec, axis_name)
+  axes = {a for entry in model for a in _axes_of(entry)}
+  if not axes:
+    return fn
+  return jax.shard_map(fn, in_specs=model, out_specs=model, axis_names=axes)
+
+
 class Layout(NamedTuple):
   """Where every leaf of a :class:`jaxdp.TrainState` lives, for one mesh, data axis and ZeRO stage.
 

@@ -22,6 +22,7 @@ import optax
 from jax import lax
 
 from jaxdp._checks import check_int
+from jaxdp.layout import per_model_shard
 from jaxdp.loss import call_loss
 
 REDUCTIONS = ("mean", "rank_mean", "sum", "none")
@@ -339,8 +340,12 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any) -> Any:
           f"scatter: a gradient leaf of shape {x.shape} cannot be reduce-scattered along dimension {dim} over "
           f"{lax.axis_size(zero)} devices; give that leaf a dimension that divides, or P() to all-reduce it."
       )
-    sliced = lax.psum_scatter(as_varying(x, axis_name), zero, scatter_dimension=dim, tiled=True)
-    return lax.psum(sliced, others) if others else sliced
+
+    def scatter(y):
+      sliced = lax.psum_scatter(as_varying(y, axis_name), zero, scatter_dimension=dim, tiled=True)
+      return lax.psum(sliced, others) if others else sliced
+
+    return scatter(x) if spec is True else per_model_shard(scatter, spec, axis_name)(x)
 
   return jax.tree.map(reduce, tree, specs)
 

@@ -22,6 +22,25 @@ COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]")
 _OPCODE = re.compile(r"(all-reduce|reduce-scatter|all-gather)(-start|-done)?")
 _OPERAND = re.compile(r"%([\w.\-]+)")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _group_size(line: str) -> int | None:
+  """How many devices one op of this HLO line spans (its ``replica_groups``), or ``None`` if unstated.
+
+  The three spellings: ``{{0,2,4,6},{1,3,5,7}}``, iota ``[2,4]<=[8]`` (2
+  groups of 4) and ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}``.
+  """
+  if match := _GROUPS_LIST.search(line):
+    return len([d for d in match.group(1).split(",") if d])
+  if match := _GROUPS_IOTA.search(line):
+    return int(match.group(2))
+  if match := _GROUPS_MESH.search(line):
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", match.group(1)))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", match.group(2)) if a in sizes)
+  return None
 
 
 def _dtype_bits(dtype: str) -> int:
@@ -70,11 +89,13 @@ def _collective(line: str) -> dict | None:
       "name": lhs.split()[-1].lstrip("%"),
       "operand": operand.group(1) if operand else "",
       "shape": rhs[:end],
+      "group": _group_size(rest),
   }
 
 
-def _collective_ops(hlo: str) -> list[tuple[str, int]]:
-  """``(kind, result bytes)`` of every collective; an async op counts once, sized by its ``-done`` result."""
+def _collective_ops(hlo: str) -> list[tuple[str, int, int | None]]:
+  """``(kind, result bytes, group size)`` of every collective; an async op counts once, sized by its
+  ``-done`` result."""
   found = [op for op in map(_collective, hlo.splitlines()) if op]
   done_shapes = {op["operand"]: op["shape"] for op in found if op["phase"] == "done"}
   ops = []
@@ -82,7 +103,7 @@ def _collective_ops(hlo: str) -> list[tuple[str, int]]:
     if op["phase"] == "done":
       continue
     shape = done_shapes.get(op["name"], op["shape"]) if op["phase"] == "start" else op["shape"]
-    ops.append((op["kind"], _shape_bytes(shape)))
+    ops.append((op["kind"], _shape_bytes(shape), op["group"]))
   return ops
 
 
@@ -94,7 +115,8 @@ class Collective(NamedTuple):
     bytes: per-device size of the full buffers involved: the all-reduced
       arrays, the reduce-scatter *inputs*, the all-gather *outputs*.
     traffic_bytes: bytes each device sends under the ring algorithm:
-      ``2 (N-1)/N`` of ``bytes`` for an all-reduce, ``(N-1)/N`` for the others.
+      ``2 (G-1)/G`` of ``bytes`` for an all-reduce, ``(G-1)/G`` for the
+      others, with ``G`` the devices each op spans (its ``replica_groups``).
   """
 
   count: int
@@ -103,17 +125,22 @@ class Collective(NamedTuple):
 
 
 def collectives_from_hlo(hlo: str, n_devices: int) -> dict[str, Collective]:
-  """Counts and sizes the all-reduce, reduce-scatter and all-gather ops of optimized HLO text."""
+  """Counts and sizes the all-reduce, reduce-scatter and all-gather ops of optimized HLO text.
+
+  Each op's ring traffic uses the size of its own device group (its
+  ``replica_groups``: a model-axis op spans the model axis, not the data
+  axis); ``n_devices`` where the HLO does not say.
+  """
   counts = {kind: 0 for kind in COLLECTIVES}
   sizes = {kind: 0 for kind in COLLECTIVES}
-  for kind, size in _collective_ops(hlo):
+  traffic = {kind: 0.0 for kind in COLLECTIVES}
+  for kind, size, group in _collective_ops(hlo):
+    group = group or n_devices
+    full = size * group if kind == "reduce-scatter" else size  # a reduce-scatter's result is one chunk
     counts[kind] += 1
-    sizes[kind] += size * n_devices if kind == "reduce-scatter" else size  # its result is one chunk
-  share = (n_devices - 1) / n_devices
-  return {
-      kind: Collective(counts[kind], sizes[kind], sizes[kind] * share * (2 if kind == "all-reduce" else 1))
-      for kind in COLLECTIVES
-  }
+    sizes[kind] += full
+    traffic[kind] += full * (group - 1) / group * (2 if kind == "all-reduce" else 1)
+  return {kind: Collective(counts[kind], sizes[kind], traffic[kind]) for kind in COLLECTIVES}
 
 
 def comm_report(step, state, batch, weights=None, rng=None, *, compiled: bool = True) -> dict[str, Collective]:

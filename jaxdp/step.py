@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxdp.layout import data_dim, zero_axis
+from jaxdp.layout import data_dim, per_model_shard, zero_axis
 from jaxdp.reduction import (
     ReducedGradient,
     check_reduction,
@@ -64,7 +64,7 @@ def gather_params(params: Any, split: Any, axis_name: str) -> Any:
     dim = data_dim(spec, axis_name)
     if dim is None:
       return x
-    return _all_gather_invariant(x, zero_axis(axis_name), dim)
+    return per_model_shard(lambda y: _all_gather_invariant(y, zero_axis(axis_name), dim), spec, axis_name)(x)
 
   return jax.tree.map(gather, params, split)
 
@@ -98,11 +98,12 @@ def gradient_step(
 
   ``local_gradient`` then ``reduce_gradient``: see :func:`train_step` for
   the arguments. ``state.opt_state`` is not read. For ZeRO layouts:
-  ``params_split`` is the params' tree of data-axis ``PartitionSpec``s of
-  parameters that arrive split over ``axis_name`` (stage 3: all-gathered
-  here, once, before the forward pass); ``grads_split`` the same for the
-  gradient (stages 2-3: reduce-scattered, so each device keeps only its
-  slice of each reduced leaf).
+  ``params_split`` is the params' tree of ``PartitionSpec``s of parameters
+  that arrive split over ``axis_name`` (stage 3: all-gathered here, once,
+  before the forward pass); ``grads_split`` the same for the gradient
+  (stages 2-3: reduce-scattered, so each device keeps only its slice of each
+  reduced leaf). Specs may also name the model axes a leaf is split over
+  (the full spec): the gather and scatter then run per model shard.
   """
   check_reduction(reduction)
   if rng is not None:

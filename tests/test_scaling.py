@@ -45,6 +45,21 @@ def test_ring_traffic_uses_the_convention_of_collectives_from_hlo():
     assert scaling.ring_traffic(kind, report.bytes, 5) == pytest.approx(report.traffic_bytes, rel=ROUND_OFF)
 
 
+def test_each_collective_is_counted_over_its_own_device_group():
+  """A model-axis op on a 4 x 2 mesh spans 2 devices, not the 4 of the data axis: its ring share is 1/2."""
+  hlo = "\n".join([
+      "%a = f32[1000]{0} all-reduce(%x), replica_groups={{0,2,4,6},{1,3,5,7}}",
+      "%b = f32[1000]{0} all-reduce(%x), replica_groups=[4,2]<=[8]",
+      "%c = f32[1000]{0} all-gather(%z), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, dimensions={0}",
+      "%d = f32[250]{0} reduce-scatter(%y), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}",
+  ])
+  counted = jaxdp.collectives_from_hlo(hlo, 4)
+  assert counted["all-reduce"].traffic_bytes == pytest.approx(2 * 4000 * 3 / 4 + 2 * 4000 * 1 / 2, rel=ROUND_OFF)
+  assert counted["all-gather"].traffic_bytes == pytest.approx(4000 * 1 / 2, rel=ROUND_OFF)
+  assert counted["reduce-scatter"].bytes == 4 * 1000  # the input of a 4-device scatter of 250 floats each
+  assert counted["reduce-scatter"].traffic_bytes == pytest.approx(4000 * 3 / 4, rel=ROUND_OFF)
+
+
 def test_stage_volumes_relative_to_stage_0():
   """jaxdp: stage 1 moves 1.5x stage 0, stages 2-3 the same (p = g); the paper's stage 3 1.5x."""
   for n in (2, 8, 64):
