@@ -27,7 +27,11 @@ and stage it measures, from the library's own reports:
   mesh of 4 x 2 (tensor-parallel MLP, Megatron-style: first layer's weight
   P(None, "model") and bias P("model"), second layer's weight P("model",
   None); the head replicated over "model"), next to the model of the data
-  axis alone applied to each device's tensor-parallel shard.
+  axis alone applied to each device's tensor-parallel shard;
+* the peak host memory of checkpoint save and restore at stage 3 on 8
+  devices, as one process and as a 2-process ``jax.distributed`` job
+  (``experiments/checkpoint_memory.py``, each operation in fresh processes;
+  ``--checkpoint-processes``).
 
 Communication per step, in Psi elements sent per device (ring algorithms):
 all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N each. DDP (stage 0)
@@ -71,7 +75,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxdp
-from experiments import common
+from experiments import checkpoint_memory, common
 from jaxdp import scaling
 
 LAYERS = (256, 1024, 1024, 10)
@@ -383,6 +387,24 @@ def markdown(results, devices, times, budget, budget_mb, tp, goals, layers):
   return "\n".join(lines)
 
 
+def checkpoint_markdown(checkpoints) -> str:
+  """The peak host memory of each checkpoint operation per process count (``checkpoint_memory.measure`` rows)."""
+  first = next(iter(checkpoints.values()))
+  lines = [
+      f"Peak host memory of a checkpoint (`experiments/checkpoint_memory.py`): ZeRO stage 3 on 8 devices, state "
+      f"{first[0]['state_bytes'] / MIB:.0f} MiB; peak RSS growth of the worst process, MiB (× what each process "
+      "holds):",
+      "",
+      "| processes | held per process (MiB) | " + " | ".join(r["operation"] for r in first) + " |",
+      "|---|---|" + "---|" * len(first),
+  ]
+  for processes, rows in checkpoints.items():
+    own = rows[0]["process_bytes"]
+    cells = " | ".join(f"{r['peak_rss_increase'] / MIB:.0f} ({r['peak_rss_increase'] / own:.2f}×)" for r in rows)
+    lines.append(f"| {processes} | {own / MIB:.0f} | {cells} |")
+  return "\n".join(lines)
+
+
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", help="comma-separated device counts (default 1,2,4,8; 2,8 with --quick)")
@@ -390,7 +412,13 @@ def parse_args(argv=None):
   parser.add_argument("--budget-mb", type=float, default=64, help="per-device model-state budget in MiB (default 64)")
   parser.add_argument("--steps", type=int, default=10, help="timed steps per stage (median reported)")
   parser.add_argument("--quick", action="store_true", help=f"smoke run: MLP {QUICK_LAYERS}, devices 2,8, 3 timed steps, budget/8")
+  parser.add_argument("--checkpoint-processes", default=None,
+                      help="process counts for the checkpoint host-memory table (experiments/checkpoint_memory.py; "
+                           "default 1,2; none with --quick; '' to skip)")
   args = parser.parse_args(argv)
+  if args.checkpoint_processes is None:
+    args.checkpoint_processes = "" if args.quick else "1,2"
+  args.checkpoint_processes = [int(p) for p in args.checkpoint_processes.split(",") if p]
   devices = args.devices or ("2,8" if args.quick else "1,2,4,8")
   args.devices = sorted({int(d) for d in devices.split(",")})
   if max(args.devices) > jax.device_count():
@@ -436,6 +464,11 @@ def main(argv=None) -> dict:
             f"{r['traffic_bytes'] / MIB:.3f} MiB, " + ", ".join(
                 f"{k} {c['count']} ops {c['bytes']:,} B (model data axis {r['model'][k][0]:,})"
                 for k, c in r["collectives"].items()), flush=True)
+  checkpoints = {}
+  for processes in args.checkpoint_processes:
+    checkpoints[processes] = checkpoint_memory.measure(processes=processes)
+    print(f"checkpoint, {processes} process(es): " + ", ".join(
+        f"{r['operation']} +{r['peak_rss_increase'] / MIB:.0f} MiB" for r in checkpoints[processes]), flush=True)
   by_key = {(r["stage"], r["n"]): r for r in results}
   base = by_key[0, n_max]
   goals = {
@@ -445,13 +478,15 @@ def main(argv=None) -> dict:
   }
   passed = {k: bool(GOALS[k][1](v)) for k, v in goals.items()}
   table = markdown(results, args.devices, times, budget, args.budget_mb, tp, goals, layers)
+  if checkpoints:
+    table += "\n\n" + checkpoint_markdown(checkpoints)
   print("\n" + table + "\n")
   os.makedirs(args.out, exist_ok=True)
   plot(results, args.devices, os.path.join(args.out, "zero_memory.png"))
   seconds = time.perf_counter() - start
   out = {"layers": layers, "psi": psi, "devices": args.devices, "results": results, "step_seconds": times,
          "budget_mb": args.budget_mb, "budget": budget, "tp_mesh": TP_SHAPE, "tp": tp, "goals": goals,
-         "passed": passed, "markdown": table, "seconds": seconds}
+         "passed": passed, "checkpoints": checkpoints, "markdown": table, "seconds": seconds}
   common.write_json(os.path.join(args.out, "zero_memory.json"), out)
   print(f"wrote {args.out}/zero_memory.json and {args.out}/zero_memory.png in {seconds:.0f} s")
   return out
