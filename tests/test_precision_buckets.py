@@ -7,6 +7,8 @@ all-reduce per bucket with the same total bytes. A bfloat16 reduction moves
 half the gradient bytes. bfloat16 compute keeps float32 master params.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,10 +54,25 @@ def run(steps=3, **options):
   return step, state, metrics
 
 
+@functools.lru_cache(maxsize=None)
+def reference_run():
+  """``run()`` with the default options (one all-reduce, float32), computed once and shared by the tests.
+
+  Its state is only read (gathered) by the tests, never stepped again, so sharing it donates nothing.
+  """
+  return run()
+
+
 def all_reduces(step):
   """The compiled step's all-reduce ops (count and bytes)."""
   lowered = step.lower(jaxdp.init_state(init_params(), OPT, MESH), *data())
   return jaxdp.collectives_from_hlo(lowered.compile().as_text(), K)["all-reduce"]
+
+
+@functools.lru_cache(maxsize=None)
+def single_all_reduces():
+  """The all-reduce ops of the default step (the single reduction)."""
+  return all_reduces(reference_run()[0])
 
 
 @pytest.mark.parametrize("bucket_bytes,ops", [(None, 1), (0, 6 + 1), (300, 5 + 1), (10**9, 1 + 1)])
@@ -65,12 +82,12 @@ def test_buckets_are_bitwise_the_single_reduction(bucket_bytes, ops):
   0: one bucket per leaf; 300 bytes: the leaves in flattening order (b before w) have 64, 320, 64, 1024,
   12 and 192 bytes, so reversed they make [192 + 12], [1024], [64], [320], [64]; 1 GB: one bucket.
   """
-  _, reference, reference_metrics = run()
+  _, reference, reference_metrics = reference_run()
   step, state, metrics = run(bucket_bytes=bucket_bytes)
   bits = lambda tree: jax.tree.map(lambda x: np.atleast_1d(np.asarray(x)).view(np.uint8), tree)  # noqa: E731  (zeros signs too)
   jax.tree.map(np.testing.assert_array_equal, bits(jaxdp.gather_state(state)), bits(jaxdp.gather_state(reference)))
   jax.tree.map(np.testing.assert_array_equal, bits(metrics), bits(reference_metrics))
-  single = all_reduces(run(steps=0)[0])
+  single = single_all_reduces()
   bucketed = all_reduces(step)
   assert bucketed.count == ops
   assert bucketed.bytes == single.bytes  # the same gradient and scalars, cut differently
@@ -87,10 +104,10 @@ def test_buckets_follow_reverse_leaf_order():
 
 def test_bfloat16_reduction_halves_the_gradient_bytes_and_stays_close():
   """comm_report(compiled=False) shows the bytes asked for; XLA's CPU backend widens bf16 all-reduces itself."""
-  _, reference, _ = run()
+  _, reference, _ = reference_run()
   step, state, metrics = run(grad_reduce_dtype=jnp.bfloat16)
   args = (jaxdp.init_state(init_params(), OPT, MESH), *data())
-  full = jaxdp.comm_report(run(steps=0)[0], *args, compiled=False)["all-reduce"]
+  full = jaxdp.comm_report(reference_run()[0], *args, compiled=False)["all-reduce"]
   half = jaxdp.comm_report(step, *args, compiled=False)["all-reduce"]
   grad_bytes = 4 * sum(np.size(x) for x in jax.tree.leaves(init_params()))
   assert full.bytes - half.bytes == grad_bytes // 2  # only the gradient is halved; the float32 scalars are not
