@@ -41,6 +41,7 @@ from jaxdp.checkpoint import CheckpointManager
 from jaxdp.layout import abstract_state, auto_mesh, make_layout, place_state
 
 from ckpt_workers import crash_save, train_resume
+from mp_workers import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "ckpt_workers"
@@ -720,14 +721,18 @@ def test_resume_after_sigkill_is_bitwise_identical_to_an_uninterrupted_run(tmp_p
   stage 3). Losses after the resume point and the final state (params,
   optimizer state, PRNG key) must equal the reference bitwise.
   """
+  crashed_ckpt = tmp_path / "ckpt"
+  crashed = harness.in_background(_train_job, tmp_path / "crashed", crashed_ckpt, "--kill-at", "8")
+  # The reference, in this process while the crashed job runs.
   ref_out, ref_ckpt = tmp_path / "reference", tmp_path / "reference_ckpt"
   ref_out.mkdir()
-  train_resume.train(mesh_of(2), str(ref_out), str(ref_ckpt), steps=10, zero_stage=0)
+  try:
+    train_resume.train(mesh_of(2), str(ref_out), str(ref_ckpt), steps=10, zero_stage=0)
+  finally:
+    code, out, seconds = crashed()
   reference, reference_final = _losses(ref_out), _npz(ref_out / "final.npz")
   assert sorted(reference) == list(range(10))
 
-  crashed_ckpt = tmp_path / "ckpt"
-  code, out, seconds = _train_job(tmp_path / "crashed", crashed_ckpt, "--kill-at", "8")
   _assert_no_process_with(str(tmp_path))
   assert code in (-signal.SIGKILL, 128 + signal.SIGKILL), out
   assert "killing rank" in out and "done" not in out, out
@@ -739,13 +744,17 @@ def test_resume_after_sigkill_is_bitwise_identical_to_an_uninterrupted_run(tmp_p
   assert resume_at in (3, 6), resume_at  # 6 unless the async save of 6 was still in flight at the kill
   print(f"\ncrashed run ({seconds:.1f} s) resumes from step {resume_at}")
 
-  code, out, seconds = _train_job(tmp_path / "resumed", crashed_ckpt)
+  resumed = harness.in_background(_train_job, tmp_path / "resumed", crashed_ckpt)
+  # The resume in another layout, in this process (from the copy) while the resumed job runs.
+  other_out = tmp_path / "other_layout"
+  other_out.mkdir()
+  try:
+    train_resume.train(mesh_of(2), str(other_out), str(tmp_path / "ckpt_copy"), steps=10, zero_stage=3)
+  finally:
+    code, out, seconds = resumed()
   _assert_no_process_with(str(tmp_path))
   assert code == 0, out
   assert f"starting at step {resume_at}" in out, out
-  other_out = tmp_path / "other_layout"
-  other_out.mkdir()
-  train_resume.train(mesh_of(2), str(other_out), str(tmp_path / "ckpt_copy"), steps=10, zero_stage=3)
   print(f"resumed run: {seconds:.1f} s")
 
   for name in ("resumed", "other_layout"):

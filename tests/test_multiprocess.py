@@ -333,18 +333,20 @@ def test_train_lm_runs_unchanged_under_the_launcher(tmp_path):
 
   flags = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--layers", "1", "--d-model", "16",
            "--heads", "2", "--d-ff", "32", "--max-bytes", "30000", "--no-progress"]
-  result = harness.launch(["--nproc", "2", "--devices-per-proc", "1", "--grace-period", "2", "--timeout", "150"],
-                          [harness.ROOT / "experiments" / "train_lm.py", *flags, "--out", tmp_path / "mp"],
-                          timeout=JOB_SECONDS + 60, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
-  assert result.returncode == 0, result.stdout + result.stderr
-  launched = [json.loads(line)["loss"] for line in (tmp_path / "mp" / "metrics.jsonl").read_text().splitlines()]
+  job = harness.in_background(
+      harness.launch, ["--nproc", "2", "--devices-per-proc", "1", "--grace-period", "2", "--timeout", "150"],
+      [harness.ROOT / "experiments" / "train_lm.py", *flags, "--out", tmp_path / "mp"],
+      timeout=JOB_SECONDS + 60, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
   config = train_lm.config_from_args(flags + ["--devices", "2"])
   before = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)
-  try:
+  try:  # the 1-process run, here while the launched job runs
     local = [r["loss"] for r in train_lm.train(config, devices=jax.devices()[:2], out=None)["records"]]
   finally:
     jax.config.update("jax_disable_most_optimizations", before)
+    result = job()
+  assert result.returncode == 0, result.stdout + result.stderr
+  launched = [json.loads(line)["loss"] for line in (tmp_path / "mp" / "metrics.jsonl").read_text().splitlines()]
   assert len(launched) == len(local) == 3
   np.testing.assert_allclose(launched, local, rtol=0, atol=ATOL)
   harness.assert_no_leftovers(str(tmp_path))

@@ -3,9 +3,10 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent
@@ -43,6 +44,32 @@ def run(args: Sequence[str], *, timeout: float = 120, **extra_env: str) -> Resul
     out, err = proc.communicate()
     raise AssertionError(f"{args} did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
   return Result(proc.returncode, out, err, time.monotonic() - start)
+
+
+def in_background(fn: Callable, *args, **kwargs) -> Callable:
+  """Starts ``fn(*args, **kwargs)`` (a job: ``run``, ``launch``) in a thread; returns ``wait()``, which gives its result.
+
+  The test computes something else in this process meanwhile (a single-device reference); ``wait()``
+  returns or raises what ``fn`` did, with ``fn``'s own timeout.
+  """
+  outcome: dict = {}
+
+  def target():
+    try:
+      outcome["result"] = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001  (raised again by wait())
+      outcome["error"] = e
+
+  thread = threading.Thread(target=target, daemon=True)
+  thread.start()
+
+  def wait():
+    thread.join()
+    if "error" in outcome:
+      raise outcome["error"]
+    return outcome["result"]
+
+  return wait
 
 
 def processes_with(marker: str) -> list[str]:
