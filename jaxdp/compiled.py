@@ -383,14 +383,14 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
   def per_replica(state, batch, weights, rng, has_more):
     return gradient_step(
         loss_fn, state, batch, weights, rng=rng, has_more=has_more, params_split=params_split,
-        grads_split=grads_split, **options,
+        grads_split=grads_split, divide=False, **options,
     )
 
   gradient = jax.shard_map(
       per_replica,
       mesh=mesh,
       in_specs=(TrainState(specs.params, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
-      out_specs=ReducedGradient(grad_specs, P(), P(), P(), P(), P()),
+      out_specs=ReducedGradient(grad_specs, P(), P(), P(), P(), P(), P()),
       axis_names=set(axis_names(axis_name)),
       check_vma=check_vma,
   )

@@ -61,13 +61,21 @@ class ReducedGradient(NamedTuple):
   """The gradient every replica applies, with the matching loss, weight, metrics and model state.
 
   Attributes:
-    grads: the normalised gradient to hand to the optimizer.
+    grads: the normalised gradient to hand to the optimizer; or, when
+      ``grad_divisor`` is not ``None``, the reduced sums whose quotient by
+      ``grad_divisor`` is that gradient (see :func:`applied_gradient`).
     loss: the reduced loss matching the reduction mode.
     weight: the total weight behind ``grads``: global ``Σ w``, or the local one
       under ``"none"``. Zero means there is nothing to learn from.
     metrics: ``{name: value}``, each metric reduced like the loss.
     model_state: the model state every replica keeps (see :func:`reduce_model_state`).
     totals: the ``totals`` given to :func:`reduce_gradient`, summed over replicas.
+    grad_divisor: ``None`` (``grads`` is the gradient), or the scalar that
+      ``grads`` is still to be divided by (``reduce_gradient(...,
+      divide=False)``): :func:`jaxdp.finish_step` then divides where the
+      gradient is read (its norm, the optimizer update), so the compiler
+      fuses the division into those passes instead of writing a divided
+      copy of the whole gradient first. The numbers are the same.
   """
 
   grads: Any
@@ -76,6 +84,25 @@ class ReducedGradient(NamedTuple):
   metrics: Any = None
   model_state: Any = None
   totals: Any = None
+  grad_divisor: Any = None
+
+
+def applied_gradient(reduced: ReducedGradient) -> Any:
+  """The gradient a :class:`ReducedGradient` stands for: ``grads``, divided by ``grad_divisor`` if that is set."""
+  return divide_gradient(reduced.grads, reduced.grad_divisor)
+
+
+def divide_gradient(grads: Any, divisor: jax.Array | None) -> Any:
+  """``grads / divisor`` leaf by leaf, in each leaf's dtype (``divisor=None``: ``grads`` unchanged).
+
+  Computed as ``grads * (1 / divisor)`` (within an ulp of the quotient): XLA
+  fuses a multiply into every pass that reads the gradient (the norm, each
+  of the optimizer's moments), where a divide would be written out first.
+  """
+  if divisor is None:
+    return grads
+  reciprocal = 1 / jnp.asarray(divisor)
+  return jax.tree.map(lambda g: g * reciprocal.astype(g.dtype), grads)
 
 
 def check_reduction(reduction: str) -> None:
@@ -351,10 +378,13 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any) -> Any:
 
 
 def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
+  return divide_gradient(tree, _safe_denominator(denominator))
+
+
+def _safe_denominator(denominator: jax.Array) -> jax.Array:
   # A zero denominator only happens when every numerator is zero too (no weight, no
   # gradient); dividing by one then keeps the result at zero instead of NaN.
-  safe = jnp.where(denominator > 0, denominator, jnp.ones_like(denominator))
-  return jax.tree.map(lambda x: x / safe.astype(x.dtype), tree)
+  return jnp.where(denominator > 0, denominator, jnp.ones_like(denominator))
 
 
 def _tracks_replication(axis_name: str) -> bool:
@@ -474,6 +504,7 @@ def reduce_gradient(
     totals: Any = None,
     bucket_bytes: int | None = None,
     reduce_dtype: Any = None,
+    divide: bool = True,
 ) -> ReducedGradient:
   """Makes the replicas agree on one gradient, loss, metrics and model state, in one all-reduce.
 
@@ -507,6 +538,12 @@ def reduce_gradient(
       ``jnp.bfloat16``, half the bytes of float32) and cast it back after the
       sum; ``None`` keeps the local gradient's dtype (float32 at least). The
       loss, weights, metrics and the weighted-mean division stay float32.
+    divide: ``True`` returns the normalised gradient. ``False`` leaves the
+      gradient as the reduced sums and sets ``grad_divisor`` (the global
+      weight under ``"mean"``, the replica count under ``"rank_mean"``): for
+      :func:`jaxdp.finish_step`, which divides where it reads the gradient,
+      saving a pass over it (``jaxdp.train_step`` does this). The loss and
+      metrics are divided either way.
 
   Returns:
     A :class:`ReducedGradient`. Every replica holds the same values except
@@ -520,8 +557,7 @@ def reduce_gradient(
   if reduction == "none":
     if scatter is not False:
       raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")
-    grads, loss, metrics = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
-    return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals)
+    return _normalised(grads, loss_sum, weight_sum, metric_sums, model_state, totals, weight_sum, divide)
   local_weight = weight_sum
   if reduction == "rank_mean":  # each replica's local mean first, as DDP does
     grads, loss_sum, metric_sums = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
@@ -542,29 +578,79 @@ def reduce_gradient(
   if reduction == "sum":
     return ReducedGradient(grads, loss_sum, weight_sum, metric_sums, model_state, totals)
   if reduction == "rank_mean":
-    n = lax.axis_size(axis_name)
-    grads, loss, metrics = jax.tree.map(lambda x: x / n, (grads, loss_sum, metric_sums))
-    return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals)
-  grads, loss, metrics = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
-  return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals)
+    n = jnp.asarray(lax.axis_size(axis_name), jnp.float32)
+    return _normalised(grads, loss_sum, weight_sum, metric_sums, model_state, totals, n, divide)
+  return _normalised(grads, loss_sum, weight_sum, metric_sums, model_state, totals, weight_sum, divide)
 
 
-def global_norm(tree: Any, axis_name: str | None = None) -> jax.Array:
+def _normalised(grads, loss_sum, weight_sum, metric_sums, model_state, totals, denominator, divide: bool):
+  """The reduced sums divided by ``denominator`` (zero read as one); the gradient only if ``divide``."""
+  divisor = _safe_denominator(denominator)
+  loss, metrics = divide_gradient((loss_sum, metric_sums), divisor)
+  if divide:
+    return ReducedGradient(divide_gradient(grads, divisor), loss, weight_sum, metrics, model_state, totals)
+  return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
+
+
+def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | None = None) -> jax.Array:
   """The L2 norm of a whole gradient tree, also when its leaves are sharded over ``axis_name``.
 
-  Leaves that vary over ``axis_name`` (chunks of a sharded gradient inside
-  ``shard_map``) contribute their squared norms through one ``psum``;
-  replicated leaves are counted once. Outside ``shard_map``, or with
-  ``axis_name=None``, it is ``optax.tree.norm``. Chunks must partition the
-  vector (ZeRO's zero padding adds nothing to the norm).
+  With ``axis_name`` (inside ``shard_map`` or ``pmap``), every leaf not
+  typed as varying over it must hold the same value on every device of the
+  axis (an agreed, replicated gradient; pass ``None`` for replicas that
+  differ, e.g. under ``reduction="none"``). Each device then sums the
+  squares of its own 1/N of such a leaf, and one ``psum`` adds these partial
+  sums and those of the leaves that do vary (chunks of a sharded gradient):
+  the norm costs each device a pass over 1/N of the gradient, not over all
+  of it. A leaf the compiler may split over another mesh axis (an ``Auto``
+  model axis) is summed whole on every device instead, counted once.
+  Without ``axis_name`` it is ``optax.tree.norm``. Chunks must partition
+  the vector (ZeRO's zero padding adds nothing to the norm). ``divisor``:
+  the norm of ``tree / divisor`` (see :func:`divide_gradient`), without
+  writing the quotient.
   """
-  local, shared = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+  partial, shared, communicate = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), False
   for leaf in jax.tree.leaves(tree):
-    squares = jnp.sum(jnp.square(leaf.astype(jnp.float32)))
     if axis_name is not None and varies(leaf, axis_name):
-      local = local + squares
+      partial, communicate = partial + _squares(leaf, divisor), True
+    elif axis_name is not None and _splittable(leaf):
+      partial, communicate = partial + _squares(_own_part(leaf, axis_name), divisor), True
     else:
-      shared = shared + squares
-  if axis_name is not None and varies(local, axis_name):
-    local = lax.psum(local, axis_name)
-  return jnp.sqrt(local + shared)
+      shared = shared + _squares(leaf, divisor)
+  if communicate:
+    partial = lax.psum(partial, axis_name)
+  return jnp.sqrt(partial + shared)
+
+
+def _squares(x: jax.Array, divisor: jax.Array | None) -> jax.Array:
+  return jnp.sum(jnp.square(divide_gradient(x, divisor).astype(jnp.float32)))
+
+
+def _own_part(x: jax.Array, axis_name: Any) -> jax.Array:
+  """This device's 1/N of ``x`` (flattened), the rest of each device's equal-length window zeroed."""
+  flat = x.reshape(-1)
+  n, i = lax.axis_size(axis_name), lax.axis_index(axis_name)
+  chunk = -(-flat.shape[0] // n)
+  # The last windows are moved back to fit in the array; what overlaps the previous device's part is zeroed.
+  start = jnp.minimum(i * chunk, flat.shape[0] - chunk)
+  window = lax.dynamic_slice_in_dim(flat, start, chunk)
+  if flat.shape[0] % n == 0:  # the parts tile the array: no window overlaps another
+    return window
+  return jnp.where(start + jnp.arange(chunk) >= i * chunk, window, jnp.zeros_like(window))
+
+
+def _splittable(x: jax.Array) -> bool:
+  """Whether slicing ``x`` on the manual axes leaves it where it is: no other mesh axis may split it."""
+  try:
+    mesh = jax.sharding.get_abstract_mesh()
+    others = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
+              if a not in mesh.manual_axes and mesh.shape[a] > 1]
+    if not others:
+      return True
+    if any(t != jax.sharding.AxisType.Explicit for a, t in zip(mesh.axis_names, mesh.axis_types) if a in others):
+      return False  # the compiler chooses how an Auto axis splits the leaf: slicing could make it gather
+    named = {a for part in jax.typeof(x).sharding.spec if part is not None
+             for a in ((part,) if isinstance(part, str) else part)}
+    return not named & set(others)
+  except (AttributeError, TypeError):  # no mesh information in this JAX: sum the whole leaf
+    return False

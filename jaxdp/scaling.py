@@ -507,10 +507,13 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
     scalar_bytes: bytes of scalars reduced with the gradient (jaxdp: Σ w·l
       and Σ w, 8 bytes): inside the gradient all-reduce at stages 0-1, a
       separate all-reduce at stages 2-3.
-    norm_bytes: bytes of the partial sums of squares of the split gradient
-      leaves that XLA all-reduces for the global gradient norm at stages 2-3
-      (jaxdp: 4 bytes per split leaf); all-reduced with the unsplit
-      gradient.
+    norm_bytes: bytes of the partial sums of squares all-reduced for the
+      global gradient norm. Stages 2-3: those of the split gradient leaves,
+      which XLA all-reduces with the unsplit gradient (jaxdp: 4 bytes per
+      split leaf). Stage 0: the one float32 sum of each device's 1/N of the
+      agreed gradient (jaxdp: 4 bytes; 0 when a model axis is left to the
+      compiler), in an all-reduce of its own after the gradient's. Not
+      used at stage 1 (the norm of the replicated gradient needs none).
 
   Returns:
     The step's :class:`CollectiveOp` s in program order (ops of 0 bytes left out).
@@ -529,7 +532,9 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
     return ()
   g, p = precision.grad_bytes, precision.param_bytes
   all_reduce = CollectiveOp("all-reduce", psi * g + scalar_bytes, True)
-  if zero_stage == 0 or (zero_stage == 1 and schedule == "jaxdp" and precision.optimizer_bytes == 0):
+  if zero_stage == 0:
+    return (all_reduce,) + ((CollectiveOp("all-reduce", norm_bytes, False),) if norm_bytes else ())
+  if zero_stage == 1 and schedule == "jaxdp" and precision.optimizer_bytes == 0:
     return (all_reduce,)
   gather = (CollectiveOp("all-gather", split * p, False),) if split else ()
   if zero_stage == 1 and schedule == "jaxdp":

@@ -20,6 +20,7 @@ from jaxdp.layout import data_dim, per_model_shard, zero_axis
 from jaxdp.reduction import (
     ReducedGradient,
     check_reduction,
+    divide_gradient,
     global_norm,
     local_gradient,
     reduce_gradient,
@@ -33,6 +34,7 @@ def apply_update(
     grads: Any,
     apply: jax.Array | bool = True,
     model_state: Any = None,
+    grad_divisor: jax.Array | None = None,
 ) -> TrainState:
   """Applies ``grads`` with ``optimizer`` (and installs ``model_state``), or returns ``state`` unchanged.
 
@@ -42,17 +44,21 @@ def apply_update(
   and no model-state update from a batch that was not learned from.
   ``model_state=None`` keeps ``state.model_state``. Gradients are cast to
   the parameters' dtypes (they are reduced in float32 at least).
+  ``grad_divisor``: apply ``grads / grad_divisor`` (a reduced gradient left
+  undivided, see :class:`jaxdp.ReducedGradient`); the division happens in
+  the update's own pass over the gradient.
   """
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
   def step(operand):
-    state, new_model_state = operand
+    state, new_model_state, grads = operand
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), divide_gradient(grads, grad_divisor), state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     kept = state.model_state if new_model_state is None else new_model_state
     return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1, kept)
 
   # cond rather than a select over the whole state: a select copies every buffer each step.
-  return lax.cond(apply, step, lambda operand: operand[0], (state, model_state))
+  # The division and the cast happen inside the branch, fused into the update's pass over the gradient.
+  return lax.cond(apply, step, lambda operand: operand[0], (state, model_state, grads))
 
 
 def gather_params(params: Any, split: Any, axis_name: str) -> Any:
@@ -93,6 +99,7 @@ def gradient_step(
     bucket_bytes: int | None = None,
     params_split: Any = None,
     grads_split: Any = None,
+    divide: bool = True,
 ) -> ReducedGradient:
   """This replica's gradient, loss, metrics and model state, reduced over ``axis_name`` (per replica).
 
@@ -104,6 +111,8 @@ def gradient_step(
   (stages 2-3: reduce-scattered, so each device keeps only its slice of each
   reduced leaf). Specs may also name the model axes a leaf is split over
   (the full spec): the gather and scatter then run per model shard.
+  ``divide=False`` leaves the gradient undivided for :func:`finish_step`
+  (see :func:`jaxdp.reduce_gradient`).
   """
   check_reduction(reduction)
   if rng is not None:
@@ -117,7 +126,7 @@ def gradient_step(
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
   return reduce_gradient(
       local, axis_name=axis_name, reduction=reduction, scatter=False if grads_split is None else grads_split,
-      totals=totals, bucket_bytes=bucket_bytes, reduce_dtype=grad_reduce_dtype,
+      totals=totals, bucket_bytes=bucket_bytes, reduce_dtype=grad_reduce_dtype, divide=divide,
   )
 
 
@@ -130,17 +139,21 @@ def finish_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """The skip decision and the update: ``(new_state, metrics)`` from a reduced gradient.
 
-  Runs per replica (``axis_name`` given: gradient leaves that vary over it
-  count once each in the norm) or on the global arrays (``axis_name=None``:
-  the optimizer sees whole leaves, XLA partitions the update as the
-  arrays are sharded, so every optax optimizer gives stage 0's numbers).
+  Runs per replica (``axis_name`` given: the gradient is agreed over it;
+  leaves that vary over it are chunks, counted once each in the norm, and
+  each replica sums its 1/N of the others, see :func:`jaxdp.global_norm`;
+  pass ``None`` under ``reduction="none"``, where replicas differ) or on
+  the global arrays (``axis_name=None``: the optimizer sees whole leaves,
+  XLA partitions the update as the arrays are sharded, so every optax
+  optimizer gives stage 0's numbers). A gradient left undivided
+  (``grad_divisor``) is divided inside the norm's and the update's passes.
   """
   # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
   # a NaN is NaN), so this flag is the same everywhere: all skip.
-  grad_norm = global_norm(reduced.grads, axis_name)
+  grad_norm = global_norm(reduced.grads, axis_name, reduced.grad_divisor)
   nonfinite = jnp.logical_not(jnp.isfinite(grad_norm) & jnp.isfinite(reduced.loss))
   apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
-  new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state)
+  new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state, reduced.grad_divisor)
   metrics = {
       "loss": reduced.loss,
       **(reduced.metrics or {}),
@@ -229,6 +242,7 @@ def train_step(
   reduced = gradient_step(
       loss_fn, state, batch, weights,
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, has_more=has_more,
-      compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes,
+      compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, divide=False,
   )
-  return finish_step(optimizer, state, reduced, axis_name=axis_name)
+  # Under "none" the replicas' gradients differ: each takes the norm of its own.
+  return finish_step(optimizer, state, reduced, axis_name=None if reduction == "none" else axis_name)

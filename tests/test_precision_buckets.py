@@ -75,11 +75,15 @@ def single_all_reduces():
   return all_reduces(reference_run()[0])
 
 
-@pytest.mark.parametrize("bucket_bytes,ops", [(None, 1), (0, 6 + 1), (300, 5 + 1), (10**9, 1 + 1)])
+NORM = 1  # the scalar all-reduce of the gradient norm's partial sums (each device sums its 1/K of the gradient)
+
+
+@pytest.mark.parametrize("bucket_bytes,ops", [(None, 1 + NORM), (0, 6 + 1 + NORM), (300, 5 + 1 + NORM),
+                                              (10**9, 1 + 1 + NORM)])
 def test_buckets_are_bitwise_the_single_reduction(bucket_bytes, ops):
   """One all-reduce per bucket, plus one for the loss, weight and metrics; bitwise the single reduction.
 
-  0: one bucket per leaf; 300 bytes: the leaves in flattening order (b before w) have 64, 320, 64, 1024,
+  Plus, in every step, the 4-byte all-reduce of the gradient norm. 0: one bucket per leaf; 300 bytes: the leaves in flattening order (b before w) have 64, 320, 64, 1024,
   12 and 192 bytes, so reversed they make [192 + 12], [1024], [64], [320], [64]; 1 GB: one bucket.
   """
   _, reference, reference_metrics = reference_run()

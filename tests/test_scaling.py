@@ -258,9 +258,12 @@ def test_norm_and_scalar_bytes_are_separate_all_reduces_at_stages_2_and_3():
   for stage in (2, 3):
     ops = scaling.collectives(100, 4, stage, scaling.FP32_ADAM, split_params=90, scalar_bytes=8, norm_bytes=12)
     assert [op.nbytes for op in ops if op.kind == "all-reduce"] == [8, 10 * 4 + 12]
-  for stage in (0, 1):
-    ops = scaling.collectives(100, 4, stage, scaling.FP32_ADAM, split_params=90, scalar_bytes=8, norm_bytes=12)
-    assert [op.nbytes for op in ops if op.kind == "all-reduce"] == [100 * 4 + 8]
+  ops = scaling.collectives(100, 4, 1, scaling.FP32_ADAM, split_params=90, scalar_bytes=8, norm_bytes=12)
+  assert [op.nbytes for op in ops if op.kind == "all-reduce"] == [100 * 4 + 8]  # the norm needs no collective
+  # Stage 0: the gradient with the scalars, then the partial sums of squares on their own.
+  ops = scaling.collectives(100, 4, 0, scaling.FP32_ADAM, split_params=90, scalar_bytes=8, norm_bytes=4)
+  assert [op.nbytes for op in ops if op.kind == "all-reduce"] == [100 * 4 + 8, 4]
+  assert [op.gradient for op in ops] == [True, False]
 
 
 def test_memory_keeps_unsplit_leaves_whole():
@@ -296,8 +299,9 @@ def _loss(params, batch):
 def test_model_bytes_equal_bytes_counted_in_a_compiled_jaxdp_step(n, zero_stage, optimizer_name):
   """Leaves w [3, 8], b [8], head [8], shift [3] and a scalar bias: at N = 4 w (along its 8), b and head split,
   shift and bias stay whole; at N = 3 only w (along its 3) and shift split. jaxdp reduces Σw·l and Σw
-  (8 bytes) with the gradient; at stages 2-3 XLA all-reduces one float32 partial sum of squares per split
-  leaf for the global gradient norm. SGD (no optimizer state) splits nothing at stage 1."""
+  (8 bytes) with the gradient; for the global gradient norm, at stages 2-3 XLA all-reduces one float32
+  partial sum of squares per split leaf, and at stage 0 each device all-reduces the sum of squares of its
+  1/N of the agreed gradient (4 bytes). SGD (no optimizer state) splits nothing at stage 1."""
   rng = np.random.default_rng(0)
   params = {"w": rng.normal(size=(3, 8)).astype(np.float32), "b": np.zeros(8, np.float32),
             "head": rng.normal(size=(8,)).astype(np.float32), "shift": np.zeros(3, np.float32),
@@ -314,6 +318,6 @@ def test_model_bytes_equal_bytes_counted_in_a_compiled_jaxdp_step(n, zero_stage,
   split, split_leaves = scaling.split_params_of(params, n)
   assert (split, split_leaves) == ({4: 40, 3: 27}[n], {4: 3, 3: 2}[n])
   ops = scaling.collectives(sum(np.size(x) for x in jax.tree.leaves(params)), n, zero_stage, precision,
-                            split_params=split, scalar_bytes=8, norm_bytes=4 * split_leaves)
+                            split_params=split, scalar_bytes=8, norm_bytes=4 if zero_stage == 0 else 4 * split_leaves)
   for kind in scaling.KINDS:
     assert counted[kind].bytes == sum(op.nbytes for op in ops if op.kind == kind), (kind, counted)
