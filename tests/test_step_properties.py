@@ -37,6 +37,7 @@ import numpy as np
 import optax
 import pytest
 from hypothesis import example, given, settings, strategies as st
+from jax.sharding import PartitionSpec as P
 
 import jaxdp
 
@@ -343,3 +344,27 @@ def test_none_is_each_device_stepping_alone(case, backend):
     assert float(metrics["replica_divergence"]) > 0.0
   elif spread == 0.0:
     assert float(metrics["replica_divergence"]) == 0.0
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_global_norm_of_an_agreed_gradient_is_summed_in_parts(n):
+  """``global_norm`` inside ``shard_map``: each device sums its 1/N of each replicated leaf, one psum adds them.
+
+  Leaf sizes that N does not divide (the last windows overlap and are masked), a scalar and an empty leaf,
+  with a divisor: the norm equals numpy's on the whole tree, on every device. A NaN or Inf placed in any
+  device's part makes every device's norm non-finite, so the skip stays collective.
+  """
+  rng = np.random.default_rng(n)
+  tree = {"a": rng.normal(size=(7, 3)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32),
+          "c": np.float32(1.5), "d": np.zeros((0, 4), np.float32), "e": rng.normal(size=(16,)).astype(np.float32)}
+  mesh = jaxdp.data_mesh(jax.devices()[:n])
+  norm = jax.jit(jax.shard_map(
+      lambda t: jaxdp.global_norm(t, "data", jnp.float32(4.0))[None], mesh=mesh, in_specs=P(), out_specs=P("data")))
+  expected = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64) / 4.0)) for x in jax.tree.leaves(tree)))
+  np.testing.assert_allclose(np.asarray(norm(tree)), np.full(n, expected), rtol=1e-6)
+  assert "all-reduce" in norm.lower(tree).compile().as_text()  # the parts were added, not recomputed whole
+  for bad in (np.nan, np.inf):
+    for index in (0, 10, 20):  # spread over the devices' parts of the 21 elements of "a"
+      poisoned = dict(tree, a=tree["a"].copy())
+      poisoned["a"].flat[index] = bad
+      assert not np.isfinite(np.asarray(norm(poisoned))).any(), (bad, index)
