@@ -610,10 +610,11 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   writing the quotient.
   """
   partial, shared, communicate = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), False
+  parts = axis_name is not None and lax.axis_size(axis_name) > 1  # one device: nothing to split or add
   for leaf in jax.tree.leaves(tree):
     if axis_name is not None and varies(leaf, axis_name):
       partial, communicate = partial + _squares(leaf, divisor), True
-    elif axis_name is not None and _splittable(leaf):
+    elif parts and _splittable(leaf):
       partial, communicate = partial + _squares(_own_part(leaf, axis_name), divisor), True
     else:
       shared = shared + _squares(leaf, divisor)
