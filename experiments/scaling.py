@@ -72,6 +72,7 @@ SMALL_BATCH = 64  # second one-device batch: the slope between the two is the ti
 MICRO_BYTES = (2**16, 2**20, 2**22, 2**24)  # psum sizes around the gradient's (7.45 MB), which is added
 JAXDP_SCALARS = 8  # Σw·l and Σw, all-reduced with the gradient (alone at stages 2-3)
 NORM_BYTES_PER_SPLIT_LEAF = 4  # stages 2-3: XLA all-reduces each split leaf's float32 sum of squares (global norm)
+STAGE0_NORM_BYTES = 4  # stage 0: one float32, each device's sum of squares of its 1/N of the gradient
 MS = 1e3
 
 SEQ_LEN, SEQS_PER_DEVICE, MFU = 2048, 4, 0.40
@@ -283,7 +284,8 @@ def bytes_rows(counted, stage_counts, n_max):
   for n, stage, report in [(n, 0, c) for n, c in counted.items()] + [(n_max, s, c) for s, c in stage_counts.items()]:
     split, leaves = split_count(n)
     ops = scaling.collectives(param_count(), n, stage, scaling.FP32_ADAM, split_params=split,
-                              scalar_bytes=JAXDP_SCALARS, norm_bytes=NORM_BYTES_PER_SPLIT_LEAF * leaves)
+                              scalar_bytes=JAXDP_SCALARS,
+                              norm_bytes=STAGE0_NORM_BYTES if stage == 0 else NORM_BYTES_PER_SPLIT_LEAF * leaves)
     for kind in scaling.KINDS:
       model = sum(op.nbytes for op in ops if op.kind == kind)
       model_traffic = sum(scaling.ring_traffic(kind, op.nbytes, n) for op in ops if op.kind == kind)
@@ -510,7 +512,8 @@ def _check_md(out):
       "",
       "Collective bytes per step, counted in the compiled HLO (`jaxdp.comm_report`) vs the model's schedule "
       "(`scaling.collectives` with the parameters in leaves that split over N, the rest all-reduced, 8 bytes of "
-      "loss and weight sums, and at stages 2-3 4 bytes per split leaf for the global gradient norm):",
+      "loss and weight sums, and for the global gradient norm 4 bytes per split leaf at stages 2-3 and, at stage 0, "
+      "4 bytes in an all-reduce of their own: each device's sum of squares over its 1/N of the gradient):",
       "",
       "| N | stage | kind | ops in HLO | counted bytes | model bytes | counted ring traffic | model ring traffic |",
       "|---:|---:|---|---:|---:|---:|---:|---:|",
