@@ -71,8 +71,6 @@ GLOBAL_BATCH = 512
 SMALL_BATCH = 64  # second one-device batch: the slope between the two is the time per example
 MICRO_BYTES = (2**16, 2**20, 2**22, 2**24)  # psum sizes around the gradient's (7.45 MB), which is added
 JAXDP_SCALARS = 8  # Σw·l and Σw, all-reduced with the gradient (alone at stages 2-3)
-NORM_BYTES_PER_SPLIT_LEAF = 4  # stages 2-3: XLA all-reduces each split leaf's float32 sum of squares (global norm)
-STAGE0_NORM_BYTES = 4  # stage 0: one float32, each device's sum of squares of its 1/N of the gradient
 MS = 1e3
 
 SEQ_LEN, SEQS_PER_DEVICE, MFU = 2048, 4, 0.40
@@ -284,8 +282,7 @@ def bytes_rows(counted, stage_counts, n_max):
   for n, stage, report in [(n, 0, c) for n, c in counted.items()] + [(n_max, s, c) for s, c in stage_counts.items()]:
     split, leaves = split_count(n)
     ops = scaling.collectives(param_count(), n, stage, scaling.FP32_ADAM, split_params=split,
-                              scalar_bytes=JAXDP_SCALARS,
-                              norm_bytes=STAGE0_NORM_BYTES if stage == 0 else NORM_BYTES_PER_SPLIT_LEAF * leaves)
+                              scalar_bytes=JAXDP_SCALARS, norm_bytes=scaling.jaxdp_norm_bytes(stage, leaves))
     for kind in scaling.KINDS:
       model = sum(op.nbytes for op in ops if op.kind == kind)
       model_traffic = sum(scaling.ring_traffic(kind, op.nbytes, n) for op in ops if op.kind == kind)

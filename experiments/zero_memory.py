@@ -86,8 +86,6 @@ MIB = 2**20
 TP_SHAPE = (4, 2)  # ("data", "model")
 PRECISION = scaling.FP32_ADAM
 SCALAR_BYTES = 8  # Σ w·l and Σ w, all-reduced with the gradient (alone at stages 2-3)
-NORM_BYTES_PER_SPLIT_LEAF = 4  # stages 2-3: one float32 partial sum of squares per split gradient leaf
-STAGE0_NORM_BYTES = 4  # stage 0: each device's sum of squares over its 1/N of the gradient (data axes only)
 # Psi elements sent per device per step, as multiples of (N-1)/N.
 COMM_PAPER = {0: 2, 1: 2, 2: 2, 3: 3}
 COMM_JAXDP = {0: 2, 1: 3, 2: 2, 3: 2}
@@ -119,9 +117,8 @@ def model_collectives(psi, split, leaves, n, stage, model_axis=False):
   ``model_axis``: the mesh has a model axis left to the compiler, so stage 0 sums the norm on every
   device instead of all-reducing partial sums (see ``jaxdp.global_norm``).
   """
-  norm_bytes = NORM_BYTES_PER_SPLIT_LEAF * leaves if stage >= 2 else (0 if model_axis else STAGE0_NORM_BYTES)
   ops = scaling.collectives(psi, n, stage, PRECISION, split_params=split, scalar_bytes=SCALAR_BYTES,
-                            norm_bytes=norm_bytes)
+                            norm_bytes=scaling.jaxdp_norm_bytes(stage, leaves, model_axis=model_axis))
   return {kind: (sum(op.nbytes for op in ops if op.kind == kind),
                  sum(scaling.ring_traffic(kind, op.nbytes, n) for op in ops if op.kind == kind))
           for kind in scaling.KINDS}

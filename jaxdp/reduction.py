@@ -557,7 +557,8 @@ def reduce_gradient(
   if reduction == "none":
     if scatter is not False:
       raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")
-    return _normalised(grads, loss_sum, weight_sum, metric_sums, model_state, totals, weight_sum, divide)
+    grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), weight_sum, divide)
+    return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
   local_weight = weight_sum
   if reduction == "rank_mean":  # each replica's local mean first, as DDP does
     grads, loss_sum, metric_sums = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
@@ -577,19 +578,22 @@ def reduce_gradient(
   model_state = _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight_sum, treedef)
   if reduction == "sum":
     return ReducedGradient(grads, loss_sum, weight_sum, metric_sums, model_state, totals)
-  if reduction == "rank_mean":
-    n = jnp.asarray(lax.axis_size(axis_name), jnp.float32)
-    return _normalised(grads, loss_sum, weight_sum, metric_sums, model_state, totals, n, divide)
-  return _normalised(grads, loss_sum, weight_sum, metric_sums, model_state, totals, weight_sum, divide)
+  denominator = weight_sum if reduction == "mean" else jnp.asarray(lax.axis_size(axis_name), jnp.float32)
+  grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), denominator, divide)
+  return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
 
 
-def _normalised(grads, loss_sum, weight_sum, metric_sums, model_state, totals, denominator, divide: bool):
-  """The reduced sums divided by ``denominator`` (zero read as one); the gradient only if ``divide``."""
+def _normalised(sums: tuple, denominator: jax.Array, divide: bool) -> tuple:
+  """``(grads, loss, metrics, grad_divisor)``: the sums over ``denominator`` (zero read as one).
+
+  The gradient is divided only if ``divide``; otherwise it stays the sums and the divisor is returned.
+  """
+  grads, loss_sum, metric_sums = sums
   divisor = _safe_denominator(denominator)
   loss, metrics = divide_gradient((loss_sum, metric_sums), divisor)
   if divide:
-    return ReducedGradient(divide_gradient(grads, divisor), loss, weight_sum, metrics, model_state, totals)
-  return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
+    return divide_gradient(grads, divisor), loss, metrics, None
+  return grads, loss, metrics, divisor
 
 
 def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | None = None) -> jax.Array:

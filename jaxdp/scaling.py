@@ -549,6 +549,22 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
   return gathers + scalars + scatter + unsplit
 
 
+def jaxdp_norm_bytes(zero_stage: int, split_leaves: int, *, model_axis: bool = False) -> int:
+  """``norm_bytes`` for :func:`collectives` as jaxdp compiles the global gradient norm.
+
+  Stages 2-3: one float32 partial sum of squares per split gradient leaf.
+  Stage 0: one float32, each device's sum over its 1/N of the agreed
+  gradient; none when a model axis is left to the compiler (``model_axis``:
+  every device then sums the whole gradient, see :func:`jaxdp.global_norm`).
+  Stage 1: none (the norm of the replicated gradient needs no collective).
+  """
+  _choice(zero_stage, "zero_stage", ZERO_STAGES)
+  split_leaves = _int(split_leaves, "split_leaves", 0)
+  if zero_stage >= 2:
+    return 4 * split_leaves
+  return 4 if zero_stage == 0 and not model_axis else 0
+
+
 def split_params_of(params, n_devices: int, model_specs=None) -> tuple[int, int]:
   """``(Ψ_s, leaves)``: the parameter elements, and the leaves, that ZeRO splits over ``n_devices``.
 

@@ -83,8 +83,9 @@ NORM = 1  # the scalar all-reduce of the gradient norm's partial sums (each devi
 def test_buckets_are_bitwise_the_single_reduction(bucket_bytes, ops):
   """One all-reduce per bucket, plus one for the loss, weight and metrics; bitwise the single reduction.
 
-  Plus, in every step, the 4-byte all-reduce of the gradient norm. 0: one bucket per leaf; 300 bytes: the leaves in flattening order (b before w) have 64, 320, 64, 1024,
-  12 and 192 bytes, so reversed they make [192 + 12], [1024], [64], [320], [64]; 1 GB: one bucket.
+  Plus, in every step, the 4-byte all-reduce of the gradient norm. 0: one bucket per leaf; 300 bytes: the
+  leaves in flattening order (b before w) have 64, 320, 64, 1024, 12 and 192 bytes, so reversed they make
+  [192 + 12], [1024], [64], [320], [64]; 1 GB: one bucket.
   """
   _, reference, reference_metrics = reference_run()
   step, state, metrics = run(bucket_bytes=bucket_bytes)

@@ -217,6 +217,8 @@ def test_presets_are_consistent():
         (lambda: scaling.collectives(10, 4, 2, split_params=11), "split_params"),
         (lambda: scaling.collectives(10, 4, 2, split_params=-1), "split_params"),
         (lambda: scaling.collectives(10, 4, 2, norm_bytes=-4), "norm_bytes"),
+        (lambda: scaling.jaxdp_norm_bytes(4, 3), "zero_stage"),
+        (lambda: scaling.jaxdp_norm_bytes(2, -1), "split_leaves"),
         (lambda: scaling.memory_per_device(10, 4, 2, split_params=11), "split_params"),
         (lambda: scaling.seconds_per_example(1e12, 1e15, 0.0), "utilization"),
     ],
@@ -264,6 +266,12 @@ def test_norm_and_scalar_bytes_are_separate_all_reduces_at_stages_2_and_3():
   ops = scaling.collectives(100, 4, 0, scaling.FP32_ADAM, split_params=90, scalar_bytes=8, norm_bytes=4)
   assert [op.nbytes for op in ops if op.kind == "all-reduce"] == [100 * 4 + 8, 4]
   assert [op.gradient for op in ops] == [True, False]
+
+
+def test_jaxdp_norm_bytes_follow_the_compiled_norm():
+  """One float32 per split leaf at stages 2-3, one in all at stage 0 (none with a compiler-split model axis)."""
+  assert [scaling.jaxdp_norm_bytes(stage, 3) for stage in (0, 1, 2, 3)] == [4, 0, 12, 12]
+  assert scaling.jaxdp_norm_bytes(0, 3, model_axis=True) == 0
 
 
 def test_memory_keeps_unsplit_leaves_whole():
