@@ -28,9 +28,9 @@ Methods, all on the same initial parameters, batch and split:
   the same batch, ``torch.optim.Adam`` with the same hyper-parameters.
   Needs ``pip install -e .[bench]``; without PyTorch these rows are skipped.
 
-The methods run interleaved step by step (``common.time_interleaved``);
-steps are chained, each donating its state where the method donates. A JAX
-step is timed from its call to ``block_until_ready`` of its new state; a
+The methods run interleaved step by step, in a new order each round
+(``common.time_interleaved``); steps are chained, each donating its state
+where the method donates. A JAX step is timed from its call to ``block_until_ready`` of its new state; a
 DDP step on each process from a barrier to the end of ``optimizer.step()``
 (the slowest process counts), so neither includes the other's host
 messaging. Reported: median and p10–p90 over the timed steps, and ratios
@@ -365,6 +365,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+SETTLE_S = 0.05  # longer than libgomp's default spin after a parallel region; not timed
+
+
 class DDPGroup:
   """N PyTorch processes, one per rank, each on its own slice of the batch; a context manager.
 
@@ -374,11 +377,18 @@ class DDPGroup:
     lr: Adam's learning rate.
     threads: ``torch.set_num_threads`` of each process.
     cuda: NCCL and one GPU per process instead of gloo on CPU.
+    settle: seconds to wait after each step, untimed, before anything else
+      runs. PyTorch's OpenMP threads (a team when ``threads > 1``) spin for
+      some milliseconds after a parallel region (libgomp's default
+      ``GOMP_SPINCOUNT``) and would take cores from the method timed next;
+      default ``SETTLE_S`` when ``threads > 1`` on CPU, else 0.
   """
 
   def __init__(self, params: dict, shards: list[dict], lr: float, threads: int, cuda: bool = False,
-               timeout: float = 300):
+               timeout: float = 300, settle: float | None = None):
     import multiprocessing
+
+    self.settle = (SETTLE_S if threads > 1 and not cuda else 0.0) if settle is None else settle
 
     context = multiprocessing.get_context("spawn")  # a fork of a process with XLA's threads is unsafe
     port, self.timeout, self.conns, self.procs = _free_port(), timeout, [], []
@@ -416,6 +426,7 @@ class DDPGroup:
   def step(self) -> float:
     """Runs one step on every rank; returns the slowest rank's seconds (for ``time_interleaved``)."""
     replies = self._broadcast("step")
+    time.sleep(self.settle)
     self.last_loss = float(np.mean([loss for _, loss in replies]))
     return float(max(seconds for seconds, _ in replies))
 
@@ -744,7 +755,13 @@ How the comparison is kept fair:
   parameters on the batch is compared as a check that they did the same
   maths.
 - Interleaved: one step of each method per round, so drift in the machine's
-  load hits all of them alike; ratios are taken within one run.
+  load hits all of them alike; the order is shuffled each round, so no
+  method always follows the same one; ratios are taken within one run.
+- PyTorch's OpenMP threads spin for a while after its step (libgomp's
+  default); the driver waits 50 ms, untimed, after each DDP step with more
+  than one thread per process (N = 1 here), so that the spinning does not
+  take a core from the JAX step timed next. (Before this wait, the method
+  run right after DDP measured 5-15% slower at N = 1.)
 - Chained steps: each method's step consumes the state the previous one
   returned; jaxdp, the bare step and auto-jit donate it (XLA reuses the
   buffers), PyTorch updates in place.

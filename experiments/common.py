@@ -106,7 +106,12 @@ def stats(samples) -> dict:
 
 
 def time_interleaved(runners: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, list[float]]:
-  """Runs one step of every runner per round, in order; returns each one's timed step times in ms.
+  """Runs one step of every runner per round; returns each one's timed step times in ms.
+
+  Each round runs the methods in a new order (a seeded shuffle), so no
+  method always runs right after the same other one: what a step leaves
+  behind (caches, another process's threads still busy) is shared out
+  evenly rather than always charged to the same method.
 
   Args:
     runners: ``name -> run()``, where ``run()`` performs one step and waits
@@ -117,8 +122,10 @@ def time_interleaved(runners: dict[str, Callable[[], Any]], steps: int, warmup: 
     warmup: untimed rounds first (the first one compiles).
   """
   times = {name: [] for name in runners}
+  names, shuffle = list(runners), np.random.default_rng(0)
   for i in range(warmup + steps):
-    for name, run in runners.items():
+    for name in shuffle.permutation(names):
+      run = runners[str(name)]
       start = time.perf_counter()
       own = run()
       elapsed = own if isinstance(own, float) else time.perf_counter() - start

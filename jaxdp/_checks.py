@@ -53,8 +53,15 @@ def check_float_dtype(dtype: Any, name: str) -> Any:
   return resolved
 
 
-def check_not_donated(state: Any) -> None:
-  """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step."""
+def check_not_donated(state: Any, leaves: list | None = None) -> None:
+  """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step.
+
+  ``leaves``: ``jax.tree.leaves(state)`` when the caller has them (the key
+  paths, slower to build, are then made only for the error message).
+  """
+  leaves = jax.tree.leaves(state) if leaves is None else leaves
+  if not any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
+    return
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
       raise ValueError(

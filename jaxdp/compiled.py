@@ -122,7 +122,7 @@ class CompiledStep:
   def _prepare(self, state, batch, weights, rng, has_more=None):
     _checks.check_state(state)
     leaves = jax.tree.leaves(state)
-    _checks.check_not_donated(state)  # also a state this step returned: another step may have consumed it
+    _checks.check_not_donated(state, leaves)  # also a state this step returned: another step may have consumed it
     ours = self._is_returned_state(leaves)
     if not ours and self.donate:
       state = _checks.unshared_buffers(state)
@@ -158,7 +158,7 @@ class CompiledStep:
     if not ours:  # the returned state is placed already: skip the placement of each leaf
       state = place(state, layout.shardings(self.mesh))
     rng = place(rng, replicated(self.mesh))
-    batch, weights, has_more = jax.device_put((batch, weights, has_more), split_along(self.mesh, self.axis_name))
+    batch, weights, has_more = _put_batch((batch, weights, has_more), split_along(self.mesh, self.axis_name))
     return layout_key, (state, batch, weights, rng, has_more)
 
   def _jitted_for(self, layout_key):
@@ -204,6 +204,13 @@ class CompiledStep:
   ) -> jax.stages.Lowered:
     layout_key, prepared = self._prepare(state, batch, weights, rng, has_more)
     return self._jitted_for(layout_key).lower(*prepared)
+
+
+def _put_batch(inputs: Any, sharding: jax.sharding.Sharding) -> Any:
+  # A batch placed already (a pipeline's, or the same batch again) skips device_put's dispatch (~0.1 ms per call).
+  if all(isinstance(x, jax.Array) and x.sharding == sharding for x in jax.tree.leaves(inputs)):
+    return inputs
+  return jax.device_put(inputs, sharding)
 
 
 def make_train_step(

@@ -39,9 +39,14 @@ def test_stats_and_interleaved_timing():
   s = common.stats(np.arange(1.0, 12.0))
   assert (s["median"], s["p10"], s["p90"], s["n"]) == (6.0, 2.0, 10.0, 11)
   calls = []
-  times = common.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b") or 0.25},
-                                  steps=3, warmup=1)
-  assert calls == ["a", "b"] * 4  # interleaved, warm-up included
-  assert len(times["a"]) == 3 and times["b"] == [250.0] * 3  # a runner may report its own seconds
+  runners = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+  runners["b"] = lambda: calls.append("b") or 0.25
+  times = common.time_interleaved(runners, steps=29, warmup=1)
+  rounds = [calls[i:i + 4] for i in range(0, len(calls), 4)]
+  assert len(rounds) == 30 and all(sorted(r) == list("abcd") for r in rounds)  # interleaved, warm-up included
+  assert len({tuple(r) for r in rounds}) > 1  # the order changes from round to round
+  followers = {after for r in rounds for before, after in zip(r, r[1:]) if before == "d"}
+  assert len(followers) == 3  # so "d" is not always followed by the same method
+  assert len(times["a"]) == 29 and times["b"] == [250.0] * 29  # a runner may report its own seconds
   r = common.ratio_stats([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
   assert r["ratio"] == 2.0 and r["p10"] == r["p90"] == 2.0
