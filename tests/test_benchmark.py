@@ -9,7 +9,9 @@ magnitude over what was measured (up to 1e-6). The two rules differ by
 order 1 on uneven counts.
 """
 
+import jax
 import numpy as np
+import optax
 
 from experiments import benchmark, common
 
@@ -50,3 +52,18 @@ def test_stats_and_interleaved_timing():
   assert len(times["a"]) == 29 and times["b"] == [250.0] * 29  # a runner may report its own seconds
   r = common.ratio_stats([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
   assert r["ratio"] == 2.0 and r["p10"] == r["p90"] == 2.0
+
+
+def test_step_cost_variants_do_the_same_maths():
+  # The ablation times variants that must all compute the bare step's update: after two steps of a
+  # small MLP on 2 devices (SGD: no division by tiny second moments) their parameters agree up to float32
+  # round-off of the reordered sums.
+  from experiments import step_cost
+
+  w = benchmark.Workload(
+      name="mlp", title="small MLP", params=common.host_copy(common.mlp_params(LAYERS)), loss_fn=common.mlp_loss,
+      optimizer=optax.sgd(0.1), batch=common.mlp_batch(LAYERS, 16), unit="examples", units_per_step=16)
+  row = step_cost.measure(w, 2, steps=1, warmup=1)
+  assert set(row["times_ms"]) == set(step_cost.VARIANTS) == set(row["vs_bare"])
+  scale = max(float(np.max(np.abs(p))) for p in jax.tree.leaves(common.host_copy(common.mlp_params(LAYERS))))
+  assert max(row["param_diff_vs_bare"].values()) < 1e-5 * scale
