@@ -262,8 +262,10 @@ def check_rows(devices, timed, comm, topologies, model):
   """Predicted vs measured step per device count: ideal devices, and measured no-comm step + model comm."""
   rows = []
   for n in devices:
+    norm_bytes = scaling.jaxdp_norm_bytes(0, split_count(n)[1])  # the stage-0 norm's 4-byte all-reduce
     predicted = {name: scaling.step_time(model, n, topology, batch_per_device=GLOBAL_BATCH // n,
-                                         scalar_bytes=JAXDP_SCALARS) for name, topology in topologies.items()}
+                                         scalar_bytes=JAXDP_SCALARS, norm_bytes=norm_bytes)
+                 for name, topology in topologies.items()}
     measured, quiet = timed[n, "mean"]["median"], timed[n, "none"]["median"]
     row = {"n": n, "measured": measured, "p10": timed[n, "mean"]["p10"], "p90": timed[n, "mean"]["p90"],
            "no_comm": quiet, "measured_comm": comm[n], "model_ideal": predicted["psum"].total}
