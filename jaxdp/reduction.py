@@ -596,25 +596,33 @@ def _normalised(sums: tuple, denominator: jax.Array, divide: bool) -> tuple:
   return grads, loss, metrics, divisor
 
 
-def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | None = None) -> jax.Array:
+def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | None = None, *,
+                agreed: bool = False) -> jax.Array:
   """The L2 norm of a whole gradient tree, also when its leaves are sharded over ``axis_name``.
 
-  With ``axis_name`` (inside ``shard_map`` or ``pmap``), every leaf not
-  typed as varying over it must hold the same value on every device of the
-  axis (an agreed, replicated gradient; pass ``None`` for replicas that
-  differ, e.g. under ``reduction="none"``). Each device then sums the
-  squares of its own 1/N of such a leaf, and one ``psum`` adds these partial
-  sums and those of the leaves that do vary (chunks of a sharded gradient):
-  the norm costs each device a pass over 1/N of the gradient, not over all
-  of it. A leaf the compiler may split over another mesh axis (an ``Auto``
-  model axis) is summed whole on every device instead, counted once.
-  Without ``axis_name`` it is ``optax.tree.norm``. Chunks must partition
-  the vector (ZeRO's zero padding adds nothing to the norm). ``divisor``:
-  the norm of ``tree / divisor`` (see :func:`divide_gradient`), without
-  writing the quotient.
+  With ``axis_name`` (inside ``shard_map`` or ``pmap``), leaves typed as
+  varying over it are chunks of a sharded vector: each is counted once and
+  the partial sums are added with one ``psum``. A leaf that holds the same
+  value on every device (an agreed, replicated gradient) is split instead:
+  each device sums the squares of its own 1/N of it, added in the same
+  ``psum``, so the norm costs each device a pass over 1/N of the gradient,
+  not over all of it. That split is done only where the leaf is known to be
+  the same everywhere: inside ``shard_map`` with ``check_vma=True`` (the
+  type system proves it for every leaf not typed as varying), or where the
+  caller says so with ``agreed=True`` (e.g. the ``grads`` of a
+  :class:`jaxdp.ReducedGradient`, which :func:`jaxdp.finish_step` passes).
+  Under ``pmap`` or ``check_vma=False`` without ``agreed``, nothing tells
+  agreed leaves from per-replica ones, so each device sums such leaves whole:
+  the norm of its own values, never a mix of the replicas' slices. A leaf the
+  compiler may split over another mesh axis (an ``Auto`` model axis) is
+  summed whole on every device, counted once. Without ``axis_name`` it is
+  ``optax.tree.norm``. Chunks must partition the vector (ZeRO's zero padding
+  adds nothing to the norm). ``divisor``: the norm of ``tree / divisor``
+  (see :func:`divide_gradient`), without writing the quotient.
   """
   partial, shared, communicate = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), False
-  parts = axis_name is not None and lax.axis_size(axis_name) > 1  # one device: nothing to split or add
+  # One device: nothing to split or add. Otherwise split agreed leaves only where they are known to be agreed.
+  parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or _typed(axis_name))
   for leaf in jax.tree.leaves(tree):
     if axis_name is not None and varies(leaf, axis_name):
       partial, communicate = partial + _squares(leaf, divisor), True
@@ -625,6 +633,16 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   if communicate:
     partial = lax.psum(partial, axis_name)
   return jnp.sqrt(partial + shared)
+
+
+def _typed(axis_name: Any) -> bool:
+  """Whether values are typed as varying or not over ``axis_name`` here (``shard_map`` with ``check_vma=True``).
+
+  A value cast to varying carries the axis in its type only then; under ``pmap`` or ``check_vma=False`` it
+  does not, and a leaf not typed as varying may still differ between devices. (The probe is dead code.)
+  """
+  probe = lax.pcast(jnp.zeros((), jnp.float32), axis_names(axis_name)[0], to="varying")
+  return bool(set(axis_names(axis_name)) & _varying_axes(probe))
 
 
 def _squares(x: jax.Array, divisor: jax.Array | None) -> jax.Array:

@@ -150,7 +150,7 @@ def finish_step(
   """
   # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
   # a NaN is NaN), so this flag is the same everywhere: all skip.
-  grad_norm = global_norm(reduced.grads, axis_name, reduced.grad_divisor)
+  grad_norm = global_norm(reduced.grads, axis_name, reduced.grad_divisor, agreed=True)
   nonfinite = jnp.logical_not(jnp.isfinite(grad_norm) & jnp.isfinite(reduced.loss))
   apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
   new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state, reduced.grad_divisor)

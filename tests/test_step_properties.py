@@ -368,3 +368,28 @@ def test_global_norm_of_an_agreed_gradient_is_summed_in_parts(n):
       poisoned = dict(tree, a=tree["a"].copy())
       poisoned["a"].flat[index] = bad
       assert not np.isfinite(np.asarray(norm(poisoned))).any(), (bad, index)
+
+
+def test_global_norm_never_mixes_replicas_it_cannot_tell_apart():
+  """Under ``pmap`` or ``shard_map(check_vma=False)`` nothing types a per-replica leaf as varying.
+
+  ``global_norm(tree, "data")`` then sums each leaf whole on each device (each replica's own norm, as
+  before the split existed), not a sum of the replicas' slices, which would be a norm of no vector at all.
+  With ``agreed=True`` (what ``finish_step`` passes for a reduced gradient) on equal leaves it splits
+  them and adds the parts with one all-reduce, equal to the whole norm.
+  """
+  n = 4
+  rng = np.random.default_rng(0)
+  local = {"a": rng.normal(size=(n, 7, 3)).astype(np.float32), "b": rng.normal(size=(n, 5)).astype(np.float32)}
+  own = np.sqrt(np.sum(np.square(local["a"].astype(np.float64)), axis=(1, 2))
+                + np.sum(np.square(local["b"].astype(np.float64)), axis=1))
+  mesh = jaxdp.data_mesh(jax.devices()[:n])
+  by_pmap = jax.pmap(lambda t: jaxdp.global_norm(t, "data"), axis_name="data", devices=jax.devices()[:n])
+  unchecked = jax.jit(jax.shard_map(lambda t: jaxdp.global_norm(jax.tree.map(lambda x: x[0], t), "data")[None],
+                                    mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+  for norm in (by_pmap, unchecked):
+    np.testing.assert_allclose(np.asarray(norm(local)), own, rtol=1e-6)
+  same = jax.tree.map(lambda x: np.broadcast_to(x[:1], x.shape).copy(), local)
+  agreed = jax.pmap(lambda t: jaxdp.global_norm(t, "data", agreed=True), axis_name="data", devices=jax.devices()[:n])
+  np.testing.assert_allclose(np.asarray(agreed(same)), np.full(n, own[0]), rtol=1e-6)
+  assert "all-reduce" in agreed.lower(same).compile().as_text()  # split and added, not summed whole
