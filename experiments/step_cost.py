@@ -14,7 +14,10 @@ a hand-written ``jit(shard_map)`` (state replicated and donated, batch split):
   ``cond``, skipped on zero weight or a non-finite loss (no norm);
 * ``train_step``: ``jaxdp.train_step`` itself (norm, skip, every metric);
 * ``make_train_step``: the same step as a user calls it, with the host-side
-  checks, placement and the read of earlier steps' non-finite flags.
+  checks, placement and the read of earlier steps' non-finite flags;
+* ``bare_cond``: for reference, the bare step itself with its update under
+  ``lax.cond`` (skipped on a non-finite loss): what XLA's conditional costs
+  without any of jaxdp's code.
 
 All run interleaved (``common.time_interleaved``), ratios to ``bare`` within
 one run. Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
@@ -38,12 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from experiments import benchmark, common
 
-VARIANTS = ("bare", "weighted", "norm", "skip", "train_step", "make_train_step")
+VARIANTS = ("bare", "weighted", "norm", "skip", "train_step", "make_train_step", "bare_cond")
 FULL = {"devices": "2,8", "models": "mlp,lm", "steps": 40, "warmup": 3}
 QUICK = {"devices": "2", "models": "mlp", "steps": 3, "warmup": 1}
 
@@ -78,6 +82,27 @@ def replica_steps(w: benchmark.Workload) -> dict:
   return {"weighted": weighted, "norm": norm, "skip": skip, "train_step": train_step}
 
 
+def bare_cond_step(w: benchmark.Workload, mesh):
+  """``benchmark.bare_step`` with its optax update under ``lax.cond`` on the finiteness of the summed loss."""
+  n = mesh.shape["data"]
+
+  def replica(params, opt_state, batch):
+    local = lax.pcast(params, "data", to="varying")
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean(w.loss_fn(p, batch)))(local)
+    grads = jax.tree.map(lambda g: lax.psum(g, "data") / n, grads)
+
+    def update(operand):
+      params, opt_state, grads = operand
+      updates, opt_state = w.optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    keep = lambda operand: (operand[0], operand[1])
+    return lax.cond(jnp.isfinite(lax.psum(loss, "data")), update, keep, (params, opt_state, grads))
+
+  mapped = jax.shard_map(replica, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  return jax.jit(mapped, donate_argnums=(0, 1))
+
+
 def hand_case(w: benchmark.Workload, mesh, replica) -> benchmark.Case:
   """``jit(shard_map(replica))`` with the state replicated and donated, the batch split over ``data``."""
   state = jaxdp.init_state(common.host_copy(w.params), w.optimizer, mesh)
@@ -92,9 +117,11 @@ def measure(w: benchmark.Workload, n: int, steps: int, warmup: int) -> dict:
   """Every variant on ``n`` devices, interleaved; median times and ratios to ``bare``."""
   devices = jax.devices()[:n]
   mesh = jaxdp.data_mesh(devices)
-  cases = {"bare": benchmark.plain_case(w, benchmark.auto_mesh(devices), benchmark.bare_step(w, benchmark.auto_mesh(devices)))}
+  auto = benchmark.auto_mesh(devices)
+  cases = {"bare": benchmark.plain_case(w, auto, benchmark.bare_step(w, auto))}
   cases.update({name: hand_case(w, mesh, replica) for name, replica in replica_steps(w).items()})
   cases["make_train_step"] = benchmark.jaxdp_case(w, devices)
+  cases["bare_cond"] = benchmark.plain_case(w, auto, bare_cond_step(w, auto))
   times = common.time_interleaved(cases, steps, warmup)
   params = {name: case.params() for name, case in cases.items()}
   return {
