@@ -124,8 +124,8 @@ def time_interleaved(runners: dict[str, Callable[[], Any]], steps: int, warmup: 
   times = {name: [] for name in runners}
   names, shuffle = list(runners), np.random.default_rng(0)
   for i in range(warmup + steps):
-    for name in shuffle.permutation(names):
-      run = runners[str(name)]
+    for j in shuffle.permutation(len(names)):
+      name, run = names[j], runners[names[j]]
       start = time.perf_counter()
       own = run()
       elapsed = own if isinstance(own, float) else time.perf_counter() - start
