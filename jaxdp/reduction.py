@@ -22,7 +22,7 @@ import optax
 from jax import lax
 
 from jaxdp._checks import check_int
-from jaxdp.layout import per_model_shard
+from jaxdp.layout import model_part, per_model_shard
 from jaxdp.loss import call_loss
 
 REDUCTIONS = ("mean", "rank_mean", "sum", "none")
@@ -348,12 +348,13 @@ def _scatter_dim(spec: Any, axis_name: str) -> int | None:
       isinstance(entry, tuple) and axis_name in entry)), None)
 
 
-def _psum_scatter(tree: Any, specs: Any, axis_name: Any) -> Any:
+def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | None = None) -> Any:
   """Each leaf reduce-scattered along the dimension its spec names (each device keeps its slice of the
   sum), or all-reduced where the spec names none (a leaf with no dimension that divides).
 
   With several data axes (hybrid sharding), the scatter is over the last one (ZeRO's) and the slices are
-  then all-reduced over the others (plain data parallelism between the groups).
+  then all-reduced over the others (plain data parallelism between the groups). With ``bucket_bytes``,
+  the leaves split over the data axis only are reduce-scattered in flat buckets (see :func:`_scatter_buckets`).
   """
   names = axis_names(axis_name)
   zero, others = names[-1], names[:-1]
@@ -362,11 +363,7 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any) -> Any:
     dim = _scatter_dim(spec, zero)
     if dim is None:
       return _psum(x, axis_name)
-    if x.shape[dim] % lax.axis_size(zero):
-      raise ValueError(
-          f"scatter: a gradient leaf of shape {x.shape} cannot be reduce-scattered along dimension {dim} over "
-          f"{lax.axis_size(zero)} devices; give that leaf a dimension that divides, or P() to all-reduce it."
-      )
+    _check_scatter(x, dim, zero)
 
     def scatter(y):
       sliced = lax.psum_scatter(as_varying(y, axis_name), zero, scatter_dimension=dim, tiled=True)
@@ -374,7 +371,52 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any) -> Any:
 
     return scatter(x) if spec is True else per_model_shard(scatter, spec, axis_name)(x)
 
-  return jax.tree.map(reduce, tree, specs)
+  if bucket_bytes is None:
+    return jax.tree.map(reduce, tree, specs)
+  leaves, treedef = jax.tree.flatten(tree)
+  spec_leaves = treedef.flatten_up_to(specs)
+  flat = [i for i, spec in enumerate(spec_leaves) if _scatter_dim(spec, zero) is not None and (
+      spec is True or not any(model_part(spec, axis_name)))]
+  out = [None if i in flat else reduce(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
+  dims = [_scatter_dim(spec_leaves[i], zero) for i in flat]
+  for i, x in zip(flat, _scatter_buckets([leaves[i] for i in flat], dims, axis_name, bucket_bytes)):
+    out[i] = x
+  return jax.tree.unflatten(treedef, out)
+
+
+def _check_scatter(x: jax.Array, dim: int, zero: str) -> None:
+  if x.shape[dim] % lax.axis_size(zero):
+    raise ValueError(
+        f"scatter: a gradient leaf of shape {x.shape} cannot be reduce-scattered along dimension {dim} over "
+        f"{lax.axis_size(zero)} devices; give that leaf a dimension that divides, or P() to all-reduce it."
+    )
+
+
+def _scatter_buckets(leaves: list, dims: list[int], axis_name: Any, bucket_bytes: int) -> list:
+  """``leaves`` reduce-scattered along ``dims`` with one reduce-scatter per bucket, as FSDP's flat parameters.
+
+  Each leaf is laid out as ``[N, its slice]`` (the scatter dimension moved to the front, so that row ``i`` is
+  device ``i``'s slice), a bucket's leaves are concatenated along the slices, and one tiled reduce-scatter of
+  the ``[N, bucket]`` array leaves each device its row, cut back into its slices of the leaves. Every element
+  is the same sum as with one reduce-scatter per leaf; the leaves of a model are many collectives fewer.
+  """
+  names = axis_names(axis_name)
+  zero, others = names[-1], names[:-1]
+  n = lax.axis_size(zero)
+  out, previous = [None] * len(leaves), None
+  for bucket in _buckets(leaves, bucket_bytes):
+    for i in bucket:
+      _check_scatter(leaves[i], dims[i], zero)
+    rows = [jnp.moveaxis(leaves[i], dims[i], 0).reshape(n, -1) for i in bucket]
+    flat = _after(jnp.concatenate(rows, axis=1), previous)
+    reduced = lax.psum_scatter(as_varying(flat, axis_name), zero, scatter_dimension=0, tiled=True)
+    reduced = lax.psum(reduced, others) if others else reduced
+    previous = reduced.reshape(-1)
+    offsets = np.cumsum([0] + [row.shape[1] for row in rows])
+    for i, start, stop in zip(bucket, offsets[:-1], offsets[1:]):
+      moved = jnp.moveaxis(leaves[i], dims[i], 0).shape
+      out[i] = jnp.moveaxis(previous[start:stop].reshape((moved[0] // n, *moved[1:])), 0, dims[i])
+  return out
 
 
 def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
@@ -532,8 +574,15 @@ def reduce_gradient(
       model state after the last bucket: on GPU and TPU XLA's scheduler can
       then overlap a bucket's all-reduce with the rest of the backward pass.
       The sums are the same, element by element (bitwise on CPU). ``0``
-      gives one bucket per leaf. Not used with ``scatter`` (reduce-scatter
-      is per leaf already).
+      gives one bucket per leaf. With ``scatter``, the leaves split over the
+      data axis only are reduce-scattered in flat buckets instead (each
+      leaf's scatter dimension moved to the front, the bucket's slices
+      concatenated: one reduce-scatter per bucket, as FSDP's flat
+      parameters, where the default is one per leaf); leaves also split
+      over model axes stay one reduce-scatter each. Each element is the
+      same sum; XLA may compile the backward pass feeding the concatenation
+      differently, so the result can differ from the per-leaf reduction in
+      the last bits.
     reduce_dtype: communicate the gradient in this dtype (e.g.
       ``jnp.bfloat16``, half the bytes of float32) and cast it back after the
       sum; ``None`` keeps the local gradient's dtype (float32 at least). The
@@ -569,7 +618,7 @@ def reduce_gradient(
     grads = jax.tree.map(lambda x: x.astype(reduce_dtype), grads)
   if scatter is not False:
     specs = jax.tree.map(lambda _: True, grads) if scatter is True else scatter
-    grads = _psum_scatter(grads, specs, axis_name)
+    grads = _psum_scatter(grads, specs, axis_name, bucket_bytes)
     loss_sum, weight_sum, metric_sums, contributions, totals = _psum(small, axis_name)
   else:
     grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum_buckets(grads, small, axis_name, bucket_bytes)

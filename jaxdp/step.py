@@ -13,12 +13,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from jaxdp.layout import data_dim, per_model_shard, zero_axis
+from jaxdp.layout import data_dim, model_part, per_model_shard, zero_axis
 from jaxdp.reduction import (
     ReducedGradient,
+    _buckets,
     check_reduction,
     divide_gradient,
     global_norm,
@@ -61,8 +63,13 @@ def apply_update(
   return lax.cond(apply, step, lambda operand: operand[0], (state, model_state, grads))
 
 
-def gather_params(params: Any, split: Any, axis_name: str) -> Any:
-  """Whole parameters from this device's slices (ZeRO stage 3): one all-gather per split leaf."""
+def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | None = None) -> Any:
+  """Whole parameters from this device's slices (ZeRO stage 3): one all-gather per split leaf.
+
+  ``bucket_bytes``: the leaves split over the data axis only are gathered in flat buckets of about that
+  many bytes instead, one all-gather each (the slices concatenated, as FSDP's flat parameters); the
+  gathered values are the same, bit for bit.
+  """
   if split is None:
     return params
 
@@ -72,7 +79,26 @@ def gather_params(params: Any, split: Any, axis_name: str) -> Any:
       return x
     return per_model_shard(lambda y: _all_gather_invariant(y, zero_axis(axis_name), dim), spec, axis_name)(x)
 
-  return jax.tree.map(gather, params, split)
+  if bucket_bytes is None:
+    return jax.tree.map(gather, params, split)
+  leaves, treedef = jax.tree.flatten(params)
+  specs = treedef.flatten_up_to(split)
+  flat = [i for i, spec in enumerate(specs)
+          if data_dim(spec, axis_name) is not None and not any(model_part(spec, axis_name))]
+  out = [None if i in flat else gather(x, spec) for i, (x, spec) in enumerate(zip(leaves, specs))]
+  n = lax.axis_size(zero_axis(axis_name))
+  # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does.
+  whole_leaves = [jax.ShapeDtypeStruct((leaves[i].size * n,), leaves[i].dtype) for i in flat]
+  for bucket in _buckets(whole_leaves, bucket_bytes):
+    picked = [flat[j] for j in bucket]
+    moved = [jnp.moveaxis(leaves[i], data_dim(specs[i], axis_name), 0) for i in picked]
+    # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
+    rows = _all_gather_invariant(jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1), zero_axis(axis_name), 0)
+    offsets = np.cumsum([0] + [m.size for m in moved])
+    for i, m, start, stop in zip(picked, moved, offsets[:-1], offsets[1:]):
+      whole = rows[:, start:stop].reshape((-1, *m.shape[1:]))
+      out[i] = jnp.moveaxis(whole, 0, data_dim(specs[i], axis_name))
+  return jax.tree.unflatten(treedef, out)
 
 
 def _all_gather_invariant(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
@@ -117,7 +143,7 @@ def gradient_step(
   check_reduction(reduction)
   if rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
-  params = gather_params(state.params, params_split, axis_name)
+  params = gather_params(state.params, params_split, axis_name, bucket_bytes)
   local = local_gradient(
       loss_fn, params, batch, weights,
       axis_name=axis_name, accum_steps=accum_steps, rng=rng, model_state=state.model_state,

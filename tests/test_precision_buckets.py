@@ -147,3 +147,38 @@ def test_bad_precision_options():
     jaxdp.make_train_step(loss_fn, OPT, MESH, compute_dtype=jnp.int8)
   with pytest.raises(ValueError, match="bucket_bytes"):
     jaxdp.make_train_step(loss_fn, OPT, MESH, bucket_bytes=-1)
+
+
+def collectives(step, zero_stage):
+  """The compiled step's collectives by kind (count and bytes), for a state of ``zero_stage``."""
+  state = jaxdp.init_state(init_params(), OPT, MESH, zero_stage=zero_stage)
+  return jaxdp.collectives_from_hlo(step.lower(state, *data()).compile().as_text(), K)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("bucket_bytes,buckets", [(0, 5), (300, 5), (1100, 3), (10**9, 1)])
+def test_zero_buckets_reduce_scatter_and_gather_flat_slices(zero_stage, bucket_bytes, buckets):
+  """At stages 2-3, buckets reduce-scatter (and at stage 3 gather) flat slices: one collective per bucket.
+
+  Five leaves split over the 4 devices (w0 [5, 16] along its dimension 1, so its slices are moved to the
+  front and back; w1, w2, b0, b1 along dimension 0); b2 [3] divides by nothing and is all-reduced. Their
+  whole sizes in reverse flattening order (w2, w1, b1, w0, b0): 192, 1024, 64, 320, 64 bytes, so 300 bytes
+  gives five buckets, 1100 gives [192], [1024 + 64], [320 + 64], and 1 GB one. The same steps give the per-leaf
+  reduction's state and metrics, up to float32 round-off (XLA may compile the backward pass that feeds
+  the concatenation differently), and stage 0's.
+  """
+  _, reference, reference_metrics = reference_run()
+  per_leaf_step, per_leaf, per_leaf_metrics = run(zero_stage=zero_stage)
+  step, state, metrics = run(zero_stage=zero_stage, bucket_bytes=bucket_bytes)
+  for expected, expected_metrics in ((per_leaf, per_leaf_metrics), (reference, reference_metrics)):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 jaxdp.gather_state(state), jaxdp.gather_state(expected))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), metrics, expected_metrics)
+  bucketed, per_leaf_ops = collectives(step, zero_stage), collectives(per_leaf_step, zero_stage)
+  assert per_leaf_ops["reduce-scatter"].count == 5
+  assert bucketed["reduce-scatter"].count == buckets
+  assert bucketed["reduce-scatter"].bytes == per_leaf_ops["reduce-scatter"].bytes  # the same slices, cut differently
+  if zero_stage == 3:  # the parameters' gather before the forward pass
+    assert per_leaf_ops["all-gather"].count == 5
+    assert bucketed["all-gather"].count == buckets
+    assert bucketed["all-gather"].bytes == per_leaf_ops["all-gather"].bytes

@@ -367,8 +367,13 @@ def grid(names):
   return Mesh(np.array(jax.devices()).reshape(2, 4), names, axis_types=(AxisType.Explicit,) * 2)
 
 
-@pytest.mark.parametrize("stage", jaxdp.ZERO_STAGES)
-def test_tensor_parallel_params_keep_their_model_split_and_match_one_device(stage):
+# Every stage, and stages 2-3 with bucketed reduce-scatters (and gathers): flat buckets for the leaves split
+# over the data axis only, one collective per leaf for those also split over "model".
+STAGES_AND_BUCKETS = [(stage, None) for stage in jaxdp.ZERO_STAGES] + [(2, 10**9), (3, 10**9)]
+
+
+@pytest.mark.parametrize("stage,bucket_bytes", STAGES_AND_BUCKETS)
+def test_tensor_parallel_params_keep_their_model_split_and_match_one_device(stage, bucket_bytes):
   """On a ("data", "model") mesh, model-axis shardings survive init_state, the step and every stage.
 
   Only "data" is manual in the step; XLA partitions "model". Params given as
@@ -383,7 +388,7 @@ def test_tensor_parallel_params_keep_their_model_split_and_match_one_device(stag
     state = jaxdp.init_state(placed, optimizer, mesh, zero_stage=stage)
   else:
     state = jaxdp.init_state(params, optimizer, mesh, zero_stage=stage, param_specs=TP_SPECS)
-  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, zero_stage=stage)
+  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, zero_stage=stage, bucket_bytes=bucket_bytes)
   history = []
   for _ in range(2):
     state, metrics = step(state, batch, weights)
@@ -396,8 +401,8 @@ def test_tensor_parallel_params_keep_their_model_split_and_match_one_device(stag
   assert_close(history, reference_metrics, f"metrics of stage {stage}")
 
 
-@pytest.mark.parametrize("stage", jaxdp.ZERO_STAGES)
-def test_hybrid_sharding_matches_one_device_and_reduces_the_norm_over_every_replica(stage):
+@pytest.mark.parametrize("stage,bucket_bytes", STAGES_AND_BUCKETS)
+def test_hybrid_sharding_matches_one_device_and_reduces_the_norm_over_every_replica(stage, bucket_bytes):
   """("replica", "data") with ``axis_name=("replica", "data")``: ZeRO over "data", all-reduce over "replica".
 
   The gradient norm (and so clipping) must be that of the whole gradient: the
@@ -408,7 +413,8 @@ def test_hybrid_sharding_matches_one_device_and_reduces_the_norm_over_every_repl
   batch, weights = portions(seed=9, n=8)
   reference, reference_metrics = run("clip_adamw", 1, 0, batch, weights, steps=2)
   state = jaxdp.init_state(init_params(), optimizer, mesh, zero_stage=stage, axis_name=axes)
-  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, zero_stage=stage, axis_name=axes, check_replicas=True)
+  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, zero_stage=stage, axis_name=axes, check_replicas=True,
+                               bucket_bytes=bucket_bytes)
   history = []
   for _ in range(2):
     state, metrics = step(state, batch, weights)
