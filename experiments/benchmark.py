@@ -15,6 +15,9 @@ Methods, all on the same initial parameters, batch and split:
   donated, validation, metrics, the skip of non-finite steps), called as
   ``step(state, batch)``; ``jaxdp_pmap``: ``backend="pmap"``;
   ``jaxdp_zero1..3``: ``zero_stage=s`` with ``jaxdp.init_state(..., zero_stage=s)``;
+  ``jaxdp_zero2_buckets``, ``jaxdp_zero3_buckets``: the same with
+  ``bucket_bytes=25 MiB`` (one reduce-scatter, and at stage 3 one gather,
+  per bucket of flat slices instead of one per leaf);
 * ``bare``: the step a JAX expert writes by hand: ``jit(shard_map)`` over an
   Auto mesh, grad of the local mean loss with respect to
   ``lax.pcast(params, "data", to="varying")``, ``psum`` of the gradients,
@@ -86,13 +89,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # no
 import jaxdp  # noqa: E402
 from experiments import common  # noqa: E402
 
-METHODS = ("jaxdp", "jaxdp_pmap", "jaxdp_zero1", "jaxdp_zero2", "jaxdp_zero3", "bare", "auto_jit", "single", "ddp")
+METHODS = ("jaxdp", "jaxdp_pmap", "jaxdp_zero1", "jaxdp_zero2", "jaxdp_zero3", "jaxdp_zero2_buckets",
+           "jaxdp_zero3_buckets", "bare", "auto_jit", "single", "ddp")
 LABELS = {
     "jaxdp": "jaxdp shard_map", "jaxdp_pmap": "jaxdp pmap", "jaxdp_zero1": "jaxdp ZeRO-1",
-    "jaxdp_zero2": "jaxdp ZeRO-2", "jaxdp_zero3": "jaxdp ZeRO-3", "bare": "bare shard_map",
+    "jaxdp_zero2": "jaxdp ZeRO-2", "jaxdp_zero3": "jaxdp ZeRO-3", "jaxdp_zero2_buckets": "ZeRO-2, 25 MB buckets",
+    "jaxdp_zero3_buckets": "ZeRO-3, 25 MB buckets", "bare": "bare shard_map",
     "auto_jit": "auto-partitioned jit", "single": "1 device, whole batch", "ddp": "PyTorch DDP",
 }
 ZERO_METHODS = {0: "jaxdp", 1: "jaxdp_zero1", 2: "jaxdp_zero2", 3: "jaxdp_zero3"}
+BUCKETED_METHODS = {2: "jaxdp_zero2_buckets", 3: "jaxdp_zero3_buckets"}
 RATIOS = ("bare", "auto_jit", "ddp", "single")  # jaxdp ÷ each of these
 UNEVEN = (3, 5, 1, 7)  # examples per rank in the numerics comparison
 MIB = 2**20
@@ -203,10 +209,12 @@ def auto_mesh(devices) -> Mesh:
   return Mesh(np.asarray(devices), ("data",), axis_types=(AxisType.Auto,))
 
 
-def jaxdp_case(w: Workload, devices, backend: str = "shard_map", zero_stage: int = 0, memory: bool = False) -> Case:
+def jaxdp_case(w: Workload, devices, backend: str = "shard_map", zero_stage: int = 0, memory: bool = False,
+               bucket_bytes: int | None = None) -> Case:
   """``jaxdp.make_train_step`` as a user calls it on an even batch: ``step(state, batch)``."""
   mesh = jaxdp.data_mesh(devices)
-  step = jaxdp.make_train_step(w.loss_fn, w.optimizer, mesh, backend=backend, zero_stage=zero_stage)
+  step = jaxdp.make_train_step(w.loss_fn, w.optimizer, mesh, backend=backend, zero_stage=zero_stage,
+                               bucket_bytes=bucket_bytes)
   batch = _split(mesh, w.batch)
   state = jaxdp.init_state(common.host_copy(w.params), w.optimizer, mesh, zero_stage=zero_stage)
   case = Case(lambda s: step(s, batch)[0], state, lambda s: jaxdp.gather_state(s).params)
@@ -257,6 +265,8 @@ def jax_cases(w: Workload, devices, memory: bool) -> dict[str, Case]:
   cases = {"jaxdp": jaxdp_case(w, devices, memory=memory), "jaxdp_pmap": jaxdp_case(w, devices, backend="pmap")}
   for stage in (1, 2, 3):
     cases[ZERO_METHODS[stage]] = jaxdp_case(w, devices, zero_stage=stage, memory=memory)
+  for stage, method in BUCKETED_METHODS.items():
+    cases[method] = jaxdp_case(w, devices, zero_stage=stage, bucket_bytes=jaxdp.scaling.DDP_BUCKET_BYTES)
   cases["bare"] = plain_case(w, mesh, bare_step(w, mesh))
   cases["auto_jit"] = plain_case(w, mesh, plain_step(w))
   cases["single"] = plain_case(w, auto_mesh(devices[:1]), plain_step(w))
@@ -783,7 +793,11 @@ How the comparison is kept fair:
   faithful PyTorch port of the Flax transformer was not written. At N = 1
   the PyTorch row is one plain process (no DDP wrapper, no process group).
 - jaxdp's ZeRO rows use the same step with `zero_stage=s` and a state from
-  `jaxdp.init_state(..., zero_stage=s)`; pmap runs at stage 0 only."""
+  `jaxdp.init_state(..., zero_stage=s)`; pmap runs at stage 0 only. The
+  "25 MB buckets" rows add `bucket_bytes=25 MiB`: one reduce-scatter (and
+  at stage 3 one parameter gather) per bucket of flat slices, where the
+  plain rows have one per leaf (the updated parameters' gathers at stage 2,
+  placed by XLA, stay one per leaf)."""
 
 
 def markdown(result: dict) -> str:
