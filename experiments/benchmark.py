@@ -33,7 +33,8 @@ Methods, all on the same initial parameters, batch and split:
 
 The methods run interleaved step by step, in a new order each round
 (``common.time_interleaved``); steps are chained, each donating its state
-where the method donates. A JAX step is timed from its call to ``block_until_ready`` of its new state; a
+where the method donates. A JAX step is timed from its call to
+``block_until_ready`` of its new state; a
 DDP step on each process from a barrier to the end of ``optimizer.step()``
 (the slowest process counts), so neither includes the other's host
 messaging. Reported: median and p10–p90 over the timed steps, and ratios
