@@ -104,8 +104,8 @@ RATIOS = ("bare", "auto_jit", "ddp", "single")  # jaxdp ÷ each of these
 UNEVEN = (3, 5, 1, 7)  # examples per rank in the numerics comparison
 MIB = 2**20
 
-FULL = {"devices": "1,2,4,8", "steps": 30, "warmup": 3, "docs": "docs", "ranks": len(UNEVEN)}
-QUICK = {"devices": "2", "steps": 5, "warmup": 1, "docs": "", "ranks": 2}
+FULL = {"devices": "1,2,4,8", "steps": 30, "warmup": 3, "docs": "docs", "ranks": len(UNEVEN), "out": "out/benchmark"}
+QUICK = {"devices": "2", "steps": 5, "warmup": 1, "docs": "", "ranks": 2, "out": "out/benchmark_quick"}
 
 
 # --------------------------------------------------------------------------
@@ -808,7 +808,7 @@ def markdown(result: dict) -> str:
       "# Benchmarks: jaxdp against the bare step, automatic partitioning and PyTorch DDP",
       "",
       "Written by `python experiments/benchmark.py` from one run; rerun it to refresh every number here",
-      "(`--quick` is a smoke run of under 3 minutes that writes under `out/benchmark/` only).",
+      "(`--quick` is a smoke run of under 3 minutes that writes under `out/benchmark_quick/` only).",
       "",
       f"**Machine:** {machine_line(m)}.",
       f"Median (p10–p90) of {cfg['steps']} timed steps per method after {cfg['warmup']} warm-up steps.",
@@ -918,7 +918,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--ranks", type=int,
                  help=f"ranks of the numerics comparison, batches {UNEVEN} (default {FULL['ranks']})")
   p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
-  p.add_argument("--out", default="out/benchmark", help="folder for results.json, benchmarks.md and the plots")
+  p.add_argument("--out", help="folder for results.json, benchmarks.md and the plots (default out/benchmark; "
+                 "out/benchmark_quick with --quick, so a smoke run keeps the full run's results)")
   p.add_argument("--docs", help="also write benchmarks.md and the plots here (default: docs for a full run, "
                  "nothing for --quick; '' for nothing)")
   p.add_argument("--render", metavar="RESULTS_JSON", help="measure nothing: write the report of an earlier run")
