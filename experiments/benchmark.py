@@ -16,8 +16,8 @@ Methods, all on the same initial parameters, batch and split:
   ``step(state, batch)``; ``jaxdp_pmap``: ``backend="pmap"``;
   ``jaxdp_zero1..3``: ``zero_stage=s`` with ``jaxdp.init_state(..., zero_stage=s)``;
   ``jaxdp_zero2_buckets``, ``jaxdp_zero3_buckets``: the same with
-  ``bucket_bytes=25 MiB`` (one reduce-scatter, and at stage 3 one gather,
-  per bucket of flat slices instead of one per leaf);
+  ``bucket_bytes=25 MiB`` (one reduce-scatter and one parameter gather per
+  bucket of flat slices instead of one of each per leaf);
 * ``bare``: the step a JAX expert writes by hand: ``jit(shard_map)`` over an
   Auto mesh, grad of the local mean loss with respect to
   ``lax.pcast(params, "data", to="varying")``, ``psum`` of the gradients,
@@ -795,10 +795,9 @@ How the comparison is kept fair:
   the PyTorch row is one plain process (no DDP wrapper, no process group).
 - jaxdp's ZeRO rows use the same step with `zero_stage=s` and a state from
   `jaxdp.init_state(..., zero_stage=s)`; pmap runs at stage 0 only. The
-  "25 MB buckets" rows add `bucket_bytes=25 MiB`: one reduce-scatter (and
-  at stage 3 one parameter gather) per bucket of flat slices, where the
-  plain rows have one per leaf (the updated parameters' gathers at stage 2,
-  placed by XLA, stay one per leaf)."""
+  "25 MB buckets" rows add `bucket_bytes=25 MiB`: one reduce-scatter and
+  one parameter gather per bucket of flat slices, where the plain rows have
+  one of each per leaf."""
 
 
 def markdown(result: dict) -> str:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _checks
 from jaxdp._checks import check_float_dtype, check_int, check_optimizer
@@ -49,7 +49,7 @@ from jaxdp.layout import (
 from jaxdp.loss import check_loss_fn
 from jaxdp.reduction import ReducedGradient, axis_names, check_reduction
 from jaxdp.replicas import replica_divergence
-from jaxdp.step import finish_step, gradient_step, train_step
+from jaxdp.step import finish_step, gather_params, gradient_step, train_step
 from jaxdp.state import TrainState
 
 BACKENDS = ("shard_map", "pmap")
@@ -280,9 +280,11 @@ def make_train_step(
       in reverse layer order, one all-reduce each (DDP's ``bucket_cap_mb``);
       ``None`` (default) reduces it in one; ``0`` per leaf. Bitwise the same
       results. At ZeRO stages 2-3, where the default is one reduce-scatter
-      per leaf, one reduce-scatter per bucket of flattened slices (FSDP's
-      flat parameters): far fewer collectives for a model of many leaves,
-      the same sums (see :func:`jaxdp.reduce_gradient`).
+      and one parameter gather per leaf, one of each per bucket of
+      flattened slices (FSDP's flat parameters; the gather follows the
+      update at stage 2 and precedes the forward pass at stage 3): far
+      fewer collectives for a model of many leaves, the same sums (see
+      :func:`jaxdp.reduce_gradient`).
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -409,9 +411,22 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
       mesh=mesh, in_specs=(specs,), out_specs=P(), axis_names=set(axis_names(axis_name)), check_vma=True,
   )
 
+  gather = None
+  if stage == 2 and options.get("bucket_bytes") is not None:
+    # The updated parameters, computed split as the gradient is (XLA slices the replicated ones), are
+    # gathered by jaxdp in flat buckets: XLA would place one all-gather per leaf.
+    split_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), grads_split)
+    gather = jax.shard_map(
+        lambda p: gather_params(p, grads_split, axis_name, options["bucket_bytes"]),
+        mesh=mesh, in_specs=(jax.tree.map(lambda s: data_part(s, axis_name), grads_split),),
+        out_specs=specs.params, axis_names=set(axis_names(axis_name)), check_vma=check_vma,
+    )
+
   def step(state, batch, weights, rng, has_more):
     reduced = gradient(state._replace(opt_state=None), batch, weights, rng, has_more)
     new_state, metrics = finish_step(optimizer, state, reduced)
+    if gather is not None:
+      new_state = new_state._replace(params=gather(jax.lax.with_sharding_constraint(new_state.params, split_shardings)))
     if check_replicas:
       metrics["replica_divergence"] = divergence(new_state)
     return new_state, metrics

@@ -158,7 +158,7 @@ def collectives(step, zero_stage):
 @pytest.mark.parametrize("zero_stage", [2, 3])
 @pytest.mark.parametrize("bucket_bytes,buckets", [(0, 5), (300, 5), (1100, 3), (10**9, 1)])
 def test_zero_buckets_reduce_scatter_and_gather_flat_slices(zero_stage, bucket_bytes, buckets):
-  """At stages 2-3, buckets reduce-scatter (and at stage 3 gather) flat slices: one collective per bucket.
+  """At stages 2-3, buckets reduce-scatter the gradient and gather the parameters as flat slices: one each per bucket.
 
   Five leaves split over the 4 devices (w0 [5, 16] along its dimension 1, so its slices are moved to the
   front and back; w1, w2, b0, b1 along dimension 0); b2 [3] divides by nothing and is all-reduced. Their
@@ -178,7 +178,7 @@ def test_zero_buckets_reduce_scatter_and_gather_flat_slices(zero_stage, bucket_b
   assert per_leaf_ops["reduce-scatter"].count == 5
   assert bucketed["reduce-scatter"].count == buckets
   assert bucketed["reduce-scatter"].bytes == per_leaf_ops["reduce-scatter"].bytes  # the same slices, cut differently
-  if zero_stage == 3:  # the parameters' gather before the forward pass
-    assert per_leaf_ops["all-gather"].count == 5
-    assert bucketed["all-gather"].count == buckets
-    assert bucketed["all-gather"].bytes == per_leaf_ops["all-gather"].bytes
+  # The parameters' gathers: at stage 3 before the forward pass, at stage 2 after the update.
+  assert per_leaf_ops["all-gather"].count == 5
+  assert bucketed["all-gather"].count == buckets
+  assert bucketed["all-gather"].bytes == per_leaf_ops["all-gather"].bytes
