@@ -224,18 +224,29 @@ def jaxdp_case(w: Workload, devices, backend: str = "shard_map", zero_stage: int
   return case
 
 
-def bare_step(w: Workload, mesh: Mesh):
-  """The hand-written data-parallel step: local grad, one psum per leaf, / N, optax update."""
+def bare_step(w: Workload, mesh: Mesh, skip_nonfinite: bool = False):
+  """The hand-written data-parallel step: local grad, one psum per leaf, / N, optax update.
+
+  ``skip_nonfinite`` (a reference for ``experiments/step_cost.py``, not a benchmark method): the update
+  under ``lax.cond``, skipped when the summed loss is not finite.
+  """
   n = mesh.shape["data"]
+
+  def update(operand):
+    params, opt_state, grads = operand
+    updates, opt_state = w.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
   def replica(params, opt_state, batch):
     # Differentiating the replicated params would give gradients already summed over devices (the
     # transpose of their implicit broadcast); the varying copy gives the local gradient to psum once.
     local = lax.pcast(params, "data", to="varying")
-    grads = jax.grad(lambda p: jnp.mean(w.loss_fn(p, batch)))(local)
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean(w.loss_fn(p, batch)))(local)
     grads = jax.tree.map(lambda g: lax.psum(g, "data") / n, grads)
-    updates, opt_state = w.optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    if not skip_nonfinite:
+      return update((params, opt_state, grads))
+    keep = lambda operand: operand[:2]  # noqa: E731
+    return lax.cond(jnp.isfinite(lax.psum(loss, "data")), update, keep, (params, opt_state, grads))
 
   mapped = jax.shard_map(replica, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
   return jax.jit(mapped, donate_argnums=(0, 1))

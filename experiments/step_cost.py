@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
@@ -82,27 +81,6 @@ def replica_steps(w: benchmark.Workload) -> dict:
   return {"weighted": weighted, "norm": norm, "skip": skip, "train_step": train_step}
 
 
-def bare_cond_step(w: benchmark.Workload, mesh):
-  """``benchmark.bare_step`` with its optax update under ``lax.cond`` on the finiteness of the summed loss."""
-  n = mesh.shape["data"]
-
-  def replica(params, opt_state, batch):
-    local = lax.pcast(params, "data", to="varying")
-    loss, grads = jax.value_and_grad(lambda p: jnp.mean(w.loss_fn(p, batch)))(local)
-    grads = jax.tree.map(lambda g: lax.psum(g, "data") / n, grads)
-
-    def update(operand):
-      params, opt_state, grads = operand
-      updates, opt_state = w.optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-
-    keep = lambda operand: (operand[0], operand[1])
-    return lax.cond(jnp.isfinite(lax.psum(loss, "data")), update, keep, (params, opt_state, grads))
-
-  mapped = jax.shard_map(replica, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
-  return jax.jit(mapped, donate_argnums=(0, 1))
-
-
 def hand_case(w: benchmark.Workload, mesh, replica) -> benchmark.Case:
   """``jit(shard_map(replica))`` with the state replicated and donated, the batch split over ``data``."""
   state = jaxdp.init_state(common.host_copy(w.params), w.optimizer, mesh)
@@ -121,7 +99,7 @@ def measure(w: benchmark.Workload, n: int, steps: int, warmup: int) -> dict:
   cases = {"bare": benchmark.plain_case(w, auto, benchmark.bare_step(w, auto))}
   cases.update({name: hand_case(w, mesh, replica) for name, replica in replica_steps(w).items()})
   cases["make_train_step"] = benchmark.jaxdp_case(w, devices)
-  cases["bare_cond"] = benchmark.plain_case(w, auto, bare_cond_step(w, auto))
+  cases["bare_cond"] = benchmark.plain_case(w, auto, benchmark.bare_step(w, auto, skip_nonfinite=True))
   times = common.time_interleaved(cases, steps, warmup)
   params = {name: case.params() for name, case in cases.items()}
   return {

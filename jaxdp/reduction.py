@@ -375,13 +375,21 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | Non
     return jax.tree.map(reduce, tree, specs)
   leaves, treedef = jax.tree.flatten(tree)
   spec_leaves = treedef.flatten_up_to(specs)
-  flat = [i for i, spec in enumerate(spec_leaves) if _scatter_dim(spec, zero) is not None and (
-      spec is True or not any(model_part(spec, axis_name)))]
+  flat, dims = _flat_bucketable(spec_leaves, axis_name)
   out = [None if i in flat else reduce(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
-  dims = [_scatter_dim(spec_leaves[i], zero) for i in flat]
   for i, x in zip(flat, _scatter_buckets([leaves[i] for i in flat], dims, axis_name, bucket_bytes)):
     out[i] = x
   return jax.tree.unflatten(treedef, out)
+
+
+def _flat_bucketable(specs: list, axis_name: Any) -> tuple[list[int], list[int]]:
+  """The indices of the leaves split over ZeRO's axis only (no model axis), which flat buckets take, and
+  the dimension each is split along. (A leaf also split over a model axis keeps its own collective.)"""
+  zero = axis_names(axis_name)[-1]
+  picked = [(i, _scatter_dim(spec, zero)) for i, spec in enumerate(specs)]
+  picked = [(i, dim) for i, dim in picked
+            if dim is not None and (specs[i] is True or not any(model_part(specs[i], axis_name)))]
+  return [i for i, _ in picked], [dim for _, dim in picked]
 
 
 def _check_scatter(x: jax.Array, dim: int, zero: str) -> None:
@@ -407,15 +415,14 @@ def _scatter_buckets(leaves: list, dims: list[int], axis_name: Any, bucket_bytes
   for bucket in _buckets(leaves, bucket_bytes):
     for i in bucket:
       _check_scatter(leaves[i], dims[i], zero)
-    rows = [jnp.moveaxis(leaves[i], dims[i], 0).reshape(n, -1) for i in bucket]
-    flat = _after(jnp.concatenate(rows, axis=1), previous)
+    moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
+    flat = _after(jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1), previous)
     reduced = lax.psum_scatter(as_varying(flat, axis_name), zero, scatter_dimension=0, tiled=True)
     reduced = lax.psum(reduced, others) if others else reduced
     previous = reduced.reshape(-1)
-    offsets = np.cumsum([0] + [row.shape[1] for row in rows])
-    for i, start, stop in zip(bucket, offsets[:-1], offsets[1:]):
-      moved = jnp.moveaxis(leaves[i], dims[i], 0).shape
-      out[i] = jnp.moveaxis(previous[start:stop].reshape((moved[0] // n, *moved[1:])), 0, dims[i])
+    offsets = np.cumsum([0] + [m.size // n for m in moved])
+    for i, m, start, stop in zip(bucket, moved, offsets[:-1], offsets[1:]):
+      out[i] = jnp.moveaxis(previous[start:stop].reshape((m.shape[0] // n, *m.shape[1:])), 0, dims[i])
   return out
 
 

@@ -17,10 +17,11 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxdp.layout import data_dim, model_part, per_model_shard, zero_axis
+from jaxdp.layout import data_dim, per_model_shard, zero_axis
 from jaxdp.reduction import (
     ReducedGradient,
     _buckets,
+    _flat_bucketable,
     check_reduction,
     divide_gradient,
     global_norm,
@@ -83,21 +84,18 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
     return jax.tree.map(gather, params, split)
   leaves, treedef = jax.tree.flatten(params)
   specs = treedef.flatten_up_to(split)
-  flat = [i for i, spec in enumerate(specs)
-          if data_dim(spec, axis_name) is not None and not any(model_part(spec, axis_name))]
+  flat, dims = _flat_bucketable(specs, axis_name)
   out = [None if i in flat else gather(x, spec) for i, (x, spec) in enumerate(zip(leaves, specs))]
   n = lax.axis_size(zero_axis(axis_name))
   # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does.
   whole_leaves = [jax.ShapeDtypeStruct((leaves[i].size * n,), leaves[i].dtype) for i in flat]
   for bucket in _buckets(whole_leaves, bucket_bytes):
-    picked = [flat[j] for j in bucket]
-    moved = [jnp.moveaxis(leaves[i], data_dim(specs[i], axis_name), 0) for i in picked]
+    moved = [jnp.moveaxis(leaves[flat[j]], dims[j], 0) for j in bucket]
     # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
     rows = _all_gather_invariant(jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1), zero_axis(axis_name), 0)
     offsets = np.cumsum([0] + [m.size for m in moved])
-    for i, m, start, stop in zip(picked, moved, offsets[:-1], offsets[1:]):
-      whole = rows[:, start:stop].reshape((-1, *m.shape[1:]))
-      out[i] = jnp.moveaxis(whole, 0, data_dim(specs[i], axis_name))
+    for j, m, start, stop in zip(bucket, moved, offsets[:-1], offsets[1:]):
+      out[flat[j]] = jnp.moveaxis(rows[:, start:stop].reshape((-1, *m.shape[1:])), 0, dims[j])
   return jax.tree.unflatten(treedef, out)
 
 
