@@ -373,23 +373,26 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | Non
 
   if bucket_bytes is None:
     return jax.tree.map(reduce, tree, specs)
+  return _with_flat_buckets(tree, specs, axis_name, reduce,
+                            lambda leaves, dims: _scatter_buckets(leaves, dims, axis_name, bucket_bytes))
+
+
+def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable, bucketed: Callable) -> Any:
+  """``tree`` with ``bucketed(leaves, dims)`` applied to the leaves flat buckets take, ``per_leaf(x, spec)`` to the rest.
+
+  Flat buckets take the leaves split over ZeRO's axis only (``dims``: the dimension each is split along); a
+  leaf also split over a model axis, or not split, keeps a collective of its own.
+  """
+  zero = axis_names(axis_name)[-1]
   leaves, treedef = jax.tree.flatten(tree)
   spec_leaves = treedef.flatten_up_to(specs)
-  flat, dims = _flat_bucketable(spec_leaves, axis_name)
-  out = [None if i in flat else reduce(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
-  for i, x in zip(flat, _scatter_buckets([leaves[i] for i in flat], dims, axis_name, bucket_bytes)):
+  dims = [_scatter_dim(spec, zero) for spec in spec_leaves]
+  flat = [i for i, (dim, spec) in enumerate(zip(dims, spec_leaves))
+          if dim is not None and (spec is True or not any(model_part(spec, axis_name)))]
+  out = [None if i in flat else per_leaf(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
+  for i, x in zip(flat, bucketed([leaves[i] for i in flat], [dims[i] for i in flat])):
     out[i] = x
   return jax.tree.unflatten(treedef, out)
-
-
-def _flat_bucketable(specs: list, axis_name: Any) -> tuple[list[int], list[int]]:
-  """The indices of the leaves split over ZeRO's axis only (no model axis), which flat buckets take, and
-  the dimension each is split along. (A leaf also split over a model axis keeps its own collective.)"""
-  zero = axis_names(axis_name)[-1]
-  picked = [(i, _scatter_dim(spec, zero)) for i, spec in enumerate(specs)]
-  picked = [(i, dim) for i, dim in picked
-            if dim is not None and (specs[i] is True or not any(model_part(specs[i], axis_name)))]
-  return [i for i, _ in picked], [dim for _, dim in picked]
 
 
 def _check_scatter(x: jax.Array, dim: int, zero: str) -> None:

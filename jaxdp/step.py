@@ -21,7 +21,7 @@ from jaxdp.layout import data_dim, per_model_shard, zero_axis
 from jaxdp.reduction import (
     ReducedGradient,
     _buckets,
-    _flat_bucketable,
+    _with_flat_buckets,
     check_reduction,
     divide_gradient,
     global_norm,
@@ -82,21 +82,22 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
 
   if bucket_bytes is None:
     return jax.tree.map(gather, params, split)
-  leaves, treedef = jax.tree.flatten(params)
-  specs = treedef.flatten_up_to(split)
-  flat, dims = _flat_bucketable(specs, axis_name)
-  out = [None if i in flat else gather(x, spec) for i, (x, spec) in enumerate(zip(leaves, specs))]
-  n = lax.axis_size(zero_axis(axis_name))
-  # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does.
-  whole_leaves = [jax.ShapeDtypeStruct((leaves[i].size * n,), leaves[i].dtype) for i in flat]
-  for bucket in _buckets(whole_leaves, bucket_bytes):
-    moved = [jnp.moveaxis(leaves[flat[j]], dims[j], 0) for j in bucket]
-    # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
-    rows = _all_gather_invariant(jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1), zero_axis(axis_name), 0)
-    offsets = np.cumsum([0] + [m.size for m in moved])
-    for j, m, start, stop in zip(bucket, moved, offsets[:-1], offsets[1:]):
-      out[flat[j]] = jnp.moveaxis(rows[:, start:stop].reshape((-1, *m.shape[1:])), 0, dims[j])
-  return jax.tree.unflatten(treedef, out)
+  zero = zero_axis(axis_name)
+  n = lax.axis_size(zero)
+
+  def gather_buckets(leaves, dims):
+    out = [None] * len(leaves)
+    # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does.
+    for bucket in _buckets([jax.ShapeDtypeStruct((x.size * n,), x.dtype) for x in leaves], bucket_bytes):
+      moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
+      # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
+      rows = _all_gather_invariant(jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1), zero, 0)
+      offsets = np.cumsum([0] + [m.size for m in moved])
+      for i, m, start, stop in zip(bucket, moved, offsets[:-1], offsets[1:]):
+        out[i] = jnp.moveaxis(rows[:, start:stop].reshape((-1, *m.shape[1:])), 0, dims[i])
+    return out
+
+  return _with_flat_buckets(params, split, axis_name, gather, gather_buckets)
 
 
 def _all_gather_invariant(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
