@@ -526,7 +526,7 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
   """
   if previous is None:
     return tree
-  tie = -(jnp.zeros((), previous.dtype) * jnp.abs(previous[0]))
+  tie = -(jnp.zeros((), previous.dtype) * jnp.abs(previous.reshape(-1)[0]))
   return jax.tree.map(lambda x: x + tie.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
 
 
@@ -537,12 +537,14 @@ def _psum_buckets(grads: Any, small: Any, axis_name: str, bucket_bytes: int | No
   leaves, treedef = jax.tree.flatten(grads)
   reduced, previous = list(leaves), None
   for bucket in _buckets(leaves, bucket_bytes):
-    # One flat vector per bucket, as DDP's buckets: one all-reduce whatever XLA's combiner would do.
-    flat = _after(jnp.concatenate([jnp.ravel(leaves[i]) for i in bucket]), previous)
+    # One flat vector per bucket, as DDP's buckets: one all-reduce whatever XLA's combiner would do. Built as
+    # one row ([1, size]): XLA CPU concatenates rows with copies, where a rank-1 concatenation went element by
+    # element (measured 10x slower: 350 ms a step on the benchmark's MLP at 8 devices).
+    flat = _after(jnp.concatenate([leaves[i].reshape(1, -1) for i in bucket], axis=1), previous)
     previous = _psum(flat, axis_name)
     offsets = np.cumsum([0] + [leaves[i].size for i in bucket])
     for i, start, stop in zip(bucket, offsets[:-1], offsets[1:]):
-      reduced[i] = previous[start:stop].reshape(leaves[i].shape)
+      reduced[i] = previous[0, start:stop].reshape(leaves[i].shape)
   # The small values ride with the last bucket, the one the backward pass finishes last.
   return jax.tree.unflatten(treedef, reduced), _psum(_after(small, previous), axis_name)
 
