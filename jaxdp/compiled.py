@@ -39,7 +39,6 @@ from jaxdp.layout import (
     check_zero_stage,
     data_mesh,
     data_part,
-    joined,
     make_layout,
     model_specs_of,
     place,
@@ -279,12 +278,14 @@ def make_train_step(
     bucket_bytes: reduce the gradient in buckets of about this many bytes,
       in reverse layer order, one all-reduce each (DDP's ``bucket_cap_mb``);
       ``None`` (default) reduces it in one; ``0`` per leaf. Bitwise the same
-      results. At ZeRO stages 2-3, where the default is one reduce-scatter
-      and one parameter gather per leaf, one of each per bucket of
-      flattened slices (FSDP's flat parameters; the gather follows the
-      update at stage 2 and precedes the forward pass at stage 3): far
-      fewer collectives for a model of many leaves, the same sums (see
-      :func:`jaxdp.reduce_gradient`).
+      results. At ZeRO stages 1-3 the parameters' all-gathers (one per
+      leaf by default) are cut the same way, one per bucket of flattened
+      slices (FSDP's flat parameters): after the update at stages 1-2,
+      before the forward pass at stage 3; at stages 2-3 so is the
+      gradient's reduce-scatter. Far fewer collectives for a model of many
+      leaves; the same sums, equal to the per-leaf step up to float32
+      round-off (XLA may compile the backward pass that feeds a flat
+      bucket differently; see :func:`jaxdp.reduce_gradient`).
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -388,9 +389,8 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
   specs = _manual_specs(layout, axis_name)
   batch_spec = split_along(mesh, axis_name).spec
   # Full specs (model axes too): the data-axis gather and scatter then run per model shard.
-  params_split = layout.specs.params if stage == 3 else None
-  grads_split = jax.tree.map(joined, layout.specs.params, layout.grad_specs) if stage >= 2 else None
-  grad_specs = layout.grad_specs if stage >= 2 else jax.tree.map(lambda _: P(), layout.grad_specs)
+  params_split = layout.split_specs if stage == 3 else None
+  grads_split = layout.split_specs if stage >= 2 else None
 
   def per_replica(state, batch, weights, rng, has_more):
     return gradient_step(
@@ -402,7 +402,7 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
       per_replica,
       mesh=mesh,
       in_specs=(TrainState(specs.params, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
-      out_specs=ReducedGradient(grad_specs, P(), P(), P(), P(), P(), P()),
+      out_specs=ReducedGradient(layout.grad_specs(axis_name), P(), P(), P(), P(), P(), P()),
       axis_names=set(axis_names(axis_name)),
       check_vma=check_vma,
   )
@@ -412,13 +412,13 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
   )
 
   gather = None
-  if stage == 2 and options.get("bucket_bytes") is not None:
-    # The updated parameters, computed split as the gradient is (XLA slices the replicated ones), are
+  if stage in (1, 2) and options.get("bucket_bytes") is not None:
+    # The updated parameters, computed split as the optimizer state is (XLA slices the replicated ones), are
     # gathered by jaxdp in flat buckets: XLA would place one all-gather per leaf.
-    split_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), grads_split)
+    split_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.split_specs)
     gather = jax.shard_map(
-        lambda p: gather_params(p, grads_split, axis_name, options["bucket_bytes"]),
-        mesh=mesh, in_specs=(jax.tree.map(lambda s: data_part(s, axis_name), grads_split),),
+        lambda p: gather_params(p, layout.split_specs, axis_name, options["bucket_bytes"]),
+        mesh=mesh, in_specs=(jax.tree.map(lambda s: data_part(s, axis_name), layout.split_specs),),
         out_specs=specs.params, axis_names=set(axis_names(axis_name)), check_vma=check_vma,
     )
 

@@ -302,15 +302,6 @@ def model_part(spec: P, axis_name: Any) -> P:
   return _spec(entries)
 
 
-def joined(model_spec: P, data_spec: P) -> P:
-  """``model_spec`` with the data-axis entries of ``data_spec`` added (the two split different dimensions)."""
-  entries = _entries(model_spec, max(len(model_spec), len(data_spec)))
-  for d, entry in enumerate(data_spec):
-    if entry is not None:
-      entries[d] = entry
-  return _spec(entries)
-
-
 def per_model_shard(fn: Any, spec: P, axis_name: Any) -> Any:
   """``fn`` (a data-axis collective) run on each model-axis shard of a leaf whose full spec is ``spec``.
 
@@ -332,16 +323,22 @@ class Layout(NamedTuple):
 
   Attributes:
     specs: a ``TrainState`` of full ``PartitionSpec``s (model and data axes).
-    grad_specs: the params' tree of the data-axis ``PartitionSpec`` each
-      reduced gradient leaf has: split along the dimension its parameter
-      is split along at stage 3 (reduce-scattered) at stages 2 and 3,
-      ``P()`` (all-reduced) at stages 0 and 1.
+    split_specs: the params' tree of the full ``PartitionSpec`` each
+      parameter has when split over the data axis (its model axes kept;
+      unchanged where it splits along no dimension): the params' own specs
+      at stage 3, the reduced gradient's at stages 2-3, and the slices of
+      the updated parameters that stages 1-2 gather in flat buckets
+      (``bucket_bytes``). The same at every stage.
     zero_stage: the stage.
   """
 
   specs: TrainState
-  grad_specs: Any
+  split_specs: Any
   zero_stage: int
+
+  def grad_specs(self, axis_name: Any) -> Any:
+    """The data-axis ``PartitionSpec`` of each reduced gradient leaf: split (reduce-scattered) at stages 2-3, else ``P()``."""
+    return jax.tree.map(lambda s: data_part(s, axis_name) if self.zero_stage >= 2 else P(), self.split_specs)
 
   def shardings(self, mesh: Mesh) -> TrainState:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs)
@@ -379,16 +376,14 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
     return _with_data(model_spec, np.ndim(x), zero_dim(np.shape(x), model_spec, n), zero)
 
   opt_specs = _opt_model_specs(abstract.opt_state, abstract.params, model_specs)
+  split_specs = jax.tree.map(sharded, abstract.params, model_specs)
   specs = TrainState(
-      params=jax.tree.map(sharded, abstract.params, model_specs) if zero_stage == 3 else model_specs,
+      params=split_specs if zero_stage == 3 else model_specs,
       opt_state=jax.tree.map(sharded, abstract.opt_state, opt_specs) if zero_stage >= 1 else opt_specs,
       step=P(),
       model_state=jax.tree.map(lambda _: P(), abstract.model_state),
   )
-  grad_specs = jax.tree.map(
-      lambda x, s: data_part(sharded(x, s), axis_name) if zero_stage >= 2 else P(), abstract.params, model_specs
-  )
-  return Layout(specs, grad_specs, zero_stage)
+  return Layout(specs, split_specs, zero_stage)
 
 
 def model_specs_of(params: Any, mesh: Mesh, axis_name: str) -> Any:
