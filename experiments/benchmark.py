@@ -15,8 +15,9 @@ Methods, all on the same initial parameters, batch and split:
   donated, validation, metrics, the skip of non-finite steps), called as
   ``step(state, batch)``; ``jaxdp_pmap``: ``backend="pmap"``;
   ``jaxdp_zero1..3``: ``zero_stage=s`` with ``jaxdp.init_state(..., zero_stage=s)``;
-  ``jaxdp_zero1_buckets`` .. ``jaxdp_zero3_buckets``: the same with
-  ``bucket_bytes=25 MiB`` (one parameter gather, and at stages 2-3 one
+  ``jaxdp_buckets``, ``jaxdp_zero1_buckets`` .. ``jaxdp_zero3_buckets``:
+  the same with ``bucket_bytes=25 MiB`` (the gradient all-reduced in flat
+  buckets; at stages 1-3 one parameter gather, and at stages 2-3 one
   reduce-scatter, per bucket of flat slices instead of one per leaf);
 * ``bare``: the step a JAX expert writes by hand: ``jit(shard_map)`` over an
   Auto mesh, grad of the local mean loss with respect to
@@ -90,17 +91,18 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # no
 import jaxdp  # noqa: E402
 from experiments import common  # noqa: E402
 
-METHODS = ("jaxdp", "jaxdp_pmap", "jaxdp_zero1", "jaxdp_zero2", "jaxdp_zero3", "jaxdp_zero1_buckets",
-           "jaxdp_zero2_buckets", "jaxdp_zero3_buckets", "bare", "auto_jit", "single", "ddp")
+METHODS = ("jaxdp", "jaxdp_pmap", "jaxdp_zero1", "jaxdp_zero2", "jaxdp_zero3", "jaxdp_buckets",
+           "jaxdp_zero1_buckets", "jaxdp_zero2_buckets", "jaxdp_zero3_buckets", "bare", "auto_jit", "single", "ddp")
 LABELS = {
     "jaxdp": "jaxdp shard_map", "jaxdp_pmap": "jaxdp pmap", "jaxdp_zero1": "jaxdp ZeRO-1",
-    "jaxdp_zero2": "jaxdp ZeRO-2", "jaxdp_zero3": "jaxdp ZeRO-3", "jaxdp_zero1_buckets": "ZeRO-1, 25 MB buckets",
+    "jaxdp_zero2": "jaxdp ZeRO-2", "jaxdp_zero3": "jaxdp ZeRO-3", "jaxdp_buckets": "jaxdp, 25 MB buckets",
+    "jaxdp_zero1_buckets": "ZeRO-1, 25 MB buckets",
     "jaxdp_zero2_buckets": "ZeRO-2, 25 MB buckets",
     "jaxdp_zero3_buckets": "ZeRO-3, 25 MB buckets", "bare": "bare shard_map",
     "auto_jit": "auto-partitioned jit", "single": "1 device, whole batch", "ddp": "PyTorch DDP",
 }
 ZERO_METHODS = {0: "jaxdp", 1: "jaxdp_zero1", 2: "jaxdp_zero2", 3: "jaxdp_zero3"}
-BUCKETED_METHODS = {1: "jaxdp_zero1_buckets", 2: "jaxdp_zero2_buckets", 3: "jaxdp_zero3_buckets"}
+BUCKETED_METHODS = {0: "jaxdp_buckets", 1: "jaxdp_zero1_buckets", 2: "jaxdp_zero2_buckets", 3: "jaxdp_zero3_buckets"}
 RATIOS = ("bare", "auto_jit", "ddp", "single")  # jaxdp ÷ each of these
 UNEVEN = (3, 5, 1, 7)  # examples per rank in the numerics comparison
 MIB = 2**20
@@ -807,9 +809,11 @@ How the comparison is kept fair:
   the PyTorch row is one plain process (no DDP wrapper, no process group).
 - jaxdp's ZeRO rows use the same step with `zero_stage=s` and a state from
   `jaxdp.init_state(..., zero_stage=s)`; pmap runs at stage 0 only. The
-  "25 MB buckets" rows add `bucket_bytes=25 MiB`: one parameter gather
-  (and at stages 2-3 one reduce-scatter) per bucket of flat slices, where
-  the plain rows have one per leaf."""
+  "25 MB buckets" rows add `bucket_bytes=25 MiB`: one all-reduce of the
+  gradient per flat bucket (stages 0-1), one parameter gather (stages 1-3)
+  and one reduce-scatter (stages 2-3) per bucket of flat slices, where the
+  plain rows have one all-reduce in all, and one gather and reduce-scatter
+  per leaf."""
 
 
 def markdown(result: dict) -> str:
