@@ -41,16 +41,19 @@ def eval_sums(
     *,
     axis_name: str = "data",
     params_split: Any = None,
+    bucket_bytes: int | None = None,
 ) -> dict[str, jax.Array]:
   """Global sums ``{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}`` of one batch, as seen by one replica.
 
   Call it inside ``shard_map`` over ``axis_name`` (batch split); one
   all-reduce. ``params_split``: the params' tree of data-axis specs of
   parameters that arrive split over ``axis_name`` (ZeRO stage 3), gathered
-  first. Dividing by ``"weight"`` gives the exact global weighted means;
-  adding sums over batches first gives those of a whole dataset.
+  first: one all-gather per leaf, or one per flat bucket of about
+  ``bucket_bytes`` (see :func:`jaxdp.make_eval_step`). Dividing by
+  ``"weight"`` gives the exact global weighted means; adding sums over
+  batches first gives those of a whole dataset.
   """
-  params = gather_params(state.params, params_split, axis_name)
+  params = gather_params(state.params, params_split, axis_name, bucket_bytes)
   local = loss_sums(
       loss_fn, params, batch, weights, model_state=state.model_state, axis_name=axis_name, train=False
   )
@@ -114,6 +117,11 @@ class EvalStep:
   def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> dict[str, jax.Array]:
     return means_from_sums(self.sums(state, batch, weights))
 
+  def lower(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> jax.stages.Lowered:
+    """The step for these arguments, lowered (e.g. ``.compile().as_text()`` to read its collectives)."""
+    jitted, prepared = self._prepare(state, batch, weights)
+    return jitted.lower(*prepared)
+
   def evaluate(self, state: TrainState, batches: Iterable[tuple[Any, Any]]) -> dict[str, float]:
     """Exact weighted means over every ``(batch, weights)`` of ``batches`` (Python floats).
 
@@ -129,7 +137,8 @@ class EvalStep:
     return {**{k: float(v / weight) if weight > 0 else 0.0 for k, v in totals.items()}, "weight": float(weight)}
 
 
-def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data") -> EvalStep:
+def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data",
+                   bucket_bytes: int | None = None) -> EvalStep:
   """Builds the jitted evaluation step over every device of ``mesh[axis_name]``.
 
   Args:
@@ -138,12 +147,21 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
       ``model_state`` if it declares ``model_state``, and without a PRNG key.
     mesh: the device mesh; default ``jaxdp.data_mesh()`` over every device.
     axis_name: the data-parallel axis.
+    bucket_bytes: parameters that arrive split over the data axis (ZeRO
+      stage 3) are gathered in flat buckets of about this many bytes, one
+      all-gather each, as :func:`jaxdp.make_train_step` does with the same
+      argument; ``None`` (default): one all-gather per leaf. The gathered
+      parameters are the same, bit for bit; the sums equal the per-leaf
+      step's up to float32 round-off (XLA may compile the forward pass that
+      reads a bucket differently).
 
   Returns:
     An :class:`EvalStep`. It takes a :class:`jaxdp.TrainState` of any ZeRO
     stage and never changes it (nothing is donated).
   """
   check_loss_fn(loss_fn)
+  if bucket_bytes is not None:
+    _checks.check_int(bucket_bytes, "bucket_bytes", 0, "or None to gather split parameters one leaf at a time.")
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
   check_mesh_axis(mesh, axis_name)
   mesh = auto_mesh(mesh)
@@ -151,7 +169,9 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
   batch_spec = split_along(mesh, axis_name).spec
 
   def build(params_split):
-    replica = lambda s, b, w: eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split)  # noqa: E731
+    def replica(s, b, w):
+      return eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split, bucket_bytes=bucket_bytes)
+
     state_specs = TrainState(params_split, None, P(), P())
     return jax.jit(jax.shard_map(
         replica, mesh=mesh, in_specs=(state_specs, batch_spec, batch_spec), out_specs=P(),
