@@ -228,9 +228,13 @@ def test_compiled_step_writes_no_divided_copy_of_the_gradient():
   ``cond`` (whose branch holds the optimizer update), nothing has the shape
   of the large weight. The hand-written composition that divides first
   (``gradient_step(divide=True)``) does write one there: the check sees it.
+  The weight is larger than ``PACK_BYTES``: smaller leaves travel packed in
+  one flat operand and are sliced out of it after the all-reduce (a copy of
+  the sum, not a divided one).
   """
   mesh = jaxdp.data_mesh(jax.devices()[:2])
-  wide = (40, 96)  # a shape no other value of this program has
+  wide = (64, 1100)  # a shape no other value of this program has
+  assert wide[0] * wide[1] * 4 > jaxdp.reduction.PACK_BYTES
   params = {"w": np.full(wide, 0.01, np.float32), "v": np.ones((wide[1],), np.float32)}
 
   def wide_loss(params, batch):
