@@ -215,3 +215,36 @@ def test_eval_step_gathers_stage_three_params_in_flat_buckets(bucket_bytes, buck
 def test_eval_step_rejects_a_bad_bucket_size():
   with pytest.raises(ValueError, match="bucket_bytes"):
     jaxdp.make_eval_step(loss_fn, MESH, bucket_bytes=-1)
+
+
+def test_small_leaves_travel_packed_and_sum_bit_for_bit():
+  """The one all-reduce packs leaves up to PACK_BYTES into one flat operand per dtype; each sum is unchanged.
+
+  Against ``lax.psum`` of each leaf on its own (the reference), bitwise, for float32, bfloat16 and int32
+  leaves, a scalar, and a float32 leaf above the packing size (an operand of its own).
+  """
+  from jax.sharding import PartitionSpec as P
+
+  from jaxdp.reduction import PACK_BYTES, _psum
+
+  big = PACK_BYTES // 4 + 1
+  rng = np.random.default_rng(3)
+  tree = {"a": rng.normal(size=(K, 5, 3)).astype(np.float32), "b": rng.normal(size=(K, 7)).astype(np.float32),
+          "s": rng.normal(size=(K,)).astype(np.float32), "big": rng.normal(size=(K, big)).astype(np.float32),
+          "h": rng.normal(size=(K, 6)).astype(jnp.bfloat16), "g": rng.normal(size=(K, 4)).astype(jnp.bfloat16),
+          "i": rng.integers(-9, 9, size=(K, 4)).astype(np.int32), "j": rng.integers(-9, 9, size=(K, 2)).astype(np.int32)}
+  tree = jax.device_put(tree, jax.NamedSharding(MESH, P("data")))
+
+  def mapped(reduce):
+    return jax.jit(jax.shard_map(lambda t: reduce(jax.tree.map(lambda x: x[0], t)), mesh=MESH, in_specs=P("data"),
+                                 out_specs=P()))
+
+  packed = mapped(lambda t: _psum(t, "data"))
+  reference = mapped(lambda t: jax.tree.map(lambda x: jax.lax.psum(x, "data"), t))
+  bits = lambda t: jax.tree.map(lambda x: np.atleast_1d(np.asarray(x)).view(np.uint8), t)  # noqa: E731
+  jax.tree.map(np.testing.assert_array_equal, bits(packed(tree)), bits(reference(tree)))
+  hlo = packed.lower(tree).compile().as_text()
+  operands = [line.split(" all-reduce(")[1].split(")")[0].count("%") for line in hlo.splitlines() if " all-reduce(" in line]
+  # Four operands (eight leaves): the float32 pack (a, b, s), the bfloat16 pack, the int32 pack, and the big
+  # leaf. XLA keeps one all-reduce per reducer type (here the int32 one apart).
+  assert sum(operands) == 4
