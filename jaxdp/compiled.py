@@ -402,7 +402,7 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
       per_replica,
       mesh=mesh,
       in_specs=(TrainState(specs.params, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
-      out_specs=ReducedGradient(layout.grad_specs(axis_name), P(), P(), P(), P(), P(), P()),
+      out_specs=ReducedGradient(layout.grad_specs, P(), P(), P(), P(), P(), P()),
       axis_names=set(axis_names(axis_name)),
       check_vma=check_vma,
   )

@@ -323,22 +323,23 @@ class Layout(NamedTuple):
 
   Attributes:
     specs: a ``TrainState`` of full ``PartitionSpec``s (model and data axes).
+    grad_specs: the params' tree of the data-axis ``PartitionSpec`` each
+      reduced gradient leaf has: split along the dimension its parameter
+      is split along at stage 3 (reduce-scattered) at stages 2 and 3,
+      ``P()`` (all-reduced) at stages 0 and 1.
+    zero_stage: the stage.
     split_specs: the params' tree of the full ``PartitionSpec`` each
       parameter has when split over the data axis (its model axes kept;
-      unchanged where it splits along no dimension): the params' own specs
-      at stage 3, the reduced gradient's at stages 2-3, and the slices of
-      the updated parameters that stages 1-2 gather in flat buckets
-      (``bucket_bytes``). The same at every stage.
-    zero_stage: the stage.
+      unchanged where no dimension divides), the same at every stage: the
+      params' own specs at stage 3, the slices the update computes before
+      stages 1-2 gather them in flat buckets (``bucket_bytes``), and the
+      reduced gradient's full specs at stages 2-3.
   """
 
   specs: TrainState
-  split_specs: Any
+  grad_specs: Any
   zero_stage: int
-
-  def grad_specs(self, axis_name: Any) -> Any:
-    """The data-axis ``PartitionSpec`` of each reduced gradient leaf: split (reduce-scattered) at stages 2-3, else ``P()``."""
-    return jax.tree.map(lambda s: data_part(s, axis_name) if self.zero_stage >= 2 else P(), self.split_specs)
+  split_specs: Any = None
 
   def shardings(self, mesh: Mesh) -> TrainState:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs)
@@ -383,7 +384,8 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
       step=P(),
       model_state=jax.tree.map(lambda _: P(), abstract.model_state),
   )
-  return Layout(specs, split_specs, zero_stage)
+  grad_specs = jax.tree.map(lambda s: data_part(s, axis_name) if zero_stage >= 2 else P(), split_specs)
+  return Layout(specs, grad_specs, zero_stage, split_specs)
 
 
 def model_specs_of(params: Any, mesh: Mesh, axis_name: str) -> Any:

@@ -221,7 +221,7 @@ def memory_report(step, state, batch, weights=None, rng=None) -> MemoryReport:
   params, opt_state = _bytes_per_device(state.params, shardings.params), _bytes_per_device(state.opt_state, shardings.opt_state)
   # The gradient has its parameter's model-axis split (stage 0's layout) and, at stages 2-3, the data split too.
   model = jax.tree.map(lambda x: jax.sharding.NamedSharding(step.mesh, x), step.layout_at(state, 0).specs.params)
-  grads = _grad_bytes(state.params, layout.grad_specs(step.axis_name), model, step.mesh)
+  grads = _grad_bytes(state.params, layout.grad_specs, model, step.mesh)
   analysis = lowered.compile().memory_analysis()
   return MemoryReport(
       params=params,
