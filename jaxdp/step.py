@@ -21,6 +21,7 @@ from jaxdp.layout import data_dim, per_model_shard, zero_axis
 from jaxdp.reduction import (
     ReducedGradient,
     _buckets,
+    _to_row,
     _with_flat_buckets,
     check_reduction,
     divide_gradient,
@@ -91,7 +92,7 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
     for bucket in _buckets([jax.ShapeDtypeStruct((x.size * n,), x.dtype) for x in leaves], bucket_bytes):
       moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
       # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
-      rows = _all_gather_invariant(jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1), zero, 0)
+      rows = _all_gather_invariant(_to_row(moved), zero, 0)
       offsets = np.cumsum([0] + [m.size for m in moved])
       for i, m, start, stop in zip(bucket, moved, offsets[:-1], offsets[1:]):
         out[i] = jnp.moveaxis(rows[:, start:stop].reshape((-1, *m.shape[1:])), 0, dims[i])
