@@ -185,10 +185,14 @@ def lm_workload(batch_size: int = 32) -> Workload:
 
 
 class Case:
-  """One method at one device count: ``advance(state) -> state`` and the state it chains."""
+  """One method at one device count: ``advance(state) -> state`` and the state it chains.
 
-  def __init__(self, advance: Callable[[Any], Any], state: Any, params_of: Callable[[Any], Any]):
-    self.advance, self.state, self.params_of = advance, state, params_of
+  ``lower(state)``, where given, lowers the step for that state (to read its compiled HLO).
+  """
+
+  def __init__(self, advance: Callable[[Any], Any], state: Any, params_of: Callable[[Any], Any],
+               lower: Callable[[Any], Any] | None = None):
+    self.advance, self.state, self.params_of, self.lower = advance, state, params_of, lower
     self.memory: dict | None = None
 
   def __call__(self) -> None:
@@ -221,7 +225,8 @@ def jaxdp_case(w: Workload, devices, backend: str = "shard_map", zero_stage: int
                                bucket_bytes=bucket_bytes)
   batch = _split(mesh, w.batch)
   state = jaxdp.init_state(common.host_copy(w.params), w.optimizer, mesh, zero_stage=zero_stage)
-  case = Case(lambda s: step(s, batch)[0], state, lambda s: jaxdp.gather_state(s).params)
+  case = Case(lambda s: step(s, batch)[0], state, lambda s: jaxdp.gather_state(s).params,
+              lambda s: step.lower(s, batch))
   if memory:
     case.memory = jaxdp.memory_report(step, state, batch)._asdict()
   return case
@@ -271,7 +276,8 @@ def plain_case(w: Workload, mesh: Mesh, step) -> Case:
   params = _replicate(mesh, common.host_copy(w.params))
   opt_state = _replicate(mesh, common.host_copy(w.optimizer.init(w.params)))
   batch = _split(mesh, w.batch)
-  return Case(lambda s: step(*s, batch), (params, opt_state), lambda s: jax.device_get(s[0]))
+  return Case(lambda s: step(*s, batch), (params, opt_state), lambda s: jax.device_get(s[0]),
+              lambda s: step.lower(*s, batch))
 
 
 def jax_cases(w: Workload, devices, memory: bool) -> dict[str, Case]:

@@ -67,3 +67,20 @@ def test_step_cost_variants_do_the_same_maths():
   assert set(row["times_ms"]) == set(step_cost.VARIANTS) == set(row["vs_bare"])
   scale = max(float(np.max(np.abs(p))) for p in jax.tree.leaves(common.host_copy(common.mlp_params(LAYERS))))
   assert max(row["param_diff_vs_bare"].values()) < 1e-5 * scale
+
+
+def test_step_profile_reads_the_compiled_steps_and_their_trace(tmp_path):
+  """experiments/step_profile.py --quick: cost analysis, instruction kinds and a per-op profile for both steps.
+
+  The structure is what is checked (no time is asserted): jaxdp's update sits in a conditional the bare step
+  does not have, and both spend device time in their all-reduce.
+  """
+  from experiments import step_profile
+
+  result = step_profile.main(["--quick", "--out", str(tmp_path / "profile.json")])
+  compiled, profile = result["compiled"], result["profile_ms"]
+  assert compiled["jaxdp"]["flops"] > 0 and compiled["bare"]["flops"] > 0
+  assert compiled["jaxdp"]["instructions"]["conditional"] == 1 and "conditional" not in compiled["bare"]["instructions"]
+  assert profile["jaxdp"]["all-reduce"] > 0 and profile["bare"]["all-reduce"] > 0
+  assert any(kind.startswith("in cond: ") for kind in profile["jaxdp"])
+  assert not any(kind.startswith("in cond: ") for kind in profile["bare"])
