@@ -707,7 +707,9 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   the same everywhere: inside ``shard_map`` with ``check_vma=True`` (the
   type system proves it for every leaf not typed as varying), or where the
   caller says so with ``agreed=True`` (e.g. the ``grads`` of a
-  :class:`jaxdp.ReducedGradient`, which :func:`jaxdp.finish_step` passes).
+  :class:`jaxdp.ReducedGradient` of ``"mean"``, ``"sum"`` or
+  ``"rank_mean"``: :func:`jaxdp.train_step` has :func:`jaxdp.finish_step`
+  pass it).
   Under ``pmap`` or ``check_vma=False`` without ``agreed``, nothing tells
   agreed leaves from per-replica ones, so each device sums such leaves whole:
   the norm of its own values, never a mix of the replicas' slices. A leaf the

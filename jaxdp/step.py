@@ -162,21 +162,29 @@ def finish_step(
     reduced: ReducedGradient,
     *,
     axis_name: str | None = None,
+    agreed: bool = False,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """The skip decision and the update: ``(new_state, metrics)`` from a reduced gradient.
 
-  Runs per replica (``axis_name`` given: the gradient is agreed over it;
-  leaves that vary over it are chunks, counted once each in the norm, and
-  each replica sums its 1/N of the others, see :func:`jaxdp.global_norm`;
-  pass ``None`` under ``reduction="none"``, where replicas differ) or on
-  the global arrays (``axis_name=None``: the optimizer sees whole leaves,
-  XLA partitions the update as the arrays are sharded, so every optax
-  optimizer gives stage 0's numbers). A gradient left undivided
+  Runs per replica (``axis_name`` given; leaves that vary over it are
+  chunks, counted once each in the norm, see :func:`jaxdp.global_norm`) or
+  on the global arrays (``axis_name=None``: the optimizer sees whole
+  leaves, XLA partitions the update as the arrays are sharded, so every
+  optax optimizer gives stage 0's numbers). A gradient left undivided
   (``grad_divisor``) is divided inside the norm's and the update's passes.
+
+  ``agreed=True``: the caller vouches that ``reduced.grads`` is the same on
+  every replica (reduced with ``"mean"``, ``"sum"`` or ``"rank_mean"``), so
+  each replica sums the squares of only its 1/N of it for the norm (one
+  4-byte all-reduce; :func:`train_step` passes it). The default is safe for
+  any gradient: inside ``shard_map`` with ``check_vma=True`` the types tell
+  agreed leaves apart and the norm is split anyway; under ``pmap`` or
+  ``check_vma=False`` each replica takes the norm of its own values (a
+  ``reduction="none"`` gradient: each replica's own norm and skip).
   """
   # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
   # a NaN is NaN), so this flag is the same everywhere: all skip.
-  grad_norm = global_norm(reduced.grads, axis_name, reduced.grad_divisor, agreed=True)
+  grad_norm = global_norm(reduced.grads, axis_name, reduced.grad_divisor, agreed=agreed)
   nonfinite = jnp.logical_not(jnp.isfinite(grad_norm) & jnp.isfinite(reduced.loss))
   apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
   new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state, reduced.grad_divisor)
@@ -271,4 +279,6 @@ def train_step(
       compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, divide=False,
   )
   # Under "none" the replicas' gradients differ: each takes the norm of its own.
-  return finish_step(optimizer, state, reduced, axis_name=None if reduction == "none" else axis_name)
+  if reduction == "none":
+    return finish_step(optimizer, state, reduced)
+  return finish_step(optimizer, state, reduced, axis_name=axis_name, agreed=True)

@@ -208,7 +208,8 @@ def test_deferred_division_gives_the_divided_gradient(reduction):
   def finished(state, batch, weights):
     return [
         jaxdp.finish_step(OPT, state, jaxdp.gradient_step(loss_fn, state, batch, weights, reduction=reduction,
-                                                          divide=divide), axis_name="data")
+                                                          divide=divide), axis_name="data",
+                          agreed=reduction != "none")  # as train_step composes them
         for divide in (True, False)
     ]
 
@@ -219,6 +220,28 @@ def test_deferred_division_gives_the_divided_gradient(reduction):
                               check_vma=False))
   if reduction != "none":  # train_step is the deferred composition
     assert_bitwise_equal(jax.tree.map(lambda x: x[0], from_deferred), own(state, batch, weights))
+
+
+def test_finish_step_takes_each_replicas_own_norm_of_a_per_replica_gradient():
+  """finish_step(axis_name=...) without ``agreed=True`` is safe for a ``reduction="none"`` gradient.
+
+  Under ``check_vma=False`` (as under pmap) nothing tells per-replica leaves from agreed ones; the norm
+  then sums each replica's own values, so its ``grad_norm`` is the norm of its own gradient (reference
+  written plainly here). Splitting them into 1/N parts, as ``agreed=True`` does for an agreed gradient,
+  would mix the replicas' slices.
+  """
+  state = jaxdp.init_state(init_params(), OPT, MESH)
+  batch, weights = shard(device_data(0), MESH)
+
+  def norms(state, batch, weights):
+    reduced = jaxdp.gradient_step(loss_fn, state, batch, weights, reduction="none")
+    _, metrics = jaxdp.finish_step(OPT, state, reduced, axis_name="data")
+    own = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(jaxdp.applied_gradient(reduced))))
+    return metrics["grad_norm"], own
+
+  got, own = _per_replica(norms)(state, batch, weights)
+  np.testing.assert_allclose(got, own, rtol=1e-6)
+  assert len(np.unique(np.asarray(own))) > 1  # the replicas' gradients differ
 
 
 def test_compiled_step_writes_no_divided_copy_of_the_gradient():
