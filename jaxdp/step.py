@@ -180,7 +180,11 @@ def finish_step(
   any gradient: inside ``shard_map`` with ``check_vma=True`` the types tell
   agreed leaves apart and the norm is split anyway; under ``pmap`` or
   ``check_vma=False`` each replica takes the norm of its own values (a
-  ``reduction="none"`` gradient: each replica's own norm and skip).
+  ``reduction="none"`` gradient: each replica's own norm and skip). For a
+  ``"none"`` gradient pass ``axis_name=None``, as :func:`train_step` does:
+  each replica's own norm everywhere (inside ``shard_map`` with
+  ``check_vma=True`` its leaves are typed as varying, and with
+  ``axis_name`` the norm would count them as chunks of one vector).
   """
   # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
   # a NaN is NaN), so this flag is the same everywhere: all skip.
