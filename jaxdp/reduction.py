@@ -366,17 +366,17 @@ def _psum(tree: Any, axis_name: str) -> Any:
   return jax.tree.unflatten(treedef, summed)
 
 
-def _to_row(leaves: list) -> jax.Array:
-  """The leaves flattened into one row ``[1, Σ size]``.
+def _to_row(leaves: list, rows: int = 1) -> jax.Array:
+  """The leaves flattened into ``[rows, Σ size / rows]``: row ``i`` holds row ``i`` of each leaf seen as ``rows`` rows.
 
-  A row, not a vector: XLA CPU concatenates rows with copies, where a rank-1 concatenation went element by
+  Rows, not a vector: XLA CPU concatenates rows with copies, where a rank-1 concatenation went element by
   element (measured on the benchmark's MLP at 8 devices, bucketed: 225-450 ms a step against 64).
   """
-  return jnp.concatenate([x.reshape(1, -1) for x in leaves], axis=1)
+  return jnp.concatenate([x.reshape(rows, -1) for x in leaves], axis=1)
 
 
 def _from_row(row: jax.Array, like: list) -> list:
-  """The leaves of a row made by :func:`_to_row` from leaves shaped as ``like``."""
+  """The leaves of a one-row ``[1, Σ size]`` array made by :func:`_to_row`, shaped as ``like``."""
   offsets = np.cumsum([0] + [x.size for x in like])
   return [row[0, start:stop].reshape(x.shape) for x, start, stop in zip(like, offsets[:-1], offsets[1:])]
 
@@ -459,13 +459,12 @@ def _scatter_buckets(leaves: list, dims: list[int], axis_name: Any, bucket_bytes
     for i in bucket:
       _check_scatter(leaves[i], dims[i], zero)
     moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
-    flat = _after(jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1), previous)
-    reduced = lax.psum_scatter(as_varying(flat, axis_name), zero, scatter_dimension=0, tiled=True)
-    reduced = lax.psum(reduced, others) if others else reduced
-    previous = reduced.reshape(-1)
-    offsets = np.cumsum([0] + [m.size // n for m in moved])
-    for i, m, start, stop in zip(bucket, moved, offsets[:-1], offsets[1:]):
-      out[i] = jnp.moveaxis(previous[start:stop].reshape((m.shape[0] // n, *m.shape[1:])), 0, dims[i])
+    flat = _after(_to_row(moved, rows=n), previous)
+    previous = lax.psum_scatter(as_varying(flat, axis_name), zero, scatter_dimension=0, tiled=True)
+    previous = lax.psum(previous, others) if others else previous
+    slices = [jax.ShapeDtypeStruct((m.shape[0] // n, *m.shape[1:]), m.dtype) for m in moved]
+    for i, x in zip(bucket, _from_row(previous, slices)):
+      out[i] = jnp.moveaxis(x, 0, dims[i])
   return out
 
 
