@@ -76,7 +76,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _ckpt_record as record_lib
-from jaxdp._checks import check_int, check_state
+from jaxdp._checks import check_int, check_not_donated, check_state
 from jaxdp._ckpt_record import RNG
 from jaxdp.layout import (
     auto_mesh,
@@ -205,6 +205,7 @@ class CheckpointManager:
     # orbax removes unfinished saves in a background thread that only its next save awaits; await it now, so
     # the directory holds complete steps only once the manager exists (and close() cannot race the thread).
     getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+    self._current: int | None = None  # the step this manager last restored or wrote: the run it is on
 
   def __enter__(self) -> CheckpointManager:
     return self
@@ -272,18 +273,40 @@ class CheckpointManager:
       force: save even if ``step`` is not a multiple of ``save_interval_steps``.
 
     Returns:
-      Whether a checkpoint was written (or, asynchronously, started). Not
-      forced, a step at or below the latest checkpoint's is never written
-      (orbax's rule), e.g. after restoring an older checkpoint than the latest.
+      Whether a checkpoint was written (or, asynchronously, started):
+      ``False`` for a step not due, or for the step this manager restored or
+      last wrote (the same state again).
+
+    Raises:
+      ValueError: if ``step`` is not after the latest checkpoint's (and is
+        not the step this manager restored or last wrote): e.g. a run that
+        went back to an older checkpoint, or started afresh in a directory
+        with checkpoints. Written, it would not be the one a restart
+        restores; skipped, as orbax would, the run's saves would be lost
+        until its steps passed the old ones. Drop the abandoned checkpoints
+        with :meth:`discard_after` first, or save into another directory.
     """
     step = check_int(step, "step", 0, "steps count from 0.")
     check_state(state)
+    check_not_donated(state)
     data_step = step if data_step is None else check_int(data_step, "data_step", 0, "pass the pipeline's next step.")
     record_lib.check_metadata(metadata)
     if rng is not None:
       record_lib.is_typed_key(rng)
+    latest = self._manager.latest_step()  # orbax's list (no directory listing per call: this runs every step)
+    if latest is not None and step <= latest and step != self._current:
+      on = "" if self._current is None else f" (this run restored or saved step {self._current})"
+      raise ValueError(
+          f"step {step} is not after the latest checkpoint in {self.directory}, step {latest}{on}: a restart would "
+          f"restore step {latest}, not this run's state, and orbax would skip this run's saves until its steps passed "
+          f"{latest}. If this run continues from an older checkpoint, drop the newer ones first: "
+          f"ckpt.discard_after({step - 1 if self._current is None else self._current}); or save into another "
+          "directory."
+      )
     if force and step in self._manager.all_steps():
       raise ValueError(f"step {step} already has a checkpoint in {self.directory}; save under a new step.")
+    if step == self._current:
+      return False  # the checkpoint this run restored or wrote, again: nothing new to write
     if not (force or self._manager.should_save(step)):
       return False
     self.wait()  # orbax would too; here a failed previous save raises with jaxdp's note, before any work
@@ -303,7 +326,26 @@ class CheckpointManager:
     args = ocp.args.Composite(
         **{_STATE_ITEM: ocp.args.StandardSave(record_lib.nested(named)), _RECORD_ITEM: ocp.args.JsonSave(record)}
     )
-    return bool(self._manager.save(step, args=args, force=force))
+    written = bool(self._manager.save(step, args=args, force=force))
+    self._current = step if written else self._current
+    return written
+
+  def discard_after(self, step: int) -> list[int]:
+    """Deletes every checkpoint newer than ``step``; returns their steps. A collective in a multi-process job.
+
+    For a run that goes back to an older checkpoint (e.g. step 2 of 1-4,
+    after a divergence): restore it, then discard the abandoned steps, so
+    that :meth:`save` can write the new run's steps 3, 4, ... and a restart
+    restores them, not the abandoned ones.
+    """
+    step = check_int(step, "step", 0, "steps count from 0.")
+    self._refresh(wait=True)
+    newer = [s for s in sorted(self._manager.all_steps()) if s > step]
+    for s in reversed(newer):  # newest first: an interruption leaves a prefix of the old run, never a gap
+      self._manager.delete(s)
+    if self._current is not None and self._current > step:
+      self._current = None
+    return newer
 
   def restore(
       self,
@@ -372,6 +414,7 @@ class CheckpointManager:
       key, replicated = entries[RNG], NamedSharding(mesh, P())
       target.append((RNG, jax.ShapeDtypeStruct(tuple(key["shape"]), np.dtype(key["dtype"]), sharding=replicated)))
     arrays = self._read_arrays(step, record, target)
+    self._current = step
     state = jax.tree.unflatten(jax.tree.structure(expected), [arrays[c] for c, _ in record_lib.named_leaves(expected)])
     rng = None
     if RNG in arrays:

@@ -316,8 +316,12 @@ class DataPipeline:
   Example::
 
     pipe = DataPipeline(dataset, collate, mesh, per_device_batch=32, seed=0)
-    for step, (batch, weights) in pipe.iterate(start_step=int(state.step)):
-      state, metrics = train_step(state, batch, weights)
+    for step, (batch, weights) in pipe.iterate(start_step=start):  # start: the loop's own count, saved
+      state, metrics = train_step(state, batch, weights)            # as a checkpoint's data_step
+
+  Resume from the loop's count of batches (``Restored.data_step``), not from
+  ``state.step``: a step skipped for a NaN or zero weight does not advance
+  ``state.step``, so resuming from it would train on some batches twice.
 
   Attributes:
     steps_per_epoch: ``ceil(len(dataset) / (n_devices * per_device_batch))``.

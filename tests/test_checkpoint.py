@@ -316,6 +316,45 @@ def test_a_deleted_latest_step_falls_back_to_the_previous_one(asynchronous, tmp_
     assert ckpt.save(2, state, metadata=22) and ckpt.all_steps() == [1, 2] and ckpt.metadata() == 22
 
 
+def test_a_run_that_goes_back_to_an_older_checkpoint_is_not_silently_unsaved(tmp_path):
+  """Saves at or below the latest step are refused, not skipped: skipped, a restart would restore the abandoned run.
+
+  Steps 1-4 of a diverged run are on disk; the user restores step 2 and trains on. orbax's rule alone would
+  skip every save until the new run passed step 4, and a crash meanwhile would resume the abandoned step 4.
+  """
+  mesh = mesh_of(2)
+  step_fn = jaxdp.make_train_step(loss_fn, OPT, mesh)
+  old = jaxdp.init_state(init_params(), OPT, mesh)
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    for k in range(1, 5):
+      old, _ = step_fn(old, *batch_for(mesh, k))
+      assert ckpt.save(k, old)
+  abandoned = jaxdp.gather_state(old)
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    with pytest.raises(ValueError, match=r"step 1 is not after the latest checkpoint .* step 4: .*discard_after\(0\)"):
+      ckpt.save(1, old)  # a fresh run in a directory with checkpoints
+    restored = ckpt.restore(2, params=init_params(), optimizer=OPT, mesh=mesh)
+    assert ckpt.save(2, restored.state) is False  # what it restored, again: nothing to write, no error
+    state = restored.state
+    state, _ = step_fn(state, *batch_for(mesh, 30))  # the new run's step 3 (other data)
+    with pytest.raises(ValueError, match=r"step 3 is not after .* step 4 \(this run restored or saved step 2\).*"
+                                         r"discard_after\(2\)"):
+      ckpt.save(3, state)
+    with pytest.raises(ValueError, match="step 4 is not after"):
+      ckpt.save(4, state, force=True)
+    assert ckpt.all_steps() == [1, 2, 3, 4], "a refused save changes nothing"
+    assert ckpt.discard_after(2) == [3, 4] and ckpt.all_steps() == [1, 2]
+    assert ckpt.save(3, state)
+    state, _ = step_fn(state, *batch_for(mesh, 40))
+    assert ckpt.save(4, state) and ckpt.save(4, state) is False  # its own latest step again: skipped
+  new = jaxdp.gather_state(state)
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    latest = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh)
+  assert latest.step == 4
+  assert_bitwise_equal(jaxdp.gather_state(latest.state), new)
+  assert not np.array_equal(np.asarray(new.params["w"]), np.asarray(abandoned.params["w"]))
+
+
 def test_async_save_copies_the_state_before_the_step_donates_it(tmp_path):
   mesh = mesh_of(2)
   state = trained(mesh, zero_stage=2)
