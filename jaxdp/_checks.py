@@ -53,11 +53,12 @@ def check_float_dtype(dtype: Any, name: str) -> Any:
   return resolved
 
 
-def check_not_donated(state: Any, leaves: list | None = None) -> None:
+def check_not_donated(state: Any, leaves: list | None = None, name: str = "state") -> None:
   """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step.
 
   ``leaves``: ``jax.tree.leaves(state)`` when the caller has them (the key
   paths, slower to build, are then made only for the error message).
+  ``name``: how the caller's argument is called, for the message.
   """
   leaves = jax.tree.leaves(state) if leaves is None else leaves
   if not any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
@@ -65,7 +66,7 @@ def check_not_donated(state: Any, leaves: list | None = None) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
       raise ValueError(
-          f"state{jax.tree_util.keystr(path)} was donated to an earlier step (its buffer is deleted); a step "
+          f"{name}{jax.tree_util.keystr(path)} was donated to an earlier step (its buffer is deleted); a step "
           "consumes the state it is given. Pass the state that step returned (state, metrics = step(state, ...)), "
           "or build the step with donate=False to keep inputs alive."
       )

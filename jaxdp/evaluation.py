@@ -86,6 +86,7 @@ class EvalStep:
 
   def _prepare(self, state, batch, weights):
     _checks.check_state(state)
+    _checks.check_not_donated(state)  # a deleted buffer passed to a compiled step can crash the process
     key = _checks.signature(state, batch, weights)
     if key not in self._validated:
       check_loss_fn(self.loss_fn, with_model_state=state.model_state is not None)

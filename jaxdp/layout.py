@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp._checks import check_optimizer, check_params_dtypes
+from jaxdp._checks import check_not_donated, check_optimizer, check_params_dtypes
 from jaxdp.state import TrainState
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -539,6 +539,7 @@ def place_state(
   from jaxdp._checks import check_opt_state, check_state
 
   check_state(full_state, "full_state")
+  check_not_donated(full_state, name="full_state")
   check_optimizer(optimizer)
   check_opt_state(full_state, optimizer, "full_state")
   check_mesh_axis(mesh, axis_name)
@@ -556,4 +557,5 @@ def gather_state(state: TrainState) -> TrainState:
   every process). Use it to export or to compare layouts; checkpoints do not
   need it (they save each shard where it lives).
   """
+  check_not_donated(state)
   return jax.tree.map(to_host, state)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxdp._checks import check_not_donated
 from jaxdp.reduction import as_varying, axis_names, varies
 
 
@@ -27,6 +28,7 @@ def per_replica(tree: Any) -> Any:
   holds. For a state that is meant to be replicated, the rows differ only if
   the replicas have diverged (e.g. under ``reduction="none"``).
   """
+  check_not_donated(tree, name="tree")
   return jax.tree.map(lambda leaf: np.stack(_device_copies(leaf)[1]), tree)
 
 
@@ -73,6 +75,9 @@ def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
     AssertionError: naming the leaf path, the devices that differ and the
       largest absolute difference.
   """
+  check_not_donated(tree, name="tree")
+  if not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and atol >= 0):
+    raise ValueError(f"atol must be a number >= 0 (the largest allowed |difference|), got {atol!r}.")
   failures = []
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     for names, copies in _copies_that_must_agree(leaf):

@@ -46,6 +46,34 @@ def test_reusing_a_donated_state_is_a_value_error(backend):
   step(new, *data())  # the returned state goes on
 
 
+def test_a_consumed_state_is_a_value_error_everywhere_it_can_go(tmp_path):
+  """Not only the step: a consumed state reaching a compiled eval step crashed the process (SIGSEGV), and the
+  host-side helpers gave JAX's bare "Array has been deleted". Each now names the argument and the fix."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH)
+  evaluate = jaxdp.make_eval_step(loss_fn, MESH)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  evaluate(state, *data())  # compiled before the state is consumed: the crashing order
+  new, _ = step(state, *data())
+  donated = r"state.* was donated to an earlier step.*Pass the state that step returned"
+  with pytest.raises(ValueError, match=donated):
+    evaluate(state, *data())
+  with pytest.raises(ValueError, match=donated):
+    jaxdp.gather_state(state)
+  with pytest.raises(ValueError, match="full_" + donated):
+    jaxdp.place_state(state, OPT, MESH)
+  with pytest.raises(ValueError, match=r"tree.* was donated"):
+    jaxdp.per_replica(state.params)
+  with pytest.raises(ValueError, match=r"tree.* was donated"):
+    jaxdp.assert_replicas_equal(state)
+  with jaxdp.CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    with pytest.raises(ValueError, match=donated):
+      ckpt.save(1, state)
+    assert ckpt.all_steps() == []
+    assert ckpt.save(1, new)
+  evaluate(new, *data())  # the returned state goes on
+  jaxdp.assert_replicas_equal(new)
+
+
 def test_a_state_whose_leaves_share_one_buffer_runs():
   """TrainState.create with one array in two leaves: the step copies the duplicate instead of crashing."""
   z = jax.device_put(jnp.zeros(()), jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec()))
