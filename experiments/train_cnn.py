@@ -32,17 +32,24 @@ import time
 DEFAULT_CPU_DEVICES = 4
 
 
+def _positive(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+  return value
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--devices", type=int, default=None, help=f"data-parallel devices (CPU: simulated, default {DEFAULT_CPU_DEVICES}; else all)")
   p.add_argument("--bn", default="sync", choices=("sync", "local"), help="BatchNorm statistics over all devices or per device")
-  p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--steps", type=_positive, default=300)
   p.add_argument("--batch-size", type=int, default=64, help="global batch (the training set of 1,437 does not divide by it)")
   p.add_argument("--lr", type=float, default=0.05)
   p.add_argument("--momentum", type=float, default=0.9)
   p.add_argument("--dropout", type=float, default=0.1, help="set to 0 under --compare")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="out/cnn")
+  p.add_argument("--out", default="out/cnn", help="where --compare writes compare.json and loss_curves.png")
   p.add_argument("--compare", action="store_true", help="1 device vs N devices (sync BN) vs N devices (local BN)")
   p.add_argument("--no-progress", dest="progress", action="store_false")
   return p
@@ -287,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{result['devices']} device(s), {result['bn']} BatchNorm: final train loss {result['records'][-1]['loss']:.4f}, "
           f"eval accuracy {result['eval']['accuracy']:.4f} (host {host_accuracy(result['model'], load_digits(config.seed)[1]):.4f}), "
           f"eval loss {result['eval']['loss']:.4f}")
-  print(f"wall time {time.perf_counter() - start:.1f} s; outputs in {config.out}")
+  print(f"wall time {time.perf_counter() - start:.1f} s" + (f"; outputs in {config.out}" if config.compare else ""))
   return result
 
 

@@ -357,7 +357,7 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   summary = {
       "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": config.zero_stage,
       "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
-      "train_sequences": len(train_set), "val_sequences": len(val_set), "steps": len(records),
+      "train_sequences": len(train_set), "val_sequences": len(val_set), "start_step": start, "steps": len(records),
       "final_loss": records[-1]["loss"] if records else None, "val_loss": val_loss,
       "val_accuracy": None if val is None else val["accuracy"],
       "tokens_per_s": _throughput(records), "config": dataclasses.asdict(config),
@@ -477,8 +477,14 @@ def _report_train(summary: dict) -> str:
   mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
   return (f"{summary['devices']} {summary['platform']} device(s) (mesh {mesh}, ZeRO stage {summary['zero_stage']}), "
           f"reduction={summary['reduction']!r}, "
-          f"dropout={summary['dropout']}: final train loss {summary['final_loss']:.4f}, "
-          f"val loss {'n/a' if val is None else f'{val:.4f}'} nats/byte, {summary['tokens_per_s']:.0f} tokens/s")
+          f"dropout={summary['dropout']}: {_train_figures(summary)}, "
+          f"val loss {'n/a' if val is None else f'{val:.4f}'} nats/byte")
+
+
+def _train_figures(summary: dict) -> str:
+  if summary["final_loss"] is None:  # resumed from a checkpoint at the last step: nothing left to train
+    return f"no step to run (resumed at step {summary['start_step']})"
+  return f"final train loss {summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s"
 
 
 def _report_compare(result: dict) -> str:
