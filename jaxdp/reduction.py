@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxdp._checks import check_int
+from jaxdp._checks import check_float_dtype, check_int
 from jaxdp.layout import model_part, per_model_shard
 from jaxdp.loss import call_loss
 
@@ -126,6 +126,19 @@ def axis_names(axis_name: Any) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
+def check_axis_bound(axis_name: Any, name: str = "axis_name") -> None:
+  """Raises ``ValueError`` unless every axis of ``axis_name`` is bound here (inside ``shard_map``/``pmap`` over it)."""
+  for axis in axis_names(axis_name):
+    try:
+      lax.axis_size(axis)
+    except NameError:
+      raise ValueError(
+          f"{name}={axis_name!r}: axis {axis!r} is not an axis of the enclosing shard_map or pmap; call this "
+          "inside jax.shard_map over a mesh with that axis (or jax.pmap(..., axis_name=...)), or pass the mesh "
+          "axis it runs over."
+      ) from None
+
+
 def varies(x: Any, axis_name: Any) -> bool:
   """Whether ``x`` is typed (inside ``shard_map``) as varying over any of the axes of ``axis_name``."""
   return bool(set(axis_names(axis_name)) & _varying_axes(x))
@@ -201,6 +214,16 @@ def _rows(batch: Any) -> int:
   return np.shape(leaves[0])[0]
 
 
+def _check_weight_rows(weights: Any, batch: Any) -> None:
+  # Else a weights array of the wrong length reaches loss_fn, and the error blames the losses' shape.
+  sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.shape(x)}
+  if sizes and (not np.shape(weights) or np.shape(weights)[0] not in sizes):
+    raise ValueError(
+        f"weights has shape {tuple(np.shape(weights))} but the batch's leaves have {min(sizes)} rows here; pass "
+        "weights with the shape of the per-example [b] (or per-token [b, t]) losses, b the batch's leading size."
+    )
+
+
 def _abstract_vma(x: Any) -> frozenset:
   """The varying axes of an array or of a ``ShapeDtypeStruct`` from ``jax.eval_shape``."""
   if isinstance(x, jax.ShapeDtypeStruct):
@@ -227,6 +250,8 @@ def loss_sums(
   even if their loss or metric is NaN. Returns a :class:`LocalGradient` with
   ``grads=None``.
   """
+  if weights is not None:
+    _check_weight_rows(weights, batch)
   row_weights = jnp.ones((_rows(batch),), jnp.float32) if weights is None else weights
   out = call_loss(
       loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
@@ -288,7 +313,9 @@ def local_gradient(
     ``Σ w``, the metric sums and the new model state.
   """
   check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
+  check_float_dtype(compute_dtype, "compute_dtype")
   if axis_name is not None:
+    check_axis_bound(axis_name)
     params = as_varying(params, axis_name)
 
   def micro_gradient(micro_batch, micro_weights, micro_rng, state):
@@ -648,6 +675,10 @@ def reduce_gradient(
     per-replica under ``"none"``).
   """
   check_reduction(reduction)
+  check_float_dtype(reduce_dtype, "reduce_dtype")
+  _check_bucket_bytes(bucket_bytes)
+  if reduction != "none":
+    check_axis_bound(axis_name)
   grads, loss_sum, weight_sum, metric_sums, model_state = local
   metric_sums = {} if metric_sums is None else metric_sums
   if reduction == "none":
@@ -677,6 +708,11 @@ def reduce_gradient(
   denominator = weight_sum if reduction == "mean" else jnp.asarray(lax.axis_size(axis_name), jnp.float32)
   grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), denominator, divide)
   return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
+
+
+def _check_bucket_bytes(bucket_bytes: Any) -> None:
+  if bucket_bytes is not None:
+    check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
 
 
 def _normalised(sums: tuple, denominator: jax.Array, divide: bool) -> tuple:

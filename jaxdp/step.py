@@ -17,10 +17,12 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxdp._checks import check_float_dtype, check_optimizer
 from jaxdp.layout import data_dim, per_model_shard, zero_axis
 from jaxdp.reduction import (
     ReducedGradient,
     _buckets,
+    _check_bucket_bytes,
     _to_row,
     _with_flat_buckets,
     check_reduction,
@@ -52,6 +54,8 @@ def apply_update(
   undivided, see :class:`jaxdp.ReducedGradient`); the division happens in
   the update's own pass over the gradient.
   """
+
+  check_optimizer(optimizer)
 
   def step(operand):
     state, new_model_state, grads = operand
@@ -141,6 +145,8 @@ def gradient_step(
   (see :func:`jaxdp.reduce_gradient`).
   """
   check_reduction(reduction)
+  check_float_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
+  _check_bucket_bytes(bucket_bytes)
   if rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
   params = gather_params(state.params, params_split, axis_name, bucket_bytes)
@@ -277,6 +283,7 @@ def train_step(
     on every replica (see :func:`jaxdp.reduce_model_state`).
   """
   check_reduction(reduction)
+  check_optimizer(optimizer)  # before the forward and backward passes are traced
   reduced = gradient_step(
       loss_fn, state, batch, weights,
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, has_more=has_more,

@@ -126,6 +126,47 @@ def test_negative_weights_given_to_the_step_skip_it_everywhere():
   jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
 
 
+def in_own_shard_map(replica):
+  """``replica(state, batch, weights)`` in the user's own ``jit(shard_map)``: the pure functions' path."""
+  spec = jax.sharding.PartitionSpec
+  return jax.jit(jax.shard_map(replica, mesh=MESH, in_specs=(spec(), spec("data"), spec("data")),
+                               out_specs=(spec(), spec())))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        # These trained silently: an int32 forward pass has a zero gradient (state.step still advanced), an int8
+        # all-reduce quantised the gradient. make_train_step refused them; the pure functions did not.
+        ({"compute_dtype": jnp.int32}, r"compute_dtype=.*int32.* is not a floating dtype"),
+        ({"grad_reduce_dtype": jnp.int8}, r"grad_reduce_dtype=.*int8.* is not a floating dtype"),
+        ({"bucket_bytes": -1}, r"bucket_bytes must be an integer >= 0"),
+        # These raised a bare AssertionError (from lax.pcast) and an AttributeError.
+        ({"axis_name": "batch"}, r"axis_name='batch': axis 'batch' is not an axis of the enclosing shard_map"),
+        ({"optimizer": optax.adam}, r"optimizer is the function .*adam.* itself"),
+    ],
+    ids=["int-compute", "int-reduce", "negative-buckets", "unbound-axis", "optimizer-factory"],
+)
+def test_the_pure_step_checks_its_arguments_as_make_train_step_does(kwargs, match):
+  optimizer = kwargs.pop("optimizer", OPT)
+  kwargs.setdefault("axis_name", "data")
+  step = in_own_shard_map(lambda s, b, w: jaxdp.train_step(loss_fn, optimizer, s, b, w, **kwargs))
+  state = jaxdp.init_state(params(), OPT, MESH)
+  with pytest.raises((ValueError, TypeError), match=match):
+    step(state, *data())
+  jaxdp.make_train_step(loss_fn, OPT, MESH)(state, *data())  # nothing was consumed
+
+
+def test_weights_of_another_length_than_the_batch_are_named_as_the_mistake():
+  """The weights, not loss_fn's output, were blamed: 'loss_fn must return ... b=3 rows ... returned (4,)'."""
+
+  def replica(state, batch, weights):
+    return jaxdp.train_step(loss_fn, OPT, state, batch, weights[:-1], axis_name="data")
+
+  with pytest.raises(ValueError, match=r"weights has shape \(\d+,\) but the batch's leaves have \d+ rows"):
+    in_own_shard_map(replica)(jaxdp.init_state(params(), OPT, MESH), *data(counts=(2, 2, 2, 2)))
+
+
 def test_subnormal_weights_are_refused_on_the_host():
   with pytest.raises(ValueError, match=r"weights\[0\] has 1 weights below .*smallest normal"):
     jaxdp.shard_uneven([{"x": np.ones((2, 3))}] + [{"x": np.ones((0, 3))}] * 3, MESH,
