@@ -113,10 +113,21 @@ def shard_uneven(
 
 
 _SMALLEST_WEIGHT = float(np.finfo(np.float32).tiny)
+_LARGEST_WEIGHT = float(np.finfo(np.float32).max)
 
 
-def _check_normal(w: np.ndarray, name: str) -> None:
-  """Refuses weights in (0, float32's smallest normal): devices flush them to 0, silently dropping the rows."""
+def _float32_weights(w: Any, name: str) -> np.ndarray:
+  """``w`` as float32, refusing values that float32 (on the devices) cannot hold: checked before the cast.
+
+  Non-finite or negative weights; weights in (0, float32's smallest normal), which devices flush to 0 (the
+  rows silently dropped; a float64 1e-50 would already be 0 after the cast); weights above float32's largest.
+  """
+  w = np.asarray(w)
+  w = w.astype(np.float64) if w.dtype != np.float64 else w
+  if not np.all(np.isfinite(w)):
+    raise ValueError(f"{name} has non-finite values; weights must be finite and >= 0 (0 for padding).")
+  if np.any(w < 0):
+    raise ValueError(f"{name} has negative values (min {w.min()}); weights must be >= 0 (0 for padding).")
   tiny = (w > 0) & (w < _SMALLEST_WEIGHT)
   if np.any(tiny):
     raise ValueError(
@@ -124,10 +135,17 @@ def _check_normal(w: np.ndarray, name: str) -> None:
         "which accelerators and XLA's CPU backend flush to 0; scale the weights up (only their ratios matter under "
         "reduction='mean') or set them to 0."
     )
+  huge = w > _LARGEST_WEIGHT
+  if np.any(huge):
+    raise ValueError(
+        f"{name} has {int(np.sum(huge))} weights above {_LARGEST_WEIGHT:.3g} (float32's largest number), which would become inf on the "
+        "devices; scale the weights down (only their ratios matter under reduction='mean')."
+    )
+  return w.astype(np.float32)
 
 
 def _check_weights(weights: Sequence[Any], sizes: list[int]) -> list[np.ndarray]:
-  weights = [np.asarray(w, np.float32) for w in weights]
+  weights = [np.asarray(w) for w in weights]
   if len(weights) != len(sizes):
     raise ValueError(f"weights has {len(weights)} entries but batches has {len(sizes)}; pass one weight array per device.")
   trailing = {w.shape[1:] for w in weights}
@@ -136,12 +154,7 @@ def _check_weights(weights: Sequence[Any], sizes: list[int]) -> list[np.ndarray]
   for i, (w, s) in enumerate(zip(weights, sizes)):
     if w.ndim not in (1, 2) or w.shape[0] != s:
       raise ValueError(f"weights[{i}] has shape {w.shape} but batches[{i}] has {s} rows; use [{s}] or [{s}, t].")
-    if not np.all(np.isfinite(w)):
-      raise ValueError(f"weights[{i}] has non-finite values; weights must be finite and >= 0 (0 for padding).")
-    if np.any(w < 0):
-      raise ValueError(f"weights[{i}] has negative values (min {w.min()}); weights must be >= 0 (0 for padding).")
-    _check_normal(w, f"weights[{i}]")
-  return weights
+  return [_float32_weights(w, f"weights[{i}]") for i, w in enumerate(weights)]
 
 
 # The input pipeline. The plan is pure and the same in every process:
@@ -267,7 +280,7 @@ def _collated(collate: Callable, examples: list, template: tuple[Any, np.ndarray
   out = collate(examples)
   if not isinstance(out, tuple) or len(out) != 2:
     raise ValueError(f"collate must return a tuple (batch, weights), got {type(out).__name__}.")
-  batch, weights = jax.tree.map(np.asarray, out[0]), np.asarray(out[1], np.float32)
+  batch, weights = jax.tree.map(np.asarray, out[0]), np.asarray(out[1])
   k = len(examples)
   for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
     if leaf.ndim == 0 or leaf.shape[0] != k:
@@ -277,9 +290,7 @@ def _collated(collate: Callable, examples: list, template: tuple[Any, np.ndarray
       )
   if weights.ndim not in (1, 2) or weights.shape[0] != k:
     raise ValueError(f"collate's weights have shape {weights.shape} for {k} examples; return [{k}] or [{k}, t].")
-  if not np.all(np.isfinite(weights)) or np.any(weights < 0):
-    raise ValueError("collate's weights must be finite and >= 0 (0 masks a row or token).")
-  _check_normal(weights, "collate's weights")
+  weights = _float32_weights(weights, "collate's weights")
   if template is not None and _row_signature((batch, weights)) != _row_signature(template):
     raise ValueError(
         "collate returned a batch whose structure, trailing shapes or dtypes differ from those of example 0 "

@@ -167,10 +167,24 @@ def test_weights_of_another_length_than_the_batch_are_named_as_the_mistake():
     in_own_shard_map(replica)(jaxdp.init_state(params(), OPT, MESH), *data(counts=(2, 2, 2, 2)))
 
 
-def test_subnormal_weights_are_refused_on_the_host():
-  with pytest.raises(ValueError, match=r"weights\[0\] has 1 weights below .*smallest normal"):
-    jaxdp.shard_uneven([{"x": np.ones((2, 3))}] + [{"x": np.ones((0, 3))}] * 3, MESH,
-                       weights=[np.array([1e-39, 1.0])] + [np.zeros(0)] * 3)
+@pytest.mark.parametrize(
+    "tiny,match",
+    [(np.float32(1e-39), "below .*smallest normal"),
+     # float64 values were checked after the cast to float32, where 1e-50 is already 0: the row was dropped.
+     (1e-50, "below .*smallest normal"),
+     (1e300, "above .*largest"),  # was reported as "non-finite" (inf after the cast)
+     ],
+    ids=["float32-subnormal", "float64-below-float32", "float64-above-float32"],
+)
+def test_weights_float32_cannot_hold_are_refused_on_the_host(tiny, match):
+  weights = [np.array([tiny, 1.0])] + [np.zeros(0)] * 3
+  with pytest.raises(ValueError, match=r"weights\[0\] has 1 weights " + match):
+    jaxdp.shard_uneven([{"x": np.ones((2, 3))}] + [{"x": np.ones((0, 3))}] * 3, MESH, weights=weights)
+  examples = [(np.ones(3, np.float32), w) for w in (1.0, tiny, 1.0, 1.0)]
+  collate = lambda rows: ({"x": np.stack([x for x, _ in rows])}, np.array([w for _, w in rows], np.float64))  # noqa: E731
+  pipe = jaxdp.DataPipeline(examples, collate, MESH, per_device_batch=1, seed=0)
+  with pytest.raises(ValueError, match=r"collate's weights has 1 weights " + match):
+    list(pipe.iterate(num_steps=1))
 
 
 # Weak errors: named argument and fix, before anything runs ------------------------------------------------
