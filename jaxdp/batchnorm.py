@@ -20,10 +20,17 @@ clamped at 0 against round-off), in float32 at least.
 
 Where the statistics come from (``axis_name``):
 
-* ``"data"`` (the default) or any name that is *bound in the current trace*
-  (inside ``shard_map``/``pmap``/named ``vmap`` over it): synchronised
-  statistics over the real rows of every device of the axis (SyncBatchNorm,
-  exact for any split, zero-row devices included).
+* :data:`STEP_AXIS` (the default): the data axis of the jaxdp step whose
+  ``loss_fn`` is running (``make_train_step``'s, ``make_eval_step``'s or
+  ``train_step``'s ``axis_name``: ``"batch"``, or ``("replica", "data")`` on
+  a hybrid mesh), whatever the mesh calls it; outside a jaxdp step,
+  ``"data"``.
+* a name (or tuple of names) *bound in the current trace* (inside
+  ``shard_map``/``pmap``/named ``vmap`` over it): synchronised statistics
+  over the real rows of every device of the axis (SyncBatchNorm, exact for
+  any split, zero-row devices included). Inside a jaxdp step, a name that is
+  not bound there is refused (``ValueError``): it would silently give each
+  device's own statistics.
 * a name that is *not* bound (plain single-device code, evaluation after
   training, or ``jit`` over globally sharded arrays, where XLA partitions
   the sums itself): statistics over the whole batch the code sees, which is
@@ -67,7 +74,36 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from jax import lax
 
+from jaxdp.loss import step_axis
+
 __all__ = ["BatchNorm", "Moments", "masked_moments"]
+
+
+class _StepAxis:
+  def __repr__(self) -> str:
+    return "jaxdp.batchnorm.STEP_AXIS"
+
+  def __reduce__(self) -> str:
+    return "STEP_AXIS"  # pickles as the one instance
+
+
+STEP_AXIS = _StepAxis()
+"""The default ``axis_name`` of :class:`BatchNorm` and :func:`masked_moments`: the enclosing jaxdp step's data
+axis (``"data"`` outside a step)."""
+
+
+def _statistics_axis(axis_name: Any) -> Any:
+  """The axis (or axes, or ``None``) to sum the statistics over, ``axis_name`` resolved against the step's."""
+  step = step_axis()
+  if axis_name is STEP_AXIS:
+    return "data" if step is None else step
+  if step is not None and axis_name is not None and not _is_bound(axis_name):
+    raise ValueError(
+        f"BatchNorm axis_name={axis_name!r} is not bound in this jaxdp step, whose data axis is {step!r}: the "
+        "statistics would silently cover each device's own rows only. Leave axis_name at its default (the step's "
+        f"data axis), pass axis_name={step!r}, or axis_name=None for per-device statistics."
+    )
+  return axis_name
 
 
 # Set by jaxdp.nnx.loss_fn while a training step runs the user's function: batches there may hold padding.
@@ -101,7 +137,7 @@ def _canonical_axes(ndim: int, axes: int | Sequence[int]) -> tuple[int, ...]:
   return tuple(sorted({axis % ndim for axis in axes}))
 
 
-def _is_bound(axis_name: str | None) -> bool:
+def _is_bound(axis_name: Any) -> bool:
   """Whether ``axis_name`` names a mapped axis of the current trace (collectives over it work).
 
   ``lax.axis_size`` raises ``NameError`` ("unbound axis name") for a name that
@@ -114,6 +150,8 @@ def _is_bound(axis_name: str | None) -> bool:
   """
   if axis_name is None:
     return False
+  if not isinstance(axis_name, str):  # several axes (a hybrid data axis): bound if each one is
+    return all(_is_bound(name) for name in axis_name)
   mesh = jax.sharding.get_abstract_mesh()
   if axis_name in mesh.axis_names and axis_name not in getattr(mesh, "manual_axes", ()):
     return False
@@ -164,7 +202,7 @@ def masked_moments(
     x: jax.Array,
     weights: jax.Array | None = None,
     *,
-    axis_name: str | None = "data",
+    axis_name: Any = STEP_AXIS,
     feature_axes: int | Sequence[int] = -1,
 ) -> Moments:
   """Weighted mean and biased variance per feature, over every device's real rows.
@@ -179,9 +217,12 @@ def masked_moments(
       ``[b, h, w, c]`` acts as ``[b, 1, 1, 1]``); weights of ``x``'s rank (a
       flax-style ``mask``) broadcast against ``x`` as numpy does. Elements of
       weight 0 are excluded even when ``x`` is NaN there.
-    axis_name: the data-parallel axis. When bound in the current trace, one
-      ``lax.psum`` makes the statistics global; when not bound, they cover
-      the whole batch seen here; ``None``: this device's rows only.
+    axis_name: the data-parallel axis (a name or a tuple of names); default
+      :data:`STEP_AXIS`, the enclosing jaxdp step's (else ``"data"``). When
+      bound in the current trace, one ``lax.psum`` makes the statistics
+      global; when not bound, they cover the whole batch seen here (refused
+      inside a jaxdp step, see the module docstring); ``None``: this
+      device's rows only.
     feature_axes: the axis or axes kept (like flax's ``axis``); all others
       are reduced.
 
@@ -195,6 +236,7 @@ def masked_moments(
   reduce_axes = tuple(i for i in range(x.ndim) if i not in features)
   w = None if weights is None else _full_weights(weights, x.shape, features, dtype)
   sums = _local_sums(x, w, reduce_axes, features)
+  axis_name = _statistics_axis(axis_name)
   if _is_bound(axis_name):  # one tuple psum: a single (variadic) all-reduce of the three sums
     sums = lax.psum(sums, axis_name)
   count, total, total_sq = sums
@@ -237,8 +279,9 @@ class BatchNorm(nnx.Module):
   follow flax's update, ``ra = momentum·ra + (1 − momentum)·batch_stat``
   (biased variance), and stay unchanged when the batch has no real row.
 
-  Differences from ``nnx.BatchNorm``: ``axis_name`` defaults to ``"data"``
-  and is only used when that axis is bound (outside ``shard_map`` the whole
+  Differences from ``nnx.BatchNorm``: ``axis_name`` defaults to
+  :data:`STEP_AXIS`, the data axis of the jaxdp step it runs in (``"data"``
+  outside one), and is only used when bound (outside ``shard_map`` the whole
   local batch is the batch); ``axis_name=None`` gives per-device statistics.
   ``mask`` may be numeric weights and may have lower rank than ``x`` (see
   :func:`masked_moments`). ``axis_index_groups`` and
@@ -257,8 +300,9 @@ class BatchNorm(nnx.Module):
     use_scale: if True, multiply by ``scale``.
     bias_init: initializer of ``bias`` (zeros).
     scale_init: initializer of ``scale`` (ones).
-    axis_name: the data-parallel axis to synchronise over when bound, or
-      ``None`` for per-device statistics.
+    axis_name: the data-parallel axis to synchronise over when bound (a
+      name or a tuple of names; default: the enclosing jaxdp step's data
+      axis), or ``None`` for per-device statistics.
     axis_index_groups: must be None.
     use_fast_variance: must be True (``E[x²] − E[x]²``, as flax's default).
     promote_dtype: as flax's: promotes ``(x, mean, var, scale, bias)``.
@@ -281,7 +325,7 @@ class BatchNorm(nnx.Module):
       use_scale: bool = True,
       bias_init: Any = nnx.initializers.zeros_init(),
       scale_init: Any = nnx.initializers.ones_init(),
-      axis_name: str | None = "data",
+      axis_name: Any = STEP_AXIS,
       axis_index_groups: Any = None,
       use_fast_variance: bool = True,
       promote_dtype: Any = dtypes.promote_dtype,

@@ -26,6 +26,7 @@ reduces with the loss's weights into exact global weighted means.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -58,6 +59,16 @@ class LossOutput(NamedTuple):
   losses: jax.Array
   model_state: Any = None
   metrics: Mapping[str, Any] | None = None
+
+
+# The data axis of the jaxdp step whose loss_fn is being traced (None outside one, or on one device):
+# jaxdp.BatchNorm and masked_moments synchronise over it by default, whatever the mesh calls it.
+_STEP_AXIS: contextvars.ContextVar = contextvars.ContextVar("jaxdp_step_axis", default=None)
+
+
+def step_axis() -> Any:
+  """The data axis (a name or a tuple) of the jaxdp step whose ``loss_fn`` is being traced, else ``None``."""
+  return _STEP_AXIS.get()
 
 
 def declared_keywords(fn: Callable, names: tuple[str, ...]) -> frozenset:
@@ -110,6 +121,7 @@ def call_loss(
   available = {"model_state": model_state, "weights": weights, "axis_name": axis_name, "train": train}
   keywords = {k: available[k] for k in loss_keywords(loss_fn)}
   args = (params, batch) if rng is None else (params, batch, rng)
+  token = _STEP_AXIS.set(axis_name)
   try:
     out = loss_fn(*args, **keywords)
   except Exception as e:  # the user's own error, unchanged: only say where it happened
@@ -119,6 +131,8 @@ def call_loss(
         "nothing was donated."
     )
     raise
+  finally:
+    _STEP_AXIS.reset(token)
   if isinstance(out, LossOutput):
     losses, new_state, metrics = out
   elif isinstance(out, tuple):

@@ -337,7 +337,8 @@ def local_gradient(
   if axis_name is not None:
     # The carry's types must not change across iterations: a model state that the first micro-batch makes
     # per-replica (local statistics) is per-replica from the start; one it keeps replicated stays so.
-    varying = jax.tree.map(lambda s: axis_name in _abstract_vma(s), first.model_state)
+    # (Any of the data axes: a hybrid axis is a tuple, never itself an element of the set.)
+    varying = jax.tree.map(lambda s: bool(set(axis_names(axis_name)) & _abstract_vma(s)), first.model_state)
     model_state = jax.tree.map(lambda x, v: as_varying(x, axis_name) if v else x, model_state, varying)
 
   def accumulate(carry, xs):
