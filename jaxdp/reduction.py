@@ -455,8 +455,9 @@ def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable
   leaves, treedef = jax.tree.flatten(tree)
   spec_leaves = treedef.flatten_up_to(specs)
   dims = [_scatter_dim(spec, zero) for spec in spec_leaves]
+  # An empty leaf has nothing to put in a row: it keeps its own (empty) collective.
   flat = [i for i, (dim, spec) in enumerate(zip(dims, spec_leaves))
-          if dim is not None and (spec is True or not any(model_part(spec, axis_name)))]
+          if dim is not None and leaves[i].size and (spec is True or not any(model_part(spec, axis_name)))]
   out = [None if i in flat else per_leaf(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
   for i, x in zip(flat, bucketed([leaves[i] for i in flat], [dims[i] for i in flat])):
     out[i] = x
@@ -569,10 +570,12 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
 def _buckets(leaves: list, bucket_bytes: int) -> list[list[int]]:
   """Leaf indices grouped, in reverse order (the order backprop produces them), into buckets of ~``bucket_bytes``.
 
-  A bucket holds one dtype (it is reduced as one flat vector).
+  A bucket holds one dtype (it is reduced as one flat vector). Empty leaves are left out (nothing to carry).
   """
   buckets, current, size = [], [], 0
   for i in reversed(range(len(leaves))):
+    if not leaves[i].size:
+      continue
     nbytes = leaves[i].size * leaves[i].dtype.itemsize
     if current and (size + nbytes > bucket_bytes or leaves[i].dtype != leaves[current[0]].dtype):
       buckets.append(current)
@@ -589,11 +592,14 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
   CPU, after optimization barriers are gone); a data dependency on the
   previous bucket's sum keeps one all-reduce per bucket, launched in order.
   Adding -0.0 (= -(0 * |an element|)) changes no value, not even the sign of
-  a zero; a NaN or Inf there makes the step non-finite anyway.
+  a zero. The element is first made finite (a NaN or Inf gradient would
+  otherwise turn the loss and weight sent after it into NaN); XLA folds
+  neither the product nor the select, so the dependency stays.
   """
   if previous is None:
     return tree
-  tie = -(jnp.zeros((), previous.dtype) * jnp.abs(previous.reshape(-1)[0]))
+  element = previous.reshape(-1)[0]
+  tie = -(jnp.zeros((), previous.dtype) * jnp.abs(jnp.where(jnp.isfinite(element), element, 0)))
   return jax.tree.map(lambda x: x + tie.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
 
 
@@ -602,7 +608,8 @@ def _psum_buckets(grads: Any, small: Any, axis_name: str, bucket_bytes: int | No
   if bucket_bytes is None:  # one psum call: XLA reduces everything in a single all-reduce
     return _psum((grads, small), axis_name)
   leaves, treedef = jax.tree.flatten(grads)
-  reduced, previous = list(leaves), None
+  reduced = [_psum(x, axis_name) if not x.size else x for x in leaves]  # empty leaves: in no bucket
+  previous = None
   for bucket in _buckets(leaves, bucket_bytes):
     # One flat row per bucket, as DDP's buckets: one all-reduce whatever XLA's combiner would do.
     previous = _psum(_after(_to_row([leaves[i] for i in bucket]), previous), axis_name)
@@ -661,7 +668,8 @@ def reduce_gradient(
     reduce_dtype: communicate the gradient in this dtype (e.g.
       ``jnp.bfloat16``, half the bytes of float32) and cast it back after the
       sum; ``None`` keeps the local gradient's dtype (float32 at least). The
-      loss, weights, metrics and the weighted-mean division stay float32.
+      loss, weights, metrics and the weighted-mean division stay float32;
+      complex leaves travel as they are.
     divide: ``True`` returns the normalised gradient. ``False`` leaves the
       gradient as the reduced sums and sets ``grad_divisor`` (the global
       weight under ``"mean"``, the replica count under ``"rank_mean"``): for
@@ -693,8 +701,8 @@ def reduce_gradient(
   how, contributions, treedef = _state_contributions(model_state, local_weight, axis_name)
   small = (loss_sum, weight_sum, metric_sums, contributions, totals)
   dtypes = jax.tree.map(lambda x: x.dtype, grads)
-  if reduce_dtype is not None:
-    grads = jax.tree.map(lambda x: x.astype(reduce_dtype), grads)
+  if reduce_dtype is not None:  # real leaves only: a complex gradient cast to a real dtype loses its imaginary part
+    grads = jax.tree.map(lambda x: x.astype(reduce_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, grads)
   if scatter is not False:
     specs = jax.tree.map(lambda _: True, grads) if scatter is True else scatter
     grads = _psum_scatter(grads, specs, axis_name, bucket_bytes)
@@ -781,7 +789,11 @@ def _typed(axis_name: Any) -> bool:
 
 
 def _squares(x: jax.Array, divisor: jax.Array | None) -> jax.Array:
-  return jnp.sum(jnp.square(divide_gradient(x, divisor).astype(jnp.float32)))
+  x = divide_gradient(x, divisor)
+  if jnp.iscomplexobj(x):  # |z|² = re² + im² (a cast to float32 would drop the imaginary part)
+    x = x.astype(jnp.promote_types(x.dtype, jnp.complex64))
+    return jnp.sum(jnp.square(x.real) + jnp.square(x.imag)).astype(jnp.float32)
+  return jnp.sum(jnp.square(x.astype(jnp.float32)))
 
 
 def _own_part(x: jax.Array, axis_name: Any) -> jax.Array:

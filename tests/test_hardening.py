@@ -167,6 +167,24 @@ def test_weights_of_another_length_than_the_batch_are_named_as_the_mistake():
     in_own_shard_map(replica)(jaxdp.init_state(params(), OPT, MESH), *data(counts=(2, 2, 2, 2)))
 
 
+@pytest.mark.parametrize("options", [{}, {"zero_stage": 3}, {"grad_reduce_dtype": jnp.bfloat16}],
+                         ids=["stage0", "stage3", "bfloat16-reduce"])
+def test_complex_parameters_keep_their_imaginary_part(options):
+  """Complex params are accepted: grad_norm ignored the imaginary part (1.45 for 2.52), so a NaN there was not
+  skipped, and grad_reduce_dtype cast the complex gradient to a real dtype (the update lost it)."""
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+  z = {"z": ((rng.normal(size=(4, 2)) + 1j * rng.normal(size=(4, 2))) * 0.3).astype(np.complex64)}
+  loss = lambda p, b: jnp.sum(jnp.abs(b["x"] @ p["z"] - b["y"]) ** 2, -1)  # noqa: E731
+  opt = optax.sgd(0.05)
+  grads = jax.grad(lambda p: jnp.mean(loss(p, {"x": x, "y": y})))(z)  # one device, the whole batch
+  expected = optax.apply_updates(z, opt.update(grads, opt.init(z), z)[0])
+  state = jaxdp.init_state(z, opt, MESH, zero_stage=options.get("zero_stage", 0))
+  state, metrics = jaxdp.make_train_step(loss, opt, MESH, **options)(state, {"x": x, "y": y})
+  np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-6)
+  np.testing.assert_allclose(jaxdp.gather_state(state).params["z"], expected["z"], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "tiny,match",
     [(np.float32(1e-39), "below .*smallest normal"),

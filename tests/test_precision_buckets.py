@@ -98,6 +98,40 @@ def test_buckets_are_bitwise_the_single_reduction(bucket_bytes, ops):
   assert bucketed.bytes == single.bytes  # the same gradient and scalars, cut differently
 
 
+@pytest.mark.parametrize("zero_stage,bucket_bytes", [(0, 300), (1, 300), (2, 300), (3, 0)])
+def test_a_skipped_step_reports_the_same_loss_and_weight_with_buckets(zero_stage, bucket_bytes):
+  """A padding row holding NaN (weight 0) makes the gradient NaN and the step skip, while the loss and weight
+  stay finite. With stage 0-1 buckets they read NaN: the tie ordering the buckets multiplied 0 by a NaN."""
+  rng = np.random.default_rng(0)
+  portions = [{"x": rng.normal(size=(n, SIZES[0])).astype(np.float32),
+               "y": rng.normal(size=(n, SIZES[-1])).astype(np.float32)} for n in (3, 1, 5, 2)]
+  portions[1]["x"][0] = np.nan  # device 1's only row: weight 0
+  batch, weights = jaxdp.shard_uneven(portions, MESH, weights=[np.ones(3), np.zeros(1), np.ones(5), np.ones(2)])
+  metrics = {}
+  for options in ({}, {"zero_stage": zero_stage, "bucket_bytes": bucket_bytes}):
+    state = jaxdp.init_state(init_params(), OPT, MESH, zero_stage=options.get("zero_stage", 0))
+    _, metrics[bool(options)] = jaxdp.make_train_step(loss_fn, OPT, MESH, **options)(state, batch, weights)
+  assert int(metrics[True]["skipped"]) == int(metrics[False]["skipped"]) == 1
+  assert np.isfinite(float(metrics[False]["loss"]))
+  for name in ("loss", "weight"):
+    assert np.asarray(metrics[True][name]).tobytes() == np.asarray(metrics[False][name]).tobytes(), name
+
+
+@pytest.mark.parametrize("zero_stage,bucket_bytes", [(0, 0), (1, 100), (3, 100)])
+def test_empty_leaves_take_no_bucket(zero_stage, bucket_bytes):
+  """A zero-size parameter ran without buckets but failed with them (IndexError, ZeroDivisionError)."""
+  params = {**init_params(), "empty": np.zeros((0,), np.float32), "empty_rows": np.zeros((8, 0), np.float32)}
+  loss = lambda p, b: loss_fn(p, b) + jnp.sum(p["empty"]) + jnp.sum(p["empty_rows"])  # noqa: E731
+  results = []
+  for options in ({}, {"zero_stage": zero_stage, "bucket_bytes": bucket_bytes}):
+    state = jaxdp.init_state(params, OPT, MESH, zero_stage=options.get("zero_stage", 0))
+    state, _ = jaxdp.make_train_step(loss, OPT, MESH, **options)(state, *data())
+    results.append(jaxdp.gather_state(state).params)
+  # Stage 3's flat reduce-scatter may differ from the per-leaf all-reduce in the last bits (see reduce_gradient).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), results[1], results[0])
+  assert results[1]["empty_rows"].shape == (8, 0)
+
+
 def test_buckets_follow_reverse_leaf_order():
   leaves = [jnp.zeros(n, jnp.float32) for n in (80, 16, 256, 16, 48, 3)]  # 320, 64, 1024, 64, 192, 12 bytes
   from jaxdp.reduction import _buckets
