@@ -53,6 +53,23 @@ def check_float_dtype(dtype: Any, name: str) -> Any:
   return resolved
 
 
+def check_reduce_dtype(dtype: Any, name: str) -> Any:
+  """A floating dtype with float32's exponent range (``None`` passes), or a ``ValueError`` naming ``name``.
+
+  The gradient is reduced as weighted *sums* (divided by the global weight after the all-reduce, so that the
+  mean is exact): float16's range (65,504) overflows on them at ordinary batch sizes, and every step would
+  be skipped as non-finite. bfloat16 has float32's range with half the bytes.
+  """
+  resolved = check_float_dtype(dtype, name)
+  if resolved is not None and jax.numpy.finfo(resolved).maxexp < jax.numpy.finfo(np.float32).maxexp:
+    raise ValueError(
+        f"{name}={dtype!r} has a narrower range than float32 (largest {float(jax.numpy.finfo(resolved).max):.6g}); "
+        "jaxdp reduces the gradient as weighted sums, divided by the global weight only after the all-reduce, and "
+        "these overflow it. Use jnp.bfloat16 (float32's range, half the bytes) or float32."
+    )
+  return resolved
+
+
 def check_not_donated(state: Any, leaves: list | None = None, name: str = "state") -> None:
   """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step.
 

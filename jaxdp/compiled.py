@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _checks
-from jaxdp._checks import check_float_dtype, check_int, check_optimizer
+from jaxdp._checks import check_float_dtype, check_int, check_optimizer, check_reduce_dtype
 from jaxdp.layout import (
     Layout,
     data_size,
@@ -275,6 +275,8 @@ def make_train_step(
     grad_reduce_dtype: communicate the gradient in this floating dtype
       (``jnp.bfloat16`` halves the bytes); default: the gradient's own
       (float32 at least). The loss, weights and the division stay float32.
+      float16 is refused: the gradient travels as weighted sums, which
+      overflow its range.
     bucket_bytes: reduce the gradient in buckets of about this many bytes,
       in reverse layer order, one all-reduce each (DDP's ``bucket_cap_mb``);
       ``None`` (default) reduces it in one; ``0`` per leaf. Bitwise the same
@@ -316,7 +318,7 @@ def make_train_step(
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
 
   compute_dtype = check_float_dtype(compute_dtype, "compute_dtype")
-  grad_reduce_dtype = check_float_dtype(grad_reduce_dtype, "grad_reduce_dtype")
+  grad_reduce_dtype = check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")
   if bucket_bytes is not None:
     check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
 

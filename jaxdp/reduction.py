@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxdp._checks import check_float_dtype, check_int
+from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.layout import model_part, per_model_shard
 from jaxdp.loss import call_loss
 
@@ -306,7 +306,11 @@ def local_gradient(
     compute_dtype: mixed precision: the floating params and batch leaves are
       cast to this dtype (e.g. ``jnp.bfloat16``) for the forward and backward
       pass, while the gradient is taken with respect to the params as they
-      are (float32 master weights) and the sums stay float32.
+      are (float32 master weights) and the sums stay float32. The gradient
+      of the weighted *sum* is computed in this dtype: with ``jnp.float16``
+      (largest 65,504, no loss scaling here) large per-device batches can
+      overflow it, and the steps are then skipped as non-finite; bfloat16
+      has float32's range.
 
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
@@ -684,7 +688,7 @@ def reduce_gradient(
     per-replica under ``"none"``).
   """
   check_reduction(reduction)
-  check_float_dtype(reduce_dtype, "reduce_dtype")
+  check_reduce_dtype(reduce_dtype, "reduce_dtype")
   _check_bucket_bytes(bucket_bytes)
   if reduction != "none":
     check_axis_bound(axis_name)

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxdp._checks import check_float_dtype, check_optimizer
+from jaxdp._checks import check_optimizer, check_reduce_dtype
 from jaxdp.layout import data_dim, per_model_shard, zero_axis
 from jaxdp.reduction import (
     ReducedGradient,
@@ -145,7 +145,7 @@ def gradient_step(
   (see :func:`jaxdp.reduce_gradient`).
   """
   check_reduction(reduction)
-  check_float_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
+  check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
   _check_bucket_bytes(bucket_bytes)
   if rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))

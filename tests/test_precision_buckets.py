@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxdp
 
@@ -183,6 +184,17 @@ def test_bad_precision_options():
     jaxdp.make_train_step(loss_fn, OPT, MESH, bucket_bytes=-1)
 
 
+def test_a_float16_reduction_is_refused():
+  """The gradient travels as weighted sums (divided after the all-reduce): float16 overflowed on them (mean
+  gradient ~241 over 2,048 rows: grad_norm inf, every step skipped, then a guard error blaming the data)."""
+  with pytest.raises(ValueError, match=r"grad_reduce_dtype=.*float16.* narrower range than float32.*jnp\.bfloat16"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH, grad_reduce_dtype=jnp.float16)
+  replica = lambda s, b, w: jaxdp.train_step(loss_fn, OPT, s, b, w, grad_reduce_dtype=jnp.float16)  # noqa: E731
+  step = jax.jit(jax.shard_map(replica, mesh=MESH, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P())))
+  with pytest.raises(ValueError, match=r"grad_reduce_dtype=.*float16.* narrower range"):
+    step(jaxdp.init_state(init_params(), OPT, MESH), *data())
+
+
 def collectives(step, zero_stage):
   """The compiled step's collectives by kind (count and bytes), for a state of ``zero_stage``."""
   state = jaxdp.init_state(init_params(), OPT, MESH, zero_stage=zero_stage)
@@ -257,8 +269,6 @@ def test_small_leaves_travel_packed_and_sum_bit_for_bit():
   Against ``lax.psum`` of each leaf on its own (the reference), bitwise, for float32, bfloat16 and int32
   leaves, a scalar, and a float32 leaf above the packing size (an operand of its own).
   """
-  from jax.sharding import PartitionSpec as P
-
   from jaxdp.reduction import PACK_BYTES, _psum
 
   big = PACK_BYTES // 4 + 1
