@@ -186,7 +186,13 @@ def place(tree: Any, shardings: Any) -> Any:
 
 
 def to_host(x: Any) -> np.ndarray:
-  """The whole value of ``x`` as a numpy array (gathered from every process when it spans several)."""
+  """The whole value of ``x`` as a numpy array (gathered from every process when it spans several).
+
+  A typed PRNG key (e.g. in ``optax.noisy_sgd``'s state) has no numpy form: its key data are gathered and it
+  comes back as an unsharded key array of the same implementation.
+  """
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(to_host(jax.random.key_data(x)), impl=jax.random.key_impl(x))
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     from jax.experimental import multihost_utils
 

@@ -185,6 +185,21 @@ def test_complex_parameters_keep_their_imaginary_part(options):
   np.testing.assert_allclose(jaxdp.gather_state(state).params["z"], expected["z"], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_typed_prng_key_in_the_optimizer_state_gathers_and_places(zero_stage):
+  """optax.noisy_sgd keeps a typed key in its state: gather_state raised numpy's TypeError on it."""
+  opt = optax.noisy_sgd(0.1, eta=0.5, key=0)
+  step = jaxdp.make_train_step(loss_fn, opt, MESH, zero_stage=zero_stage, donate=False)
+  state, _ = step(jaxdp.init_state(params(), opt, MESH, zero_stage=zero_stage), *data())
+  full = jaxdp.gather_state(state)
+  key = full.opt_state[0].rng_key
+  assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(state.opt_state[0].rng_key))
+  again, _ = step(jaxdp.place_state(full, opt, MESH, zero_stage=zero_stage), *data())
+  expected, _ = step(state, *data())
+  jax.tree.map(np.testing.assert_array_equal, jaxdp.gather_state(again).params, jaxdp.gather_state(expected).params)
+
+
 @pytest.mark.parametrize(
     "tiny,match",
     [(np.float32(1e-39), "below .*smallest normal"),
