@@ -70,6 +70,11 @@ def check_reduce_dtype(dtype: Any, name: str) -> Any:
   return resolved
 
 
+def as_array(x: Any) -> Any:
+  """``x``, or a numpy array of it if it is a list or tuple: ``weights=[1, 0, 1]`` is one array, not a pytree."""
+  return np.asarray(x) if isinstance(x, (list, tuple)) else x
+
+
 def check_not_donated(state: Any, leaves: list | None = None, name: str = "state") -> None:
   """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step.
 
@@ -123,15 +128,25 @@ def check_rng(rng: Any) -> None:
   if rng is None:
     return
   dtype = getattr(rng, "dtype", None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and np.shape(rng) == ():
-    return
-  if dtype is not None and np.dtype(dtype) == np.uint32 and np.ndim(rng) == 1:
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if np.shape(rng) == ():
+      return
+    raise ValueError(
+        f"rng must be one PRNG key, got an array of {list(np.shape(rng))} keys; pass a single key, e.g. "
+        "rng=jax.random.key(0) (jaxdp derives per-replica, per-step keys from it)."
+    )
+  # Raw key data: uint32 of the shape the default PRNG implementation's keys have (e.g. [2] for threefry).
+  if dtype is not None and np.dtype(dtype) == np.uint32 and np.shape(rng) == _raw_key_shape():
     return
   raise ValueError(
       f"rng must be a PRNG key, e.g. rng=jax.random.key(0) (or jax.random.PRNGKey(0)), got "
       f"{type(rng).__name__} {getattr(rng, 'dtype', '')}{list(np.shape(rng))}; pass a key, the same on every call "
       "and process (jaxdp derives per-replica, per-step keys from it), or rng=None."
   )
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+  return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
 def check_params_dtypes(params: Any, name: str = "state.params") -> None:

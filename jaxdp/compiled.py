@@ -119,6 +119,7 @@ class CompiledStep:
     return len(leaves) == len(self._returned) and all(ref() is x for ref, x in zip(self._returned, leaves))
 
   def _prepare(self, state, batch, weights, rng, has_more=None):
+    weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
     _checks.check_state(state)
     leaves = jax.tree.leaves(state)
     _checks.check_not_donated(state, leaves)  # also a state this step returned: another step may have consumed it
@@ -316,6 +317,9 @@ def make_train_step(
     )
   if max_consecutive_skips is not None:
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
+  for name, flag in (("donate", donate), ("check_replicas", check_replicas)):
+    if not isinstance(flag, (bool, np.bool_)):  # donate="no" would donate
+      raise TypeError(f"{name} must be True or False, got {flag!r}.")
 
   compute_dtype = check_float_dtype(compute_dtype, "compute_dtype")
   grad_reduce_dtype = check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")

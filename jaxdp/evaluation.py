@@ -85,6 +85,7 @@ class EvalStep:
     self._jitted: dict = {}  # the params' data-axis splits -> the jitted step
 
   def _prepare(self, state, batch, weights):
+    weights = _checks.as_array(weights)
     _checks.check_state(state)
     _checks.check_not_donated(state)  # a deleted buffer passed to a compiled step can crash the process
     key = _checks.signature(state, batch, weights)

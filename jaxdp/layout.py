@@ -56,6 +56,10 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "dat
   tensor parallelism or hybrid sharding build a ``Mesh`` with more axes
   (e.g. ``jax.make_mesh((4, 2), ("data", "model"))``) and pass it instead.
   """
+  if devices is not None and not isinstance(devices, (Sequence, np.ndarray)):
+    raise TypeError(
+        f"devices must be a sequence of jax.Device (e.g. jax.devices()[:4]) or None, got {type(devices).__name__}."
+    )
   devices = jax.devices() if devices is None else list(devices)
   if not devices:
     raise ValueError("devices is empty; pass at least one device (or None for all of them).")

@@ -197,7 +197,16 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
   declared = declared_keywords(fn, _USER_KEYWORDS)
 
   def loss(params, batch, rng=None, *, model_state=None, weights=None, axis_name=None, train=True):
-    model = merge(definition, params, model_state)
+    try:
+      model = merge(definition, params, model_state)
+    except Exception as e:  # flax's own message counts leaves; say which argument is missing
+      if model_state is not None:
+        raise
+      raise ValueError(
+          "the state has no model state but this nnx model has some (e.g. BatchNorm statistics); build the state "
+          "with jaxdp.init_state(params, optimizer, mesh, model_state=model_state), model_state from "
+          "jaxdp.nnx.split(model)."
+      ) from e
     if train:
       model.train()
     else:

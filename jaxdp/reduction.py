@@ -187,8 +187,8 @@ def _loss_weights(weights: jax.Array | None, losses: jax.Array) -> jax.Array:
     return jnp.ones(losses.shape, jnp.float32)
   if weights.shape != losses.shape:
     raise ValueError(
-        f"weights has shape {weights.shape} but loss_fn returned losses of shape {losses.shape}; "
-        "pass weights with exactly the shape of the per-example (or per-token) losses."
+        f"weights has shape {weights.shape} but loss_fn returned losses of shape {losses.shape} (this device's "
+        "slice); pass weights with exactly the shape of the per-example (or per-token) losses."
     )
   return _at_least_float32(weights)
 

@@ -710,6 +710,8 @@ def test_bad_arguments_raise_naming_the_argument(saved, tmp_path):
   with CheckpointManager(saved[0]) as ckpt:
     with pytest.raises(FileNotFoundError, match=r"no complete checkpoint for step 3 .* complete steps: \[4\]"):
       ckpt.restore(3, params=init_params(), optimizer=OPT, mesh=mesh_of(1))
+    with pytest.raises(TypeError, match=r"optimizer is the function .*adam"):  # was blamed on params
+      ckpt.restore(params=init_params(), optimizer=optax.adam, mesh=mesh_of(1), model_state=MODEL_STATE)
     with pytest.raises(ValueError, match=r"param_specs\['w'\] = .* names axis 'model', which the mesh"):
       ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), model_state=MODEL_STATE,
                    param_specs={"w": P(None, "model"), "b": None})

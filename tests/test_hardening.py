@@ -260,6 +260,38 @@ def test_an_integer_rng_is_a_value_error():
   assert not state.params["w"].is_deleted()
 
 
+@pytest.mark.parametrize(
+    "rng,match",
+    [(np.zeros(3, np.uint32), r"rng must be a PRNG key.*uint32\[3\]"),  # passed, then JAX's "invalid PRNG key data"
+     (jax.random.split(jax.random.key(0), 2), r"rng must be one PRNG key, got an array of \[2\] keys")],
+    ids=["raw-key-of-another-shape", "batch-of-typed-keys"],
+)
+def test_a_key_of_the_wrong_shape_is_a_value_error(rng, match):
+  state = jaxdp.init_state(params(), OPT, MESH)
+  with pytest.raises(ValueError, match=match):
+    jaxdp.make_train_step(loss_fn, OPT, MESH)(state, *data(), rng=rng)
+  assert not state.params["w"].is_deleted()
+
+
+def test_weights_as_a_list_are_one_array():
+  """A list of weights was placed as a pytree of scalars (a sharding error about rank 0)."""
+  batch, weights = data(counts=(1, 1, 1, 1))
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, donate=False)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  listed, _ = step(state, batch, [1.0, 0.0, 1.0, 1.0])
+  arrayed, _ = step(state, batch, np.array([1.0, 0.0, 1.0, 1.0], np.float32))
+  jax.tree.map(np.testing.assert_array_equal, listed.params, arrayed.params)
+
+
+def test_flags_and_devices_of_the_wrong_type_are_refused():
+  with pytest.raises(TypeError, match=r"donate must be True or False, got 'no'"):  # "no" is truthy: it donated
+    jaxdp.make_train_step(loss_fn, OPT, MESH, donate="no")
+  with pytest.raises(TypeError, match=r"check_replicas must be True or False"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH, check_replicas="yes")
+  with pytest.raises(TypeError, match=r"devices must be a sequence of jax\.Device .* got int"):
+    jaxdp.data_mesh(3)
+
+
 def test_a_mesh_with_a_repeated_device_is_refused():
   with pytest.raises(ValueError, match=r"more than once"):
     jaxdp.data_mesh([jax.devices()[0]] * 2)

@@ -203,6 +203,16 @@ def test_batchnorm_without_a_mask_is_refused_in_a_training_step():
   assert np.isfinite(float(out["loss"]))
 
 
+def test_a_state_without_the_models_state_is_refused_by_name():
+  """init_state without model_state= for a model with BatchNorm: flax's "Incorrect number of leaves" before."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  definition, params, _ = jaxdp.nnx.split(Net(rngs=nnx.Rngs(0)))
+  state = jaxdp.init_state(params, OPT, mesh)
+  with pytest.raises(ValueError, match=r"state has no model state but this nnx model has some.*model_state=model_state"):
+    jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), OPT, mesh)(
+        state, *jaxdp.shard_uneven(portions((2, 1)), mesh), rng=jax.random.key(0))
+
+
 def test_flax_batchnorm_is_refused_with_the_fix():
   with pytest.raises(ValueError, match=r"flax nnx\.BatchNorm.*jaxdp\.nnx\.BatchNorm"):
     jaxdp.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)))
