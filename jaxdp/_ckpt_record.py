@@ -100,8 +100,22 @@ def structure(tree: Any) -> str:
   return describe(jax.tree.structure(tree))
 
 
+def is_key_leaf(x: Any) -> bool:
+  """Whether ``x`` (an array or ``ShapeDtypeStruct``) holds typed PRNG keys (e.g. ``optax.noisy_sgd``'s state)."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def stored_struct(x: Any) -> jax.ShapeDtypeStruct:
+  """What a checkpoint stores for leaf ``x``: its own shape and dtype, or a typed key's raw ``uint32`` data."""
+  if is_key_leaf(x):
+    return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(np.shape(x), x.dtype))
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
 def signature(tree: Any) -> dict:
-  return {"/".join(c): (np.shape(x), np.dtype(x.dtype).name) for c, x in named_leaves(tree)}
+  stored = {"/".join(c): stored_struct(x) for c, x in named_leaves(tree)}
+  return {name: (s.shape, np.dtype(s.dtype).name) for name, s in stored.items()}
 
 
 def abstract_full_state(params: Any, optimizer: optax.GradientTransformation, model_state: Any) -> TrainState:
@@ -268,13 +282,18 @@ def build_record(
     named: list[tuple[tuple[str, ...], Any]],
     sums: list[int],
     *,
+    key_impls: dict | None = None,
     opt_state_structure: str,
     data_step: int,
     rng_impl: str | None,
     metadata: Any,
     devices: int,
 ) -> dict:
-  """The JSON record of a save of the leaves ``named`` (state leaves, then the key's data) with checksums ``sums``."""
+  """The JSON record of a save of the leaves ``named`` (state leaves, then the key's data) with checksums ``sums``.
+
+  ``key_impls``: ``{path components: PRNG implementation}`` of the state leaves saved as typed keys' raw data.
+  """
+  key_impls = key_impls or {}
   return {
       "format": FORMAT,
       "version": FORMAT_VERSION,
@@ -290,6 +309,7 @@ def build_record(
               "dtype": np.dtype(x.dtype).name,
               "checksum": checksum_text(s),
               "spec": _spec_text(x),  # the layout saved from (for the reader; restoring ignores it)
+              **({"key_impl": key_impls[c]} if c in key_impls else {}),
           }
           for (c, x), s in zip(named, sums)
       ],
@@ -336,6 +356,12 @@ def _check_leaf_entry(entry: Any, name: str) -> None:
   _require(isinstance(shape, list) and all(map(_is_count, shape)), f"{name}.shape", shape, "a list of integers >= 0")
   _require(_is_dtype_name(dtype), f"{name}.dtype", dtype, "the name of a numeric numpy dtype, e.g. float32")
   _require(_is_checksum(checksum), f"{name}.checksum", checksum, "16 lowercase hexadecimal digits")
+  if "key_impl" in entry:  # a typed PRNG key of the state, stored as its raw data
+    impl = entry["key_impl"]
+    data = key_data_shape(impl) if isinstance(impl, str) else None
+    fits = data is not None and dtype == np.dtype(data.dtype).name and tuple(shape[len(shape) - len(data.shape):]) \
+        == data.shape
+    _require(fits, f"{name}.key_impl", impl, "a JAX PRNG implementation whose keys' data ends the saved shape")
 
 
 def _check_rng_impl(impl: Any, key: dict | None) -> None:
@@ -406,6 +432,12 @@ def check_against(record: dict, expected: TrainState, where: str) -> None:
     )
   found = {"/".join(e["path"]): (e["shape"], e["dtype"]) for e in record["leaves"] if tuple(e["path"]) != RNG}
   lines = _differences(found, signature(expected), "the checkpoint", "the target")
+  saved_keys = {"/".join(e["path"]) for e in record["leaves"] if "key_impl" in e}
+  for c, x in named_leaves(expected):
+    name = "/".join(c)
+    if name in found and is_key_leaf(x) != (name in saved_keys):
+      held, wanted = ("raw uint32 data", "typed PRNG keys") if is_key_leaf(x) else ("typed PRNG keys", "raw data")
+      lines.append(f"{name}: {held} in the checkpoint, {wanted} in the target")
   if lines:
     raise ValueError(
         f"{where} does not match the target state (params and model_state templates and "

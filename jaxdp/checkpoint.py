@@ -120,6 +120,10 @@ def _device_count(state: TrainState) -> int:
   return len(sharding.device_set) if sharding is not None else 1
 
 
+def _shape_dtype(x: jax.ShapeDtypeStruct) -> tuple:
+  return x.shape, x.dtype
+
+
 def _savable(x: Any) -> Any:
   """A leaf as orbax saves it: a global ``jax.Array`` as it is; a host or process-local value as numpy.
 
@@ -311,12 +315,15 @@ class CheckpointManager:
       return False
     self.wait()  # orbax would too; here a failed previous save raises with jaxdp's note, before any work
     rng_data, rng_impl = record_lib.key_to_host(rng)
-    named = [(c, _savable(x)) for c, x in record_lib.named_leaves(state)]
+    # A typed PRNG key (e.g. optax.noisy_sgd's) is stored as its raw data, with its implementation recorded.
+    key_impls = {c: str(jax.random.key_impl(x)) for c, x in record_lib.named_leaves(state) if record_lib.is_key_leaf(x)}
+    named = [(c, _savable(jax.random.key_data(x) if c in key_impls else x)) for c, x in record_lib.named_leaves(state)]
     if rng_data is not None:
       named.append((RNG, rng_data))
     record = record_lib.build_record(
         named,
         record_lib.checksums([x for _, x in named]),
+        key_impls=key_impls,
         opt_state_structure=record_lib.structure(state.opt_state),
         data_step=data_step,
         rng_impl=rng_impl,
@@ -406,17 +413,25 @@ class CheckpointManager:
     record_lib.check_against(record, expected, self._where(step))
     mesh = auto_mesh(mesh)  # as init_state places a state
     shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs).shardings(mesh)
-    target = [
-        (c, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
-        for (c, x), s in zip(record_lib.named_leaves(expected), jax.tree.leaves(shardings))
-    ]
     entries = {tuple(e["path"]): e for e in record["leaves"]}
+    layout = dict(zip((c for c, _ in record_lib.named_leaves(expected)), jax.tree.leaves(shardings)))
+    # A typed key's raw data is read replicated (its data has one more axis than the key), then wrapped and placed.
+    target = [
+        (c, jax.ShapeDtypeStruct(*_shape_dtype(record_lib.stored_struct(x)),
+                                 sharding=NamedSharding(mesh, P()) if record_lib.is_key_leaf(x) else layout[c]))
+        for c, x in record_lib.named_leaves(expected)
+    ]
     if RNG in entries:
       key, replicated = entries[RNG], NamedSharding(mesh, P())
       target.append((RNG, jax.ShapeDtypeStruct(tuple(key["shape"]), np.dtype(key["dtype"]), sharding=replicated)))
     arrays = self._read_arrays(step, record, target)
     self._current = step
-    state = jax.tree.unflatten(jax.tree.structure(expected), [arrays[c] for c, _ in record_lib.named_leaves(expected)])
+    leaves = [
+        jax.device_put(jax.random.wrap_key_data(arrays[c], impl=entries[c]["key_impl"]), layout[c])
+        if record_lib.is_key_leaf(x) else arrays[c]
+        for c, x in record_lib.named_leaves(expected)
+    ]
+    state = jax.tree.unflatten(jax.tree.structure(expected), leaves)
     rng = None
     if RNG in arrays:
       impl = record["rng_impl"]

@@ -355,6 +355,28 @@ def test_a_run_that_goes_back_to_an_older_checkpoint_is_not_silently_unsaved(tmp
   assert not np.array_equal(np.asarray(new.params["w"]), np.asarray(abandoned.params["w"]))
 
 
+def test_typed_prng_keys_in_the_optimizer_state_round_trip(tmp_path):
+  """optax.noisy_sgd keeps a typed key in its state: saving it failed (numpy cannot hold a key). It is stored as
+  its raw data with its implementation, and restored as the same key in any layout."""
+  opt = optax.noisy_sgd(0.1, eta=0.5, key=3)
+  mesh = mesh_of(4)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, zero_stage=2)
+  state, _ = step(jaxdp.init_state(init_params(), opt, mesh, zero_stage=2), *batch_for(mesh, 0))
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(1, state)
+    [entry] = [e for e in ckpt._read_record(1)["leaves"] if "key_impl" in e]
+    restored = {n: ckpt.restore(params=init_params(), optimizer=opt, mesh=mesh_of(n), zero_stage=s).state
+                for n, s in ((4, 2), (2, 3))}
+  assert (entry["path"][-1], entry["dtype"], entry["shape"]) == ("rng_key", "uint32", [2])
+  key = lambda s: np.asarray(jax.random.key_data(s.opt_state[0].rng_key))  # noqa: E731
+  for got in restored.values():
+    assert jax.dtypes.issubdtype(got.opt_state[0].rng_key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(key(got), key(state))
+  again, _ = step(restored[4], *batch_for(mesh, 1))  # the same noise as the uninterrupted run
+  expected, _ = step(state, *batch_for(mesh, 1))
+  assert_bitwise_equal(jaxdp.gather_state(again).params, jaxdp.gather_state(expected).params)
+
+
 def test_async_save_copies_the_state_before_the_step_donates_it(tmp_path):
   mesh = mesh_of(2)
   state = trained(mesh, zero_stage=2)
