@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _checks
@@ -146,6 +147,12 @@ class CompiledStep:
       _checks.check_step_inputs(
           self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
       )
+      if has_more is not None and self.reduction == "none":
+        raise ValueError(
+            "has_more is summed over the replicas in the step's all-reduce, and reduction='none' has none: every "
+            "process would learn only its own flag and the streams would stop at different steps. Use a reducing "
+            "step (reduction='mean', 'sum' or 'rank_mean') with a StreamingPipeline."
+        )
       if has_more is not None and np.shape(has_more) != (n,):
         raise ValueError(
             f"has_more has shape {np.shape(has_more)}; pass one count per device of the data axis, shape ({n},) "
@@ -335,6 +342,10 @@ def make_train_step(
 
   def replica_step(state, batch, weights, rng, has_more):
     new_state, metrics = train_step(loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more, **options)
+    if reduction == "none":
+      # Each replica's metrics are its own, and the host reads device 0's: the non-finite guard must see a NaN
+      # on any replica (one 4-byte all-reduce), else a replica stuck on non-finite steps goes unnoticed.
+      metrics["nonfinite"] = lax.pmax(metrics["nonfinite"], axis_name)
     if check_replicas:
       metrics["replica_divergence"] = replica_divergence(new_state, axis_name)
     return new_state, metrics

@@ -336,3 +336,26 @@ def test_the_nonfinite_guard_stays_tripped_until_reset():
   step.reset_nonfinite_guard()
   state, metrics = step(state, batch, weights)
   assert int(metrics["skipped"]) == 0
+
+
+def test_under_none_the_nonfinite_guard_sees_every_replica():
+  """Each replica's metrics are its own and the host reads device 0's: a replica stuck on NaN steps (here
+  device 2, every step) went unnoticed, its step count frozen, with no FloatingPointError."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, reduction="none", max_consecutive_skips=3)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  batch, weights = data(counts=(1, 1, 1, 1))
+  batch = jax.tree.map(lambda x: x.at[2].set(jnp.inf), batch)  # device 2's row
+  with pytest.raises(FloatingPointError, match="the last 3 steps"):
+    for _ in range(6):
+      state, metrics = step(state, batch, weights)
+      assert int(metrics["nonfinite"]) == 1 and int(metrics["skipped"]) == 0  # device 0 stepped
+  assert [int(s) for s in jaxdp.per_replica(state.step)] == [3, 3, 0, 3]
+
+
+def test_has_more_needs_a_reducing_step():
+  """Under "none" the streams' flags are not summed: processes would stop at different steps."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, reduction="none")
+  state = jaxdp.init_state(params(), OPT, MESH)
+  with pytest.raises(ValueError, match=r"has_more is summed over the replicas.*reduction='none' has none"):
+    step(state, *data(), has_more=np.ones(K, np.int32))
+  assert not state.params["w"].is_deleted()
