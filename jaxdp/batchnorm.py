@@ -70,7 +70,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import linen, nnx
 from flax.nnx.nn import dtypes
 from jax import lax
 
@@ -104,6 +104,28 @@ def _statistics_axis(axis_name: Any) -> Any:
         f"data axis), pass axis_name={step!r}, or axis_name=None for per-device statistics."
     )
   return axis_name
+
+
+def _refuse_linen_batchnorm(next_fun, args, kwargs, context):
+  """A flax.linen method interceptor: a linen ``BatchNorm`` computing batch statistics raises, any other call runs."""
+  module = context.module
+  if isinstance(module, linen.BatchNorm) and context.method_name == "__call__":
+    given = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
+    if not linen.merge_param("use_running_average", module.use_running_average, given):
+      raise ValueError(
+          f"flax.linen.BatchNorm ({module.name or 'unnamed'}) is computing batch statistics inside a jaxdp training "
+          "step, where they are not the global batch's: without mask= the zero-weight padding rows enter them, and "
+          "with mask= its pmean weighs every device equally (off on uneven splits, NaN on a device without rows). "
+          "Compute them with jaxdp.masked_moments(x, weights) in your module (exact over every device's real rows; "
+          "axis_name=None for per-device statistics), or use jaxdp.nnx.BatchNorm with flax nnx. Evaluation "
+          "(use_running_average=True) is unaffected."
+      )
+  return next_fun(*args, **kwargs)
+
+
+def refusing_linen_batchnorm():
+  """A context in which training-mode ``flax.linen.BatchNorm`` calls raise (entered while a step traces loss_fn)."""
+  return linen.intercept_methods(_refuse_linen_batchnorm)
 
 
 # Set by jaxdp.nnx.loss_fn while a training step runs the user's function: batches there may hold padding.

@@ -13,6 +13,7 @@ reduce-scatter):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -22,6 +23,7 @@ import optax
 from jax import lax
 
 from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
+from jaxdp.batchnorm import refusing_linen_batchnorm
 from jaxdp.layout import model_part, per_model_shard
 from jaxdp.loss import call_loss
 
@@ -253,9 +255,11 @@ def loss_sums(
   if weights is not None:
     _check_weight_rows(weights, batch)
   row_weights = jnp.ones((_rows(batch),), jnp.float32) if weights is None else weights
-  out = call_loss(
-      loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
-  )
+  # Training batches may hold padding rows: flax.linen's BatchNorm would count them (nnx's is refused at split).
+  with refusing_linen_batchnorm() if train else contextlib.nullcontext():
+    out = call_loss(
+        loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
+    )
   w = _loss_weights(weights, out.losses)
   metric_sums = {name: _weighted_sum(values, w) for name, values in out.metrics.items()}
   loss_sum = _weighted_sum(out.losses, w)
