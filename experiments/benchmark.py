@@ -790,9 +790,10 @@ How the comparison is kept fair:
   method always follows the same one; ratios are taken within one run.
 - PyTorch's OpenMP threads spin for a while after its step (libgomp's
   default); the driver waits 50 ms, untimed, after each DDP step with more
-  than one thread per process (N = 1 here), so that the spinning does not
-  take a core from the JAX step timed next. (Before this wait, the method
-  run right after DDP measured 5-15% slower at N = 1.)
+  than one thread per process (on a 2-core machine, N = 1 only), so that
+  the spinning does not take a core from the JAX step timed next. (Before
+  this wait, the method run right after DDP measured 5-15% slower at N = 1
+  on 2 cores.)
 - Chained steps: each method's step consumes the state the previous one
   returned; jaxdp, the bare step and auto-jit donate it (XLA reuses the
   buffers), PyTorch updates in place.
@@ -832,7 +833,7 @@ def markdown(result: dict) -> str:
       "(`--quick` is a smoke run of under 3 minutes that writes under `out/benchmark_quick/` only).",
       "",
       f"**Machine:** {machine_line(m)}.",
-      f"Median (p10–p90) of {cfg['steps']} timed steps per method after {cfg['warmup']} warm-up steps.",
+      f"Median (p10–p90) of {cfg['steps']} timed steps per method after {cfg['warmup']} warm-up step{'s' if cfg['warmup'] != 1 else ''}.",
   ]
   if m["backend"] == "cpu":
     parts += ["", f"{m['device_count']} simulated devices share {m['cpu_cores']} cores: more devices means more "

@@ -63,7 +63,9 @@ def time_steps(config: train_lm.Config, devices, accum_steps: int, steps: int, d
   times = common.time_steps(run, steps, warmup=1)
   return {
       "devices": len(devices), "accum_steps": accum_steps, "median_s": common.stats(times)["median"] / 1e3,
-      "tokens_per_step": float(np.mean(tokens)), "tokens_per_s": float(np.sum(tokens) / (np.sum(times) / 1e3)),
+      "tokens_per_step": float(np.mean(tokens)),
+      # From the median step, as the step ms column (a mean over the steps would mix in the slow outliers).
+      "tokens_per_s": float(np.mean(tokens) / (common.stats(times)["median"] / 1e3)),
       "all_reduce_ops": comm["all-reduce"].count, "all_reduce_bytes": comm["all-reduce"].bytes,
   }
 

@@ -546,7 +546,7 @@ def _predict_md(out):
           cells.append(f"{r['total'] * MS:,.0f}, {r['efficiency']:.2f}/{r['efficiency_overlap']:.2f}"
                        + ("" if r["fits"] else " ✗"))
         lines.append(f"| {cluster} | {name} | {stage} | " + " | ".join(cells) + " |")
-  lines += ["", "Efficiency above 1 (TPU v5e, stages 1–3): the sharded Adam update (1/N of the parameters per "
+  lines += ["", "Efficiency above 1 (stages 1–3: TPU v5e, and H100 at N = 8 with overlap): the sharded Adam update (1/N of the parameters per "
             "device) saves more than the collectives cost. At 1,024 H100s the stage 1–3 collectives fall behind "
             "stage 0 because reduce-scatter and all-gather only have a ring (NCCL has no tree for them): with "
             "25 MiB buckets each of their buckets pays 127 inter-node ring steps. One collective per kind "

@@ -123,7 +123,10 @@ def report(out: dict, backends=jaxdp.BACKENDS) -> str:
   return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+  import argparse
+
+  argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options; --help says so
   print(report(run()))
 
 

@@ -113,7 +113,7 @@ def measure(w: benchmark.Workload, n: int, steps: int, warmup: int) -> dict:
 
 def table(title: str, rows: list[dict]) -> str:
   head = " | ".join(VARIANTS)
-  lines = [f"{title}: step time ÷ bare (p10–p90 of the per-round ratios); bare's median in ms",
+  lines = [f"{title}: step time ÷ bare, ratio of the medians (p10–p90 of the per-round ratios); bare's median in ms",
            "", f"| devices | bare, ms | {head} |", "|---:|---:|" + "---:|" * len(VARIANTS)]
   for r in rows:
     cells = [f"{r['vs_bare'][v]['ratio']:.3f} ({r['vs_bare'][v]['p10']:.2f}–{r['vs_bare'][v]['p90']:.2f})"

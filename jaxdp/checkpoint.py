@@ -248,7 +248,8 @@ class CheckpointManager:
 
   def should_save(self, step: int) -> bool:
     """Whether :meth:`save` at ``step`` (not forced) writes a checkpoint."""
-    return self._manager.should_save(check_int(step, "step", 0, "steps count from 0."))
+    step = check_int(step, "step", 0, "steps count from 0.")
+    return step % self.save_interval_steps == 0 and self._manager.should_save(step)
 
   def save(
       self,
@@ -311,7 +312,7 @@ class CheckpointManager:
       raise ValueError(f"step {step} already has a checkpoint in {self.directory}; save under a new step.")
     if step == self._current:
       return False  # the checkpoint this run restored or wrote, again: nothing new to write
-    if not (force or self._manager.should_save(step)):
+    if not (force or self.should_save(step)):  # orbax alone also writes the first save, due or not
       return False
     self.wait()  # orbax would too; here a failed previous save raises with jaxdp's note, before any work
     rng_data, rng_impl = record_lib.key_to_host(rng)

@@ -297,6 +297,10 @@ def test_saves_every_k_steps_and_keeps_the_last_n(tmp_path):
     with pytest.raises(ValueError, match="step 7 already has a checkpoint"):
       ckpt.save(7, state, force=True)
   assert sorted(os.listdir(tmp_path)) == ["6", "7"]
+  # The first save of a directory is due like any other (orbax alone writes it whatever its step).
+  with CheckpointManager(tmp_path / "from1", save_interval_steps=3, enable_async_checkpointing=False) as ckpt:
+    assert [ckpt.save(k, state) for k in range(1, 8)] == [k % 3 == 0 for k in range(1, 8)]
+    assert ckpt.all_steps() == [3, 6]
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
