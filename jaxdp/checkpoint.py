@@ -298,6 +298,10 @@ class CheckpointManager:
     record_lib.check_metadata(metadata)
     if rng is not None:
       record_lib.is_typed_key(rng)
+    if jax.process_count() > 1:  # a save is a collective: processes that disagree would wait for each other forever
+      from jaxdp.distributed import assert_same_across_processes
+
+      assert_same_across_processes({"step": step, "force": force, "data_step": data_step}, "CheckpointManager.save")
     latest = self._manager.latest_step()  # orbax's list (no directory listing per call: this runs every step)
     if latest is not None and step <= latest and step != self._current:
       on = "" if self._current is None else f" (this run restored or saved step {self._current})"

@@ -101,8 +101,11 @@ class CompiledStep:
     # device then still has the previous step to run while this one is prepared and dispatched.
     if self.max_consecutive_skips is None:
       return
+    # With several processes, only by count: whether a flag is ready depends on each process's timing, and every
+    # process must trip at the same call (else one leaves the job while another waits in the next collective).
+    ready = jax.process_count() == 1
     while self.consecutive_skips < self.max_consecutive_skips and self._pending and (
-        self._pending[0].is_ready() or len(self._pending) >= _MAX_UNREAD_FLAGS
+        (ready and self._pending[0].is_ready()) or len(self._pending) >= _MAX_UNREAD_FLAGS
     ):
       bad = int(jax.device_get(self._pending.popleft())) > 0
       self.consecutive_skips = self.consecutive_skips + 1 if bad else 0

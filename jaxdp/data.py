@@ -263,6 +263,13 @@ def process_positions(n_devices: int, n_processes: int, process_index: int) -> r
   return range(process_index * per_process, (process_index + 1) * per_process)
 
 
+def _same_across_processes(value: Any, name: str) -> None:
+  if jax.process_count() > 1:
+    from jaxdp.distributed import assert_same_across_processes
+
+    assert_same_across_processes(value, name)
+
+
 def addressable_positions(mesh: Mesh, axis_name: str = "data") -> tuple[int, ...]:
   """The positions along ``mesh[axis_name]`` that have a device of this process.
 
@@ -380,6 +387,11 @@ class DataPipeline:
     if not self.local_positions:
       raise ValueError("mesh has no device of this process; build the pipeline on a mesh that includes local devices.")
     self._sharding = split_along(mesh, axis_name)
+    # Every process loads its own devices' portions of one shared plan: a seed or dataset length that differs
+    # between processes would train some examples twice and others never, silently (the shapes still agree).
+    _same_across_processes(
+        {"len(dataset)": self.num_examples, "seed": self.seed, "per_device_batch": self.per_device_batch,
+         "devices": self.n_devices}, "DataPipeline arguments")
     probe = _collated(collate, [dataset[0]], None)
     self._empty = jax.tree.map(lambda x: x[:0], probe)  # the portion of a device with no examples
     self._cached_order: tuple[int, np.ndarray] | None = None
@@ -435,6 +447,7 @@ class DataPipeline:
       num_steps: how many steps to yield; ``None`` for ever.
     """
     start = check_int(start_step, "start_step", 0, "steps count from 0.")
+    _same_across_processes({"start_step": start, "num_steps": num_steps}, "DataPipeline.iterate arguments")
     if num_steps is None:
       steps = itertools.count(start)
     else:
@@ -587,6 +600,16 @@ class StreamingPipeline:
     self.n_devices = data_size(mesh, axis_name)
     self.global_batch = self.n_devices * self.per_device_batch
     own = addressable_positions(mesh, axis_name)
+    me = jax.process_index()
+    shared = [i for i in own if any(d.process_index != me for d in data_rows(mesh, axis_name)[i])]
+    if positions is None and shared:
+      # Each process fills its positions from its own stream: one position filled by two processes would hold
+      # different examples on its replicas, and their has_more counts would differ (one process stops early).
+      raise ValueError(
+          f"data-axis positions {shared} of this mesh hold devices of several processes; a StreamingPipeline fills "
+          "each position from one process's stream. Lay the mesh out so that each data-axis position (its devices "
+          "along the other axes) belongs to one process, e.g. jax.make_mesh with the data axis outermost."
+      )
     self.local_positions = own if positions is None else self._checked_positions(positions)
     if not self.local_positions:
       raise ValueError("mesh has no device of this process; build the pipeline on a mesh that includes local devices.")

@@ -709,6 +709,13 @@ def _non_negative_int(text: str) -> int:
   return value
 
 
+def _port(text: str) -> int:
+  value = int(text)
+  if not 0 <= value <= 65535:
+    raise argparse.ArgumentTypeError(f"must be a TCP port, 0 (a free one) to 65535, got {value}")
+  return value
+
+
 def _positive_float(text: str) -> float:
   value = float(text)
   if not value > 0:
@@ -726,7 +733,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--devices-per-proc", type=_positive_int, default=None,
                  help="simulated CPU devices per worker (sets jax_num_cpu_devices)")
   p.add_argument("--host", default="127.0.0.1", help="address the coordinator binds to (default: loopback only)")
-  p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one, new at each restart)")
+  p.add_argument("--port", type=_port, default=0, help="coordinator port (default: a free one, new at each restart)")
   p.add_argument("--grace-period", type=_positive_float, default=5.0,
                  help="seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
   p.add_argument("--timeout", type=_positive_float, default=None,

@@ -324,6 +324,20 @@ def test_the_nonfinite_flag_is_read_at_the_latest_two_calls_later():
   assert calls_after <= 2
 
 
+def test_with_several_processes_the_flags_are_read_by_count_only(monkeypatch):
+  """Whether a flag is ready depends on each process's timing: read when ready, processes tripped at different
+  calls (one left the job while another waited in a collective). With several, only a flag two calls old is read."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, max_consecutive_skips=1)
+  nan = jax.block_until_ready(jnp.ones((), jnp.int32))  # a finished step's non-finite flag
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  step._pending.append(nan)
+  step._check_previous_steps()  # ready, but only one call old: not read
+  assert len(step._pending) == 1 and step.consecutive_skips == 0
+  step._pending.append(nan)
+  with pytest.raises(FloatingPointError):  # two calls old: read, and the guard trips on every process alike
+    step._check_previous_steps()
+
+
 def test_the_nonfinite_guard_stays_tripped_until_reset():
   step = jaxdp.make_train_step(loss_fn, OPT, MESH, max_consecutive_skips=1)
   state = jaxdp.init_state(params(), OPT, MESH)

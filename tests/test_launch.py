@@ -219,6 +219,8 @@ def test_module_workers(tmp_path):
         (["--nproc", "1", "--grace-period", "0", "--", "x.py"], "--grace-period: must be > 0"),
         (["--nproc", "1", "--max-restarts", "-1", "--", "x.py"], "--max-restarts: must be >= 0"),
         (["--nproc", "2", "--min-nproc", "3", "--", "x.py"], "--min-nproc 3 is more than --nproc 2"),
+        (["--nproc", "1", "--port", "70000", "--", "x.py"], "--port: must be a TCP port"),
+        (["--nproc", "1", "--port", "-1", "--", "x.py"], "--port: must be a TCP port"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):

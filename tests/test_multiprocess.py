@@ -189,7 +189,14 @@ def test_disagreeing_processes_raise_on_every_process(tmp_path):
     config = f"[rank {rank}] config ValueError on rank {rank}: processes disagree on config"
     assert config in output and "config['lr']: process 0: 0.1, process 1: 0.2" in output
     assert f"[rank {rank}] model_state ValueError on rank {rank}: processes disagree on initial values" in output
+    assert f"[rank {rank}] pipeline ValueError on rank {rank}: processes disagree on DataPipeline arguments" in output
+    assert f"[rank {rank}] iterate ValueError on rank {rank}: processes disagree on DataPipeline.iterate" in output
+    assert f"[rank {rank}] save ValueError on rank {rank}: processes disagree on CheckpointManager.save" in output
+    assert (f"[rank {rank}] streaming ValueError on rank {rank}: data-axis positions [0, 1] of this mesh hold "
+            "devices of several processes") in output
   assert "initial values['model_state']['bn']['mean']" in output
+  assert "DataPipeline arguments['seed']: process 0: 0, process 1: 1" in output
+  assert "CheckpointManager.save['step']: process 0: 2, process 1: 3" in output
   assert "no error" not in output
   harness.assert_no_leftovers(str(tmp_path))
 

@@ -51,6 +51,23 @@ def main():
   model_state = {"bn": {"mean": np.full((3,), float(rank), np.float32)}}  # process-local values that differ
   optimizer = optax.sgd(problem.LR)
   report(rank, "model_state", lambda: jaxdp.init_state(problem.init_params(), optimizer, mesh, model_state=model_state))
+  # A seed per process (a PyTorch habit) trained some examples twice and others never, silently.
+  examples = [np.full((2,), i, np.float32) for i in range(13)]
+  collate = lambda rows: ({"x": np.stack(rows)}, np.ones(len(rows), np.float32))  # noqa: E731
+  report(rank, "pipeline", lambda: jaxdp.DataPipeline(examples, collate, mesh, per_device_batch=2, seed=rank))
+  pipe = jaxdp.DataPipeline(examples, collate, mesh, per_device_batch=2, seed=0)
+  report(rank, "iterate", lambda: pipe.iterate(start_step=rank))
+  # A save at different steps left every process waiting for the others in close(), for ever.
+  state = jaxdp.init_state(problem.init_params(), optimizer, mesh)
+  with jaxdp.CheckpointManager(os.path.join(sys.argv[1], "ckpt"), enable_async_checkpointing=False) as ckpt:
+    report(rank, "save", lambda: ckpt.save(2 + rank, state))
+    assert ckpt.all_steps() == []
+  # Each data-axis position holds a device of each process: two streams would fill one position.
+  import jax
+  from jax.sharding import Mesh
+
+  crossed = Mesh(np.array(jax.devices()).reshape(2, 2).T, ("data", "model"))
+  report(rank, "streaming", lambda: jaxdp.StreamingPipeline(examples, collate, crossed, per_device_batch=2))
   multihost_utils.sync_global_devices("reported")
   sys.exit(2)
 
