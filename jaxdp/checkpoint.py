@@ -193,6 +193,12 @@ class CheckpointManager:
     self.max_to_keep = max_to_keep
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=self.save_interval_steps,
+        # orbax's default also writes the first save of a directory whatever its step: only due steps, and a
+        # step at a preemption sync point (checked by orbax at every call, as JAX requires).
+        save_decision_policy=ocp.checkpoint_managers.AnySavePolicy([
+            ocp.checkpoint_managers.FixedIntervalPolicy(self.save_interval_steps),
+            ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+        ]),
         max_to_keep=max_to_keep,
         enable_async_checkpointing=enable_async_checkpointing,
         cleanup_tmp_directories=True,  # unfinished saves of a crashed run
@@ -248,8 +254,7 @@ class CheckpointManager:
 
   def should_save(self, step: int) -> bool:
     """Whether :meth:`save` at ``step`` (not forced) writes a checkpoint."""
-    step = check_int(step, "step", 0, "steps count from 0.")
-    return step % self.save_interval_steps == 0 and self._manager.should_save(step)
+    return self._manager.should_save(check_int(step, "step", 0, "steps count from 0."))
 
   def save(
       self,
@@ -264,7 +269,10 @@ class CheckpointManager:
     """Saves ``state`` as checkpoint ``step`` if ``step`` is due (a multiple of ``save_interval_steps``) or forced.
 
     A collective in a multi-process job: call it on every process with the
-    same arguments. Each process writes its own shards; none gathers a leaf.
+    same arguments (a save that is written first checks that the processes
+    agree on ``step``, ``data_step`` and ``force``: a ``ValueError`` on every
+    process; calls that write nothing cost no communication). Each process
+    writes its own shards; none gathers a leaf.
     The shards are copied to the host before it returns, so the step may
     donate ``state`` right after, even with asynchronous saving.
 
@@ -279,8 +287,9 @@ class CheckpointManager:
 
     Returns:
       Whether a checkpoint was written (or, asynchronously, started):
-      ``False`` for a step not due, or for the step this manager restored or
-      last wrote (the same state again).
+      ``False`` for a step not due (neither a multiple of
+      ``save_interval_steps`` nor a preemption sync point), or for the step
+      this manager restored or last wrote (the same state again).
 
     Raises:
       ValueError: if ``step`` is not after the latest checkpoint's (and is
@@ -293,15 +302,10 @@ class CheckpointManager:
     """
     step = check_int(step, "step", 0, "steps count from 0.")
     check_state(state)
-    check_not_donated(state)
     data_step = step if data_step is None else check_int(data_step, "data_step", 0, "pass the pipeline's next step.")
     record_lib.check_metadata(metadata)
     if rng is not None:
       record_lib.is_typed_key(rng)
-    if jax.process_count() > 1:  # a save is a collective: processes that disagree would wait for each other forever
-      from jaxdp.distributed import assert_same_across_processes
-
-      assert_same_across_processes({"step": step, "force": force, "data_step": data_step}, "CheckpointManager.save")
     latest = self._manager.latest_step()  # orbax's list (no directory listing per call: this runs every step)
     if latest is not None and step <= latest and step != self._current:
       on = "" if self._current is None else f" (this run restored or saved step {self._current})"
@@ -316,8 +320,15 @@ class CheckpointManager:
       raise ValueError(f"step {step} already has a checkpoint in {self.directory}; save under a new step.")
     if step == self._current:
       return False  # the checkpoint this run restored or wrote, again: nothing new to write
-    if not (force or self.should_save(step)):  # orbax alone also writes the first save, due or not
+    if not (force or self.should_save(step)):
       return False
+    check_not_donated(state)  # here, not on every call: most calls of a training loop write nothing
+    if jax.process_count() > 1:
+      # A save is a collective: processes that disagree on it would wait for each other for ever. Checked only
+      # when writing (the all-gather waits for the step in flight); a step due on one process is due on all.
+      from jaxdp.distributed import assert_same_across_processes
+
+      assert_same_across_processes({"step": step, "force": force, "data_step": data_step}, "CheckpointManager.save")
     self.wait()  # orbax would too; here a failed previous save raises with jaxdp's note, before any work
     rng_data, rng_impl = record_lib.key_to_host(rng)
     # A typed PRNG key (e.g. optax.noisy_sgd's) is stored as its raw data, with its implementation recorded.

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +56,9 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "dat
   tensor parallelism or hybrid sharding build a ``Mesh`` with more axes
   (e.g. ``jax.make_mesh((4, 2), ("data", "model"))``) and pass it instead.
   """
-  if devices is not None and not isinstance(devices, (Sequence, np.ndarray)):
+  if devices is not None and (isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable)):
     raise TypeError(
-        f"devices must be a sequence of jax.Device (e.g. jax.devices()[:4]) or None, got {type(devices).__name__}."
+        f"devices must be an iterable of jax.Device (e.g. jax.devices()[:4]) or None, got {type(devices).__name__}."
     )
   devices = jax.devices() if devices is None else list(devices)
   if not devices:

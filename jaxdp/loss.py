@@ -26,6 +26,7 @@ reduces with the loss's weights into exact global weighted means.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 from typing import Any, Callable, Mapping, NamedTuple
@@ -69,6 +70,16 @@ _STEP_AXIS: contextvars.ContextVar = contextvars.ContextVar("jaxdp_step_axis", d
 def step_axis() -> Any:
   """The data axis (a name or a tuple) of the jaxdp step whose ``loss_fn`` is being traced, else ``None``."""
   return _STEP_AXIS.get()
+
+
+@contextlib.contextmanager
+def in_step(axis_name: Any):
+  """Traces what runs inside as part of a jaxdp step over ``axis_name`` (see :func:`step_axis`)."""
+  token = _STEP_AXIS.set(axis_name)
+  try:
+    yield
+  finally:
+    _STEP_AXIS.reset(token)
 
 
 def declared_keywords(fn: Callable, names: tuple[str, ...]) -> frozenset:
@@ -121,9 +132,9 @@ def call_loss(
   available = {"model_state": model_state, "weights": weights, "axis_name": axis_name, "train": train}
   keywords = {k: available[k] for k in loss_keywords(loss_fn)}
   args = (params, batch) if rng is None else (params, batch, rng)
-  token = _STEP_AXIS.set(axis_name)
   try:
-    out = loss_fn(*args, **keywords)
+    with in_step(axis_name):
+      out = loss_fn(*args, **keywords)
   except Exception as e:  # the user's own error, unchanged: only say where it happened
     e.add_note(
         f"jaxdp: raised inside loss_fn while the step was traced on one device's slice of the batch "
@@ -131,8 +142,6 @@ def call_loss(
         "nothing was donated."
     )
     raise
-  finally:
-    _STEP_AXIS.reset(token)
   if isinstance(out, LossOutput):
     losses, new_state, metrics = out
   elif isinstance(out, tuple):

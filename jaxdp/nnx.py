@@ -203,9 +203,10 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
       if model_state is not None:
         raise
       raise ValueError(
-          "the state has no model state but this nnx model has some (e.g. BatchNorm statistics); build the state "
-          "with jaxdp.init_state(params, optimizer, mesh, model_state=model_state), model_state from "
-          "jaxdp.nnx.split(model)."
+          f"the nnx model cannot be rebuilt from the step's params without model state ({type(e).__name__}: "
+          f"{str(e).splitlines()[0] if str(e) else ''}). If the model has model state (e.g. BatchNorm statistics), "
+          "build the state with jaxdp.init_state(params, optimizer, mesh, model_state=model_state), model_state "
+          "from jaxdp.nnx.split(model); otherwise check that the params come from this model's split."
       ) from e
     if train:
       model.train()

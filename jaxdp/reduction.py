@@ -25,7 +25,7 @@ from jax import lax
 from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.batchnorm import refusing_linen_batchnorm
 from jaxdp.layout import model_part, per_model_shard
-from jaxdp.loss import call_loss
+from jaxdp.loss import call_loss, in_step
 
 REDUCTIONS = ("mean", "rank_mean", "sum", "none")
 """The reduction modes accepted by :func:`reduce_gradient` and the steps.
@@ -334,7 +334,8 @@ def local_gradient(
       )
       return sums.loss_sum, sums
 
-    (_, sums), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+    with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
+      (_, sums), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
     return sums._replace(grads=jax.tree.map(_at_least_float32, grads))
 
   if accum_steps == 1:
@@ -655,7 +656,7 @@ def reduce_gradient(
       splits every leaf along its first dimension. ``False``: all-reduce.
     totals: optional pytree of per-replica values to sum over replicas in the
       same all-reduce (e.g. the streaming input's "has more data" flags);
-      left local under ``"none"``.
+      refused under ``"none"``, which has no all-reduce.
     bucket_bytes: ``None`` reduces the whole gradient in one all-reduce.
       An integer reduces it in buckets of about that many bytes, in reverse
       order of the leaves (the order the backward pass produces them), one
@@ -698,6 +699,11 @@ def reduce_gradient(
     check_axis_bound(axis_name)
   grads, loss_sum, weight_sum, metric_sums, model_state = local
   metric_sums = {} if metric_sums is None else metric_sums
+  if reduction == "none" and totals is not None:
+    raise ValueError(
+        "totals (has_more) are summed over the replicas in the reduction's all-reduce, and reduction='none' has "
+        "none: each replica would see only its own count. Use a reducing reduction ('mean', 'sum', 'rank_mean')."
+    )
   if reduction == "none":
     if scatter is not False:
       raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import chex
@@ -76,7 +77,7 @@ def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
       largest absolute difference.
   """
   check_not_donated(tree, name="tree")
-  if not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and atol >= 0):
+  if isinstance(atol, bool) or not isinstance(atol, numbers.Real) or not atol >= 0:  # NaN fails >= too
     raise ValueError(f"atol must be a number >= 0 (the largest allowed |difference|), got {atol!r}.")
   failures = []
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -110,7 +111,15 @@ def replica_divergence(tree: Any, axis_name: str) -> jax.Array:
   tracked = varies(lax.axis_index(axis_name), axis_names(axis_name)[-1])
   replicated = [x for x in jax.tree.leaves(tree) if not (tracked and varies(x, axis_names(axis_name)[-1]))]
   for leaf in replicated:
-    x = as_varying(jnp.asarray(leaf).astype(jnp.float32), axis_name)
-    checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
-    gaps.append(jnp.max(lax.pmax(checksum, axis_name) - lax.pmin(checksum, axis_name)))
+    for part in _real_parts(jnp.asarray(leaf)):
+      x = as_varying(part.astype(jnp.float32), axis_name)
+      checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
+      gaps.append(jnp.max(lax.pmax(checksum, axis_name) - lax.pmin(checksum, axis_name)))
   return jnp.max(jnp.stack(gaps))
+
+
+def _real_parts(x: jax.Array) -> list[jax.Array]:
+  """What a float32 checksum can read of ``x``: a typed PRNG key's data; a complex leaf's real and imaginary parts."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  return [x.real, x.imag] if jnp.iscomplexobj(x) else [x]

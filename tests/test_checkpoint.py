@@ -303,6 +303,18 @@ def test_saves_every_k_steps_and_keeps_the_last_n(tmp_path):
     assert ckpt.all_steps() == [3, 6]
 
 
+def test_a_step_at_a_preemption_sync_point_is_saved_whatever_the_interval(tmp_path, monkeypatch):
+  """Only due steps are saved (not orbax's unconditional first save), but a preemption sync point still is:
+  JAX asks that it be checked at every step, and launch.py's SIGTERM path relies on it."""
+  state = jaxdp.init_state(init_params(), OPT, mesh_of(1))
+  with CheckpointManager(tmp_path, save_interval_steps=10, enable_async_checkpointing=False) as ckpt:
+    asked = []
+    monkeypatch.setattr(ckpt._manager, "reached_preemption", lambda step: asked.append(step) or step == 13)
+    written = [k for k in range(1, 16) if ckpt.save(k, state)]
+    assert written == [10, 13] and ckpt.all_steps() == [10, 13]
+    assert set(asked) == set(range(1, 16))  # consulted at every call (orbax asks again when it writes)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_deleted_latest_step_falls_back_to_the_previous_one(asynchronous, tmp_path):
   """A step removed from disk while the manager that wrote it is open is no longer offered, as for a new manager."""

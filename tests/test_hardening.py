@@ -288,7 +288,7 @@ def test_flags_and_devices_of_the_wrong_type_are_refused():
     jaxdp.make_train_step(loss_fn, OPT, MESH, donate="no")
   with pytest.raises(TypeError, match=r"check_replicas must be True or False"):
     jaxdp.make_train_step(loss_fn, OPT, MESH, check_replicas="yes")
-  with pytest.raises(TypeError, match=r"devices must be a sequence of jax\.Device .* got int"):
+  with pytest.raises(TypeError, match=r"devices must be an iterable of jax\.Device .* got int"):
     jaxdp.data_mesh(3)
 
 
@@ -373,3 +373,58 @@ def test_has_more_needs_a_reducing_step():
   with pytest.raises(ValueError, match=r"has_more is summed over the replicas.*reduction='none' has none"):
     step(state, *data(), has_more=np.ones(K, np.int32))
   assert not state.params["w"].is_deleted()
+
+
+def test_numpy_tolerances_and_device_iterables_are_accepted():
+  """The argument checks added for bad types must not refuse good ones of another type."""
+  state = jaxdp.init_state(params(), OPT, MESH)
+  jaxdp.assert_replicas_equal(state, atol=np.float32(1e-6))
+  jaxdp.assert_replicas_equal(state, atol=np.finfo(np.float32).eps)
+  with pytest.raises(ValueError, match="atol must be a number >= 0"):
+    jaxdp.assert_replicas_equal(state, atol=float("nan"))
+  assert jaxdp.data_mesh(d for d in jax.devices()[:2]).devices.size == 2  # a generator, as list() took it
+
+
+def test_the_pure_step_refuses_has_more_under_none():
+  step = in_own_shard_map(lambda s, b, w: jaxdp.train_step(loss_fn, OPT, s, b, w, reduction="none",
+                                                           has_more=jnp.ones((), jnp.int32)))
+  with pytest.raises(ValueError, match=r"totals \(has_more\) are summed over the replicas.*'none' has none"):
+    step(jaxdp.init_state(params(), OPT, MESH), *data())
+
+
+def test_the_step_axis_is_known_in_a_custom_vjp_backward_rule():
+  """A custom_vjp backward rule is traced after loss_fn returns: BatchNorm's default axis must still be the step's."""
+  seen = []
+
+  @jax.custom_vjp
+  def identity(x):
+    return x
+
+  def forward(x):
+    seen.append(("fwd", jaxdp.loss.step_axis()))
+    return x, None
+
+  def backward(_, g):
+    seen.append(("bwd", jaxdp.loss.step_axis()))
+    return (g,)
+
+  identity.defvjp(forward, backward)
+  mesh = jaxdp.data_mesh(jax.devices()[:K], axis_name="batch")
+  loss = lambda p, b: loss_fn({**p, "w": identity(p["w"])}, b)  # noqa: E731
+  state = jaxdp.init_state(params(), OPT, mesh, axis_name="batch")
+  jaxdp.make_train_step(loss, OPT, mesh, axis_name="batch")(state, *jaxdp.shard_uneven(
+      [{"x": np.ones((1, 3), np.float32), "y": np.ones((1,), np.float32)}] * K, mesh, axis_name="batch"))
+  assert ("fwd", "batch") in seen and ("bwd", "batch") in seen, seen
+
+
+def test_replica_divergence_reads_complex_parts_and_keys():
+  """Its float32 checksum dropped the imaginary part (a cast), and a typed key could not be cast at all."""
+  spec = jax.sharding.PartitionSpec
+
+  def divergence(i):
+    tree = {"z": (1.0 + 1j * i[0]).astype(jnp.complex64), "key": jax.random.key(0)}
+    return jaxdp.replica_divergence(tree, "data")
+
+  out = jax.jit(jax.shard_map(divergence, mesh=MESH, in_specs=spec("data"), out_specs=spec(), check_vma=False))(
+      jnp.arange(K, dtype=jnp.float32))
+  assert float(out) > 0  # the replicas differ in the imaginary part only

@@ -128,8 +128,10 @@ def test_empty_leaves_take_no_bucket(zero_stage, bucket_bytes):
     state = jaxdp.init_state(params, OPT, MESH, zero_stage=options.get("zero_stage", 0))
     state, _ = jaxdp.make_train_step(loss, OPT, MESH, **options)(state, *data())
     results.append(jaxdp.gather_state(state).params)
-  # Stage 3's flat reduce-scatter may differ from the per-leaf all-reduce in the last bits (see reduce_gradient).
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), results[1], results[0])
+  if zero_stage < 2:  # the same sums, bit for bit
+    jax.tree.map(np.testing.assert_array_equal, results[1], results[0])
+  else:  # a flat reduce-scatter may differ from the per-leaf all-reduce in the last bits (see reduce_gradient)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), results[1], results[0])
   assert results[1]["empty_rows"].shape == (8, 0)
 
 
