@@ -14,6 +14,7 @@ reduce-scatter):
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -474,6 +475,11 @@ def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable
 
 
 def _check_scatter(x: jax.Array, dim: int, zero: str) -> None:
+  if x.ndim <= dim:
+    raise ValueError(
+        f"scatter: a gradient leaf of shape {x.shape} has no dimension {dim} to reduce-scatter along; give it P() "
+        "(all-reduce) in scatter's tree of specs."
+    )
   if x.shape[dim] % lax.axis_size(zero):
     raise ValueError(
         f"scatter: a gradient leaf of shape {x.shape} cannot be reduce-scattered along dimension {dim} over "
@@ -526,7 +532,8 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
   """``(how, contributions, treedef)``: how each model-state leaf is made identical, and what it psums.
 
   ``how`` is ``"keep"`` (already replicated), ``"mean"`` (floating: weighted by
-  this replica's ``Σ w``) or ``"first"`` (other dtypes: replica 0's value).
+  this replica's ``Σ w``; replica 0's value if no replica has weight) or
+  ``"first"`` (other dtypes: replica 0's value).
   """
   leaves, treedef = jax.tree.flatten(model_state)
   if lax.axis_size(axis_name) == 1:
@@ -539,6 +546,8 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
     elif jnp.issubdtype(x.dtype, jnp.floating):
       how.append("mean")
       contributions.append(jnp.where(weight_sum > 0, _at_least_float32(x) * weight_sum, 0))
+      # For a global weight of 0 (no replica saw a real row): replica 0's value, not 0.
+      contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
     else:
       how.append("first")
       contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
@@ -551,7 +560,8 @@ def _rebuild_state(leaves: list, how: list, sums: list, weight: jax.Array, treed
     if mode == "keep":
       out.append(x)
     elif mode == "mean":
-      out.append(_safe_divide(next(sums), weight).astype(x.dtype))
+      weighted, first = next(sums), next(sums)
+      out.append(jnp.where(weight > 0, _safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype)))
     else:
       out.append(next(sums).astype(x.dtype))
   return jax.tree.unflatten(treedef, out)
@@ -566,8 +576,9 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   that differs per replica (per-device BatchNorm statistics) becomes the mean
   over replicas weighted by each replica's ``Σ w``, so a replica without real
   rows does not count and per-device running means average to the running
-  mean of the global batch; other dtypes take replica 0's value. Under
-  ``pmap`` (no replication types) every leaf is treated as differing.
+  mean of the global batch (replica 0's value if no replica has weight);
+  other dtypes take replica 0's value. Under ``pmap`` (no replication types)
+  every leaf is treated as differing.
   :func:`reduce_gradient` does the same inside its one all-reduce.
   """
   reduced = reduce_gradient(
@@ -709,6 +720,7 @@ def reduce_gradient(
       raise ValueError("reduction='none' communicates nothing, so it cannot scatter; use scatter=False.")
     grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), weight_sum, divide)
     return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
+  _check_local(grads, loss_sum, axis_name, scatter)
   local_weight = weight_sum
   if reduction == "rank_mean":  # each replica's local mean first, as DDP does
     grads, loss_sum, metric_sums = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
@@ -731,6 +743,26 @@ def reduce_gradient(
   denominator = weight_sum if reduction == "mean" else jnp.asarray(lax.axis_size(axis_name), jnp.float32)
   grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), denominator, divide)
   return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
+
+
+def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) -> None:
+  """Refuses what reduce_gradient would reduce wrongly, without a sign in the values."""
+  typed = _typed(axis_name)
+  if typed and varies(loss_sum, axis_name):
+    summed = [jax.tree_util.keystr(p) for p, g in jax.tree_util.tree_leaves_with_path(grads) if not varies(g, axis_name)]
+    if summed:
+      raise ValueError(
+          f"the gradient leaves {', '.join(summed[:3])}{', ...' if len(summed) > 3 else ''} are already summed over "
+          f"{axis_name!r} (typed as replicated): jax.grad of replicated params inside shard_map sums over the axis "
+          "itself, and reducing would count every replica N times. Pass axis_name= to local_gradient (or "
+          "differentiate jaxdp.as_varying(params, axis_name))."
+      )
+  if scatter is not False and not typed and math.prod(lax.axis_size(a) for a in axis_names(axis_name)) > 1:
+    raise ValueError(
+        "scatter needs shard_map with check_vma=True: the scattered chunks are told apart from agreed leaves by "
+        "their types, and under pmap or check_vma=False the gradient norm and the non-finite skip would be each "
+        "device's own (replicas would diverge). Use shard_map(..., check_vma=True), or scatter=False."
+    )
 
 
 def _check_bucket_bytes(bucket_bytes: Any) -> None:
@@ -782,7 +814,13 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or _typed(axis_name))
   for leaf in jax.tree.leaves(tree):
     if axis_name is not None and varies(leaf, axis_name):
-      partial, communicate = partial + _squares(leaf, divisor), True
+      squares = _squares(leaf, divisor)
+      # A chunk that is the same over some of the axes (ZeRO's, over "replica" of ("replica", "data")) is summed
+      # once: only where those axes' index is 0.
+      for other in axis_names(axis_name):
+        if not varies(leaf, other):
+          squares = jnp.where(lax.axis_index(other) == 0, squares, 0)
+      partial, communicate = partial + squares, True
     elif parts and _splittable(leaf):
       partial, communicate = partial + _squares(_own_part(leaf, axis_name), divisor), True
     else:

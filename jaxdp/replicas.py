@@ -97,18 +97,23 @@ def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
     raise AssertionError("replicas differ:\n  " + "\n  ".join(failures))
 
 
-def replica_divergence(tree: Any, axis_name: str) -> jax.Array:
+def replica_divergence(tree: Any, axis_name: str, *, skip_varying: bool = True) -> jax.Array:
   """In-graph measure of how far the replicas of ``tree`` have drifted apart.
 
   For every leaf, a checksum (its sum and the sum of its absolute values, in
-  float32) is compared across ``axis_name`` with ``pmax - pmin``; the largest
-  gap is returned, identical on every replica. It is ``0`` for consistent
-  replicas. Call it inside ``shard_map``/``pmap`` over ``axis_name``.
-  Leaves split over ``axis_name`` (ZeRO's, typed as varying inside
-  ``shard_map``) differ by design and are skipped.
+  float32; a complex leaf's two parts, a typed key's data) is compared across
+  ``axis_name`` with ``pmax - pmin``; the largest gap is returned, identical
+  on every replica. It is ``0`` for consistent replicas. Call it inside
+  ``shard_map``/``pmap`` over ``axis_name``. With ``skip_varying`` (the
+  default), leaves typed as varying over ``axis_name`` inside ``shard_map``
+  with ``check_vma=True`` are taken for ZeRO's chunks, which differ by
+  design, and skipped; pass ``skip_varying=False`` when they are replicas
+  (e.g. a ``reduction="none"`` state made ``as_varying``), or the result is
+  0 whatever they hold. The checksum can miss differences of a few ulps in
+  large leaves (float32 sums).
   """
   gaps = [jnp.zeros((), jnp.float32)]
-  tracked = varies(lax.axis_index(axis_name), axis_names(axis_name)[-1])
+  tracked = skip_varying and varies(lax.axis_index(axis_name), axis_names(axis_name)[-1])
   replicated = [x for x in jax.tree.leaves(tree) if not (tracked and varies(x, axis_names(axis_name)[-1]))]
   for leaf in replicated:
     for part in _real_parts(jnp.asarray(leaf)):

@@ -23,13 +23,16 @@ from jaxdp.reduction import (
     ReducedGradient,
     _buckets,
     _check_bucket_bytes,
+    _typed,
     _to_row,
+    check_axis_bound,
     _with_flat_buckets,
     check_reduction,
     divide_gradient,
     global_norm,
     local_gradient,
     reduce_gradient,
+    varies,
 )
 from jaxdp.state import TrainState
 
@@ -211,6 +214,11 @@ def finish_step(
   return new_state, metrics
 
 
+def _bound_and_typed(axis_name: str) -> bool:
+  check_axis_bound(axis_name)
+  return _typed(axis_name)
+
+
 def train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -284,6 +292,12 @@ def train_step(
   """
   check_reduction(reduction)
   check_optimizer(optimizer)  # before the forward and backward passes are traced
+  if reduction == "none" and _bound_and_typed(axis_name) and not all(varies(p, axis_name) for p in jax.tree.leaves(state.params)):
+    raise ValueError(
+        "reduction='none' inside shard_map with check_vma=True: each replica's update makes the state per-replica, "
+        "which its replicated type cannot hold. Pass jaxdp.as_varying(state, axis_name) (and out_specs that keep "
+        "the replicas), or use shard_map(..., check_vma=False) as make_train_step does."
+    )
   reduced = gradient_step(
       loss_fn, state, batch, weights,
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, has_more=has_more,

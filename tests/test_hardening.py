@@ -363,7 +363,8 @@ def test_under_none_the_nonfinite_guard_sees_every_replica():
     for _ in range(6):
       state, metrics = step(state, batch, weights)
       assert int(metrics["nonfinite"]) == 1 and int(metrics["skipped"]) == 0  # device 0 stepped
-  assert [int(s) for s in jaxdp.per_replica(state.step)] == [3, 3, 0, 3]
+  steps = [int(s) for s in jaxdp.per_replica(state.step)]  # the guard reads flags up to two calls late
+  assert steps[2] == 0 and steps[0] == steps[1] == steps[3] >= 3, steps
 
 
 def test_has_more_needs_a_reducing_step():
@@ -386,8 +387,11 @@ def test_numpy_tolerances_and_device_iterables_are_accepted():
 
 
 def test_the_pure_step_refuses_has_more_under_none():
-  step = in_own_shard_map(lambda s, b, w: jaxdp.train_step(loss_fn, OPT, s, b, w, reduction="none",
-                                                           has_more=jnp.ones((), jnp.int32)))
+  def replica(state, batch, weights):
+    reduced = jaxdp.gradient_step(loss_fn, state, batch, weights, reduction="none", has_more=jnp.ones((), jnp.int32))
+    return state, {"has_more": reduced.totals}
+
+  step = in_own_shard_map(replica)
   with pytest.raises(ValueError, match=r"totals \(has_more\) are summed over the replicas.*'none' has none"):
     step(jaxdp.init_state(params(), OPT, MESH), *data())
 

@@ -284,3 +284,103 @@ def test_compiled_step_writes_no_divided_copy_of_the_gradient():
 
   own = jax.jit(jax.shard_map(divided_first, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P())))
   assert written_after_reduction(own.lower(state, batch, weights).compile().as_text()) != []
+
+
+# --- Compositions the types cannot make right: refused, or made right -------------------------------
+
+
+def _global(batches, weights):
+  return jaxdp.shard_uneven(batches, MESH, weights=weights)
+
+
+def _mapped(replica, check_vma=True, out_specs=P()):
+  return jax.jit(jax.shard_map(replica, mesh=MESH, in_specs=(P(), P("data"), P("data")), out_specs=out_specs,
+                               check_vma=check_vma))
+
+
+def test_a_gradient_already_summed_by_jax_grad_is_refused():
+  """local_gradient without axis_name inside shard_map(check_vma=True): jax.grad of the replicated params sums over
+  the axis itself, and reduce_gradient summed again: a gradient 4x too large (8x on 8 devices), no error."""
+
+  def replica(params, batch, weights):
+    local = jaxdp.local_gradient(loss_fn, params, batch, weights)  # no axis_name
+    return jaxdp.reduce_gradient(local, axis_name="data").grads
+
+  with pytest.raises(ValueError, match=r"already summed over 'data'.*Pass axis_name= to local_gradient"):
+    _mapped(replica)(init_params(), *_global(*device_data(0)))
+
+
+def test_scatter_needs_the_types_that_tell_chunks_apart():
+  """Under check_vma=False (or pmap) the chunks look like agreed leaves: each device's own norm and skip."""
+
+  def replica(params, batch, weights):
+    local = jaxdp.local_gradient(loss_fn, params, batch, weights, axis_name="data")
+    return jaxdp.reduce_gradient(local, axis_name="data", scatter=True).loss
+
+  with pytest.raises(ValueError, match=r"scatter needs shard_map with check_vma=True"):
+    _mapped(replica, check_vma=False)(init_params(), *_global(*device_data(0)))
+  def scalar_leaf(params, batch, weights):  # scatter=True splits every leaf: a scalar one cannot be
+    loss = lambda p, b: (jnp.sum(b["x"], -1) * jnp.sum(p["w"]) + p["b"] - b["y"]) ** 2  # noqa: E731
+    local = jaxdp.local_gradient(loss, params, batch, weights, axis_name="data")
+    return jaxdp.reduce_gradient(local, axis_name="data", scatter=True).loss
+
+  with pytest.raises(ValueError, match=r"gradient leaf of shape \(\) has no dimension 0.*P\(\)"):  # was IndexError
+    _mapped(scalar_leaf)({"w": np.ones(K, np.float32), "b": np.float32(0)}, *_global(*device_data(0)))
+
+
+def test_the_norm_of_chunks_on_a_hybrid_axis_counts_each_chunk_once():
+  """Chunks scattered over "data" are the same over "replica": the norm summed them once per replica (sqrt 2 too
+  large on 2 x 4 devices)."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("replica", "data"), axis_types=(AxisType.Auto,) * 2)
+  axes = ("replica", "data")
+  params = {"w": np.arange(8 * 3, dtype=np.float32).reshape(8, 3) / 10, "b": np.float32(0.5)}
+  loss = lambda p, b: jnp.sum((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2, -1)  # noqa: E731
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 3)).astype(np.float32)
+  specs = {"w": P("data"), "b": P()}
+
+  def replica(params, batch, weights):
+    local = jaxdp.local_gradient(loss, params, batch, weights, axis_name=axes)
+    reduced = jaxdp.reduce_gradient(local, axis_name=axes, scatter=specs)
+    return jaxdp.global_norm(reduced.grads, axes, reduced.grad_divisor)
+
+  step = jax.jit(jax.shard_map(replica, mesh=mesh, in_specs=(P(), P(axes), P(axes)), out_specs=P()))
+  norm = step(params, {"x": x, "y": y}, np.ones(16, np.float32))
+  grads = jax.grad(lambda p: jnp.mean(loss(p, {"x": x, "y": y})))(jax.tree.map(jnp.asarray, params))
+  np.testing.assert_allclose(float(norm), float(optax.tree.norm(grads)), rtol=1e-5)
+
+
+def test_model_state_without_any_weight_keeps_a_replicas_value():
+  """With a global weight of 0 the weighted mean of per-replica statistics was 0 (train_step skips such a step,
+  but reduce_model_state alone returned zeros); it is now replica 0's value."""
+
+  def replica(state, batch, weights):
+    mine = jnp.asarray(lax_index() + 1.0)
+    return jaxdp.reduce_model_state({"mean": mine}, jnp.zeros(()), axis_name="data")
+
+  def lax_index():
+    return jax.lax.axis_index("data").astype(jnp.float32)
+
+  out = _mapped(replica)(init_params(), *_global(*device_data(0)))
+  assert float(out["mean"]) == 1.0
+
+
+def test_replica_divergence_of_varying_replicas():
+  """Under check_vma=True a reduction='none' state made as_varying is all varying leaves, which are skipped as
+  ZeRO chunks by default (0 whatever they hold): skip_varying=False compares them."""
+
+  def replica(state, batch, weights):
+    mine = jaxdp.as_varying({"w": jnp.zeros(())}, "data")["w"] + jax.lax.axis_index("data").astype(jnp.float32)
+    return (jaxdp.replica_divergence({"w": mine}, "data"),
+            jaxdp.replica_divergence({"w": mine}, "data", skip_varying=False))
+
+  skipped, compared = _mapped(replica, out_specs=(P(), P()))(init_params(), *_global(*device_data(0)))
+  assert float(skipped) == 0.0 and float(compared) == 3.0
+
+
+def test_none_inside_a_typed_shard_map_says_what_to_do():
+  def replica(state, batch, weights):
+    return jaxdp.train_step(loss_fn, OPT, state, batch, weights, reduction="none")
+
+  with pytest.raises(ValueError, match=r"reduction='none' inside shard_map with check_vma=True.*as_varying"):
+    _mapped(replica, out_specs=(P(), P()))(jaxdp.init_state(init_params(), OPT, MESH), *_global(*device_data(0)))
