@@ -24,14 +24,16 @@ _OPCODE = re.compile(r"(all-reduce|reduce-scatter|all-gather)(-start|-done)?")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# ``mesh[...] {'axis'}``, also with ``device_ids=(...)`` in between (which holds no brace).
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
 
 
 def _group_size(line: str) -> int | None:
   """How many devices one op of this HLO line spans (its ``replica_groups``), or ``None`` if unstated.
 
   The three spellings: ``{{0,2,4,6},{1,3,5,7}}``, iota ``[2,4]<=[8]`` (2
-  groups of 4) and ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}``.
+  groups of 4) and ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}`` (optionally
+  with ``device_ids=([2,4]T(1,0))`` before the braces).
   """
   if match := _GROUPS_LIST.search(line):
     return len([d for d in match.group(1).split(",") if d])
@@ -148,10 +150,13 @@ def comm_report(step, state, batch, weights=None, rng=None, *, compiled: bool = 
 
   ``compiled=True`` reads the compiled HLO: what runs on this backend, after
   XLA combined all-reduces and, on CPU, widened bfloat16 all-reduces to
-  float32. ``compiled=False`` reads the HLO before optimisation: the
-  communication the step asks for (one op per reduced leaf, in the dtype of
-  ``grad_reduce_dtype``), which is what GPU and TPU backends run in
-  bfloat16.
+  float32. ``compiled=False`` reads the HLO before optimisation: only the
+  collectives jaxdp writes itself, in the dtype of ``grad_reduce_dtype``
+  (the bytes GPU and TPU backends move in bfloat16), not those XLA adds when
+  it partitions the program (at ZeRO stages 1-2 the all-gathers of the
+  updated parameters, and the norm's per-leaf sums). Counts are static: a
+  collective inside a loop body counts once, and one in each branch of a
+  conditional counts for each branch.
   """
   lowered = step.lower(state, batch, weights, rng)
   hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
@@ -201,7 +206,7 @@ def _grad_bytes(params: Any, grad_specs: Any, model_shardings: Any, mesh) -> int
   return total
 
 
-def _unsplit(state: Any, layout, axis_name: str) -> dict:
+def _unsplit(state: Any, layout, axis_name: str, mesh) -> dict:
   stage = layout.zero_stage
   fields = (["params"] if stage == 3 else []) + (["opt_state"] if stage >= 1 else [])
   found = {}
@@ -209,7 +214,9 @@ def _unsplit(state: Any, layout, axis_name: str) -> dict:
     leaves = jax.tree_util.tree_leaves_with_path(getattr(state, field))
     for (path, leaf), spec in zip(leaves, jax.tree.leaves(getattr(layout.specs, field))):
       if np.ndim(leaf) and not any(axis_name in ((e,) if isinstance(e, str) else (e or ())) for e in spec):
-        found[f"{field}{jax.tree_util.keystr(path)}"] = int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
+        # Per device: the leaf may still be split over a model axis.
+        shape = jax.sharding.NamedSharding(mesh, spec).shard_shape(np.shape(leaf))
+        found[f"{field}{jax.tree_util.keystr(path)}"] = math.prod(shape) * np.dtype(leaf.dtype).itemsize
   return found
 
 
@@ -231,5 +238,5 @@ def memory_report(step, state, batch, weights=None, rng=None) -> MemoryReport:
       argument=int(analysis.argument_size_in_bytes),
       output=int(analysis.output_size_in_bytes),
       temp=int(analysis.temp_size_in_bytes),
-      unsplit=_unsplit(state, layout, zero_axis(step.axis_name)) if step.mesh.shape[zero_axis(step.axis_name)] > 1 else {},
+      unsplit=_unsplit(state, layout, zero_axis(step.axis_name), step.mesh) if step.mesh.shape[zero_axis(step.axis_name)] > 1 else {},
   )

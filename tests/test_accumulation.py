@@ -6,6 +6,7 @@ micro-batches there are, and hold only one micro-batch's activations.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,10 +136,27 @@ def _compiled(accum, micro_rows, n=4):
   return step.lower(jaxdp.init_state(params, optimizer, mesh), batch).compile()
 
 
+def _loop_bodies(hlo: str) -> dict[str, str]:
+  """``{name: text}`` of the computations that are bodies of a ``while`` in ``hlo``."""
+  names = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo))
+  bodies = {}
+  for name in names:
+    start = hlo.index("\n" + ("%" if "\n%" + name in hlo else "") + name + " ")
+    bodies[name] = hlo[start:hlo.index("\n}", start)]
+  return bodies
+
+
 def test_all_reduce_count_does_not_grow_with_accum_steps():
-  counts = {k: jaxdp.collectives_from_hlo(_compiled(k, micro_rows=16).as_text(), 4)["all-reduce"].count for k in (1, 2, 4, 8)}
+  """One all-reduce per step whatever K: the count in the HLO is flat, and none sits inside the scan's loop (a
+  collective in a loop body counts once in the HLO but runs K times)."""
+  hlos = {k: _compiled(k, micro_rows=16).as_text() for k in (1, 2, 4, 8)}
+  counts = {k: jaxdp.collectives_from_hlo(hlo, 4)["all-reduce"].count for k, hlo in hlos.items()}
   assert counts[1] >= 1, counts
   assert len(set(counts.values())) == 1, f"all-reduce ops per step depend on accum_steps: {counts}"
+  assert _loop_bodies(hlos[8]), "accum_steps=8 compiles to a loop"
+  for k, hlo in hlos.items():
+    for name, body in _loop_bodies(hlo).items():
+      assert not re.search(r"\ball-reduce(-start)?\(", body), f"an all-reduce in loop body {name} at K={k}"
 
 
 def test_temporary_memory_follows_micro_batch_not_accum_steps():

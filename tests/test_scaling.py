@@ -52,10 +52,13 @@ def test_each_collective_is_counted_over_its_own_device_group():
       "%b = f32[1000]{0} all-reduce(%x), replica_groups=[4,2]<=[8]",
       "%c = f32[1000]{0} all-gather(%z), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, dimensions={0}",
       "%d = f32[250]{0} reduce-scatter(%y), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}",
+      # XLA's spelling with the device order in between: was not parsed, and counted over all 4 data devices.
+      "%e = f32[1000]{0} all-gather(%z), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) "
+      "{'axis_1'}, dimensions={0}",
   ])
   counted = jaxdp.collectives_from_hlo(hlo, 4)
   assert counted["all-reduce"].traffic_bytes == pytest.approx(2 * 4000 * 3 / 4 + 2 * 4000 * 1 / 2, rel=ROUND_OFF)
-  assert counted["all-gather"].traffic_bytes == pytest.approx(4000 * 1 / 2, rel=ROUND_OFF)
+  assert counted["all-gather"].traffic_bytes == pytest.approx(2 * 4000 * 1 / 2, rel=ROUND_OFF)
   assert counted["reduce-scatter"].bytes == 4 * 1000  # the input of a 4-device scatter of 250 floats each
   assert counted["reduce-scatter"].traffic_bytes == pytest.approx(4000 * 3 / 4, rel=ROUND_OFF)
 

@@ -228,6 +228,19 @@ def test_memory_report_lists_the_whole_leaves():
   assert not any("count" in name for name in report.unsplit)  # scalars are not candidates
 
 
+def test_memory_report_counts_a_whole_leaf_per_device():
+  """A leaf kept whole over "data" may still be split over "model": its bytes per device are its model shard's
+  (the report gave the global bytes, 32 here, in a field documented as per device)."""
+  mesh = Mesh(np.array(jax.devices()[:6]).reshape(3, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  params = {"w": np.ones((4, 2), np.float32), "b": np.ones((4,), np.float32)}  # 4 rows do not split over 3
+  opt = optax.sgd(0.1)
+  loss = lambda p, b: jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, -1) + jnp.sum(p["b"])  # noqa: E731
+  state = jaxdp.init_state(params, opt, mesh, zero_stage=3, param_specs={"w": P(None, "model"), "b": P()})
+  report = jaxdp.memory_report(jaxdp.make_train_step(loss, opt, mesh, zero_stage=3), state,
+                               {"x": np.ones((6, 4), np.float32), "y": np.ones((6, 2), np.float32)})
+  assert report.unsplit == {"params['w']": 4 * 4 * 1, "params['b']": 4 * 4}
+
+
 def test_a_state_of_another_stage_is_moved_into_the_step_layout():
   """A state laid out for stage s, given to a step of stage t, is placed in t's layout and gives t's result.
 
