@@ -199,6 +199,10 @@ def finish_step(
   # a NaN is NaN), so this flag is the same everywhere: all skip.
   grad_norm = global_norm(reduced.grads, axis_name, reduced.grad_divisor, agreed=agreed)
   nonfinite = jnp.logical_not(jnp.isfinite(grad_norm) & jnp.isfinite(reduced.loss))
+  if reduced.grad_divisor is not None:
+    # The division multiplies by 1/divisor, which flushes to 0 from 2**126 on (a global weight of 8.5e37): the
+    # gradient, loss and norm would read 0 and the step would apply. Counted as non-finite instead.
+    nonfinite = nonfinite | jnp.logical_not(reduced.grad_divisor < 2.0**126)
   apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
   new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state, reduced.grad_divisor)
   metrics = {
@@ -284,7 +288,8 @@ def train_step(
     loss), ``weight`` (global ``Σ w``; local under ``"none"``), ``grad_norm``
     (global norm of the applied gradient), ``nonfinite`` (1 when the reduced
     gradient or loss holds a NaN/Inf, which happens when any replica's does,
-    or when the gradient norm overflows float32), ``skipped`` (1 when the
+    when the gradient norm overflows float32, or when the divisor reaches
+    2**126, whose reciprocal flushes to 0), ``skipped`` (1 when the
     update was skipped: zero global weight or ``nonfinite``; the state,
     ``step`` and model state included, is then returned unchanged on every
     replica) and ``has_more`` when given. The new model state is identical

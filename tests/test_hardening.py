@@ -432,3 +432,14 @@ def test_replica_divergence_reads_complex_parts_and_keys():
   out = jax.jit(jax.shard_map(divergence, mesh=MESH, in_specs=spec("data"), out_specs=spec(), check_vma=False))(
       jnp.arange(K, dtype=jnp.float32))
   assert float(out) > 0  # the replicas differ in the imaginary part only
+
+
+def test_a_global_weight_whose_reciprocal_flushes_to_zero_skips_the_step():
+  """1/Σw is below float32's smallest normal from Σw = 2**126 on: the gradient, loss and norm read 0 and the step
+  applied (Adam's count and moments moved). Such a step is now non-finite, skipped on every replica."""
+  batch, weights = data(counts=(1, 1, 1, 1))
+  huge = jnp.full_like(weights, 3e37)  # Σw = 1.2e38 >= 2**126 = 8.5e37
+  state = jaxdp.init_state(params(), OPT, MESH)
+  new, metrics = jaxdp.make_train_step(loss_fn, OPT, MESH, donate=False)(state, batch, huge)
+  assert int(metrics["nonfinite"]) == 1 and int(metrics["skipped"]) == 1
+  jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
