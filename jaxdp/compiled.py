@@ -333,6 +333,15 @@ def make_train_step(
 
   compute_dtype = check_float_dtype(compute_dtype, "compute_dtype")
   grad_reduce_dtype = check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")
+  other_axes = [a for a in mesh.axis_names if a not in axis_names(axis_name)]
+  if (grad_reduce_dtype is not None and grad_reduce_dtype.itemsize < 4 and other_axes
+      and mesh.devices.flat[0].platform == "cpu"):
+    raise ValueError(
+        f"grad_reduce_dtype={grad_reduce_dtype.name} on a CPU mesh with other axes {other_axes}: XLA's CPU backend "
+        "aborts the whole process compiling a 16-bit all-reduce inside a shard_map that leaves other mesh axes to "
+        "the compiler (reproduced in plain JAX, jax 0.10.2). On CPU keep the float32 reduction (the default), or "
+        "use a mesh of data axes only."
+    )
   if bucket_bytes is not None:
     check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
 

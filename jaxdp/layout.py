@@ -246,13 +246,19 @@ def _with_data(model_spec: P, ndim: int, dim: int | None, axis_name: str) -> P:
 
 
 def model_spec_of(x: Any, mesh: Mesh, axis_name: str) -> P:
-  """The part of ``x``'s sharding over ``mesh``'s axes other than ``axis_name`` (``P()`` if it has none)."""
+  """The part of ``x``'s sharding over ``mesh``'s axes other than ``axis_name`` (``P()`` if it has none).
+
+  A spec names axes, so the split is kept on any mesh that has those axes with the same sizes, whatever their
+  order or the other axes (a mesh reordered, or one with a "replica" axis added); axes ``mesh`` lacks, or has
+  with another size, are dropped (the leaf is then replicated over them).
+  """
   sharding = getattr(x, "sharding", None)
-  if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+  if not isinstance(sharding, NamedSharding):
     return P()
+  source = dict(sharding.mesh.shape)
   entries = []
   for entry in _entries(sharding.spec, np.ndim(x)):
-    kept = tuple(a for a in _axes_of(entry) if a not in _names(axis_name))
+    kept = tuple(a for a in _axes_of(entry) if a not in _names(axis_name) and mesh.shape.get(a) == source.get(a))
     entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
   return _spec(entries)
 

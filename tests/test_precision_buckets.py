@@ -294,3 +294,14 @@ def test_small_leaves_travel_packed_and_sum_bit_for_bit():
   # Four operands (eight leaves): the float32 pack (a, b, s), the bfloat16 pack, the int32 pack, and the big
   # leaf. XLA keeps one all-reduce per reducer type (here the int32 one apart).
   assert sum(operands) == 4
+
+
+def test_a_16_bit_reduction_with_model_axes_on_cpu_is_refused_not_a_crash():
+  """XLA's CPU backend aborts the process (an F-level check, exit 134) compiling a bfloat16 all-reduce inside a
+  shard_map that leaves a "model" axis to the compiler: refused before anything compiles."""
+  from jax.sharding import AxisType, Mesh
+
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  with pytest.raises(ValueError, match=r"grad_reduce_dtype=bfloat16 on a CPU mesh with other axes \['model'\]"):
+    jaxdp.make_train_step(loss_fn, OPT, mesh, grad_reduce_dtype=jnp.bfloat16)
+  jaxdp.make_train_step(loss_fn, OPT, MESH, grad_reduce_dtype=jnp.bfloat16)  # data axes only: fine

@@ -228,6 +228,26 @@ def test_memory_report_lists_the_whole_leaves():
   assert not any("count" in name for name in report.unsplit)  # scalars are not candidates
 
 
+def test_a_model_split_survives_a_mesh_with_its_axes_in_another_order():
+  """A spec names axes: a state split over "model" on ("data", "model") 4 x 2 kept nothing of it on ("model",
+  "data") 2 x 4 or ("replica", "data", "model"), and every leaf went whole on every model device, silently."""
+  devices = np.array(jax.devices()[:8])
+  source = Mesh(devices.reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  targets = [Mesh(devices.reshape(2, 4), ("model", "data"), axis_types=(AxisType.Auto,) * 2),
+             Mesh(devices.reshape(1, 4, 2), ("replica", "data", "model"), axis_types=(AxisType.Auto,) * 3)]
+  opt = OPTIMIZERS["adam"]
+  specs = {"dense": {"w": P(None, "model"), "b": P("model")}, "head": {"w": P(), "b": P()}}
+  state = jaxdp.init_state(init_params(), opt, source, zero_stage=1, param_specs=specs)
+  batches = [{"x": np.ones((1, FEATURES), np.float32), "y": np.zeros((1,), np.float32)}] * 4
+  for target in targets:
+    data = tuple(a for a in target.axis_names if a != "model")
+    step = jaxdp.make_train_step(loss_fn, opt, target, axis_name=data if len(data) > 1 else data[0], zero_stage=1,
+                                 donate=False)
+    new, _ = step(state, *jaxdp.shard_uneven(batches, target, axis_name=data if len(data) > 1 else data[0]))
+    assert tuple(jaxdp.state_specs(new).params["dense"]["w"]) == (None, "model"), jaxdp.state_specs(new).params
+    assert new.params["dense"]["w"].sharding.shard_shape((FEATURES, HIDDEN))[1] == HIDDEN // 2
+
+
 def test_memory_report_counts_a_whole_leaf_per_device():
   """A leaf kept whole over "data" may still be split over "model": its bytes per device are its model shard's
   (the report gave the global bytes, 32 here, in a field documented as per device)."""
