@@ -335,7 +335,7 @@ def make_train_step(
   grad_reduce_dtype = check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")
   other_axes = [a for a in mesh.axis_names if a not in axis_names(axis_name)]
   if (grad_reduce_dtype is not None and grad_reduce_dtype.itemsize < 4 and other_axes
-      and mesh.devices.flat[0].platform == "cpu"):
+      and data_size(mesh, axis_name) > 1 and mesh.devices.flat[0].platform == "cpu"):
     raise ValueError(
         f"grad_reduce_dtype={grad_reduce_dtype.name} on a CPU mesh with other axes {other_axes}: XLA's CPU backend "
         "aborts the whole process compiling a 16-bit all-reduce inside a shard_map that leaves other mesh axes to "

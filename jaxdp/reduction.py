@@ -528,12 +528,15 @@ def _tracks_replication(axis_name: str) -> bool:
   return set(axis_names(axis_name)) <= _varying_axes(lax.axis_index(axis_name))
 
 
-def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str) -> tuple[list, list, Any]:
+def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str,
+                         fallback: bool = False) -> tuple[list, list, Any]:
   """``(how, contributions, treedef)``: how each model-state leaf is made identical, and what it psums.
 
   ``how`` is ``"keep"`` (already replicated), ``"mean"`` (floating: weighted by
-  this replica's ``Σ w``; replica 0's value if no replica has weight) or
-  ``"first"`` (other dtypes: replica 0's value).
+  this replica's ``Σ w``; with ``fallback``, replica 0's value if no replica
+  has weight: the training step skips such a step and keeps the old state, so
+  it does not send that second value) or ``"first"`` (other dtypes: replica
+  0's value).
   """
   leaves, treedef = jax.tree.flatten(model_state)
   if lax.axis_size(axis_name) == 1:
@@ -546,22 +549,24 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
     elif jnp.issubdtype(x.dtype, jnp.floating):
       how.append("mean")
       contributions.append(jnp.where(weight_sum > 0, _at_least_float32(x) * weight_sum, 0))
-      # For a global weight of 0 (no replica saw a real row): replica 0's value, not 0.
-      contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
+      if fallback:  # for a global weight of 0 (no replica saw a real row): replica 0's value, not 0
+        contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
     else:
       how.append("first")
       contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
   return how, contributions, treedef
 
 
-def _rebuild_state(leaves: list, how: list, sums: list, weight: jax.Array, treedef: Any) -> Any:
+def _rebuild_state(leaves: list, how: list, sums: list, weight: jax.Array, treedef: Any, fallback: bool = False) -> Any:
   sums, out = iter(sums), []
   for x, mode in zip(leaves, how):
     if mode == "keep":
       out.append(x)
-    elif mode == "mean":
+    elif mode == "mean" and fallback:
       weighted, first = next(sums), next(sums)
       out.append(jnp.where(weight > 0, _safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype)))
+    elif mode == "mean":
+      out.append(_safe_divide(next(sums), weight).astype(x.dtype))
     else:
       out.append(next(sums).astype(x.dtype))
   return jax.tree.unflatten(treedef, out)
@@ -581,10 +586,10 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   every leaf is treated as differing.
   :func:`reduce_gradient` does the same inside its one all-reduce.
   """
-  reduced = reduce_gradient(
-      LocalGradient(None, jnp.zeros(()), weight_sum, None, model_state), axis_name=axis_name
-  )
-  return reduced.model_state
+  check_axis_bound(axis_name)
+  how, contributions, treedef = _state_contributions(model_state, weight_sum, axis_name, fallback=True)
+  contributions, weight = _psum((contributions, weight_sum), axis_name)
+  return _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight, treedef, fallback=True)
 
 
 def _buckets(leaves: list, bucket_bytes: int) -> list[list[int]]:
@@ -749,13 +754,17 @@ def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) 
   """Refuses what reduce_gradient would reduce wrongly, without a sign in the values."""
   typed = _typed(axis_name)
   if typed and varies(loss_sum, axis_name):
-    summed = [jax.tree_util.keystr(p) for p, g in jax.tree_util.tree_leaves_with_path(grads) if not varies(g, axis_name)]
+    # Each leaf must vary over every data axis: one replicated over some axis was summed over it by jax.grad.
+    summed = [jax.tree_util.keystr(p) for p, g in jax.tree_util.tree_leaves_with_path(grads)
+              if not all(varies(g, a) for a in axis_names(axis_name))]
     if summed:
       raise ValueError(
           f"the gradient leaves {', '.join(summed[:3])}{', ...' if len(summed) > 3 else ''} are already summed over "
           f"{axis_name!r} (typed as replicated): jax.grad of replicated params inside shard_map sums over the axis "
           "itself, and reducing would count every replica N times. Pass axis_name= to local_gradient (or "
-          "differentiate jaxdp.as_varying(params, axis_name))."
+          "differentiate jaxdp.as_varying(params, axis_name)); a leaf you replaced by hand (e.g. zeros for a "
+          "frozen layer) must be made varying too (jaxdp.as_varying), or freeze it after the reduction "
+          "(optax.set_to_zero / optax.masked)."
       )
   if scatter is not False and not typed and math.prod(lax.axis_size(a) for a in axis_names(axis_name)) > 1:
     raise ValueError(

@@ -356,13 +356,15 @@ def test_model_state_without_any_weight_keeps_a_replicas_value():
 
   def replica(state, batch, weights):
     mine = jnp.asarray(lax_index() + 1.0)
-    return jaxdp.reduce_model_state({"mean": mine}, jnp.zeros(()), axis_name="data")
+    return (jaxdp.reduce_model_state({"mean": mine}, jnp.zeros(()), axis_name="data"),
+            jaxdp.reduce_model_state({"mean": mine}, mine, axis_name="data"))  # weights 1..4: Σ w·s / Σ w
 
   def lax_index():
     return jax.lax.axis_index("data").astype(jnp.float32)
 
-  out = _mapped(replica)(init_params(), *_global(*device_data(0)))
-  assert float(out["mean"]) == 1.0
+  without, weighted = _mapped(replica, out_specs=(P(), P()))(init_params(), *_global(*device_data(0)))
+  assert float(without["mean"]) == 1.0
+  assert float(weighted["mean"]) == (1 + 4 + 9 + 16) / 10
 
 
 def test_replica_divergence_of_varying_replicas():
