@@ -106,11 +106,11 @@ def is_key_leaf(x: Any) -> bool:
   return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def stored_struct(x: Any) -> jax.ShapeDtypeStruct:
+def stored_struct(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
   """What a checkpoint stores for leaf ``x``: its own shape and dtype, or a typed key's raw ``uint32`` data."""
   if is_key_leaf(x):
-    return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(np.shape(x), x.dtype))
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(np.shape(x), x.dtype))
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
 def signature(tree: Any) -> dict:

@@ -78,6 +78,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp import _ckpt_record as record_lib
 from jaxdp._checks import check_int, check_not_donated, check_optimizer, check_state
 from jaxdp._ckpt_record import RNG
+from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import (
     auto_mesh,
     check_mesh_axis,
@@ -118,10 +119,6 @@ def _device_count(state: TrainState) -> int:
   """The number of devices ``state`` is placed on (1 for host arrays)."""
   sharding = getattr(jax.tree.leaves(state)[0], "sharding", None)
   return len(sharding.device_set) if sharding is not None else 1
-
-
-def _shape_dtype(x: jax.ShapeDtypeStruct) -> tuple:
-  return x.shape, x.dtype
 
 
 def _savable(x: Any) -> Any:
@@ -323,12 +320,9 @@ class CheckpointManager:
     if not (force or self.should_save(step)):
       return False
     check_not_donated(state)  # here, not on every call: most calls of a training loop write nothing
-    if jax.process_count() > 1:
-      # A save is a collective: processes that disagree on it would wait for each other for ever. Checked only
-      # when writing (the all-gather waits for the step in flight); a step due on one process is due on all.
-      from jaxdp.distributed import assert_same_across_processes
-
-      assert_same_across_processes({"step": step, "force": force, "data_step": data_step}, "CheckpointManager.save")
+    # A save is a collective: processes that disagree on it would wait for each other for ever. Checked only when
+    # writing (the all-gather waits for the step in flight); with one process the check returns at once.
+    assert_same_across_processes({"step": step, "force": force, "data_step": data_step}, "CheckpointManager.save")
     self.wait()  # orbax would too; here a failed previous save raises with jaxdp's note, before any work
     rng_data, rng_impl = record_lib.key_to_host(rng)
     # A typed PRNG key (e.g. optax.noisy_sgd's) is stored as its raw data, with its implementation recorded.
@@ -433,8 +427,7 @@ class CheckpointManager:
     layout = dict(zip((c for c, _ in record_lib.named_leaves(expected)), jax.tree.leaves(shardings)))
     # A typed key's raw data is read replicated (its data has one more axis than the key), then wrapped and placed.
     target = [
-        (c, jax.ShapeDtypeStruct(*_shape_dtype(record_lib.stored_struct(x)),
-                                 sharding=NamedSharding(mesh, P()) if record_lib.is_key_leaf(x) else layout[c]))
+        (c, record_lib.stored_struct(x, NamedSharding(mesh, P()) if record_lib.is_key_leaf(x) else layout[c]))
         for c, x in record_lib.named_leaves(expected)
     ]
     if RNG in entries:

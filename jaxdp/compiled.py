@@ -47,7 +47,7 @@ from jaxdp.layout import (
     split_along,
 )
 from jaxdp.loss import check_loss_fn
-from jaxdp.reduction import ReducedGradient, axis_names, check_reduction
+from jaxdp.reduction import ReducedGradient, _check_bucket_bytes, axis_names, check_reduction
 from jaxdp.replicas import replica_divergence
 from jaxdp.step import finish_step, gather_params, gradient_step, train_step
 from jaxdp.state import TrainState
@@ -342,8 +342,7 @@ def make_train_step(
         "the compiler (reproduced in plain JAX, jax 0.10.2). On CPU keep the float32 reduction (the default), or "
         "use a mesh of data axes only."
     )
-  if bucket_bytes is not None:
-    check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
+  _check_bucket_bytes(bucket_bytes)
 
   options = dict(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdp._checks import batch_size, check_int
+from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import check_mesh_axis, data_rows, data_size, global_array, split_along
 
 
@@ -263,13 +264,6 @@ def process_positions(n_devices: int, n_processes: int, process_index: int) -> r
   return range(process_index * per_process, (process_index + 1) * per_process)
 
 
-def _same_across_processes(value: Any, name: str) -> None:
-  if jax.process_count() > 1:
-    from jaxdp.distributed import assert_same_across_processes
-
-    assert_same_across_processes(value, name)
-
-
 def addressable_positions(mesh: Mesh, axis_name: str = "data") -> tuple[int, ...]:
   """The positions along ``mesh[axis_name]`` that have a device of this process.
 
@@ -389,7 +383,7 @@ class DataPipeline:
     self._sharding = split_along(mesh, axis_name)
     # Every process loads its own devices' portions of one shared plan: a seed or dataset length that differs
     # between processes would train some examples twice and others never, silently (the shapes still agree).
-    _same_across_processes(
+    assert_same_across_processes(
         {"len(dataset)": self.num_examples, "seed": self.seed, "per_device_batch": self.per_device_batch,
          "devices": self.n_devices}, "DataPipeline arguments")
     probe = _collated(collate, [dataset[0]], None)
@@ -447,7 +441,7 @@ class DataPipeline:
       num_steps: how many steps to yield; ``None`` for ever.
     """
     start = check_int(start_step, "start_step", 0, "steps count from 0.")
-    _same_across_processes({"start_step": start, "num_steps": num_steps}, "DataPipeline.iterate arguments")
+    assert_same_across_processes({"start_step": start, "num_steps": num_steps}, "DataPipeline.iterate arguments")
     if num_steps is None:
       steps = itertools.count(start)
     else:
