@@ -14,11 +14,11 @@ Functional core (compose these inside your own ``shard_map``/``pmap``):
 :func:`init_state`, :func:`shard_uneven`, :class:`DataPipeline`,
 :func:`per_replica`, :func:`assert_replicas_equal`. Real programs: the
 loss protocol (:class:`LossOutput`, :mod:`jaxdp.loss`: model state,
-metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules) and
-:mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm).
+metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules), :mod:`jaxdp.linen` (flax linen's
+BatchNorm, exact) and :mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm).
 """
 
-from jaxdp import batchnorm, distributed, layout, nnx, scaling
+from jaxdp import batchnorm, distributed, layout, linen, nnx, scaling
 from jaxdp.batchnorm import Moments, masked_moments
 from jaxdp.checkpoint import CheckpointManager, Restored
 from jaxdp.compiled import BACKENDS, CompiledStep, make_train_step
@@ -101,6 +101,7 @@ __all__ = [
     "gather_state",
     "global_norm",
     "init_state",
+    "linen",
     "local_gradient",
     "loss_sums",
     "make_eval_step",

@@ -62,6 +62,7 @@ mask, :class:`BatchNorm` runs the same float32 operations as flax's
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import math
@@ -116,20 +117,27 @@ def _refuse_linen_batchnorm(next_fun, args, kwargs, context):
           f"flax.linen.BatchNorm ({module.name or 'unnamed'}) is computing batch statistics inside a jaxdp training "
           "step, where they are not the global batch's: without mask= the zero-weight padding rows enter them, and "
           "with mask= its pmean weighs every device equally (off on uneven splits, NaN on a device without rows). "
-          "Compute them with jaxdp.masked_moments(x, weights) in your module (exact over every device's real rows; "
-          "axis_name=None for per-device statistics), or use jaxdp.nnx.BatchNorm with flax nnx. Evaluation "
-          "(use_running_average=True) is unaffected."
+          "Use jaxdp.linen.BatchNorm (the same fields and variables) and call it with mask=weights, or compute "
+          "them with jaxdp.masked_moments(x, weights) (exact over every device's real rows; axis_name=None for "
+          "per-device statistics). Evaluation (use_running_average=True) is unaffected."
       )
   return next_fun(*args, **kwargs)
 
 
-def refusing_linen_batchnorm():
-  """A context in which training-mode ``flax.linen.BatchNorm`` calls raise (entered while a step traces loss_fn)."""
-  return linen.intercept_methods(_refuse_linen_batchnorm)
-
-
-# Set by jaxdp.nnx.loss_fn while a training step runs the user's function: batches there may hold padding.
+# True while a training step runs loss_fn: its batches may hold padding rows, so a jaxdp BatchNorm needs mask=.
 _PADDED_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdp_padded_step", default=False)
+
+
+@contextlib.contextmanager
+def training_batch_guards():
+  """Entered while a training step traces ``loss_fn``: linen's own ``BatchNorm`` raises in training mode, and
+  :class:`BatchNorm` / :class:`jaxdp.linen.BatchNorm` refuse to compute statistics without a mask."""
+  token = _PADDED_STEP.set(True)
+  try:
+    with linen.intercept_methods(_refuse_linen_batchnorm):
+      yield
+  finally:
+    _PADDED_STEP.reset(token)
 
 
 class Moments(NamedTuple):

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp.batchnorm import _PADDED_STEP, BatchNorm
+from jaxdp.batchnorm import BatchNorm
 from jaxdp.loss import LossOutput, declared_keywords
 from jaxdp.layout import gather_state
 from jaxdp.state import TrainState
@@ -226,11 +226,7 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
         "train": train,
         "axis_name": axis_name,
     }
-    token = _PADDED_STEP.set(train)  # a jaxdp.nnx.BatchNorm without mask= then refuses to train
-    try:
-      losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}))
-    finally:
-      _PADDED_STEP.reset(token)
+    losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}))
     _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
     return LossOutput(losses, new_state if model_state is not None else None, metrics)
 

@@ -24,7 +24,7 @@ import optax
 from jax import lax
 
 from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
-from jaxdp.batchnorm import refusing_linen_batchnorm
+from jaxdp.batchnorm import training_batch_guards
 from jaxdp.layout import model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
 
@@ -256,8 +256,9 @@ def loss_sums(
   if weights is not None:
     _check_weight_rows(weights, batch)
   row_weights = jnp.ones((_rows(batch),), jnp.float32) if weights is None else weights
-  # Training batches may hold padding rows: flax.linen's BatchNorm would count them (nnx's is refused at split).
-  with refusing_linen_batchnorm() if train else contextlib.nullcontext():
+  # Training batches may hold padding rows: flax.linen's BatchNorm would count them (nnx's is refused at split),
+  # and jaxdp's BatchNorms need the weights as their mask.
+  with training_batch_guards() if train else contextlib.nullcontext():
     out = call_loss(
         loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
     )

@@ -203,6 +203,22 @@ def test_batchnorm_without_a_mask_is_refused_in_a_training_step():
   assert np.isfinite(float(out["loss"]))
 
 
+def test_batchnorm_without_a_mask_is_refused_in_a_hand_written_loss():
+  """The refusal belongs to the training step, not to jaxdp.nnx.loss_fn: a loss written with nnx.merge by hand
+  trained its BatchNorm on the padding rows (no error) before."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  graphdef, params, model_state, rest = nnx.split(Net(rngs=nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
+
+  def by_hand(params, batch, *, model_state):
+    model = nnx.merge(graphdef, params, model_state, rest)
+    losses = 0.5 * (model(batch["x"]) - batch["y"]) ** 2
+    return jaxdp.LossOutput(losses, model_state=nnx.state(model, nnx.BatchStat))
+
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  with pytest.raises(ValueError, match=r"without a mask.*mask=weights"):
+    jaxdp.make_train_step(by_hand, OPT, mesh)(state, *jaxdp.shard_uneven(portions((2, 1)), mesh))
+
+
 def test_a_state_without_the_models_state_is_refused_by_name():
   """init_state without model_state= for a model with BatchNorm: flax's "Incorrect number of leaves" before."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])

@@ -1,0 +1,150 @@
+"""jaxdp.linen.BatchNorm: flax linen's BatchNorm, exact over padded uneven batches on any number of devices.
+
+The reference is the program a linen user had before: flax's own
+``nn.BatchNorm`` on one device, over the concatenated real rows, trained with
+``jax.grad`` and optax. Tolerances (float32): RTOL = 1e-5, ATOL = 2e-6, those
+of test_model_state.py (re-associated sums of a few dozen terms over a few
+chained steps; BatchNorm divides by a standard deviation of about 1).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+
+D, H = 5, 6
+RTOL, ATOL = 1e-5, 2e-6
+OPT = optax.adam(1e-2)
+ROWS = (3, 0, 5, 1)  # real rows per device: uneven, one device without any
+
+
+class Net(nn.Module):
+  """Dense, BatchNorm, dropout, Dense: the shape of a linen classifier head. ``norm``: the BatchNorm class."""
+
+  norm: type = nn.BatchNorm
+  dropout: float = 0.0
+
+  @nn.compact
+  def __call__(self, x, train, mask=None):
+    # No bias before BatchNorm (it cancels): its gradient would be round-off, which Adam scales up to lr.
+    h = nn.Dense(H, use_bias=False)(x)
+    bn = self.norm(use_running_average=not train, momentum=0.9)
+    h = bn(h, mask=mask) if self.norm is jaxdp.linen.BatchNorm else bn(h)
+    h = nn.Dropout(self.dropout, deterministic=not train)(nn.relu(h))
+    return nn.Dense(1)(h)[:, 0]
+
+
+def portions(seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"x": rng.normal(size=(n, D)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)}
+          for n in ROWS]
+
+
+def jaxdp_loss(model):
+  def loss_fn(params, batch, rng=None, *, model_state, weights, train):
+    variables = {"params": params, "batch_stats": model_state}
+    if not train:
+      out = model.apply(variables, batch["x"], False)
+      return jaxdp.LossOutput(0.5 * (out - batch["y"]) ** 2, model_state=model_state)
+    out, updates = model.apply(variables, batch["x"], True, mask=weights, mutable=["batch_stats"],
+                               rngs=None if rng is None else {"dropout": rng})
+    return jaxdp.LossOutput(0.5 * (out - batch["y"]) ** 2, model_state=updates["batch_stats"])
+
+  return loss_fn
+
+
+def test_same_variables_and_outputs_as_flax_on_one_device():
+  """Swapping nn.BatchNorm for jaxdp.linen.BatchNorm keeps the variable tree, the outputs and the running update."""
+  x = np.random.default_rng(1).normal(size=(7, 3, D)).astype(np.float32) * 2 + 1
+  ours, theirs = Net(norm=jaxdp.linen.BatchNorm), Net()
+  variables = theirs.init(jax.random.key(0), x[:, 0], train=False)
+  assert jax.tree.structure(ours.init(jax.random.key(0), x[:, 0], train=False)) == jax.tree.structure(variables)
+  for train in (True, False):
+    out_ours, new_ours = ours.apply(variables, x[:, 0], train, mutable=["batch_stats"])
+    out_theirs, new_theirs = theirs.apply(variables, x[:, 0], train, mutable=["batch_stats"])
+    np.testing.assert_allclose(out_ours, out_theirs, rtol=RTOL, atol=ATOL)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), new_ours, new_theirs)
+  # Features on a middle axis of a rank-3 input, as nn.BatchNorm(axis=1) takes them.
+  for train in (True, False):
+    outs = []
+    for norm in (jaxdp.linen.BatchNorm(use_running_average=not train, axis=1), nn.BatchNorm(not train, axis=1)):
+      v = norm.init(jax.random.key(0), x)
+      outs.append(norm.apply(v, x, mutable=["batch_stats"]))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), *outs)
+
+
+def test_trained_on_four_devices_equals_flax_on_one_device():
+  """3/0/5/1 real rows, padded: the linen program trained through make_train_step equals flax's BatchNorm on one
+  device over the 9 real rows, step by step (loss, params, batch_stats), and so does evaluation."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  ours, theirs = Net(norm=jaxdp.linen.BatchNorm), Net()
+  variables = theirs.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
+  loss_fn = jaxdp_loss(ours)
+  step, evaluate = jaxdp.make_train_step(loss_fn, OPT, mesh), jaxdp.make_eval_step(loss_fn, mesh)
+  state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
+
+  params, stats, opt_state = variables["params"], variables["batch_stats"], OPT.init(variables["params"])
+
+  def reference_loss(params, stats, batch):
+    out, updates = theirs.apply({"params": params, "batch_stats": stats}, batch["x"], True, mutable=["batch_stats"])
+    return jnp.mean(0.5 * (out - batch["y"]) ** 2), updates["batch_stats"]
+
+  for seed in range(4):
+    parts = portions(seed)
+    whole = jax.tree.map(lambda *a: np.concatenate(a), *parts)
+    (loss, stats), grads = jax.value_and_grad(reference_loss, has_aux=True)(params, stats, whole)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    state, metrics = step(state, *jaxdp.shard_uneven(parts, mesh))
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL, atol=ATOL)
+    assert float(metrics["weight"]) == sum(ROWS)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), state.params, params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), state.model_state, stats)
+  jaxdp.assert_replicas_equal(state)
+
+  parts = portions(9)
+  whole = jax.tree.map(lambda *a: np.concatenate(a), *parts)
+  expected = jnp.mean(0.5 * (theirs.apply({"params": params, "batch_stats": stats}, whole["x"], False) - whole["y"]) ** 2)
+  np.testing.assert_allclose(evaluate(state, *jaxdp.shard_uneven(parts, mesh))["loss"], expected, rtol=RTOL, atol=ATOL)
+
+
+def test_dropout_trains_with_the_steps_rng_and_replicas_stay_equal():
+  """With dropout the replicas draw different masks (the step's per-replica key) and still apply one update."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  model = Net(norm=jaxdp.linen.BatchNorm, dropout=0.5)
+  variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
+  state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
+  step = jaxdp.make_train_step(jaxdp_loss(model), OPT, mesh)
+  for seed in range(2):
+    state, metrics = step(state, *jaxdp.shard_uneven(portions(seed), mesh), rng=jax.random.key(seed))
+    assert np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 0
+  jaxdp.assert_replicas_equal(state)
+
+
+def test_training_without_a_mask_is_refused_and_the_state_is_kept():
+  """Forgetting mask=weights in a training step is an error (padding would enter the statistics), raised before
+  the caller's state is donated; evaluation needs no mask."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  model = Net(norm=jaxdp.linen.BatchNorm)
+  variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
+
+  def no_mask(params, batch, *, model_state, train):
+    out, updates = model.apply({"params": params, "batch_stats": model_state}, batch["x"], train,
+                               mutable=["batch_stats"])
+    return jaxdp.LossOutput(0.5 * (out - batch["y"]) ** 2, model_state=updates["batch_stats"])
+
+  state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
+  with pytest.raises(ValueError, match=r"jaxdp\.linen\.BatchNorm .* without a mask.*mask=weights"):
+    jaxdp.make_train_step(no_mask, OPT, mesh)(state, *jaxdp.shard_uneven(portions(), mesh))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), jaxdp.gather_state(state).params, variables["params"])
+
+
+@pytest.mark.parametrize("field", [{"axis_index_groups": [[0, 1]]}, {"use_fast_variance": False},
+                                   {"force_float32_reductions": False}])
+def test_unsupported_fields_are_refused(field):
+  with pytest.raises(ValueError, match=next(iter(field))):
+    jaxdp.linen.BatchNorm(use_running_average=False, **field).init(jax.random.key(0), np.ones((2, 3), np.float32))
