@@ -152,7 +152,9 @@ def _raw_key_shape() -> tuple[int, ...]:
 def check_params_dtypes(params: Any, name: str = "state.params") -> None:
   """Raises ``TypeError`` if a parameter is not floating point (or complex): it cannot be differentiated."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+    # Not getattr(leaf, "dtype", np.asarray(leaf).dtype): the default would copy every parameter to the host (and
+    # fail for one split across processes).
+    dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
     if not (jax.dtypes.issubdtype(dtype, np.floating) or jax.dtypes.issubdtype(dtype, np.complexfloating)):
       raise TypeError(
           f"{name}{jax.tree_util.keystr(path)} has dtype {dtype}; parameters are differentiated, so they must be "

@@ -118,6 +118,15 @@ def test_launched_workers_see_their_layout(tmp_path_factory):
           "coordinator_address=None, source='none')") in plain.stdout
 
 
+def test_zero3_with_parameters_split_across_processes():
+  """The first step's input check copied every parameter to the host: with a parameter split across processes
+  it failed ("spans non-addressable devices"), so no multi-process ZeRO-3 run could take a step."""
+  result = harness.launch(["--nproc", "2", "--devices-per-proc", "2", "--timeout", "100"],
+                          [harness.WORKERS / "zero_split.py"], timeout=JOB_SECONDS)
+  _succeeded(result)
+  assert "[rank 0] max |param - reference| = " in result.stdout
+
+
 def test_assert_replicas_equal_across_processes(tmp_path_factory):
   result, _ = _layout_job("2 processes x 2 devices", tmp_path_factory)
   _succeeded(result)
