@@ -296,7 +296,7 @@ def fit(step_fn, state, pipeline, config: Config, rng, sink=None, desc: str = "t
     for step, (batch, weights) in pipeline.iterate(start_step=start, num_steps=config.steps - start):
       state, metrics = step_fn(state, batch, weights, rng=rng)
       if ckpt is not None:
-        ckpt.save(step + 1, state, rng=rng, data_step=step + 1)
+        ckpt.save(step + 1, state, rng=rng, data_step=step + 1, pipeline=pipeline)
       if pending is not None:
         clock = _log(pending, clock, records, bar, sink)
       pending = (step, metrics, weights)
@@ -345,7 +345,7 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   with _checkpoints(config) as ckpt:
     state, start = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, **layout), 0
     if ckpt is not None and ckpt.latest_step() is not None:
-      restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, **layout)
+      restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, **layout)
       state, start = restored.state, restored.data_step
       if specs is not None:  # restore places the params replicated over "model"; split them again
         state = jaxdp.place_state(state, optimizer, mesh, param_specs=specs, **layout)

@@ -288,6 +288,7 @@ def build_record(
     rng_impl: str | None,
     metadata: Any,
     devices: int,
+    data_position: dict | None = None,
 ) -> dict:
   """The JSON record of a save of the leaves ``named`` (state leaves, then the key's data) with checksums ``sums``.
 
@@ -298,6 +299,7 @@ def build_record(
       "format": FORMAT,
       "version": FORMAT_VERSION,
       "data_step": data_step,
+      **({} if data_position is None else {"data_position": data_position}),
       "rng_impl": rng_impl,
       "saved_from": {"devices": devices, "processes": jax.process_count()},
       "metadata": metadata,
@@ -314,6 +316,10 @@ def build_record(
           for (c, x), s in zip(named, sums)
       ],
   }
+
+
+# What DataPipeline.position records (a checkpoint saved with pipeline=).
+DATA_POSITION_FIELDS = ("epoch", "example", "num_examples", "seed", "global_batch", "devices")
 
 
 class BadField(Exception):
@@ -380,6 +386,11 @@ def _check_rng_impl(impl: Any, key: dict | None) -> None:
 def check_record(record: dict) -> None:
   """Raises :class:`BadField` for the first field read from ``record`` that save() could not have written."""
   _require(_is_count(record.get("data_step")), "data_step", record.get("data_step"), "an integer >= 0")
+  if "data_position" in record:
+    position = record["data_position"]
+    _require(isinstance(position, dict) and set(position) == set(DATA_POSITION_FIELDS)
+             and all(_is_count(position[k]) for k in DATA_POSITION_FIELDS), "data_position", position,
+             f"an object of integers >= 0: {', '.join(DATA_POSITION_FIELDS)}")
   leaves = record.get("leaves")
   _require(isinstance(leaves, list) and len(leaves) > 0, "leaves", leaves, "a non-empty list of leaf entries")
   seen = {}

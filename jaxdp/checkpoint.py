@@ -78,12 +78,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp import _ckpt_record as record_lib
 from jaxdp._checks import check_int, check_not_donated, check_optimizer, check_state
 from jaxdp._ckpt_record import RNG
+from jaxdp.data import DataPipeline
 from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import (
     auto_mesh,
     check_mesh_axis,
     check_param_specs,
     check_zero_stage,
+    data_size,
     make_layout,
     model_specs_of,
 )
@@ -113,6 +115,37 @@ class Restored(NamedTuple):
   data_step: int
   step: int
   metadata: Any
+
+
+def _check_pipeline(pipeline: Any) -> None:
+  if pipeline is not None and not isinstance(pipeline, DataPipeline):
+    raise TypeError(
+        f"pipeline must be a jaxdp.DataPipeline or None, got {type(pipeline).__name__}; a StreamingPipeline has no "
+        "position to save (a stream is read once), so resuming one is up to its source."
+    )
+
+
+def _resumed_data_step(record: dict, pipeline: DataPipeline | None, mesh: Mesh, axis_name: Any, where: str) -> int:
+  """The ``data_step`` to resume from: the saved one, converted to ``pipeline``'s batches, or refused if ambiguous."""
+  position = record.get("data_position")
+  if position is not None:
+    if pipeline is not None:
+      return pipeline.step_at(position)
+    if data_size(mesh, axis_name) != position["devices"]:
+      raise ValueError(
+          f"{where} was saved with a DataPipeline on {position['devices']} data-parallel devices (global batch "
+          f"{position['global_batch']}), and this mesh has {data_size(mesh, axis_name)}: its data_step "
+          f"{record['data_step']} counts batches of another size unless per_device_batch changed to match. Pass "
+          "restore(..., pipeline=pipeline) to resume at the same example."
+      )
+  elif pipeline is not None and mesh.devices.size != record["saved_from"]["devices"]:
+    raise ValueError(
+        f"{where} was saved without pipeline= from {record['saved_from']['devices']} devices, and this mesh has "
+        f"{mesh.devices.size}: its data_step {record['data_step']} counts batches of a size it did not record, so it "
+        "cannot be converted. Resume on the saving run's devices (and save with pipeline= from then on), or start "
+        "the data from step 0."
+    )
+  return record["data_step"]
 
 
 def _device_count(state: TrainState) -> int:
@@ -260,6 +293,7 @@ class CheckpointManager:
       *,
       rng: jax.Array | None = None,
       data_step: int | None = None,
+      pipeline: DataPipeline | None = None,
       metadata: Any = None,
       force: bool = False,
   ) -> bool:
@@ -279,6 +313,12 @@ class CheckpointManager:
       rng: the PRNG key the loop carries (typed or raw ``uint32``), or ``None``.
       data_step: the input pipeline's position to resume from (the
         ``start_step`` of ``DataPipeline.iterate``); default ``step``.
+      pipeline: the :class:`jaxdp.DataPipeline` that ``data_step`` counts
+        batches of: its position is then recorded in examples
+        (:meth:`DataPipeline.position`), so that ``restore(...,
+        pipeline=)`` resumes at the same example with another global batch
+        (another device count) or refuses. A step count alone is only right
+        for the same global batch.
       metadata: JSON-serialisable user data (a config, metrics).
       force: save even if ``step`` is not a multiple of ``save_interval_steps``.
 
@@ -300,6 +340,7 @@ class CheckpointManager:
     step = check_int(step, "step", 0, "steps count from 0.")
     check_state(state)
     data_step = step if data_step is None else check_int(data_step, "data_step", 0, "pass the pipeline's next step.")
+    _check_pipeline(pipeline)
     record_lib.check_metadata(metadata)
     if rng is not None:
       record_lib.is_typed_key(rng)
@@ -339,6 +380,7 @@ class CheckpointManager:
         rng_impl=rng_impl,
         metadata=metadata,
         devices=_device_count(state),
+        data_position=None if pipeline is None else pipeline.position(data_step),
     )
     args = ocp.args.Composite(
         **{_STATE_ITEM: ocp.args.StandardSave(record_lib.nested(named)), _RECORD_ITEM: ocp.args.JsonSave(record)}
@@ -375,6 +417,7 @@ class CheckpointManager:
       axis_name: str = "data",
       model_state: Any = None,
       param_specs: Any = None,
+      pipeline: DataPipeline | None = None,
   ) -> Restored:
     """Restores checkpoint ``step`` (default: the latest) onto the layout described by the target.
 
@@ -399,6 +442,16 @@ class CheckpointManager:
         from a state with model state, else ``None``. Placed replicated.
       param_specs: the params' tree of ``PartitionSpec``s over the model axes
         (as for :func:`jaxdp.init_state`); default: read off ``params``.
+      pipeline: the :class:`jaxdp.DataPipeline` the run resumes with. For a
+        checkpoint saved with ``pipeline=``, ``data_step`` is then this
+        pipeline's step at the saved example (:meth:`DataPipeline.step_at`:
+        a ``ValueError`` if another dataset length or seed, or if the
+        example falls inside one of its batches). Without it, such a
+        checkpoint restored onto another number of data-parallel devices is
+        refused (its ``data_step`` counts batches of another size unless
+        ``per_device_batch`` changed to match, which nothing here can see).
+        A checkpoint saved without ``pipeline=`` restored with it onto
+        another device count is refused too.
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``.
@@ -416,11 +469,13 @@ class CheckpointManager:
     check_optimizer(optimizer)  # else optimizer.init's failure would be blamed on params
     check_mesh_axis(mesh, axis_name)
     check_zero_stage(zero_stage)
+    _check_pipeline(pipeline)
     model_specs = _target_specs(params, param_specs, mesh, axis_name)
     step = self._resolve_step(step)
     expected = record_lib.abstract_full_state(params, optimizer, model_state)
     record = self._read_record(step)
     record_lib.check_against(record, expected, self._where(step))
+    data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
     mesh = auto_mesh(mesh)  # as init_state places a state
     shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs).shardings(mesh)
     entries = {tuple(e["path"]): e for e in record["leaves"]}
@@ -445,7 +500,7 @@ class CheckpointManager:
     if RNG in arrays:
       impl = record["rng_impl"]
       rng = arrays[RNG] if impl is None else jax.random.wrap_key_data(arrays[RNG], impl=impl)
-    return Restored(state, rng, record["data_step"], step, record["metadata"])
+    return Restored(state, rng, data_step, step, record["metadata"])
 
   def metadata(self, step: int | None = None) -> Any:
     """The user metadata saved with checkpoint ``step`` (default: the latest), without reading any array."""

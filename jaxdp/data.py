@@ -334,6 +334,9 @@ class DataPipeline:
   Resume from the loop's count of batches (``Restored.data_step``), not from
   ``state.step``: a step skipped for a NaN or zero weight does not advance
   ``state.step``, so resuming from it would train on some batches twice.
+  Pass the pipeline to ``CheckpointManager.save``/``restore`` (``pipeline=``):
+  the count is then kept as a position in examples (:meth:`position`) and
+  converted for another global batch (:meth:`step_at`).
 
   Attributes:
     steps_per_epoch: ``ceil(len(dataset) / (n_devices * per_device_batch))``.
@@ -400,6 +403,44 @@ class DataPipeline:
     step = check_int(step, "step", 0, "steps count from 0.")
     epoch, index = divmod(step, self.steps_per_epoch)
     return _split_batch(self._order(epoch), self.n_devices, self.per_device_batch, index)
+
+  def position(self, step: int) -> dict:
+    """Where ``step`` starts in the data, in examples rather than batches (what a checkpoint records).
+
+    ``{"epoch", "example", "num_examples", "seed", "global_batch", "devices"}``: ``example`` examples of
+    ``epoch``'s order come before ``step``. A step count alone means nothing without the global batch it
+    counts: :meth:`step_at` converts a position into the step of a pipeline with another batch size.
+    """
+    step = check_int(step, "step", 0, "steps count from 0.")
+    epoch, index = divmod(step, self.steps_per_epoch)
+    return {"epoch": epoch, "example": index * self.global_batch, "num_examples": self.num_examples,
+            "seed": self.seed, "global_batch": self.global_batch, "devices": self.n_devices}
+
+  def step_at(self, position: dict) -> int:
+    """This pipeline's step that starts at ``position`` (from :meth:`position`, maybe of another global batch).
+
+    Raises:
+      ValueError: if ``position`` is of another dataset length or seed (the epochs' orders differ: some
+        examples would be trained twice and others never), or falls inside one of this pipeline's batches
+        (its ``example`` is not a multiple of :attr:`global_batch`).
+    """
+    for name, mine in (("num_examples", self.num_examples), ("seed", self.seed)):
+      if position[name] != mine:
+        raise ValueError(
+            f"the saved data position is of a pipeline with {name}={position[name]}, this one has {mine}: the "
+            "epochs' orders differ, so resuming would train some examples twice and others never. Resume with "
+            "the same dataset and seed."
+        )
+    epoch, example = position["epoch"], position["example"]
+    if example % self.global_batch:
+      raise ValueError(
+          f"the saved data position is example {example} of epoch {epoch} (after batches of "
+          f"{position['global_batch']}), inside a batch of this pipeline's global batch {self.global_batch} "
+          f"({self.n_devices} devices x per_device_batch {self.per_device_batch}). Resume with a global batch "
+          f"that divides {example} (the saving run's was {position['global_batch']}), or from a checkpoint at the "
+          "start of an epoch."
+      )
+    return epoch * self.steps_per_epoch + example // self.global_batch
 
   def _portion(self, indices: np.ndarray) -> tuple[Any, np.ndarray]:
     if len(indices) == 0:

@@ -144,6 +144,61 @@ def test_raw_uint32_key_comes_back_raw(tmp_path):
 LAYOUTS = [(1, 0), (3, 3), (4, 2), (2, 3), (8, 1)]  # (devices, zero_stage); the checkpoint is from (2, 1)
 
 
+def pipeline_of(n: int, per_device_batch: int, seed: int = 0, length: int = 29) -> jaxdp.DataPipeline:
+  collate = lambda ex: ({"id": np.asarray(ex, np.int32)}, np.ones(len(ex), np.float32))  # noqa: E731
+  return jaxdp.DataPipeline(list(range(length)), collate, mesh_of(n), per_device_batch=per_device_batch, seed=seed)
+
+
+def examples_of(pipe: jaxdp.DataPipeline, start: int, stop: int) -> list[int]:
+  return [int(i) for step in range(start, stop) for part in pipe.device_indices(step) for i in part]
+
+
+def test_the_data_position_is_kept_on_another_device_count(tmp_path):
+  """Saved after 2 steps of 2 devices x 3 rows (12 examples of the epoch), resumed on 4 devices x 3 rows: the
+  saved data_step 2, read as the new pipeline's step, skipped 12 examples of the epoch (24 of 29 trained, none
+  twice) without a word. With pipeline= the checkpoint records the position in examples: the run resumes at step
+  1 of the new pipeline and the epoch trains every example once."""
+  old, new = pipeline_of(2, 3), pipeline_of(4, 3)
+  state = jaxdp.init_state(init_params(), OPT, mesh_of(2))
+  with CheckpointManager(tmp_path / "ckpt", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(2, state, data_step=2, pipeline=old)
+    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(4), pipeline=new)
+    assert restored.data_step == 1 and ckpt.data_step() == 2
+    assert sorted(examples_of(old, 0, 2) + examples_of(new, 1, new.steps_per_epoch)) == list(range(29))
+    skipped = set(range(29)) - set(examples_of(old, 0, 2) + examples_of(new, 2, new.steps_per_epoch))
+    assert len(skipped) == 12  # what resuming at the saved count did
+    # Step 11 of batches of 6 (5 a epoch) starts at example 6 of epoch 2: inside a batch of 12. Refused.
+    ckpt.save(2 * old.steps_per_epoch + 1, state, pipeline=old)  # data_step defaults to the step
+    with pytest.raises(ValueError, match=r"example 6 of epoch 2 \(after batches of 6\), inside a batch of this "
+                                         r"pipeline's global batch 12"):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(4), pipeline=new)
+    # Without pipeline= on another device count: refused, not guessed.
+    with pytest.raises(ValueError, match=r"saved with a DataPipeline on 2 data-parallel devices.*this mesh has 4.*"
+                                         r"pipeline=pipeline"):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(4))
+    # Same devices, no pipeline: the saved count as it is; with it, the same step.
+    assert ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2)).data_step == 2 * old.steps_per_epoch + 1
+    assert ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), pipeline=old).data_step == \
+        2 * old.steps_per_epoch + 1
+    # Another seed or dataset: the epochs' orders differ.
+    for other in (pipeline_of(2, 3, seed=1), pipeline_of(2, 3, length=30)):
+      with pytest.raises(ValueError, match=r"epochs' orders differ"):
+        ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), pipeline=other)
+
+
+def test_a_position_saved_without_the_pipeline_is_not_converted(saved):
+  """A checkpoint saved without pipeline= (data_step 5 on 2 devices) restored with a pipeline on 4 devices: the
+  size of its batches is unknown, so it is refused; on 2 devices it is taken as saved."""
+  directory, _ = saved
+  with CheckpointManager(directory) as ckpt:
+    with pytest.raises(ValueError, match=r"saved without pipeline= from 2 devices.*this mesh has 4"):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(4), zero_stage=1, model_state=MODEL_STATE,
+                   pipeline=pipeline_of(4, 3))
+    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1,
+                            model_state=MODEL_STATE, pipeline=pipeline_of(2, 3))
+  assert restored.data_step == 5
+
+
 def test_restore_onto_other_layouts_gives_the_same_gathered_state(saved):
   """Other device counts and ZeRO stages: the optimizer and model state move exactly, and the state is ready to step.
 
@@ -593,6 +648,7 @@ TAMPERED = {
     "data_step string": (_set("data_step", "abc"), r"data_step is 'abc', expected an integer >= 0"),
     "data_step negative": (_set("data_step", -3), r"data_step is -3, expected an integer >= 0"),
     "data_step float": (_set("data_step", 5.0), r"data_step is 5.0, expected an integer >= 0"),
+    "data_position": (_set("data_position", {"epoch": 1}), r"data_position is \{'epoch': 1\}, expected an object of"),
     "rng_impl unknown": (_set("rng_impl", "nope"), r"rng_impl is 'nope', expected null or the name of a JAX PRNG"),
     "rng_impl other": (_set("rng_impl", "rbg"), r"rng_impl is 'rbg', expected an implementation whose keys' data is"),
     "leaf shape": (_set_leaf(0, "shape", [-1]), r"leaves\[0\]\.shape is \[-1\], expected a list of integers >= 0"),
