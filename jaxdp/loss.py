@@ -99,6 +99,21 @@ def loss_keywords(loss_fn: Callable) -> frozenset:
   return declared_keywords(loss_fn, LOSS_KEYWORDS)
 
 
+def _requires_rng(loss_fn: Callable) -> bool:
+  """Whether ``loss_fn`` has a third positional parameter without a default (its key)."""
+  try:
+    parameters = list(inspect.signature(loss_fn).parameters.values())
+  except (TypeError, ValueError):
+    return False
+  positional = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  return len(positional) >= 3 and positional[2].default is inspect.Parameter.empty
+
+
+def _third_parameter(loss_fn: Callable) -> str:
+  return list(inspect.signature(loss_fn).parameters)[2]
+
+
 def check_loss_fn(loss_fn: Any, *, with_model_state: bool = False) -> None:
   """Raises ``TypeError`` unless ``loss_fn`` is callable and, ``with_model_state``, accepts ``model_state``."""
   if not callable(loss_fn):
@@ -132,6 +147,13 @@ def call_loss(
   available = {"model_state": model_state, "weights": weights, "axis_name": axis_name, "train": train}
   keywords = {k: available[k] for k in loss_keywords(loss_fn)}
   args = (params, batch) if rng is None else (params, batch, rng)
+  if rng is None and _requires_rng(loss_fn):
+    raise TypeError(
+        f"loss_fn takes a PRNG key as its third argument ({_third_parameter(loss_fn)!r}) without a default, and this "
+        "call has none: evaluation (make_eval_step) and a step called without rng= call loss_fn(params, batch). Give "
+        "it a default (def loss_fn(params, batch, rng=None, ...)) and run without dropout when it is None, or pass "
+        "rng=jax.random.key(...) to the training step. Nothing ran and nothing was donated."
+    )
   try:
     with in_step(axis_name):
       out = loss_fn(*args, **keywords)

@@ -537,16 +537,27 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
   this replica's ``Σ w``; with ``fallback``, replica 0's value if no replica
   has weight: the training step skips such a step and keeps the old state, so
   it does not send that second value) or ``"first"`` (other dtypes: replica
-  0's value).
+  0's value, where nothing tells whether the replicas' values differ: under
+  ``pmap`` or ``check_vma=False``). Where replication is tracked, a leaf of
+  another dtype that varies over the replicas is refused: it depends on each
+  replica's rows (a count of examples), and no replica's value is the one
+  device's.
   """
-  leaves, treedef = jax.tree.flatten(model_state)
+  paths, treedef = jax.tree_util.tree_flatten_with_path(model_state)
   if lax.axis_size(axis_name) == 1:
-    return ["keep"] * len(leaves), [], treedef
+    return ["keep"] * len(paths), [], treedef
   tracked = _tracks_replication(axis_name)
   how, contributions = [], []
-  for x in leaves:
+  for path, x in paths:
     if tracked and not varies(x, axis_name):
       how.append("keep")
+    elif tracked and not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(
+          f"model_state{jax.tree_util.keystr(path)} ({x.dtype}) differs between the replicas after loss_fn: it "
+          "depends on each replica's rows, so no replica's value is what one device would hold (DDP keeps rank 0's, "
+          "silently). Make it identical in loss_fn: lax.psum it over axis_name for a count, lax.pmax for a "
+          "maximum, or compute it from replicated values only (a step counter: model_state['n'] + 1)."
+      )
     elif jnp.issubdtype(x.dtype, jnp.floating):
       how.append("mean")
       contributions.append(jnp.where(weight_sum > 0, _at_least_float32(x) * weight_sum, 0))
@@ -581,10 +592,14 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   replication types inside ``shard_map``) is kept as it is. A floating leaf
   that differs per replica (per-device BatchNorm statistics) becomes the mean
   over replicas weighted by each replica's ``Σ w``, so a replica without real
-  rows does not count and per-device running means average to the running
-  mean of the global batch (replica 0's value if no replica has weight);
-  other dtypes take replica 0's value. Under ``pmap`` (no replication types)
-  every leaf is treated as differing.
+  rows does not count and, with one micro-batch a step, per-device running
+  means average to the running mean of the global batch (replica 0's value
+  if no replica has weight). That is right for mean-like statistics only: a
+  count or a maximum over the batch must be made identical in ``loss_fn``
+  (``lax.psum``/``lax.pmax``). A leaf of another dtype that differs per
+  replica raises ``ValueError`` (no replica's value is one device's). Under
+  ``pmap`` or ``check_vma=False`` (no replication types) every leaf is
+  treated as differing, and non-floating ones take replica 0's value.
   :func:`reduce_gradient` does the same inside its one all-reduce.
   """
   check_axis_bound(axis_name)

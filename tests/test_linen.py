@@ -148,3 +148,24 @@ def test_training_without_a_mask_is_refused_and_the_state_is_kept():
 def test_unsupported_fields_are_refused(field):
   with pytest.raises(ValueError, match=next(iter(field))):
     jaxdp.linen.BatchNorm(use_running_average=False, **field).init(jax.random.key(0), np.ones((2, 3), np.float32))
+
+
+def test_a_loss_that_requires_a_key_is_told_what_evaluation_passes():
+  """A linen port with Dropout writes loss_fn(params, batch, rng, ...): evaluation (no key) failed with Python's
+  bare "missing 1 required positional argument"; now the error says why and how to fix it, and nothing is donated."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  model = Net(norm=jaxdp.linen.BatchNorm, dropout=0.5)
+  variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
+  plain = jaxdp_loss(model)
+
+  def keyed(params, batch, rng, *, model_state, weights, train):
+    return plain(params, batch, rng, model_state=model_state, weights=weights, train=train)
+
+  state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
+  batch = jaxdp.shard_uneven(portions()[:2], mesh)
+  with pytest.raises(TypeError, match=r"third argument \('rng'\) without a default.*evaluation \(make_eval_step\)"):
+    jaxdp.make_eval_step(keyed, mesh)(state, *batch)
+  with pytest.raises(TypeError, match=r"rng=None"):
+    jaxdp.make_train_step(keyed, OPT, mesh)(state, *batch)
+  state, metrics = jaxdp.make_train_step(keyed, OPT, mesh)(state, *batch, rng=jax.random.key(0))
+  assert int(metrics["skipped"]) == 0

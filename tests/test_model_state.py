@@ -339,6 +339,31 @@ def test_returned_arrays_work_in_ordinary_code():
   assert jax.jit(lambda p, x: x @ p["w1"])(state.params, jnp.ones((2, D))).shape == (2, H)
 
 
+def test_an_integer_state_that_differs_between_replicas_is_refused():
+  """A count of real examples seen, kept per replica, took replica 0's value: 7 where one device counts 24 (a
+  linen port's sown counter). Refused, naming the leaf; the psum the message asks for gives one device's count."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  rng = np.random.default_rng(0)
+  portions = [{"x": rng.normal(size=(n, D)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)}
+              for n in (3, 0, 5, 1)]
+
+  def counting(total):
+    def loss_fn(params, batch, *, model_state, weights, axis_name):
+      seen = jnp.sum(weights > 0).astype(jnp.int32)
+      seen = jax.lax.psum(seen, axis_name) if total else seen
+      losses = 0.5 * (batch["x"] @ params["w1"] @ params["w2"] - batch["y"]) ** 2
+      return jaxdp.LossOutput(losses, model_state={"seen": model_state["seen"] + seen})
+    return loss_fn
+
+  params = {k: v for k, v in init_params(0).items() if k in ("w1", "w2")}
+  model_state = {"seen": np.zeros((), np.int32)}
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  with pytest.raises(ValueError, match=r"model_state\['seen'\] \(int32\) differs between the replicas.*lax\.psum"):
+    jaxdp.make_train_step(counting(False), OPT, mesh)(state, *jaxdp.shard_uneven(portions, mesh))
+  state, _ = jaxdp.make_train_step(counting(True), OPT, mesh)(state, *jaxdp.shard_uneven(portions, mesh))
+  assert int(state.model_state["seen"]) == 9
+
+
 def test_flax_linen_batchnorm_is_refused_in_training_and_runs_in_evaluation():
   """linen's own BatchNorm trained silently on padded batches: the padding rows entered its statistics (first-step
   loss 1.2554 where one device gives 1.2319 on 3/0/5/1 real rows). It is refused while training, as nnx's is."""
