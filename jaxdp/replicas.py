@@ -15,11 +15,18 @@ from jaxdp._checks import check_not_donated
 from jaxdp.reduction import as_varying, axis_names, varies
 
 
+def _host(x: Any) -> np.ndarray:
+  """``x`` as numpy; a typed PRNG key (``optax.noisy_sgd``'s state) as its raw ``uint32`` data."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  return np.asarray(x)
+
+
 def _device_copies(leaf: Any) -> tuple[list[jax.Device], list[np.ndarray]]:
   if not isinstance(leaf, jax.Array):
     return [], [np.asarray(leaf)]
   shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
-  return [s.device for s in shards], [np.asarray(s.data) for s in shards]
+  return [s.device for s in shards], [_host(s.data) for s in shards]
 
 
 def per_replica(tree: Any) -> Any:
@@ -27,7 +34,8 @@ def per_replica(tree: Any) -> Any:
 
   Row ``i`` of each leaf is what the ``i``-th device (in device-id order)
   holds. For a state that is meant to be replicated, the rows differ only if
-  the replicas have diverged (e.g. under ``reduction="none"``).
+  the replicas have diverged (e.g. under ``reduction="none"``). A typed PRNG
+  key comes back as its raw ``uint32`` data (numpy cannot hold a key).
   """
   check_not_donated(tree, name="tree")
   return jax.tree.map(lambda leaf: np.stack(_device_copies(leaf)[1]), tree)
@@ -55,7 +63,7 @@ def _copies_that_must_agree(leaf: Any) -> list[tuple[list[str], list[np.ndarray]
     key = tuple((i.start, i.stop, i.step) for i in shard.index)
     names, copies = groups.setdefault(key, ([], []))
     names.append(str(shard.device))
-    copies.append(np.asarray(shard.data))
+    copies.append(_host(shard.data))
   if jax.process_count() > 1 and leaf.sharding.is_fully_replicated:
     (names, copies), = groups.values()
     others = [f"process {p}" for p in range(jax.process_count()) if p != jax.process_index()]

@@ -187,7 +187,8 @@ def test_complex_parameters_keep_their_imaginary_part(options):
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_a_typed_prng_key_in_the_optimizer_state_gathers_and_places(zero_stage):
-  """optax.noisy_sgd keeps a typed key in its state: gather_state raised numpy's TypeError on it."""
+  """optax.noisy_sgd keeps a typed key in its state: gather_state, assert_replicas_equal and per_replica raised
+  numpy's TypeError on it."""
   opt = optax.noisy_sgd(0.1, eta=0.5, key=0)
   step = jaxdp.make_train_step(loss_fn, opt, MESH, zero_stage=zero_stage, donate=False)
   state, _ = step(jaxdp.init_state(params(), opt, MESH, zero_stage=zero_stage), *data())
@@ -195,6 +196,9 @@ def test_a_typed_prng_key_in_the_optimizer_state_gathers_and_places(zero_stage):
   key = full.opt_state[0].rng_key
   assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
   np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(state.opt_state[0].rng_key))
+  jaxdp.assert_replicas_equal(state)
+  copies = jaxdp.per_replica(state.opt_state[0].rng_key)
+  assert copies.dtype == np.uint32 and (copies == copies[:1]).all()
   again, _ = step(jaxdp.place_state(full, opt, MESH, zero_stage=zero_stage), *data())
   expected, _ = step(state, *data())
   jax.tree.map(np.testing.assert_array_equal, jaxdp.gather_state(again).params, jaxdp.gather_state(expected).params)
