@@ -9,6 +9,7 @@ optimizer sees whole leaves whatever their sharding: see
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -37,6 +38,20 @@ from jaxdp.reduction import (
 from jaxdp.state import TrainState
 
 
+def _loss_argument(optimizer: optax.GradientTransformation, value: jax.Array | None) -> dict:
+  """``{"value": value}`` for an optimizer whose update takes extra arguments (optax passes the loss as ``value``)."""
+  if value is None:
+    return {}
+  if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+    return {"value": value}
+  try:
+    parameters = inspect.signature(optimizer.update).parameters.values()
+  except (TypeError, ValueError):
+    return {}
+  takes = any(p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "value" for p in parameters)
+  return {"value": value} if takes else {}
+
+
 def apply_update(
     optimizer: optax.GradientTransformation,
     state: TrainState,
@@ -44,6 +59,7 @@ def apply_update(
     apply: jax.Array | bool = True,
     model_state: Any = None,
     grad_divisor: jax.Array | None = None,
+    value: jax.Array | None = None,
 ) -> TrainState:
   """Applies ``grads`` with ``optimizer`` (and installs ``model_state``), or returns ``state`` unchanged.
 
@@ -55,7 +71,11 @@ def apply_update(
   the parameters' dtypes (they are reduced in float32 at least).
   ``grad_divisor``: apply ``grads / grad_divisor`` (a reduced gradient left
   undivided, see :class:`jaxdp.ReducedGradient`); the division happens in
-  the update's own pass over the gradient.
+  the update's own pass over the gradient. ``value``: the loss, passed as
+  ``optimizer.update(..., value=value)`` to optimizers that take extra
+  arguments (``optax.polyak_sgd``, ``optax.contrib.reduce_on_plateau``);
+  :func:`finish_step` passes the step's agreed loss (under ``"mean"`` the
+  global weighted mean, what one device passes).
   """
 
   check_optimizer(optimizer)
@@ -63,7 +83,7 @@ def apply_update(
   def step(operand):
     state, new_model_state, grads = operand
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), divide_gradient(grads, grad_divisor), state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params, **_loss_argument(optimizer, value))
     kept = state.model_state if new_model_state is None else new_model_state
     return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1, kept)
 
@@ -204,7 +224,8 @@ def finish_step(
     # gradient, loss and norm would read 0 and the step would apply. Counted as non-finite instead.
     nonfinite = nonfinite | jnp.logical_not(reduced.grad_divisor < 2.0**126)
   apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
-  new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state, reduced.grad_divisor)
+  new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state, reduced.grad_divisor,
+                           value=reduced.loss)
   metrics = {
       "loss": reduced.loss,
       **(reduced.metrics or {}),
