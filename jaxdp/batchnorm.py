@@ -297,6 +297,32 @@ def _normalize(x, mean, var, scale, bias, feature_axes, dtype, epsilon):
   return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=dtype))
 
 
+def _check_supported(axis_index_groups: Any, use_fast_variance: bool) -> None:
+  """The flax BatchNorm options that jaxdp's BatchNorms refuse (they would need other collectives)."""
+  if axis_index_groups is not None:
+    raise ValueError("axis_index_groups is not supported: statistics are summed over the whole axis_name.")
+  if not use_fast_variance:
+    raise ValueError("use_fast_variance=False would need a second psum; only E[x²] − E[x]² (one psum) is supported.")
+
+
+def _refuse_unmasked_training(mask: Any, module: str) -> None:
+  """Raises if a BatchNorm computes training statistics in a jaxdp training step without a mask."""
+  if mask is None and _PADDED_STEP.get():
+    raise ValueError(
+        f"{module} is training inside a jaxdp step without a mask, so the step's zero-weight padding rows would "
+        "enter its statistics; pass the weights loss_fn receives: declare `weights` in loss_fn (or in the function "
+        "given to jaxdp.nnx.loss_fn) and call it with mask=weights."
+    )
+
+
+def _running_update(running: jax.Array, batch: jax.Array, count: jax.Array, momentum: float) -> jax.Array:
+  """flax's ``momentum·running + (1 − momentum)·batch``; a batch without real rows (``count`` 0) leaves it as is."""
+  batch = batch.reshape(running.shape) if batch.size == running.size else batch
+  count = count.reshape(running.shape) if count.ndim else count
+  new = momentum * running + (1 - momentum) * batch
+  return lax.stop_gradient(jnp.where(count > 0, new, running))
+
+
 class BatchNorm(nnx.Module):
   """Batch normalisation with exact cross-replica statistics over weighted, padded batches.
 
@@ -363,12 +389,7 @@ class BatchNorm(nnx.Module):
       bias_metadata: Mapping[str, Any] = MappingProxyType({}),
       scale_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
-    if axis_index_groups is not None:
-      raise ValueError("axis_index_groups is not supported: statistics are summed over the whole axis_name.")
-    if not use_fast_variance:
-      raise ValueError(
-          "use_fast_variance=False would need a second psum; only E[x²] − E[x]² (one psum) is supported."
-      )
+    _check_supported(axis_index_groups, use_fast_variance)
     feature_shape = (num_features,)
     self.mean = nnx.BatchStat(jnp.zeros(feature_shape, jnp.float32))
     self.var = nnx.BatchStat(jnp.ones(feature_shape, jnp.float32))
@@ -415,23 +436,11 @@ class BatchNorm(nnx.Module):
     bias = self.bias[...] if self.bias is not None else None
     x, mean, var, scale, bias = self.promote_dtype((x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype)
     if not use_running_average:
-      if mask is None and _PADDED_STEP.get():
-        raise ValueError(
-            "jaxdp.nnx.BatchNorm is training inside a jaxdp step without a mask, so the step's zero-weight padding "
-            "rows would enter its statistics; pass the weights the loss receives: bn(x, mask=weights) "
-            "(declare `weights` in the function given to jaxdp.nnx.loss_fn)."
-        )
+      _refuse_unmasked_training(mask, "jaxdp.nnx.BatchNorm")
       mean, var, count = masked_moments(x, mask, axis_name=self.axis_name, feature_axes=feature_axes)
-      self.mean[...] = self._updated(self.mean[...], mean, count)
-      self.var[...] = self._updated(self.var[...], var, count)
+      self.mean[...] = _running_update(self.mean[...], mean, count, self.momentum)
+      self.var[...] = _running_update(self.var[...], var, count, self.momentum)
     return _normalize(x, mean, var, scale, bias, feature_axes, self.dtype, self.epsilon)
-
-  def _updated(self, running: jax.Array, batch: jax.Array, count: jax.Array) -> jax.Array:
-    # flax's formula; a batch without real rows carries no statistics, so the running value stays.
-    batch = batch.reshape(running.shape) if batch.size == running.size else batch
-    count = count.reshape(running.shape) if count.ndim else count
-    new = self.momentum * running + (1 - self.momentum) * batch
-    return lax.stop_gradient(jnp.where(count > 0, new, running))
 
   def set_view(self, use_running_average: bool | None = None):
     """Used by ``nnx.view``: sets ``use_running_average`` when given."""

@@ -33,7 +33,14 @@ from flax import linen
 from flax.linen import dtypes, initializers
 from jax import lax
 
-from jaxdp.batchnorm import _PADDED_STEP, STEP_AXIS, _canonical_axes, masked_moments
+from jaxdp.batchnorm import (
+    STEP_AXIS,
+    _canonical_axes,
+    _check_supported,
+    masked_moments,
+    _refuse_unmasked_training,
+    _running_update,
+)
 
 __all__ = ["BatchNorm"]
 
@@ -92,10 +99,7 @@ class BatchNorm(linen.Module):
     Returns:
       The normalised input, of ``x``'s shape.
     """
-    if self.axis_index_groups is not None:
-      raise ValueError("axis_index_groups is not supported: statistics are summed over the whole axis_name.")
-    if not self.use_fast_variance:
-      raise ValueError("use_fast_variance=False would need a second psum; only E[x²] − E[x]² (one psum) is supported.")
+    _check_supported(self.axis_index_groups, self.use_fast_variance)
     if not self.force_float32_reductions:
       raise ValueError("force_float32_reductions=False is not supported: statistics are computed in float32 at least.")
     use_running_average = linen.merge_param("use_running_average", self.use_running_average, use_running_average)
@@ -107,20 +111,15 @@ class BatchNorm(linen.Module):
     if use_running_average:
       mean, var = ra_mean.value, ra_var.value
     else:
-      if mask is None and _PADDED_STEP.get():
-        raise ValueError(
-            "jaxdp.linen.BatchNorm is training inside a jaxdp step without a mask, so the step's zero-weight "
-            "padding rows would enter its statistics; pass the weights loss_fn receives: declare `weights` in "
-            "loss_fn and call BatchNorm(...)(x, mask=weights)."
-        )
+      _refuse_unmasked_training(mask, "jaxdp.linen.BatchNorm")
       # At init linen computes the statistics without synchronising and leaves the running ones as created.
       axis_name = None if self.is_initializing() else self.axis_name
       stats_x = x if self.dtype is None else x.astype(jnp.promote_types(self.dtype, x.dtype))
       mean, var, count = masked_moments(stats_x, mask, axis_name=axis_name, feature_axes=feature_axes)
       mean, var = mean.reshape(feature_shape), var.reshape(feature_shape)
       if not self.is_initializing():
-        ra_mean.value = _updated(ra_mean.value, mean, count, self.momentum)
-        ra_var.value = _updated(ra_var.value, var, count, self.momentum)
+        ra_mean.value = _running_update(ra_mean.value, mean, count, self.momentum)
+        ra_var.value = _running_update(ra_var.value, var, count, self.momentum)
     return self._normalize(x, mean, var, feature_axes)
 
   def _normalize(self, x: jax.Array, mean: jax.Array, var: jax.Array, feature_axes: tuple[int, ...]) -> jax.Array:
@@ -141,9 +140,3 @@ class BatchNorm(linen.Module):
       args.append(bias)
     return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=self.dtype))
 
-
-def _updated(running: jax.Array, batch: jax.Array, count: jax.Array, momentum: float) -> jax.Array:
-  """linen's running-average update; a batch without real rows carries no statistics, so the value stays."""
-  count = count.reshape(running.shape) if count.ndim else count
-  new = momentum * running + (1 - momentum) * batch
-  return lax.stop_gradient(jnp.where(count > 0, new, running))
