@@ -282,21 +282,24 @@ def _log(pending, clock: float, records: list, bar, sink) -> float:
   return now
 
 
-def fit(step_fn, state, pipeline, config: Config, rng, sink=None, desc: str = "train", start: int = 0, ckpt=None):
+def fit(step_fn, state, pipeline, config: Config, rng, sink=None, desc: str = "train", start: int = 0, ckpt=None,
+        done: int = 0):
   """Runs steps ``start .. config.steps - 1``; returns ``(state, records)``.
 
   Step ``i``'s metrics are fetched after step ``i + 1`` is dispatched, so the
   host prepares the next batch while the devices compute; a step's time is
   the wall time between two fetched results (the first includes compilation).
   With ``ckpt`` (a ``jaxdp.CheckpointManager``) the state is saved after every
-  ``config.ckpt_every`` steps, with the pipeline position to resume from.
+  ``config.ckpt_every`` steps, with the pipeline position to resume from;
+  checkpoints are numbered by the steps run (``done`` before this call), which
+  only grows, whatever the batch size of a resumed run.
   """
   records, pending, clock = [], None, time.perf_counter()
   with tqdm.tqdm(total=config.steps, initial=start, desc=desc, disable=not config.progress, dynamic_ncols=True) as bar:
     for step, (batch, weights) in pipeline.iterate(start_step=start, num_steps=config.steps - start):
       state, metrics = step_fn(state, batch, weights, rng=rng)
       if ckpt is not None:
-        ckpt.save(step + 1, state, rng=rng, data_step=step + 1, pipeline=pipeline)
+        ckpt.save(done + step - start + 1, state, rng=rng, data_step=step + 1, pipeline=pipeline)
       if pending is not None:
         clock = _log(pending, clock, records, bar, sink)
       pending = (step, metrics, weights)
@@ -343,15 +346,15 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
   layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
   with _checkpoints(config) as ckpt:
-    state, start = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, **layout), 0
+    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, **layout), 0, 0
     if ckpt is not None and ckpt.latest_step() is not None:
       restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, **layout)
-      state, start = restored.state, restored.data_step
+      state, start, done = restored.state, restored.data_step, restored.step
       if specs is not None:  # restore places the params replicated over "model"; split them again
         state = jaxdp.place_state(state, optimizer, mesh, param_specs=specs, **layout)
       print(f"resuming from {config.ckpt_dir} at step {start}")
     with _metrics_file(out, append=start > 0) as sink:
-      state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt)
+      state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
   val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
   val_loss = None if val is None else val["loss"]
   summary = {

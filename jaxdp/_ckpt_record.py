@@ -383,6 +383,15 @@ def _check_rng_impl(impl: Any, key: dict | None) -> None:
     _require(fits, "rng_impl", impl, f"an implementation whose keys' data is {key['dtype']}{key['shape']}, as saved")
 
 
+def _consistent_position(p: dict, data_step: int) -> bool:
+  """Whether ``p`` is what ``DataPipeline.position(data_step)`` gives for some pipeline."""
+  if p["devices"] < 1 or p["global_batch"] < 1 or p["global_batch"] % p["devices"] or p["num_examples"] < 1:
+    return False
+  steps_per_epoch = -(-p["num_examples"] // p["global_batch"])
+  return (p["example"] < p["num_examples"] and p["example"] % p["global_batch"] == 0
+          and data_step == p["epoch"] * steps_per_epoch + p["example"] // p["global_batch"])
+
+
 def check_record(record: dict) -> None:
   """Raises :class:`BadField` for the first field read from ``record`` that save() could not have written."""
   _require(_is_count(record.get("data_step")), "data_step", record.get("data_step"), "an integer >= 0")
@@ -391,6 +400,9 @@ def check_record(record: dict) -> None:
     _require(isinstance(position, dict) and set(position) == set(DATA_POSITION_FIELDS)
              and all(_is_count(position[k]) for k in DATA_POSITION_FIELDS), "data_position", position,
              f"an object of integers >= 0: {', '.join(DATA_POSITION_FIELDS)}")
+    _require(_consistent_position(position, record["data_step"]), "data_position", position,
+             f"the position of data_step {record['data_step']} (a whole number of batches into an epoch of a "
+             "non-empty dataset, the global batch a multiple of the devices)")
   leaves = record.get("leaves")
   _require(isinstance(leaves, list) and len(leaves) > 0, "leaves", leaves, "a non-empty list of leaf entries")
   seen = {}

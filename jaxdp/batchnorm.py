@@ -309,9 +309,10 @@ def _refuse_unmasked_training(mask: Any, module: str) -> None:
   """Raises if a BatchNorm computes training statistics in a jaxdp training step without a mask."""
   if mask is None and _PADDED_STEP.get():
     raise ValueError(
-        f"{module} is training inside a jaxdp step without a mask, so the step's zero-weight padding rows would "
-        "enter its statistics; pass the weights loss_fn receives: declare `weights` in loss_fn (or in the function "
-        "given to jaxdp.nnx.loss_fn) and call it with mask=weights."
+        f"{module} is computing training statistics without a mask where jaxdp trains (make_train_step, "
+        "train_step, local_gradient), whose batches may hold zero-weight padding rows that would enter them; pass "
+        "the weights loss_fn receives: declare `weights` in loss_fn (or in the function given to jaxdp.nnx.loss_fn) "
+        "and call it with mask=weights."
     )
 
 

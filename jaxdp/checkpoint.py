@@ -451,7 +451,9 @@ class CheckpointManager:
         refused (its ``data_step`` counts batches of another size unless
         ``per_device_batch`` changed to match, which nothing here can see).
         A checkpoint saved without ``pipeline=`` restored with it onto
-        another device count is refused too.
+        another device count is refused too (its record has only the total
+        device count, which is what is compared: with model axes it cannot
+        tell a change of the data axis from one of the model axes).
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``.

@@ -260,6 +260,10 @@ def make_train_step(
       (``jit`` of ``jax.pmap`` with the state passed unmapped); both take and
       return the same global arrays and compute the same numbers. ``"pmap"``
       needs a mesh whose only axis is ``axis_name`` and ``zero_stage=0``.
+      One difference: ``pmap`` has no replication types, so a non-floating
+      model-state leaf that differs between replicas (a per-replica count)
+      takes replica 0's value there (DDP's behaviour), where ``shard_map``
+      refuses it (:func:`jaxdp.reduce_model_state`).
     donate: donate the input state's buffers to the output state.
     check_replicas: add ``metrics["replica_divergence"]`` (see
       :func:`jaxdp.replica_divergence`), computed in the graph.

@@ -107,7 +107,9 @@ def _requires_rng(loss_fn: Callable) -> bool:
     return False
   positional = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                     inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-  return len(positional) >= 3 and positional[2].default is inspect.Parameter.empty
+  # A third parameter jaxdp fills by keyword (def loss_fn(params, batch, weights)) is not a key.
+  return (len(positional) >= 3 and positional[2].default is inspect.Parameter.empty
+          and positional[2].name not in loss_keywords(loss_fn))
 
 
 def _third_parameter(loss_fn: Callable) -> str:

@@ -42,8 +42,6 @@ def _loss_argument(optimizer: optax.GradientTransformation, value: jax.Array | N
   """``{"value": value}`` for an optimizer whose update takes extra arguments (optax passes the loss as ``value``)."""
   if value is None:
     return {}
-  if isinstance(optimizer, optax.GradientTransformationExtraArgs):
-    return {"value": value}
   try:
     parameters = inspect.signature(optimizer.update).parameters.values()
   except (TypeError, ValueError):

@@ -188,6 +188,38 @@ def test_the_data_position_is_kept_on_another_device_count(tmp_path):
         ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), pipeline=other)
 
 
+def readme_loop(directory, n: int, epochs: int, stop: int | None = None) -> list[int]:
+  """README's checkpoint loop on ``n`` devices x 3 rows; returns the example ids trained (stops after ``stop`` steps)."""
+  pipe = pipeline_of(n, 3)
+  mesh, seen = mesh_of(n), []
+  step_fn = jaxdp.make_train_step(lambda p, b: (p["w"] * b["id"].astype(np.float32)) ** 2, OPT, mesh)
+  params = {"w": np.ones((), np.float32)}
+  num_steps = epochs * pipe.steps_per_epoch
+  with CheckpointManager(directory, enable_async_checkpointing=False) as ckpt:
+    if ckpt.latest_step() is None:
+      state, start, done = jaxdp.init_state(params, OPT, mesh), 0, 0
+    else:
+      state, _, start, done, _ = ckpt.restore(params=params, optimizer=OPT, mesh=mesh, pipeline=pipe)
+    for step, (batch, weights) in pipe.iterate(start, num_steps - start):
+      state, _ = step_fn(state, batch, weights)
+      seen.extend(np.asarray(batch["id"])[np.asarray(weights) > 0].tolist())
+      done += 1
+      ckpt.save(done, state, data_step=step + 1, pipeline=pipe)
+      if done == stop:
+        break
+  return seen
+
+
+def test_the_readme_loop_resumes_on_more_devices_and_saves_on(tmp_path):
+  """2 x 3 rows for 7 steps (2 epochs are 10), resumed on 4 x 3: the checkpoints keep counting up (numbered by the
+  pipeline's step, the next save went back from 7 to 4 and was refused) and the 2 epochs train every example twice."""
+  first = readme_loop(tmp_path / "ckpt", 2, epochs=2, stop=7)
+  rest = readme_loop(tmp_path / "ckpt", 4, epochs=2)
+  assert sorted(first + rest) == sorted(list(range(29)) * 2)
+  with CheckpointManager(tmp_path / "ckpt") as ckpt:
+    assert ckpt.latest_step() == 7 + len(rest) // 12 + (len(rest) % 12 > 0)
+
+
 def test_a_position_saved_without_the_pipeline_is_not_converted(saved):
   """A checkpoint saved without pipeline= (data_step 5 on 2 devices) restored with a pipeline on 4 devices: the
   size of its batches is unknown, so it is refused; on 2 devices it is taken as saved."""
@@ -646,11 +678,17 @@ def _set_leaf(index, field, value):
   return lambda record: record["leaves"][index].update({field: value})
 
 
+POSITION = {"epoch": 1, "example": 0, "num_examples": 29, "seed": 0, "global_batch": 6, "devices": 2}
 TAMPERED = {
     "data_step string": (_set("data_step", "abc"), r"data_step is 'abc', expected an integer >= 0"),
     "data_step negative": (_set("data_step", -3), r"data_step is -3, expected an integer >= 0"),
     "data_step float": (_set("data_step", 5.0), r"data_step is 5.0, expected an integer >= 0"),
     "data_position": (_set("data_position", {"epoch": 1}), r"data_position is \{'epoch': 1\}, expected an object of"),
+    # data_step is 5: batches of 6 from 29 examples put it at epoch 1, example 0 (a valid position, below).
+    **{f"data_position {name}": (_set("data_position", {**POSITION, **change}), r"data_position is .*, expected the "
+                                 r"position of data_step 5")
+       for name, change in {"epoch": {"epoch": 5}, "past the end": {"example": 30}, "inside a batch": {"example": 7},
+                            "no batch": {"global_batch": 0}, "uneven batch": {"devices": 4}}.items()},
     "rng_impl unknown": (_set("rng_impl", "nope"), r"rng_impl is 'nope', expected null or the name of a JAX PRNG"),
     "rng_impl other": (_set("rng_impl", "rbg"), r"rng_impl is 'rbg', expected an implementation whose keys' data is"),
     "leaf shape": (_set_leaf(0, "shape", [-1]), r"leaves\[0\]\.shape is \[-1\], expected a list of integers >= 0"),
@@ -660,6 +698,15 @@ TAMPERED = {
     "leaf crc32": (lambda r: r["leaves"][0].pop("checksum"), r"leaves\[0\]\.checksum is None, expected 16 lowercase"),
     "opt_state_structure": (lambda r: r.pop("opt_state_structure"), r"opt_state_structure is None, expected a string"),
 }
+
+
+def test_a_consistent_data_position_is_accepted(saved, tmp_path):
+  """The tampering cases above change one field of this position, which the record accepts."""
+  directory = tmp_path / "ckpt"
+  shutil.copytree(saved[0], directory)
+  _edit_record(directory / "4", _set("data_position", POSITION))
+  with CheckpointManager(directory) as ckpt:
+    assert ckpt.data_step() == 5
 
 
 @pytest.mark.parametrize("kind", list(TAMPERED))

@@ -472,3 +472,22 @@ def test_optimizers_that_take_the_loss_get_the_global_one(name, zero_stage):
     np.testing.assert_allclose(metrics["loss"], value, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), jaxdp.gather_state(state).params,
                reference)
+
+
+def test_a_third_parameter_filled_by_keyword_is_not_taken_for_a_key():
+  """loss_fn(params, batch, weights) declares a keyword jaxdp passes; it must not be refused as a missing rng."""
+  def weighted(params, batch, weights):
+    return loss_fn(params, batch) * (weights > 0)
+
+  step = jaxdp.make_train_step(weighted, OPT, MESH)
+  state, metrics = step(jaxdp.init_state(params(), OPT, MESH), *data())
+  assert int(metrics["skipped"]) == 0
+  assert np.isfinite(float(jaxdp.make_eval_step(weighted, MESH)(state, *data())["loss"]))
+
+
+def test_an_optimizer_whose_update_takes_no_value_is_not_given_one():
+  """A GradientTransformationExtraArgs whose update names its extra arguments without **kwargs gets no value=."""
+  sgd = optax.sgd(0.1)
+  opt = optax.GradientTransformationExtraArgs(sgd.init, lambda u, s, p=None, scale=None: sgd.update(u, s, p))
+  state, metrics = jaxdp.make_train_step(loss_fn, opt, MESH)(jaxdp.init_state(params(), opt, MESH), *data())
+  assert int(metrics["skipped"]) == 0
