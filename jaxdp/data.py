@@ -60,6 +60,7 @@ def shard_uneven(
     *,
     weights: Sequence[Any] | None = None,
     axis_name: str = "data",
+    rows: int | None = None,
 ) -> tuple[Any, jax.Array]:
   """Pads uneven per-device portions with zero-weight rows and places them on the mesh.
 
@@ -73,11 +74,16 @@ def shard_uneven(
       weights or ``[n_i, t]`` token masks. Values must be finite and ``>= 0``
       (checked here, on the host, so the step needs no value checks).
     axis_name: the data-parallel axis.
+    rows: rows per device after padding, at least the largest portion;
+      default: the largest portion (at least 1). Pass a fixed size (e.g. the
+      per-device batch, a multiple of ``accum_steps``) to give every batch,
+      the last of an epoch included, the same shape: one compiled step, and
+      micro-batches that split evenly.
 
   Returns:
     ``(batch, weights)``: global arrays with leading size ``n_devices *
-    max_len`` split over ``axis_name`` (``max_len`` is the largest portion,
-    at least 1). Padding rows are zeros with weight 0, so the ``"mean"``
+    max_len`` split over ``axis_name`` (``max_len`` is ``rows``, by default the
+    largest portion, at least 1). Padding rows are zeros with weight 0, so the ``"mean"``
     reduction gives exactly the gradient of the real rows. ``weights`` is
     float32 ``[n_devices * max_len]`` or ``[n_devices * max_len, t]``.
   """
@@ -108,7 +114,10 @@ def shard_uneven(
     host_weights = [np.ones((s,), np.float32) for s in sizes]
   else:
     host_weights = _check_weights(weights, sizes)
-  rows = max(max(sizes), 1)
+  if rows is None:
+    rows = max(max(sizes), 1)
+  else:
+    rows = check_int(rows, "rows", max(max(sizes), 1), "pad to at least the largest portion (and 1).")
   portions = {i: _pad_portion(b, w, rows) for i, (b, w) in enumerate(zip(host, host_weights))}
   return _place_portions(portions, n, split_along(mesh, axis_name))
 

@@ -65,12 +65,10 @@ class Definition(NamedTuple):
   streams: tuple[str, ...]
 
 
-def _flax_batchnorms(model: nnx.Module) -> list[str]:
-  found = []
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm):
-      found.append("/".join(map(str, path)) or "<root>")
-  return found
+def _flax_batchnorm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]:
+  """``(path, layer)`` of every flax ``nnx.BatchNorm`` in ``model`` (jaxdp's own are not listed)."""
+  return [("/".join(map(str, path)) or "<root>", node) for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)]
 
 
 def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False) -> tuple[Definition, Any, Any]:
@@ -78,9 +76,11 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False) -> tuple[Def
 
   Args:
     model: an ``nnx.Module``; it is not modified.
-    allow_flax_batchnorm: accept flax's ``nnx.BatchNorm`` layers (e.g. when
-      they only ever run on their running averages). By default they are
-      refused with a ``ValueError``: see the module docstring.
+    allow_flax_batchnorm: accept flax's ``nnx.BatchNorm`` layers as frozen
+      ones: :func:`loss_fn` keeps them on their running averages in training
+      too (where ``model.train()`` would switch them to batch statistics,
+      padding rows included). By default they are refused with a
+      ``ValueError``: see the module docstring.
 
   Returns:
     ``definition`` (a :class:`Definition`), ``params`` (an ``nnx.State`` of
@@ -89,7 +89,7 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False) -> tuple[Def
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
-  flax_bn = [] if allow_flax_batchnorm else _flax_batchnorms(model)
+  flax_bn = [] if allow_flax_batchnorm else [path for path, _ in _flax_batchnorm_layers(model)]
   if flax_bn:
     raise ValueError(
         f"model has flax nnx.BatchNorm layers ({', '.join(flax_bn[:4])}): their training statistics include "
@@ -210,6 +210,10 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
       ) from e
     if train:
       model.train()
+      # train() switches every BatchNorm to batch statistics; flax's own are only admitted (split's
+      # allow_flax_batchnorm) as layers that run on their running averages, so they stay on them.
+      for _, bn in _flax_batchnorm_layers(model):
+        bn.use_running_average = True
     else:
       model.eval()
     if rng is not None and definition.streams:

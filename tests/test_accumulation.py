@@ -227,3 +227,25 @@ def test_accum_steps_that_do_not_divide_the_slice_are_refused():
     jaxdp.make_train_step(loss_fn, optimizer, mesh, accum_steps=0)
   state, _ = jaxdp.make_train_step(loss_fn, optimizer, mesh, accum_steps=3)(state, batch)  # still usable
   assert int(state.step) == 1
+
+
+def test_shard_uneven_pads_to_a_size_that_splits_into_micro_batches():
+  """The last batch of an epoch, 3/3/2 rows on 3 devices, padded to its largest portion (3) does not split into 2
+  micro-batches; the error now points to rows=, which pads every device to a size that does."""
+  mesh = jaxdp.data_mesh(jax.devices()[:3])
+  opt = optax.sgd(0.1)
+  rng = np.random.default_rng(0)
+  parts = [{"x": rng.normal(size=(n, 2)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)}
+           for n in (3, 3, 2)]
+  loss_fn = lambda p, b: (b["x"] @ p["w"] - b["y"]) ** 2  # noqa: E731
+  state = jaxdp.init_state({"w": np.ones((2,), np.float32)}, opt, mesh)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, accum_steps=2)
+  with pytest.raises(ValueError, match=r"split into accum_steps=2 micro-batches.*shard_uneven .*rows= a multiple of 2"):
+    step(state, *jaxdp.shard_uneven(parts, mesh))
+  with pytest.raises(ValueError, match=r"rows must be an integer >= 3"):
+    jaxdp.shard_uneven(parts, mesh, rows=2)
+  batch, weights = jaxdp.shard_uneven(parts, mesh, rows=4)
+  assert batch["x"].shape == (12, 2) and float(weights.sum()) == 8
+  state, metrics = step(state, batch, weights)
+  whole = jax.tree.map(lambda *a: np.concatenate(a), *parts)
+  np.testing.assert_allclose(metrics["loss"], np.mean(loss_fn({"w": np.ones((2,), np.float32)}, whole)), rtol=1e-6)

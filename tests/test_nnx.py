@@ -237,6 +237,23 @@ def test_flax_batchnorm_is_refused_with_the_fix():
   assert isinstance(definition, jaxdp.nnx.Definition)
 
 
+def test_allowed_flax_batchnorm_stays_on_its_running_averages_in_training():
+  """allow_flax_batchnorm admits flax's BatchNorm as a frozen layer, but loss_fn's model.train() switched it to
+  batch statistics, padding rows included (first loss 2.3374 where one device's frozen model gives 2.2054, in a
+  review's port). It now keeps its running averages: they do not move, and the loss is the frozen model's."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  model = Net(flax_bn=True, rngs=nnx.Rngs(0))
+  definition, params, model_state = jaxdp.nnx.split(model, allow_flax_batchnorm=True)
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), OPT, mesh)
+  data = portions((2, 1))
+  state, metrics = step(state, *jaxdp.shard_uneven(data, mesh), rng=jax.random.key(0))
+  whole = jax.tree.map(lambda *x: np.concatenate(x), *data)
+  model.eval()
+  np.testing.assert_allclose(metrics["loss"], jnp.mean(0.5 * (model(whole["x"]) - whole["y"]) ** 2), rtol=RTOL)
+  jax.tree.map(np.testing.assert_array_equal, jaxdp.gather_state(state).model_state, nnx.state(model, nnx.BatchStat))
+
+
 class TensorParallelNet(nnx.Module):
   """Megatron-style MLP: the first layer column-split over "model", the second row-split, LayerNorm replicated."""
 
