@@ -553,9 +553,9 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
       how.append("keep")
     elif tracked and not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(
-          f"model_state{jax.tree_util.keystr(path)} ({x.dtype}) differs between the replicas after loss_fn: it "
-          "depends on each replica's rows, so no replica's value is what one device would hold (DDP keeps rank 0's, "
-          "silently). Make it identical in loss_fn: lax.psum it over axis_name for a count, lax.pmax for a "
+          f"model_state{jax.tree_util.keystr(path)} ({x.dtype}) differs between the replicas: it depends on each "
+          "replica's rows, so no replica's value is what one device would hold (DDP keeps rank 0's, silently). Make "
+          "it identical where it is computed (in loss_fn): lax.psum it over axis_name for a count, lax.pmax for a "
           "maximum, or compute it from replicated values only (a step counter: model_state['n'] + 1)."
       )
     elif jnp.issubdtype(x.dtype, jnp.floating):
