@@ -104,7 +104,17 @@ def _statistics_axis(axis_name: Any) -> Any:
         "statistics would silently cover each device's own rows only. Leave axis_name at its default (the step's "
         f"data axis), pass axis_name={step!r}, or axis_name=None for per-device statistics."
     )
+  if step is not None and axis_name is not None and not set(_names(step)) <= set(_names(axis_name)):
+    raise ValueError(
+        f"BatchNorm axis_name={axis_name!r} covers only part of this jaxdp step's data axes {step!r}: the "
+        "statistics would silently cover the devices of that axis only, not the global batch. Leave axis_name at "
+        f"its default (the step's data axis), pass axis_name={step!r}, or axis_name=None for per-device statistics."
+    )
   return axis_name
+
+
+def _names(axis_name: Any) -> tuple:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def _refuse_linen_batchnorm(next_fun, args, kwargs, context):
