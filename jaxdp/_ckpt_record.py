@@ -289,6 +289,7 @@ def build_record(
     metadata: Any,
     devices: int,
     data_position: dict | None = None,
+    mesh_shape: dict | None = None,
 ) -> dict:
   """The JSON record of a save of the leaves ``named`` (state leaves, then the key's data) with checksums ``sums``.
 
@@ -301,7 +302,8 @@ def build_record(
       "data_step": data_step,
       **({} if data_position is None else {"data_position": data_position}),
       "rng_impl": rng_impl,
-      "saved_from": {"devices": devices, "processes": jax.process_count()},
+      "saved_from": {"devices": devices, "processes": jax.process_count(),
+                     **({} if mesh_shape is None else {"mesh": mesh_shape})},
       "metadata": metadata,
       "opt_state_structure": opt_state_structure,
       "leaves": [

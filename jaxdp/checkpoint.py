@@ -138,14 +138,31 @@ def _resumed_data_step(record: dict, pipeline: DataPipeline | None, mesh: Mesh, 
           f"{record['data_step']} counts batches of another size unless per_device_batch changed to match. Pass "
           "restore(..., pipeline=pipeline) to resume at the same example."
       )
-  elif pipeline is not None and mesh.devices.size != record["saved_from"]["devices"]:
+  elif pipeline is not None and _saved_data_size(record, pipeline.axis_name) != pipeline.n_devices:
     raise ValueError(
-        f"{where} was saved without pipeline= from {record['saved_from']['devices']} devices, and this mesh has "
-        f"{mesh.devices.size}: its data_step {record['data_step']} counts batches of a size it did not record, so it "
-        "cannot be converted. Resume on the saving run's devices (and save with pipeline= from then on), or start "
-        "the data from step 0."
+        f"{where} was saved without pipeline= from {_saved_data_size(record, pipeline.axis_name)} data-parallel "
+        f"devices, and the pipeline has {pipeline.n_devices}: its data_step {record['data_step']} counts batches of a "
+        "size it did not record, so it cannot be converted. Resume on the saving run's devices (and save with "
+        "pipeline= from then on), or start the data from step 0."
     )
   return record["data_step"]
+
+
+def _mesh_shape(state: TrainState) -> dict | None:
+  """``{axis: size}`` of the mesh ``state`` is placed on, or ``None`` (host arrays, single-device shardings)."""
+  mesh = getattr(getattr(jax.tree.leaves(state)[0], "sharding", None), "mesh", None)
+  return None if mesh is None else {str(name): int(size) for name, size in mesh.shape.items()}
+
+
+def _saved_data_size(record: dict, axis_name: Any) -> int:
+  """The data-parallel device count a checkpoint was saved from, for ``axis_name``; its total device count for a
+  record without its mesh (saved before the mesh was recorded) or whose mesh lacks those axes."""
+  saved = record["saved_from"]
+  mesh = saved.get("mesh")
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  if isinstance(mesh, dict) and all(isinstance(mesh.get(n), int) for n in names):
+    return int(np.prod([mesh[n] for n in names]))
+  return saved["devices"]
 
 
 def _device_count(state: TrainState) -> int:
@@ -381,6 +398,7 @@ class CheckpointManager:
         metadata=metadata,
         devices=_device_count(state),
         data_position=None if pipeline is None else pipeline.position(data_step),
+        mesh_shape=_mesh_shape(state),
     )
     args = ocp.args.Composite(
         **{_STATE_ITEM: ocp.args.StandardSave(record_lib.nested(named)), _RECORD_ITEM: ocp.args.JsonSave(record)}
@@ -451,9 +469,9 @@ class CheckpointManager:
         refused (its ``data_step`` counts batches of another size unless
         ``per_device_batch`` changed to match, which nothing here can see).
         A checkpoint saved without ``pipeline=`` restored with it onto
-        another device count is refused too (its record has only the total
-        device count, which is what is compared: with model axes it cannot
-        tell a change of the data axis from one of the model axes).
+        another number of data-parallel devices is refused too (read off
+        the saved mesh; a record written before the mesh was recorded has
+        only the total device count, which is then what is compared).
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``.

@@ -362,7 +362,7 @@ class DataPipeline:
       *,
       per_device_batch: int,
       seed: int = 0,
-      axis_name: str = "data",
+      axis_name: str | tuple[str, ...] = "data",
   ):
     """Builds the pipeline and checks ``collate`` on example 0.
 
@@ -376,7 +376,8 @@ class DataPipeline:
       mesh: the mesh to place batches on.
       per_device_batch: rows per device ``b``, ``>= 1``.
       seed: the shuffling seed, ``>= 0``.
-      axis_name: the data-parallel axis; batches are split along it and
+      axis_name: the data-parallel axis, or a tuple of axes (``("replica",
+        "data")`` on a hybrid mesh); batches are split along it and
         replicated over any other axis.
     """
     check_mesh_axis(mesh, axis_name)
@@ -626,7 +627,8 @@ class StreamingPipeline:
       template: one example shaped like every process's examples, for the
         shapes of an empty portion; required when this process's stream is
         empty. Only its shapes matter: it is never trained on.
-      axis_name: the data-parallel axis; batches are split along it and
+      axis_name: the data-parallel axis, or a tuple of axes (``("replica",
+        "data")`` on a hybrid mesh); batches are split along it and
         replicated over any other axis.
       positions: the mesh positions to fill, default this process's
         (:func:`addressable_positions`). Others, e.g. from

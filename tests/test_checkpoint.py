@@ -220,12 +220,29 @@ def test_the_readme_loop_resumes_on_more_devices_and_saves_on(tmp_path):
     assert ckpt.latest_step() == 7 + len(rest) // 12 + (len(rest) % 12 > 0)
 
 
+def test_a_count_saved_without_the_pipeline_is_judged_by_the_data_axis(tmp_path):
+  """Saved without pipeline= on ("data", "model") 2 x 2: 4 devices, 2 of them data-parallel. The total was compared,
+  so a restore onto 4 data devices passed (its data_step counted batches of half the size: examples skipped); and
+  one onto data 2 x model 2 from a 1-D mesh of 2 was refused. The saved mesh is recorded and its data axis compared."""
+  tp = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  with CheckpointManager(tmp_path / "tp", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(3, jaxdp.init_state(init_params(), OPT, tp), data_step=3)
+    with pytest.raises(ValueError, match=r"saved without pipeline= from 2 data-parallel devices, and the pipeline "
+                                         r"has 4"):
+      ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(4), pipeline=pipeline_of(4, 3))
+  with CheckpointManager(tmp_path / "flat", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(3, jaxdp.init_state(init_params(), OPT, mesh_of(2)), data_step=3)
+    pipe = jaxdp.DataPipeline(list(range(29)), lambda ex: ({"id": np.asarray(ex, np.int32)}, np.ones(len(ex), np.float32)),
+                              tp, per_device_batch=3)
+    assert ckpt.restore(params=init_params(), optimizer=OPT, mesh=tp, pipeline=pipe).data_step == 3
+
+
 def test_a_position_saved_without_the_pipeline_is_not_converted(saved):
   """A checkpoint saved without pipeline= (data_step 5 on 2 devices) restored with a pipeline on 4 devices: the
   size of its batches is unknown, so it is refused; on 2 devices it is taken as saved."""
   directory, _ = saved
   with CheckpointManager(directory) as ckpt:
-    with pytest.raises(ValueError, match=r"saved without pipeline= from 2 devices.*this mesh has 4"):
+    with pytest.raises(ValueError, match=r"saved without pipeline= from 2 data-parallel devices, and the pipeline has 4"):
       ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(4), zero_stage=1, model_state=MODEL_STATE,
                    pipeline=pipeline_of(4, 3))
     restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), zero_stage=1,
