@@ -130,13 +130,23 @@ class EvalStep:
     ``weight`` is the total ``Σ w``. Batches are dispatched asynchronously;
     the sums are fetched once at the end.
     """
-    pending = [self.sums(state, batch, weights) for batch, weights in batches]
+    pending = []
+    for item in batches:
+      if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], (int, np.integer)) and isinstance(
+          item[1], tuple):
+        raise TypeError(
+            "batches yields (step, (batch, weights)) pairs, as DataPipeline.iterate does; pass the (batch, weights) "
+            "pairs: evaluate(state, (b for _, b in pipeline.iterate(num_steps=pipeline.steps_per_epoch)))."
+        )
+      batch, weights = item
+      pending.append(self.sums(state, batch, weights))
     if not pending:
       raise ValueError("batches is empty; pass at least one (batch, weights) pair.")
     host = jax.device_get(pending)
     totals = {k: np.sum([np.float64(s[k]) for s in host]) for k in host[0]}
     weight = totals.pop("weight")
-    return {**{k: float(v / weight) if weight > 0 else 0.0 for k, v in totals.items()}, "weight": float(weight)}
+    # 0 for an empty set (no weight); a NaN total (a NaN weight given to the step) stays NaN, never 0.
+    return {**{k: 0.0 if weight == 0 else float(v / weight) for k, v in totals.items()}, "weight": float(weight)}
 
 
 def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data",

@@ -263,12 +263,14 @@ def loss_sums(
         loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
     )
   w = _loss_weights(weights, out.losses)
-  metric_sums = {name: _weighted_sum(values, w) for name, values in out.metrics.items()}
-  loss_sum = _weighted_sum(out.losses, w)
-  # A negative weight has no meaning and would give a wrong denominator: poison the sum instead, so that the
-  # step's non-finite check skips it on every replica (metrics["nonfinite"]), as it does for NaN weights.
-  loss_sum = jnp.where(jnp.any(w < 0), jnp.nan, loss_sum)
-  return LocalGradient(None, loss_sum, jnp.sum(w), metric_sums, out.model_state)
+  # A negative or non-finite weight has no meaning and would give wrong sums: poison all of them (loss, metrics,
+  # weight), so that the step's non-finite check skips it on every replica (metrics["nonfinite"]) and no metric
+  # or evaluation mean reads as a number.
+  bad = jnp.any(w < 0) | jnp.any(jnp.logical_not(jnp.isfinite(w)))
+  poisoned = lambda x: jnp.where(bad, jnp.nan, x)  # noqa: E731
+  metric_sums = {name: poisoned(_weighted_sum(values, w)) for name, values in out.metrics.items()}
+  loss_sum = poisoned(_weighted_sum(out.losses, w))
+  return LocalGradient(None, loss_sum, poisoned(jnp.sum(w)), metric_sums, out.model_state)
 
 
 def local_gradient(
@@ -519,8 +521,9 @@ def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
 
 def _safe_denominator(denominator: jax.Array) -> jax.Array:
   # A zero denominator only happens when every numerator is zero too (no weight, no
-  # gradient); dividing by one then keeps the result at zero instead of NaN.
-  return jnp.where(denominator > 0, denominator, jnp.ones_like(denominator))
+  # gradient); dividing by one then keeps the result at zero instead of NaN. A NaN one
+  # (a NaN weight) stays NaN: replaced by 1, the means would read as sums.
+  return jnp.where(denominator == 0, jnp.ones_like(denominator), denominator)
 
 
 def _tracks_replication(axis_name: str) -> bool:

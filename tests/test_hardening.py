@@ -491,3 +491,38 @@ def test_an_optimizer_whose_update_takes_no_value_is_not_given_one():
   opt = optax.GradientTransformationExtraArgs(sgd.init, lambda u, s, p=None, scale=None: sgd.update(u, s, p))
   state, metrics = jaxdp.make_train_step(loss_fn, opt, MESH)(jaxdp.init_state(params(), opt, MESH), *data())
   assert int(metrics["skipped"]) == 0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_a_bad_weight_given_to_a_step_poisons_every_mean(bad):
+  """Weights passed to the step directly are not checked on the host (shard_uneven's are). A NaN weight gave the
+  metric's *sum* as its mean (the NaN total became a divisor of 1) and .evaluate reported loss 0.0; a negative one
+  left the metrics finite. Every sum is now NaN: the step skips, and no mean reads as a number."""
+  def with_metric(params, batch):
+    losses = loss_fn(params, batch)
+    return jaxdp.LossOutput(losses, metrics={"sq": losses * 2})
+
+  batch, weights = data()
+  weights = np.asarray(weights).copy()
+  weights[0] = bad
+  evaluate = jaxdp.make_eval_step(with_metric, MESH)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  out = evaluate(state, batch, weights)
+  assert np.isnan(float(out["loss"])) and np.isnan(float(out["sq"]))
+  over_set = evaluate.evaluate(state, [(batch, weights)])
+  assert np.isnan(over_set["loss"]) and np.isnan(over_set["sq"])
+  state, metrics = jaxdp.make_train_step(with_metric, OPT, MESH)(state, batch, weights)
+  assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite"]) == 1 and np.isnan(float(metrics["sq"]))
+
+
+def test_evaluate_says_how_to_pass_a_pipeline():
+  """evaluate(state, pipeline.iterate(...)) got numpy's "inhomogeneous shape" error (the pairs carry the step)."""
+  pipe = jaxdp.DataPipeline(list(range(7)), lambda ex: ({"x": np.ones((len(ex), 3), np.float32),
+                                                         "y": np.zeros((len(ex),), np.float32)},
+                                                        np.ones(len(ex), np.float32)), MESH, per_device_batch=2)
+  evaluate = jaxdp.make_eval_step(loss_fn, MESH)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  with pytest.raises(TypeError, match=r"\(step, \(batch, weights\)\) pairs.*for _, b in pipeline\.iterate"):
+    evaluate.evaluate(state, pipe.iterate(num_steps=pipe.steps_per_epoch))
+  out = evaluate.evaluate(state, (b for _, b in pipe.iterate(num_steps=pipe.steps_per_epoch)))
+  assert out["weight"] == 7.0
