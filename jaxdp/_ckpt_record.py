@@ -30,6 +30,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxdp.data import _steps_per_epoch
 from jaxdp.layout import abstract_state, to_host
 from jaxdp.state import TrainState
 
@@ -389,7 +390,7 @@ def _consistent_position(p: dict, data_step: int) -> bool:
   """Whether ``p`` is what ``DataPipeline.position(data_step)`` gives for some pipeline."""
   if p["devices"] < 1 or p["global_batch"] < 1 or p["global_batch"] % p["devices"] or p["num_examples"] < 1:
     return False
-  steps_per_epoch = -(-p["num_examples"] // p["global_batch"])
+  steps_per_epoch = _steps_per_epoch(p["num_examples"], p["devices"], p["global_batch"] // p["devices"])
   return (p["example"] < p["num_examples"] and p["example"] % p["global_batch"] == 0
           and data_step == p["epoch"] * steps_per_epoch + p["example"] // p["global_batch"])
 

@@ -75,6 +75,7 @@ from flax import linen, nnx
 from flax.nnx.nn import dtypes
 from jax import lax
 
+from jaxdp.layout import _names
 from jaxdp.loss import step_axis
 
 __all__ = ["BatchNorm", "Moments", "masked_moments"]
@@ -112,9 +113,6 @@ def _statistics_axis(axis_name: Any) -> Any:
     )
   return axis_name
 
-
-def _names(axis_name: Any) -> tuple:
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def _refuse_linen_batchnorm(next_fun, args, kwargs, context):

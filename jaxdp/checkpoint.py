@@ -66,6 +66,7 @@ the record's format, its checks and the checksums are in
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -81,6 +82,7 @@ from jaxdp._ckpt_record import RNG
 from jaxdp.data import DataPipeline
 from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import (
+    _names,
     auto_mesh,
     check_mesh_axis,
     check_param_specs,
@@ -159,9 +161,9 @@ def _saved_data_size(record: dict, axis_name: Any) -> int:
   record without its mesh (saved before the mesh was recorded) or whose mesh lacks those axes."""
   saved = record["saved_from"]
   mesh = saved.get("mesh")
-  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  names = _names(axis_name)
   if isinstance(mesh, dict) and all(isinstance(mesh.get(n), int) for n in names):
-    return int(np.prod([mesh[n] for n in names]))
+    return math.prod(mesh[n] for n in names)
   return saved["devices"]
 
 

@@ -9,7 +9,6 @@ optimizer sees whole leaves whatever their sharding: see
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import jax
@@ -20,6 +19,7 @@ from jax import lax
 
 from jaxdp._checks import check_optimizer, check_reduce_dtype
 from jaxdp.layout import data_dim, per_model_shard, zero_axis
+from jaxdp.loss import declared_keywords
 from jaxdp.reduction import (
     ReducedGradient,
     _buckets,
@@ -40,14 +40,9 @@ from jaxdp.state import TrainState
 
 def _loss_argument(optimizer: optax.GradientTransformation, value: jax.Array | None) -> dict:
   """``{"value": value}`` for an optimizer whose update takes extra arguments (optax passes the loss as ``value``)."""
-  if value is None:
+  if value is None or "value" not in declared_keywords(optimizer.update, ("value",)):
     return {}
-  try:
-    parameters = inspect.signature(optimizer.update).parameters.values()
-  except (TypeError, ValueError):
-    return {}
-  takes = any(p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "value" for p in parameters)
-  return {"value": value} if takes else {}
+  return {"value": value}
 
 
 def apply_update(
