@@ -236,13 +236,15 @@ def bare_step(w: Workload, mesh: Mesh, skip_nonfinite: bool = False):
   """The hand-written data-parallel step: local grad, one psum per leaf, / N, optax update.
 
   ``skip_nonfinite`` (a reference for ``experiments/step_cost.py``, not a benchmark method): the update
-  under ``lax.cond``, skipped when the summed loss is not finite.
+  under ``lax.cond``, skipped when the summed loss is not finite. The division by N happens inside the
+  branch, in the update's own pass, as jaxdp's does: divided before the ``cond``, the quotient would be
+  written out as a pass of its own (the branch's fusions cannot reach across the conditional).
   """
   n = mesh.shape["data"]
 
   def update(operand):
-    params, opt_state, grads = operand
-    updates, opt_state = w.optimizer.update(grads, opt_state, params)
+    params, opt_state, sums = operand
+    updates, opt_state = w.optimizer.update(jax.tree.map(lambda g: g / n, sums), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   def replica(params, opt_state, batch):
@@ -250,11 +252,11 @@ def bare_step(w: Workload, mesh: Mesh, skip_nonfinite: bool = False):
     # transpose of their implicit broadcast); the varying copy gives the local gradient to psum once.
     local = lax.pcast(params, "data", to="varying")
     loss, grads = jax.value_and_grad(lambda p: jnp.mean(w.loss_fn(p, batch)))(local)
-    grads = jax.tree.map(lambda g: lax.psum(g, "data") / n, grads)
+    sums = jax.tree.map(lambda g: lax.psum(g, "data"), grads)
     if not skip_nonfinite:
-      return update((params, opt_state, grads))
+      return update((params, opt_state, sums))
     keep = lambda operand: operand[:2]  # noqa: E731
-    return lax.cond(jnp.isfinite(lax.psum(loss, "data")), update, keep, (params, opt_state, grads))
+    return lax.cond(jnp.isfinite(lax.psum(loss, "data")), update, keep, (params, opt_state, sums))
 
   mapped = jax.shard_map(replica, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
   return jax.jit(mapped, donate_argnums=(0, 1))

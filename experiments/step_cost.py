@@ -16,8 +16,8 @@ a hand-written ``jit(shard_map)`` (state replicated and donated, batch split):
 * ``make_train_step``: the same step as a user calls it, with the host-side
   checks, placement and the read of earlier steps' non-finite flags;
 * ``bare_cond``: for reference, the bare step itself with its update under
-  ``lax.cond`` (skipped on a non-finite loss): what XLA's conditional costs
-  without any of jaxdp's code.
+  ``lax.cond`` (skipped on a non-finite loss), the division by N inside the
+  branch as jaxdp's: what XLA's conditional costs without any of jaxdp's code.
 
 All run interleaved (``common.time_interleaved``), ratios to ``bare`` within
 one run. Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
