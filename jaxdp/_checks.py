@@ -215,9 +215,31 @@ def check_opt_state(state, optimizer, name: str = "state") -> None:
     ) from e
   if signature(expected) != signature(state.opt_state):
     raise ValueError(
-        f"{name}.opt_state does not match optimizer.init({name}.params) in structure, shape or dtype; "
-        "the state was built for other params or another optimizer. Rebuild it with jaxdp.init_state."
+        f"{name}.opt_state does not match optimizer.init({name}.params) in structure, shape or dtype"
+        f"{_first_difference(expected, state.opt_state, name + '.opt_state')}; the state was built for other params "
+        "or another optimizer: rebuild it with jaxdp.init_state, or give the leaf its init's shape and dtype."
     )
+
+
+def _first_difference(expected: Any, got: Any, name: str) -> str:
+  """``": <leaf>: expected float32[], got float"`` for the first leaf that differs, or the structures' difference."""
+  expected_leaves, expected_def = jax.tree_util.tree_flatten_with_path(expected)
+  got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
+  if expected_def != got_def:
+    return " (its tree structure is not the one init gives)"
+  for (path, want), (_, have) in zip(expected_leaves, got_leaves):
+    if _abstract(want) != _abstract(have):
+      # E.g. an inject_hyperparams value set to a Python float (one device's optax takes it): say how to set it.
+      fix = f"; set it as jnp.asarray(value, jnp.{want.dtype})" if np.shape(have) == want.shape else ""
+      return (f": {name}{jax.tree_util.keystr(path)} is {_describe(have)} where init gives "
+              f"{want.dtype}{list(want.shape)}{fix}")
+  return ""
+
+
+def _describe(x: Any) -> str:
+  if not hasattr(x, "dtype"):
+    return f"a Python {type(x).__name__}"
+  return f"{x.dtype}{list(np.shape(x))}"
 
 
 def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: int = 1) -> None:

@@ -112,6 +112,19 @@ def _requires_rng(loss_fn: Callable) -> bool:
           and positional[2].name not in loss_keywords(loss_fn))
 
 
+def _accepts_rng(loss_fn: Callable) -> bool:
+  """Whether ``loss_fn`` can take a key as a third positional argument (one not filled by a jaxdp keyword)."""
+  try:
+    parameters = list(inspect.signature(loss_fn).parameters.values())
+  except (TypeError, ValueError):
+    return True  # nothing to judge by: let the call say
+  if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+    return True
+  positional = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  return len(positional) >= 3 and positional[2].name not in loss_keywords(loss_fn)
+
+
 def _third_parameter(loss_fn: Callable) -> str:
   return list(inspect.signature(loss_fn).parameters)[2]
 
@@ -156,13 +169,19 @@ def call_loss(
         "it a default (def loss_fn(params, batch, rng=None, ...)) and run without dropout when it is None, or pass "
         "rng=jax.random.key(...) to the training step. Nothing ran and nothing was donated."
     )
+  if rng is not None and not _accepts_rng(loss_fn):
+    raise TypeError(
+        "rng= was passed to the step, but loss_fn takes no PRNG key: jaxdp passes the key as loss_fn's third "
+        "positional argument. Declare it (def loss_fn(params, batch, rng, ...), each replica and micro-batch gets "
+        "its own key), or call the step without rng=. Nothing ran and nothing was donated."
+    )
   try:
     with in_step(axis_name):
       out = loss_fn(*args, **keywords)
   except Exception as e:  # the user's own error, unchanged: only say where it happened
     e.add_note(
-        f"jaxdp: raised inside loss_fn while the step was traced on one device's slice of the batch "
-        f"({np.shape(weights)[0]} rows), called with params of structure {_structure(params)}; nothing ran and "
+        f"jaxdp: raised inside loss_fn while the step was traced on one device's slice of the batch (or one "
+        f"micro-batch of it under accum_steps; {np.shape(weights)[0]} rows), called with params of structure {_structure(params)}; nothing ran and "
         "nothing was donated."
     )
     raise

@@ -76,7 +76,17 @@ def apply_update(
   def step(operand):
     state, new_model_state, grads = operand
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), divide_gradient(grads, grad_divisor), state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params, **_loss_argument(optimizer, value))
+    extra = _loss_argument(optimizer, value)
+    try:
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params, **extra)
+    except TypeError as e:  # the optimizer's own error, unchanged: say what jaxdp passed
+      e.add_note(
+          f"jaxdp: raised inside optimizer.update(grads, opt_state, params{', value=loss' if extra else ''}); jaxdp "
+          "passes nothing else. An optimizer that needs more is not supported as it is: optax.lbfgs's default zoom "
+          "line search wants grad= and value_fn= (it evaluates the loss again at trial points, which would need the "
+          "whole data-parallel step); optax.lbfgs(linesearch=None) works. Nothing ran and nothing was donated."
+      )
+      raise
     kept = state.model_state if new_model_state is None else new_model_state
     return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1, kept)
 

@@ -277,6 +277,51 @@ def test_a_key_of_the_wrong_shape_is_a_value_error(rng, match):
   assert not state.params["w"].is_deleted()
 
 
+def test_a_key_for_a_loss_fn_without_one_names_rng():
+  """A key passed to a loss_fn that takes none gave Python's "takes 2 positional arguments but 3 were given"."""
+  def keyword_weights(params, batch, weights):  # jaxdp fills weights by keyword: no room for a key
+    return loss_fn(params, batch) * weights
+
+  for fn in (loss_fn, keyword_weights):
+    state = jaxdp.init_state(params(), OPT, MESH)
+    with pytest.raises(TypeError, match=r"rng= was passed to the step, but loss_fn takes no PRNG key.*without rng="):
+      jaxdp.make_train_step(fn, OPT, MESH, accum_steps=2)(state, *data(counts=(2, 2, 0, 4)), rng=jax.random.key(0))
+    assert not state.params["w"].is_deleted()
+
+  def with_key(params, batch, *rest):  # a key may arrive through *args
+    return loss_fn(params, batch) + 0.0 * jax.random.uniform(rest[0])
+
+  state = jaxdp.init_state(params(), OPT, MESH)
+  _, metrics = jaxdp.make_train_step(with_key, OPT, MESH)(state, *data(), rng=jax.random.key(0))
+  assert np.isfinite(metrics["loss"])
+
+
+def test_an_opt_state_leaf_of_another_dtype_is_named_with_the_fix():
+  """An inject_hyperparams value set to a Python float (optax on one device takes it) was refused as "built for
+  another optimizer, rebuild it", which names no leaf and would throw the optimizer state away."""
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+  step = jaxdp.make_train_step(loss_fn, opt, MESH)
+  state = jaxdp.init_state(params(), opt, MESH)
+  state.opt_state.hyperparams["learning_rate"] = 0.01
+  with pytest.raises(ValueError, match=r"state\.opt_state\.hyperparams\['learning_rate'\] is a Python float where init "
+                                       r"gives float32\[\]; set it as jnp\.asarray\(value, jnp\.float32\)"):
+    step(state, *data())
+  state.opt_state.hyperparams["learning_rate"] = jnp.asarray(0.01, jnp.float32)
+  new, _ = step(state, *data())
+  assert float(new.opt_state.hyperparams["learning_rate"]) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_an_optimizer_needing_more_than_the_loss_says_what_jaxdp_passes(zero_stage):
+  """optax.lbfgs's zoom line search needs grad= and value_fn=: optax's bare "missing 2 required keyword-only
+  arguments" said nothing of jaxdp or of the variant that works."""
+  state = jaxdp.init_state(params(), optax.lbfgs(), MESH, zero_stage=zero_stage)
+  with pytest.raises(TypeError, match=r"missing 2 required keyword-only arguments") as raised:
+    jaxdp.make_train_step(loss_fn, optax.lbfgs(), MESH, zero_stage=zero_stage)(state, *data())
+  assert any("optax.lbfgs(linesearch=None) works" in note for note in raised.value.__notes__)
+  assert not state.params["w"].is_deleted()
+
+
 def test_weights_as_a_list_are_one_array():
   """A list of weights was placed as a pytree of scalars (a sharding error about rank 0)."""
   batch, weights = data(counts=(1, 1, 1, 1))
