@@ -40,7 +40,7 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   raise TypeError(f"{name} must be an optax.GradientTransformation (init, update), got {type(optimizer).__name__}.")
 
 
-def check_float_dtype(dtype: Any, name: str) -> Any:
+def check_float_dtype(dtype: Any, name: str, examples: str = "jnp.bfloat16, jnp.float16 or jnp.float32") -> Any:
   """``dtype`` as a numpy floating dtype (``None`` passes through), or a ``ValueError`` naming ``name``."""
   if dtype is None:
     return None
@@ -49,7 +49,7 @@ def check_float_dtype(dtype: Any, name: str) -> Any:
   except TypeError:
     resolved = None
   if resolved is None or not jax.dtypes.issubdtype(resolved, np.floating):
-    raise ValueError(f"{name}={dtype!r} is not a floating dtype; use e.g. jnp.bfloat16, jnp.float16 or jnp.float32.")
+    raise ValueError(f"{name}={dtype!r} is not a floating dtype; use e.g. {examples}.")
   return resolved
 
 
@@ -60,7 +60,13 @@ def check_reduce_dtype(dtype: Any, name: str) -> Any:
   mean is exact): float16's range (65,504) overflows on them at ordinary batch sizes, and every step would
   be skipped as non-finite. bfloat16 has float32's range with half the bytes.
   """
-  resolved = check_float_dtype(dtype, name)
+  resolved = check_float_dtype(dtype, name, "jnp.bfloat16 or jnp.float32")
+  if resolved is not None and jax.numpy.finfo(resolved).nmant < jax.numpy.finfo(jax.numpy.bfloat16).nmant:
+    # float8_e8m0fnu has float32's range but no sign and no mantissa: every gradient would be skipped.
+    raise ValueError(
+        f"{name}={dtype!r} has {jax.numpy.finfo(resolved).nmant} mantissa bits, fewer than bfloat16's 7: the "
+        "gradient would not survive the reduction. Use jnp.bfloat16 (half the bytes) or float32."
+    )
   if resolved is not None and jax.numpy.finfo(resolved).maxexp < jax.numpy.finfo(np.float32).maxexp:
     raise ValueError(
         f"{name}={dtype!r} has a narrower range than float32 (largest {float(jax.numpy.finfo(resolved).max):.6g}); "

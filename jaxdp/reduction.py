@@ -314,11 +314,13 @@ def local_gradient(
     compute_dtype: mixed precision: the floating params and batch leaves are
       cast to this dtype (e.g. ``jnp.bfloat16``) for the forward and backward
       pass, while the gradient is taken with respect to the params as they
-      are (float32 master weights) and the sums stay float32. The gradient
-      of the weighted *sum* is computed in this dtype: with ``jnp.float16``
-      (largest 65,504, no loss scaling here) large per-device batches can
-      overflow it, and the steps are then skipped as non-finite; bfloat16
-      has float32's range.
+      are (float32 master weights) and the sums stay float32. Where the
+      backward pass runs in 16 bits (this dtype, or 16-bit params), this
+      replica's weighted *mean* is differentiated (one device's mean-loss
+      scale) and the float32 gradient scaled back to the sum: the sum
+      itself overflows float16's 65,504 on large batches and flushes to 0
+      under small weights. There is no loss scaling: float16's small
+      gradients underflow as on one device.
 
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
@@ -330,16 +332,24 @@ def local_gradient(
     check_axis_bound(axis_name)
     params = as_varying(params, axis_name)
 
+  # A 16-bit backward pass differentiates the local weighted *mean* (the sum over this replica's Σ w), at the
+  # scale of one device's mean loss, and the float32 gradient is scaled back to the sum: the sum itself
+  # overflows float16 (65,504) on large batches and flushes to 0 under small weights, where the mean does not.
+  mean_scale = _sixteen_bit(params, compute_dtype)
+
   def micro_gradient(micro_batch, micro_weights, micro_rng, state):
     def weighted_sum(p):
       p, b = cast_floating((p, micro_batch), compute_dtype)
       sums = loss_sums(
           loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train
       )
-      return sums.loss_sum, sums
+      scale = jnp.where(sums.weight_sum > 0, sums.weight_sum, 1.0) if mean_scale else 1.0
+      return sums.loss_sum / lax.stop_gradient(scale), (sums, scale)
 
     with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
-      (_, sums), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+      (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+    if mean_scale:
+      return sums._replace(grads=jax.tree.map(lambda g: _at_least_float32(g) * scale.astype(jnp.float32), grads))
     return sums._replace(grads=jax.tree.map(_at_least_float32, grads))
 
   if accum_steps == 1:
@@ -369,6 +379,13 @@ def local_gradient(
     zeros = as_varying(zeros, axis_name)
   (total, new_state), _ = lax.scan(accumulate, (zeros, model_state), (jnp.arange(accum_steps), *micro))
   return total._replace(model_state=new_state)
+
+
+def _sixteen_bit(params: Any, compute_dtype: Any) -> bool:
+  """Whether the backward pass runs in a 16-bit float: a 16-bit ``compute_dtype`` or parameter."""
+  dtypes = [compute_dtype] if compute_dtype is not None else []
+  dtypes += [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return any(jnp.finfo(d).bits < 32 for d in dtypes)
 
 
 def _is_trivial(tree: Any, axis_name: str) -> bool:
@@ -643,8 +660,16 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
   if previous is None:
     return tree
   element = previous.reshape(-1)[0]
-  tie = -(jnp.zeros((), previous.dtype) * jnp.abs(jnp.where(jnp.isfinite(element), element, 0)))
-  return jax.tree.map(lambda x: x + tie.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
+  real = jnp.real(jnp.zeros((), previous.dtype)).dtype  # a complex bucket's tie is real too
+  tie = -(jnp.zeros((), real) * jnp.abs(jnp.where(jnp.isfinite(element), element, 0)).astype(real))
+
+  def tied(x):
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):  # -0.0 in both parts: a cast would add +0.0 to the imaginary
+      part = tie.astype(jnp.real(x).dtype)
+      return x + lax.complex(part, part)
+    return x + tie.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+  return jax.tree.map(tied, tree)
 
 
 def _psum_buckets(grads: Any, small: Any, axis_name: str, bucket_bytes: int | None) -> tuple[Any, Any]:

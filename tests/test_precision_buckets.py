@@ -135,6 +135,20 @@ def test_empty_leaves_take_no_bucket(zero_stage, bucket_bytes):
   assert results[1]["empty_rows"].shape == (8, 0)
 
 
+def test_the_tie_between_buckets_changes_no_bit_of_a_complex_zero():
+  """The -0.0 that orders the buckets' all-reduces was cast to complex as (-0.0 + 0j), which turned an imaginary
+  -0.0 into +0.0 (found by a review; README says the tie changes no bit)."""
+  from jaxdp.reduction import _after
+
+  values = {"c": jax.lax.complex(jnp.array([1.0, 0.0, -0.0]), jnp.array([-0.0, -0.0, 0.0])),
+            "f": jnp.array([-0.0, 0.0, 2.0]), "h": jnp.array([-0.0], jnp.bfloat16), "i": jnp.array([3])}
+  for previous in (jnp.array([3.0]), jnp.array([1 + 2j], jnp.complex64), jnp.array([jnp.nan], jnp.bfloat16)):
+    tied = _after(values, previous)
+    for name in values:
+      assert tied[name].dtype == values[name].dtype
+      np.testing.assert_array_equal(np.asarray(tied[name]).view(np.uint8), np.asarray(values[name]).view(np.uint8))
+
+
 def test_buckets_follow_reverse_leaf_order():
   leaves = [jnp.zeros(n, jnp.float32) for n in (80, 16, 256, 16, 48, 3)]  # 320, 64, 1024, 64, 192, 12 bytes
   from jaxdp.reduction import _buckets
@@ -179,11 +193,66 @@ def test_bfloat16_compute_keeps_float32_master_params():
                jaxdp.gather_state(reference).params)
 
 
+@pytest.mark.parametrize("weight", [1e-9, 1.0, 1e5])
+def test_a_float16_gradient_is_taken_at_the_scale_of_the_mean_whatever_the_weights(weight):
+  """A float16 parameter's gradient of the weighted *sum* flushed to 0 under small weights (a wrong step, not
+  skipped) and overflowed under large ones (skipped); now each device differentiates its weighted mean, the scale
+  of one device's mean loss, and scales back in float32. Reference: float32, one device, the mean loss."""
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
+
+  def half_loss(params, batch):
+    return 0.5 * jnp.sum((batch["x"] * params["h"].astype(jnp.float32)[None] + params["w"][None] - batch["y"]) ** 2, -1)
+
+  params = {"h": np.array([0.5, -0.25, 0.125], np.float16), "w": np.ones(3, np.float32)}
+  wide = {"h": params["h"].astype(np.float32), "w": params["w"]}
+  expected = jax.grad(lambda p: jnp.mean(half_loss(p, {"x": x, "y": y})))(wide)["h"]
+  opt = optax.sgd(1.0)
+  batch, weights = jaxdp.shard_uneven([{"x": x[:3], "y": y[:3]}, {"x": x[3:3], "y": y[3:3]},
+                                       {"x": x[3:7], "y": y[3:7]}, {"x": x[7:], "y": y[7:]}], MESH)
+  state, metrics = jaxdp.make_train_step(half_loss, opt, MESH)(jaxdp.init_state(params, opt, MESH), batch,
+                                                                weights * weight)
+  assert int(metrics["skipped"]) == 0
+  applied = params["h"].astype(np.float32) - np.asarray(state.params["h"], np.float32)
+  np.testing.assert_allclose(applied, expected, rtol=2e-3)  # float16 rounding of each device's mean and the update
+
+
+def test_float16_compute_sums_many_tokens_without_overflow():
+  """Per-token losses over 20,000 tokens a row: the float16 gradient of the weighted sum overflowed 65,504 and the
+  step was skipped as non-finite; at the scale of the mean it is applied, as one float32 device's."""
+  rng = np.random.default_rng(1)
+  tokens = 20_000
+  x = rng.uniform(1.0, 2.0, size=(8, 3)).astype(np.float32)  # a device's 4 rows: a sum of 80,000 to 160,000
+
+  def per_token(params, batch):
+    return (batch["x"] @ params["w"])[:, None] * jnp.ones((1, tokens), batch["x"].dtype)
+
+  params = {"w": np.array([1.0, -0.5, 0.25], np.float32)}
+  expected = jax.grad(lambda p: jnp.mean(per_token(p, {"x": x})))(params)["w"]
+  # One float16 device's mean loss misses it too: its per-token cotangents, 1/160,000, are float16 subnormals.
+  half = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float16), tree)  # noqa: E731
+  one_device = jax.grad(lambda p: jnp.mean(per_token(half(p), half({"x": x})).astype(jnp.float32)))(params)["w"]
+  one_device_error = np.max(np.abs(one_device - expected) / np.abs(expected))  # 5.9e-3
+  opt = optax.sgd(1.0)
+  batch, weights = jaxdp.shard_uneven([{"x": x[:3]}, {"x": x[3:3]}, {"x": x[3:7]}, {"x": x[7:]}], MESH)
+  weights = jnp.broadcast_to(weights[:, None], (weights.shape[0], tokens))
+  state, metrics = jaxdp.make_train_step(per_token, opt, MESH, compute_dtype=jnp.float16)(
+      jaxdp.init_state(params, opt, MESH), batch, weights)
+  assert int(metrics["skipped"]) == 0
+  # As close as one float16 device (each device's mean has the same subnormal cotangents, at most 4x larger).
+  np.testing.assert_allclose(params["w"] - np.asarray(state.params["w"]), expected, rtol=one_device_error)
+
+
 def test_bad_precision_options():
   with pytest.raises(ValueError, match="compute_dtype=.*not a floating dtype"):
     jaxdp.make_train_step(loss_fn, OPT, MESH, compute_dtype=jnp.int8)
   with pytest.raises(ValueError, match="bucket_bytes"):
     jaxdp.make_train_step(loss_fn, OPT, MESH, bucket_bytes=-1)
+  # float32's range but no sign and no mantissa: accepted before, and every step was then skipped.
+  with pytest.raises(ValueError, match=r"grad_reduce_dtype=.*0 mantissa bits, fewer than bfloat16's 7"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH, grad_reduce_dtype=jnp.float8_e8m0fnu)
+  with pytest.raises(ValueError, match=r"grad_reduce_dtype=.*not a floating dtype; use e.g. jnp.bfloat16 or jnp.float32"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH, grad_reduce_dtype=jnp.int8)
 
 
 def test_a_float16_reduction_is_refused():
