@@ -228,7 +228,7 @@ def check_opt_state(state, optimizer, name: str = "state") -> None:
 
 
 def _first_difference(expected: Any, got: Any, name: str) -> str:
-  """``": <leaf>: expected float32[], got float"`` for the first leaf that differs, or the structures' difference."""
+  """``": <name>[path] is a Python float where init gives float32[]..."`` for the first leaf that differs."""
   expected_leaves, expected_def = jax.tree_util.tree_flatten_with_path(expected)
   got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
   if expected_def != got_def:

@@ -99,14 +99,20 @@ def loss_keywords(loss_fn: Callable) -> frozenset:
   return declared_keywords(loss_fn, LOSS_KEYWORDS)
 
 
-def _requires_rng(loss_fn: Callable) -> bool:
-  """Whether ``loss_fn`` has a third positional parameter without a default (its key)."""
+def _positional(loss_fn: Callable) -> list | None:
+  """``loss_fn``'s positional parameters (``[]`` when it takes ``*args``), or ``None`` without a signature."""
   try:
     parameters = list(inspect.signature(loss_fn).parameters.values())
   except (TypeError, ValueError):
-    return False
-  positional = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return None
+  if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+    return []
+  return [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+
+
+def _requires_rng(loss_fn: Callable) -> bool:
+  """Whether ``loss_fn`` has a third positional parameter without a default (its key)."""
+  positional = _positional(loss_fn) or []
   # A third parameter jaxdp fills by keyword (def loss_fn(params, batch, weights)) is not a key.
   return (len(positional) >= 3 and positional[2].default is inspect.Parameter.empty
           and positional[2].name not in loss_keywords(loss_fn))
@@ -114,14 +120,9 @@ def _requires_rng(loss_fn: Callable) -> bool:
 
 def _accepts_rng(loss_fn: Callable) -> bool:
   """Whether ``loss_fn`` can take a key as a third positional argument (one not filled by a jaxdp keyword)."""
-  try:
-    parameters = list(inspect.signature(loss_fn).parameters.values())
-  except (TypeError, ValueError):
-    return True  # nothing to judge by: let the call say
-  if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+  positional = _positional(loss_fn)
+  if not positional:  # no signature to judge by, or *args: let the call say
     return True
-  positional = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)]
   return len(positional) >= 3 and positional[2].name not in loss_keywords(loss_fn)
 
 
@@ -181,8 +182,8 @@ def call_loss(
   except Exception as e:  # the user's own error, unchanged: only say where it happened
     e.add_note(
         f"jaxdp: raised inside loss_fn while the step was traced on one device's slice of the batch (or one "
-        f"micro-batch of it under accum_steps; {np.shape(weights)[0]} rows), called with params of structure {_structure(params)}; nothing ran and "
-        "nothing was donated."
+        f"micro-batch of it under accum_steps; {np.shape(weights)[0]} rows), called with params of structure "
+        f"{_structure(params)}; nothing ran and nothing was donated."
     )
     raise
   if isinstance(out, LossOutput):

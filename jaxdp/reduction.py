@@ -343,14 +343,15 @@ def local_gradient(
       sums = loss_sums(
           loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train
       )
-      scale = jnp.where(sums.weight_sum > 0, sums.weight_sum, 1.0) if mean_scale else 1.0
-      return sums.loss_sum / lax.stop_gradient(scale), (sums, scale)
+      if not mean_scale:
+        return sums.loss_sum, (sums, None)
+      scale = lax.stop_gradient(jnp.where(sums.weight_sum > 0, sums.weight_sum, 1.0))  # float32, as the sums
+      return sums.loss_sum / scale, (sums, scale)
 
     with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
       (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
-    if mean_scale:
-      return sums._replace(grads=jax.tree.map(lambda g: _at_least_float32(g) * scale.astype(jnp.float32), grads))
-    return sums._replace(grads=jax.tree.map(_at_least_float32, grads))
+    widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
+    return sums._replace(grads=jax.tree.map(widen, grads))
 
   if accum_steps == 1:
     return micro_gradient(batch, weights, rng, model_state)
