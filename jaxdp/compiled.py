@@ -48,7 +48,7 @@ from jaxdp.layout import (
 )
 from jaxdp.loss import check_loss_fn
 from jaxdp.reduction import ReducedGradient, _check_bucket_bytes, axis_names, check_reduction
-from jaxdp.replicas import replica_divergence
+from jaxdp.replicas import divergence_over_mesh, replica_divergence
 from jaxdp.step import finish_step, gather_params, gradient_step, train_step
 from jaxdp.state import TrainState
 
@@ -266,7 +266,9 @@ def make_train_step(
       refuses it (:func:`jaxdp.reduce_model_state`).
     donate: donate the input state's buffers to the output state.
     check_replicas: add ``metrics["replica_divergence"]`` (see
-      :func:`jaxdp.replica_divergence`), computed in the graph.
+      :func:`jaxdp.replica_divergence`), computed in the graph over every
+      mesh axis that holds copies of a leaf: the data axes, a model axis
+      for a leaf not split over it, ``"replica"`` for a hybrid ZeRO chunk.
     accum_steps: gradient accumulation: each device's slice is split into
       this many contiguous micro-batches, scanned, and reduced once per step.
     zero_stage: 0 (replicated, DDP), 1 (sharded optimizer state), 2 (also
@@ -361,7 +363,7 @@ def make_train_step(
       # Each replica's metrics are its own, and the host reads device 0's: the non-finite guard must see a NaN
       # on any replica (one 4-byte all-reduce), else a replica stuck on non-finite steps goes unnoticed.
       metrics["nonfinite"] = lax.pmax(metrics["nonfinite"], axis_name)
-    if check_replicas:
+    if check_replicas and backend == "pmap":  # pmap's mesh has the data axis only
       metrics["replica_divergence"] = replica_divergence(new_state, axis_name)
     return new_state, metrics
 
@@ -371,9 +373,9 @@ def make_train_step(
     if zero_stage == 0:
       mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
     else:
-      mapped = _global_update_over(
-          loss_fn, optimizer, mesh, layout, options, check_vma=check_vma, check_replicas=check_replicas
-      )
+      mapped = _global_update_over(loss_fn, optimizer, mesh, layout, options, check_vma=check_vma)
+    if check_replicas:
+      mapped = _with_divergence(mapped, layout, mesh)
     # The outputs keep the layout exactly (model-axis splits included), so the next call needs no placement.
     return jax.jit(
         mapped, donate_argnums=(0,) if donate else (), out_shardings=(layout.shardings(mesh), replicated(mesh))
@@ -414,8 +416,17 @@ def _shard_map_over(replica_step, mesh: Mesh, axis_name: str, layout: Layout, *,
   )
 
 
-def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options: dict, *, check_vma: bool,
-                        check_replicas: bool):
+def _with_divergence(step, layout: Layout, mesh: Mesh):
+  """``step`` with ``metrics["replica_divergence"]`` of its new state, over every mesh axis that holds copies."""
+
+  def checked(*args):
+    new_state, metrics = step(*args)
+    return new_state, {**metrics, "replica_divergence": divergence_over_mesh(new_state, layout.specs, mesh)}
+
+  return checked
+
+
+def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options: dict, *, check_vma: bool):
   """ZeRO stages 1-3: the reduced gradient per replica, then the update on the global (sharded) arrays."""
   axis_name, stage = options["axis_name"], layout.zero_stage
   specs = _manual_specs(layout, axis_name)
@@ -438,11 +449,6 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
       axis_names=set(axis_names(axis_name)),
       check_vma=check_vma,
   )
-  divergence = jax.shard_map(
-      lambda state: replica_divergence(state, axis_name),
-      mesh=mesh, in_specs=(specs,), out_specs=P(), axis_names=set(axis_names(axis_name)), check_vma=True,
-  )
-
   gather = None
   if stage in (1, 2) and options.get("bucket_bytes") is not None:
     # The updated parameters, computed split as the optimizer state is (XLA slices the replicated ones), are
@@ -459,8 +465,6 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
     new_state, metrics = finish_step(optimizer, state, reduced)
     if gather is not None:
       new_state = new_state._replace(params=gather(jax.lax.with_sharding_constraint(new_state.params, split_shardings)))
-    if check_replicas:
-      metrics["replica_divergence"] = divergence(new_state)
     return new_state, metrics
 
   return step

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxdp._checks import check_not_donated
 from jaxdp.reduction import as_varying, axis_names, varies
@@ -129,6 +130,37 @@ def replica_divergence(tree: Any, axis_name: str, *, skip_varying: bool = True) 
       checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
       gaps.append(jnp.max(lax.pmax(checksum, axis_name) - lax.pmin(checksum, axis_name)))
   return jnp.max(jnp.stack(gaps))
+
+
+def divergence_over_mesh(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> jax.Array:
+  """:func:`replica_divergence` over every mesh axis that holds copies, for arrays laid out as ``specs``.
+
+  Called under ``jit`` on global arrays (not inside a map). Each leaf's
+  checksums are compared across each mesh axis its spec leaves it
+  replicated on: the data axes, but also a model axis for a bias that is not
+  split over it, or ``"replica"`` for a ZeRO chunk on a hybrid mesh. A
+  ``shard_map`` over the data axes alone cannot see the copies on the
+  others: the compiler takes them to agree and may read any of them.
+  """
+  everything = tuple(mesh.axis_names)
+  flat_specs = tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+
+  def per_device(*leaves):
+    gaps = [jnp.zeros((), jnp.float32)]
+    for leaf, spec in zip(leaves, flat_specs):
+      used = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+      copies = tuple(a for a in everything if a not in used and mesh.shape[a] > 1)
+      if not copies:
+        continue
+      for part in _real_parts(jnp.asarray(leaf)):
+        x = part.astype(jnp.float32)
+        checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
+        gaps.append(jnp.max(lax.pmax(checksum, copies) - lax.pmin(checksum, copies)))
+    return lax.pmax(jnp.max(jnp.stack(gaps)), everything)  # the same on every device
+
+  # check_vma=False: the copies are compared as the devices hold them, which the types say are equal.
+  return jax.shard_map(per_device, mesh=mesh, in_specs=flat_specs, out_specs=P(), check_vma=False)(
+      *jax.tree.leaves(tree))
 
 
 def _real_parts(x: jax.Array) -> list[jax.Array]:

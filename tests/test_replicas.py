@@ -8,6 +8,7 @@ NamedSharding and a different buffer on some devices.
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -95,3 +96,42 @@ def test_atol_is_honoured():
     jaxdp.assert_replicas_equal(tree, atol=1e-4)
   with pytest.raises(AssertionError, match=r"\['w'\]"):
     jaxdp.assert_replicas_equal(tree)
+
+
+def _shifted_on(x, device_id):
+  """``x`` with 0.5 added to every element of the copy (or shard) held by device ``device_id``."""
+  buffers = [jax.device_put(np.asarray(s.data) + (0.5 if s.device.id == device_id else 0.0), s.device)
+             for s in x.addressable_shards]
+  return jax.make_array_from_single_device_arrays(x.shape, x.sharding, buffers)
+
+
+@pytest.mark.parametrize(
+    "shape,names,axis_name,zero_stage,leaf",
+    [((4, 2), ("data", "model"), "data", 0, "b"),  # a bias replicated over "model"
+     ((4, 2), ("data", "model"), "data", 2, "b"),
+     ((2, 4), ("replica", "data"), ("replica", "data"), 3, "w")],  # a ZeRO chunk, copied over "replica"
+    ids=["data-model-stage0", "data-model-stage2", "hybrid-stage3"],
+)
+def test_check_replicas_sees_copies_on_every_mesh_axis(shape, names, axis_name, zero_stage, leaf):
+  """The divergence was computed in a shard_map over the data axes only: a bias differing on a device of model
+  column 1 (where the compiler takes the copies to agree) and a hybrid ZeRO chunk differing across "replica"
+  (skipped as a chunk) read 0.0 while assert_replicas_equal named the devices."""
+  mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  opt = optax.sgd(0.1)
+
+  def loss_fn(params, batch):
+    return 0.5 * jnp.sum((batch["x"] @ params["w"] + params["b"][None] - batch["y"]) ** 2, -1)
+
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=axis_name, zero_stage=zero_stage, check_replicas=True)
+  batch = {"x": np.ones((8, 8), np.float32), "y": np.zeros((8, 4), np.float32)}
+  fresh = lambda: jaxdp.init_state({"w": np.ones((8, 4), np.float32), "b": np.zeros(4, np.float32)}, opt, mesh,  # noqa: E731
+                                   axis_name=axis_name, zero_stage=zero_stage)
+  _, metrics = step(fresh(), batch)
+  assert float(metrics["replica_divergence"]) == 0.0
+  for device_id in (4, 5):  # model column 0 and 1; replica 1
+    state = fresh()
+    state = state._replace(params={**state.params, leaf: _shifted_on(state.params[leaf], device_id)})
+    new, metrics = step(state, batch)
+    with pytest.raises(AssertionError, match="replicas differ"):
+      jaxdp.assert_replicas_equal(new)
+    assert float(metrics["replica_divergence"]) > 0.0, device_id
