@@ -798,7 +798,15 @@ def reduce_gradient(
 def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) -> None:
   """Refuses what reduce_gradient would reduce wrongly, without a sign in the values."""
   typed = _typed(axis_name)
-  if typed and varies(loss_sum, axis_name):
+  if typed and not varies(loss_sum, axis_name):
+    # The local loss sum reads this replica's rows and weights: one typed as the same everywhere was reduced already.
+    raise ValueError(
+        f"the loss sum given to reduce_gradient is typed as the same on every replica of {axis_name!r}: these are "
+        "values reduce_gradient (or train_step) already returned, and reducing them again would sum N copies and "
+        "divide by the weight twice. Pass the LocalGradient that local_gradient returned, once; a loss that reads "
+        "nothing of the batch, with weights=None, has no per-replica sum to reduce either."
+    )
+  if typed:
     # Each leaf must vary over every data axis: one replicated over some axis was summed over it by jax.grad.
     summed = [jax.tree_util.keystr(p) for p, g in jax.tree_util.tree_leaves_with_path(grads)
               if not all(varies(g, a) for a in axis_names(axis_name))]

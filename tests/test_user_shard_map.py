@@ -310,6 +310,19 @@ def test_a_gradient_already_summed_by_jax_grad_is_refused():
     _mapped(replica)(init_params(), *_global(*device_data(0)))
 
 
+def test_a_gradient_reduced_twice_is_refused():
+  """A ReducedGradient's values passed to reduce_gradient again were summed over N identical copies and divided by
+  the weight a second time: 9x too small on 3/0/3/3 rows, no error (found by the composition review)."""
+
+  def replica(params, batch, weights):
+    once = jaxdp.reduce_gradient(jaxdp.local_gradient(loss_fn, params, batch, weights, axis_name="data"),
+                                 axis_name="data")
+    return jaxdp.reduce_gradient(jaxdp.LocalGradient(once.grads, once.loss, once.weight), axis_name="data").grads
+
+  with pytest.raises(ValueError, match=r"typed as the same on every replica of 'data'.*Pass the LocalGradient"):
+    _mapped(replica)(init_params(), *_global(*device_data(0)))
+
+
 def test_scatter_needs_the_types_that_tell_chunks_apart():
   """Under check_vma=False (or pmap) the chunks look like agreed leaves: each device's own norm and skip."""
 
