@@ -787,6 +787,14 @@ def reduce_gradient(
     grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum_buckets(grads, small, axis_name, bucket_bytes)
   if reduce_dtype is not None:
     grads = jax.tree.map(lambda x, dtype: x.astype(dtype), grads, dtypes)
+  leftover = _varying_axes(loss_sum) | _varying_axes(weight_sum)
+  if leftover:  # typed shard_map only (elsewhere nothing is typed as varying)
+    raise ValueError(
+        f"after the reduction over axis_name={axis_name!r} the loss still varies over {sorted(leftover)}: the batch "
+        "(or the loss) is split over those mesh axes too, and each group would take its own step. Name every axis "
+        "the batch is split over in axis_name (a tuple for several), or psum a loss computed in model-axis parts "
+        "inside loss_fn."
+    )
   model_state = _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight_sum, treedef)
   if reduction == "sum":
     return ReducedGradient(grads, loss_sum, weight_sum, metric_sums, model_state, totals)

@@ -323,6 +323,22 @@ def test_a_gradient_reduced_twice_is_refused():
     _mapped(replica)(init_params(), *_global(*device_data(0)))
 
 
+def test_an_axis_name_that_misses_the_batch_axis_is_named():
+  """train_step(axis_name="model") in a shard_map whose batch is split over "data": JAX's "cond branches must have
+  equal output types" (and, under check_vma=False, a silent per-group step)."""
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
+  state = jaxdp.TrainState.create(init_params(), OPT)
+  specs = jax.tree.map(lambda _: P(), state)
+  batch, weights = jax.device_get(_global(*device_data(0)))  # 16 rows, split over "data" below
+
+  def replica(state, batch, weights):
+    return jaxdp.train_step(loss_fn, OPT, state, batch, weights, axis_name="model")
+
+  step = jax.jit(jax.shard_map(replica, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=(specs, P())))
+  with pytest.raises(ValueError, match=r"reduction over axis_name='model' the loss still varies over \['data'\]"):
+    step(state, batch, weights)
+
+
 def test_scatter_needs_the_types_that_tell_chunks_apart():
   """Under check_vma=False (or pmap) the chunks look like agreed leaves: each device's own norm and skip."""
 
