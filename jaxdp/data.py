@@ -103,6 +103,8 @@ def shard_uneven(
     raise ValueError("batches entries have different pytree structures; give every device the same structure.")
   host = [jax.tree.map(np.asarray, b) for b in batches]
   sizes = [batch_size(b, name=f"batches[{i}]") for i, b in enumerate(host)]
+  for i, b in enumerate(host):
+    _check_batch_values(b, f"batches[{i}]")
   for i, b in enumerate(host[1:], start=1):
     for a, c in zip(jax.tree.leaves(host[0]), jax.tree.leaves(b)):
       if a.shape[1:] != c.shape[1:] or a.dtype != c.dtype:
@@ -152,6 +154,30 @@ def _float32_weights(w: Any, name: str) -> np.ndarray:
         "devices; scale the weights down (only their ratios matter under reduction='mean')."
     )
   return w.astype(np.float32)
+
+
+def _check_batch_values(batch: Any, name: str) -> None:
+  """Refuses leaves the devices cannot hold as given: strings and objects, and 64-bit integers out of 32-bit range.
+
+  Without ``jax_enable_x64`` JAX stores int64 as int32 (uint64 as uint32), wrapping larger values silently:
+  token or example ids above 2**31 would reach the model as other ids.
+  """
+  wide = jax.dtypes.canonicalize_dtype(np.int64) != np.int64  # 64-bit mode off
+  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    where = f"{name}{jax.tree_util.keystr(path)}"
+    if not (np.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_):
+      raise ValueError(
+          f"{where} has dtype {leaf.dtype}, which a JAX array cannot hold; encode it as numbers in the batch "
+          "(e.g. strings as integer ids)."
+      )
+    if wide and leaf.dtype in (np.int64, np.uint64) and leaf.size:
+      narrow = np.iinfo(np.int32 if leaf.dtype == np.int64 else np.uint32)
+      if leaf.min() < narrow.min or leaf.max() > narrow.max:
+        raise ValueError(
+            f"{where} holds {leaf.dtype} values outside {narrow.dtype}'s range (min {leaf.min()}, max {leaf.max()}); "
+            f"without jax_enable_x64 JAX stores them as {narrow.dtype}, wrapping them silently. Map them into that "
+            "range (e.g. ids to a vocabulary index), or enable 64-bit mode (jax.config.update('jax_enable_x64', True))."
+        )
 
 
 def _check_weights(weights: Sequence[Any], sizes: list[int]) -> list[np.ndarray]:
@@ -301,6 +327,7 @@ def _collated(collate: Callable, examples: list, template: tuple[Any, np.ndarray
   if weights.ndim not in (1, 2) or weights.shape[0] != k:
     raise ValueError(f"collate's weights have shape {weights.shape} for {k} examples; return [{k}] or [{k}, t].")
   weights = _float32_weights(weights, "collate's weights")
+  _check_batch_values(batch, "collate's batch")
   if template is not None and _row_signature((batch, weights)) != _row_signature(template):
     raise ValueError(
         "collate returned a batch whose structure, trailing shapes or dtypes differ from those of example 0 "
@@ -384,9 +411,16 @@ class DataPipeline:
     if not callable(collate):
       raise ValueError(f"collate must be callable, got {type(collate).__name__}; pass collate(examples) -> (batch, weights).")
     self.dataset, self.collate, self.mesh, self.axis_name = dataset, collate, mesh, axis_name
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+      raise ValueError(
+          f"dataset must be indexable with a length (a list, an array, a grain data source), got "
+          f"{type(dataset).__name__}; for a stream of unknown length use jaxdp.StreamingPipeline."
+      )
     self.num_examples = check_int(len(dataset), "len(dataset)", 1, "pass a non-empty dataset.")
     self.per_device_batch = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
     self.seed = check_int(seed, "seed", 0, "use a non-negative integer seed.")
+    if self.seed >= 2**64:
+      raise ValueError(f"seed must be < 2**64 (the shuffle's key is 64 bits), got {self.seed}.")
     self.n_devices = data_size(mesh, axis_name)
     self.global_batch = self.n_devices * self.per_device_batch
     self.steps_per_epoch = _steps_per_epoch(self.num_examples, self.n_devices, self.per_device_batch)

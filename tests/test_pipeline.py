@@ -362,3 +362,25 @@ def test_one_step_on_a_pipeline_batch_matches_a_single_device_reference():
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(reference(idx))):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(metrics["weight"]), w[idx].sum(), rtol=1e-6)
+
+
+def test_values_the_devices_cannot_hold_are_refused_not_wrapped():
+  """int64 ids above 2**31 were cut to int32 on placement (2**32 + 1 arrived as 1), strings failed in JAX with no
+  leaf named, a generator gave "object of type 'generator' has no len()" and a seed of 2**64 or more passed the
+  constructor (found by the pipeline review)."""
+  mesh = _mesh(2)
+  ids = lambda examples: ({"id": np.asarray(examples, np.int64)}, np.ones(len(examples), np.float32))  # noqa: E731
+  with pytest.raises(ValueError, match=r"batches\[0\]\['id'\] holds int64 values outside int32's range"):
+    jaxdp.shard_uneven([{"id": np.array([2**31 + 5])}, {"id": np.array([7])}], mesh)
+  with pytest.raises(ValueError, match=r"collate's batch\['id'\] holds int64 values outside int32's range"):
+    DataPipeline([2**32 + 1, 2**40 + 2, 5], ids, mesh, per_device_batch=2).batch_at(0)
+  words = lambda examples: ({"s": np.asarray(examples)}, np.ones(len(examples), np.float32))  # noqa: E731
+  with pytest.raises(ValueError, match=r"collate's batch\['s'\] has dtype <U1, which a JAX array cannot hold"):
+    DataPipeline(["a", "b"], words, mesh, per_device_batch=1).batch_at(0)
+  with pytest.raises(ValueError, match=r"dataset must be indexable with a length.*jaxdp.StreamingPipeline"):
+    DataPipeline((i for i in range(3)), ids, mesh, per_device_batch=1)
+  with pytest.raises(ValueError, match=r"seed must be < 2\*\*64"):
+    DataPipeline([1, 2, 3], ids, mesh, per_device_batch=1, seed=2**64 + 3)
+  # int64 within int32's range is placed as before.
+  batch, _ = DataPipeline([2**31 - 1, 5, -7], ids, mesh, per_device_batch=2, seed=0).batch_at(0)
+  assert sorted(np.asarray(batch["id"])[np.asarray(batch["id"]) != 0].tolist()) == [-7, 5, 2**31 - 1]
