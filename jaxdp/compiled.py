@@ -89,6 +89,7 @@ class CompiledStep:
     self._validated: set = set()
     self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
     self._returned: tuple = ()  # weak references to the leaves of the state the last call returned
+    self._returned_treedef = None  # and its structure (the same leaves in another tree are not that state)
     self._returned_layout = self._prepared_layout = None
 
   def reset_nonfinite_guard(self) -> None:
@@ -118,16 +119,17 @@ class CompiledStep:
           "step.reset_nonfinite_guard() to run again."
       )
 
-  def _is_returned_state(self, leaves: list) -> bool:
+  def _is_returned_state(self, leaves: list, treedef: Any) -> bool:
     """Whether ``leaves`` are exactly those of the state the last call returned (placed, unshared, checked)."""
-    return len(leaves) == len(self._returned) and all(ref() is x for ref, x in zip(self._returned, leaves))
+    return (len(leaves) == len(self._returned) and treedef == self._returned_treedef
+            and all(ref() is x for ref, x in zip(self._returned, leaves)))
 
   def _prepare(self, state, batch, weights, rng, has_more=None):
     weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
     _checks.check_state(state)
-    leaves = jax.tree.leaves(state)
+    leaves, treedef = jax.tree.flatten(state)
     _checks.check_not_donated(state, leaves)  # also a state this step returned: another step may have consumed it
-    ours = self._is_returned_state(leaves)
+    ours = self._is_returned_state(leaves, treedef)
     if not ours and self.donate:
       state = _checks.unshared_buffers(state)
     if jax.process_count() > 1:
@@ -169,6 +171,12 @@ class CompiledStep:
       state = place(state, layout.shardings(self.mesh))
     rng = place(rng, replicated(self.mesh))
     batch, weights, has_more = _put_batch((batch, weights, has_more), split_along(self.mesh, self.axis_name))
+    if self.donate:
+      # An input that is one of the state's arrays (weights=state.params[...]) would reach the step twice, once
+      # donated: XLA crashes the process on that. The input gets its own copy.
+      donated = {id(x) for x in (leaves if ours else jax.tree.leaves(state))}  # ours: placed already, same leaves
+      batch, weights, rng, has_more = jax.tree.map(
+          lambda x: x.copy() if id(x) in donated else x, (batch, weights, rng, has_more))
     return layout_key, (state, batch, weights, rng, has_more)
 
   def _jitted_for(self, layout_key):
@@ -195,10 +203,10 @@ class CompiledStep:
   ):
     self._check_previous_steps()
     layout_key, prepared = self._prepare(state, batch, weights, rng, has_more)
-    state, metrics = self._jitted_for(layout_key)(*prepared)
+    state, metrics, flag = self._jitted_for(layout_key)(*prepared)
     if self.max_consecutive_skips is not None:
-      self._pending.append(metrics["nonfinite"])
-    leaves = jax.tree.leaves(state)
+      self._pending.append(flag)  # its own copy of metrics["nonfinite"]: the user may delete or donate theirs
+    leaves, self._returned_treedef = jax.tree.flatten(state)
     self._returned = tuple(weakref.ref(x) for x in leaves)
     self._returned_layout = layout_key  # the output has the input's structure, shapes and layout
     return state, metrics
@@ -369,7 +377,7 @@ def make_train_step(
 
   def build(layout: Layout):
     if backend == "pmap":
-      return jax.jit(_pmap_over(replica_step, mesh, axis_name), donate_argnums=(0,) if donate else ())
+      return jax.jit(_with_guard_flag(_pmap_over(replica_step, mesh, axis_name)), donate_argnums=(0,) if donate else ())
     if zero_stage == 0:
       mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
     else:
@@ -378,7 +386,8 @@ def make_train_step(
       mapped = _with_divergence(mapped, layout, mesh)
     # The outputs keep the layout exactly (model-axis splits included), so the next call needs no placement.
     return jax.jit(
-        mapped, donate_argnums=(0,) if donate else (), out_shardings=(layout.shardings(mesh), replicated(mesh))
+        _with_guard_flag(mapped), donate_argnums=(0,) if donate else (),
+        out_shardings=(layout.shardings(mesh), replicated(mesh), replicated(mesh)),
     )
 
   return CompiledStep(
@@ -414,6 +423,16 @@ def _shard_map_over(replica_step, mesh: Mesh, axis_name: str, layout: Layout, *,
       # "none" returns replicas that differ on purpose, which the check would reject.
       check_vma=check_vma,
   )
+
+
+def _with_guard_flag(step):
+  """``step`` returning ``(state, metrics, flag)``: ``flag`` a buffer of its own with ``metrics["nonfinite"]``."""
+
+  def flagged(*args):
+    new_state, metrics = step(*args)
+    return new_state, metrics, metrics["nonfinite"]
+
+  return flagged
 
 
 def _with_divergence(step, layout: Layout, mesh: Mesh):

@@ -105,7 +105,8 @@ class EvalStep:
         place(state.model_state, NamedSharding(self.mesh, P())),
     )
     split = jax.tree.map(lambda s: data_part(s, self.axis_name), specs)
-    split_key = tuple(jax.tree.leaves(split))
+    # The params' structure too: two trees with the same specs in another structure need their own program.
+    split_key = (jax.tree.structure(state.params), tuple(jax.tree.leaves(split)))
     if split_key not in self._jitted:
       self._jitted[split_key] = self._build(split)
     batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
@@ -137,6 +138,11 @@ class EvalStep:
         raise TypeError(
             "batches yields (step, (batch, weights)) pairs, as DataPipeline.iterate does; pass the (batch, weights) "
             "pairs: evaluate(state, (b for _, b in pipeline.iterate(num_steps=pipeline.steps_per_epoch)))."
+        )
+      if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise TypeError(
+            f"batches yields a {type(item).__name__}; pass (batch, weights) pairs (weights=None for all ones): "
+            "evaluate(state, ((b, None) for b in batches))."
         )
       batch, weights = item
       pending.append(self.sums(state, batch, weights))

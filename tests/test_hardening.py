@@ -84,6 +84,67 @@ def test_a_state_whose_leaves_share_one_buffer_runs():
   jax.tree.map(np.testing.assert_array_equal, new.params, reference.params)
 
 
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_an_input_that_is_one_of_the_donated_state_arrays_gets_its_own_copy(zero_stage):
+  """weights=state.params["v"] (split over the data axis at stages 1-3, as the batch is): the buffer reached the
+  step twice, once donated, and XLA crashed the process (SIGSEGV); found by the host-side review."""
+  def shared_loss(params, batch):
+    return loss_fn(params, batch) + 0.0 * params["v"][0]
+
+  fresh = lambda: jaxdp.init_state({**params(), "v": np.full(12, 0.5, np.float32)}, OPT, MESH, zero_stage=zero_stage)  # noqa: E731
+  step = jaxdp.make_train_step(shared_loss, OPT, MESH, zero_stage=zero_stage)
+  batch, _ = data(counts=(3, 3, 3, 3))
+  state = fresh()
+  new, metrics = step(state, batch, state.params["v"])
+  expected, expected_metrics = step(fresh(), batch, np.full(12, 0.5, np.float32))
+  assert float(metrics["loss"]) == float(expected_metrics["loss"])
+  jax.tree.map(np.testing.assert_array_equal, jaxdp.gather_state(new).params, jaxdp.gather_state(expected).params)
+
+
+def test_the_guard_keeps_its_own_copy_of_the_nonfinite_flag():
+  """The guard queued the very metrics["nonfinite"] array it handed back: a user who deleted or donated it
+  crashed the next call ("Array has been deleted", or SIGSEGV). It still trips on the third NaN step."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, max_consecutive_skips=3)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  batch, weights = data()
+  nan_batch = {**batch, "y": jnp.full_like(batch["y"], jnp.nan)}
+  state, metrics = step(state, batch, weights)
+  metrics["nonfinite"].delete()
+  donate = jax.jit(lambda m: {k: v + 0 for k, v in m.items()}, donate_argnums=0)
+  with pytest.raises(FloatingPointError, match=r"the last 3 steps"):
+    for _ in range(6):
+      state, metrics = step(state, nan_batch, weights)
+      donate(metrics)
+  assert int(state.step) == 1  # the NaN steps were skipped
+
+
+def test_the_returned_state_in_another_tree_is_validated_again():
+  """The returned state's own leaves put in another structure skipped validation (the fast path compared leaf
+  identity only) and failed in shard_map's pytree check instead of jaxdp's message."""
+  opt = optax.adam(0.1)
+  step = jaxdp.make_train_step(loss_fn, opt, MESH)
+  state, _ = step(jaxdp.init_state(params(), opt, MESH), *data())
+  # The same leaves in the same order ("a" sorts where "b1" did), under another key.
+  renamed = state._replace(params={"a": state.params["b1"], "b2": state.params["b2"], "w": state.params["w"]})
+  with pytest.raises(ValueError, match=r"state.opt_state does not match optimizer.init\(state.params\)"):
+    step(renamed, *data())
+  step(state, *data())  # nothing was donated
+
+
+def test_the_eval_step_compiles_again_for_params_of_another_structure():
+  """Its compile cache was keyed by the params' specs only: a second state with other names (same specs) reused
+  the first program and failed in shard_map's pytree check."""
+  def total(params, batch):
+    return (batch["y"] - sum(jnp.sum(x) for x in jax.tree.leaves(params))) ** 2
+
+  evaluate = jaxdp.make_eval_step(total, MESH)
+  first = evaluate(jaxdp.init_state({"a": np.ones(3, np.float32)}, OPT, MESH), *data())
+  second = evaluate(jaxdp.init_state({"b": np.ones(3, np.float32)}, OPT, MESH), *data())
+  assert float(first["loss"]) == float(second["loss"])
+  with pytest.raises(TypeError, match=r"batches yields a dict; pass \(batch, weights\) pairs"):
+    evaluate.evaluate(jaxdp.init_state({"a": np.ones(3, np.float32)}, OPT, MESH), [data()[0]])
+
+
 # Silent wrong results -------------------------------------------------------------------------------------
 
 
