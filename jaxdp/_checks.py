@@ -262,7 +262,8 @@ def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: in
         f"batch has {total // n_replicas} rows per device ({total} over {n_replicas} devices), which do not "
         f"split into accum_steps={accum_steps} micro-batches; make the batch a multiple of {n_replicas * accum_steps} "
         f"rows (jaxdp.shard_uneven pads every device to its largest portion: pass rows= a multiple of {accum_steps}; "
-        "jaxdp.DataPipeline pads to per_device_batch)."
+        f"a jaxdp.DataPipeline pads to per_device_batch: choose it a multiple of {accum_steps}, keeping the global "
+        "batch with fewer devices or another per-device size)."
     )
   if weights is not None and (np.ndim(weights) not in (1, 2) or np.shape(weights)[0] != total):
     raise ValueError(
