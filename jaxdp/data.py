@@ -165,7 +165,8 @@ def _check_batch_values(batch: Any, name: str) -> None:
   wide = jax.dtypes.canonicalize_dtype(np.int64) != np.int64  # 64-bit mode off
   for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
     where = f"{name}{jax.tree_util.keystr(path)}"
-    if not (np.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_):
+    # jax.dtypes knows bfloat16 and the other ml_dtypes as numbers; datetimes and timedeltas it cannot hold.
+    if not (jax.dtypes.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_) or leaf.dtype.kind in "mM":
       raise ValueError(
           f"{where} has dtype {leaf.dtype}, which a JAX array cannot hold; encode it as numbers in the batch "
           "(e.g. strings as integer ids)."

@@ -99,31 +99,32 @@ def loss_keywords(loss_fn: Callable) -> frozenset:
   return declared_keywords(loss_fn, LOSS_KEYWORDS)
 
 
-def _positional(loss_fn: Callable) -> list | None:
-  """``loss_fn``'s positional parameters (``[]`` when it takes ``*args``), or ``None`` without a signature."""
+def _positional(loss_fn: Callable) -> tuple[list, bool] | None:
+  """``loss_fn``'s named positional parameters and whether it takes ``*args``; ``None`` without a signature."""
   try:
     parameters = list(inspect.signature(loss_fn).parameters.values())
   except (TypeError, ValueError):
     return None
-  if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
-    return []
-  return [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  named = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  return named, any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
 
 
 def _requires_rng(loss_fn: Callable) -> bool:
   """Whether ``loss_fn`` has a third positional parameter without a default (its key)."""
-  positional = _positional(loss_fn) or []
+  named, _ = _positional(loss_fn) or ([], False)
   # A third parameter jaxdp fills by keyword (def loss_fn(params, batch, weights)) is not a key.
-  return (len(positional) >= 3 and positional[2].default is inspect.Parameter.empty
-          and positional[2].name not in loss_keywords(loss_fn))
+  return len(named) >= 3 and named[2].default is inspect.Parameter.empty and named[2].name not in loss_keywords(loss_fn)
 
 
 def _accepts_rng(loss_fn: Callable) -> bool:
   """Whether ``loss_fn`` can take a key as a third positional argument (one not filled by a jaxdp keyword)."""
-  positional = _positional(loss_fn)
-  if not positional:  # no signature to judge by, or *args: let the call say
+  found = _positional(loss_fn)
+  if found is None:  # no signature to judge by: let the call say
     return True
-  return len(positional) >= 3 and positional[2].name not in loss_keywords(loss_fn)
+  named, var_positional = found
+  if len(named) >= 3:
+    return named[2].name not in loss_keywords(loss_fn)
+  return var_positional
 
 
 def _third_parameter(loss_fn: Callable) -> str:

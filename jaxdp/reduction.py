@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
+from jaxdp._checks import batch_size, check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.batchnorm import training_batch_guards
 from jaxdp.layout import model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
@@ -315,12 +315,13 @@ def local_gradient(
       cast to this dtype (e.g. ``jnp.bfloat16``) for the forward and backward
       pass, while the gradient is taken with respect to the params as they
       are (float32 master weights) and the sums stay float32. Where the
-      backward pass runs in 16 bits (this dtype, or 16-bit params), this
-      replica's weighted *mean* is differentiated (one device's mean-loss
-      scale) and the float32 gradient scaled back to the sum: the sum
-      itself overflows float16's 65,504 on large batches and flushes to 0
-      under small weights. There is no loss scaling: float16's small
-      gradients underflow as on one device.
+      backward pass runs in 16 bits (this dtype, or 16-bit params), the
+      weighted sum is differentiated over the global batch's row count (one
+      device's mean-loss scale; the same constant on every replica, so
+      collectives in ``loss_fn`` stay exact) and the float32 gradient scaled
+      back: the sum itself overflows float16's 65,504 on large batches.
+      Weights far from 1 move that scale (only their ratios matter under
+      ``"mean"``); there is no loss scaling.
 
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
@@ -332,10 +333,12 @@ def local_gradient(
     check_axis_bound(axis_name)
     params = as_varying(params, axis_name)
 
-  # A 16-bit backward pass differentiates the local weighted *mean* (the sum over this replica's Σ w), at the
-  # scale of one device's mean loss, and the float32 gradient is scaled back to the sum: the sum itself
-  # overflows float16 (65,504) on large batches and flushes to 0 under small weights, where the mean does not.
+  # A 16-bit backward pass differentiates the weighted sum over the global batch's row count (the scale of one
+  # device's mean loss), and the float32 gradient is scaled back: the sum itself overflows float16 (65,504) on
+  # large batches. The scale is the same constant on every replica, so a loss_fn whose forward pass communicates
+  # (exact BatchNorm statistics) still gets every replica's terms right; a per-replica Σ w would not.
   mean_scale = _sixteen_bit(params, compute_dtype)
+  replicas = 1 if axis_name is None else math.prod(lax.axis_size(a) for a in axis_names(axis_name))
 
   def micro_gradient(micro_batch, micro_weights, micro_rng, state):
     def weighted_sum(p):
@@ -345,7 +348,8 @@ def local_gradient(
       )
       if not mean_scale:
         return sums.loss_sum, (sums, None)
-      scale = lax.stop_gradient(jnp.where(sums.weight_sum > 0, sums.weight_sum, 1.0))  # float32, as the sums
+      rows = np.shape(micro_weights)[0] if micro_weights is not None else batch_size(micro_batch)
+      scale = jnp.float32(replicas * rows)  # static: the same on every replica
       return sums.loss_sum / scale, (sums, scale)
 
     with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
@@ -771,6 +775,9 @@ def reduce_gradient(
     grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), weight_sum, divide)
     return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
   _check_local(grads, loss_sum, axis_name, scatter)
+  # Axes the local sums vary over that the reduction does not cover (read before the packed all-reduce, which
+  # types the sums as its gradient leaves are: a model-axis split there is not the loss's).
+  leftover = (_varying_axes(loss_sum) | _varying_axes(weight_sum)) - set(axis_names(axis_name))
   local_weight = weight_sum
   if reduction == "rank_mean":  # each replica's local mean first, as DDP does
     grads, loss_sum, metric_sums = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
@@ -787,7 +794,6 @@ def reduce_gradient(
     grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum_buckets(grads, small, axis_name, bucket_bytes)
   if reduce_dtype is not None:
     grads = jax.tree.map(lambda x, dtype: x.astype(dtype), grads, dtypes)
-  leftover = _varying_axes(loss_sum) | _varying_axes(weight_sum)
   if leftover:  # typed shard_map only (elsewhere nothing is typed as varying)
     raise ValueError(
         f"after the reduction over axis_name={axis_name!r} the loss still varies over {sorted(leftover)}: the batch "

@@ -356,6 +356,12 @@ def test_a_key_for_a_loss_fn_without_one_names_rng():
   _, metrics = jaxdp.make_train_step(with_key, OPT, MESH)(state, *data(), rng=jax.random.key(0))
   assert np.isfinite(metrics["loss"])
 
+  def named_key_and_more(params, batch, rng, *extra):  # still requires its key: refused up front without one
+    return loss_fn(params, batch) + 0.0 * jax.random.uniform(rng)
+
+  with pytest.raises(TypeError, match=r"third argument \('rng'\) without a default"):
+    jaxdp.make_train_step(named_key_and_more, OPT, MESH)(jaxdp.init_state(params(), OPT, MESH), *data())
+
 
 def test_an_opt_state_leaf_of_another_dtype_is_named_with_the_fix():
   """An inject_hyperparams value set to a Python float (optax on one device takes it) was refused as "built for

@@ -381,6 +381,11 @@ def test_values_the_devices_cannot_hold_are_refused_not_wrapped():
     DataPipeline((i for i in range(3)), ids, mesh, per_device_batch=1)
   with pytest.raises(ValueError, match=r"seed must be < 2\*\*64"):
     DataPipeline([1, 2, 3], ids, mesh, per_device_batch=1, seed=2**64 + 3)
+  # bfloat16 (an ml_dtypes type numpy does not call a number) is placed, not refused as a first version did.
+  half, _ = jaxdp.shard_uneven([{"x": np.ones((2, 3), jnp.bfloat16)}, {"x": np.ones((1, 3), jnp.bfloat16)}], mesh)
+  assert half["x"].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"batches\[0\]\['t'\] has dtype timedelta64"):
+    jaxdp.shard_uneven([{"t": np.array([1, 2], "timedelta64[s]")}, {"t": np.array([3], "timedelta64[s]")}], mesh)
   # int64 within int32's range is placed as before.
   batch, _ = DataPipeline([2**31 - 1, 5, -7], ids, mesh, per_device_batch=2, seed=0).batch_at(0)
   assert sorted(np.asarray(batch["id"])[np.asarray(batch["id"]) != 0].tolist()) == [-7, 5, 2**31 - 1]

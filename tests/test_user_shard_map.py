@@ -339,6 +339,37 @@ def test_an_axis_name_that_misses_the_batch_axis_is_named():
     step(state, batch, weights)
 
 
+def test_a_loss_summed_over_a_manual_model_axis_inside_loss_fn_is_accepted():
+  """Tensor parallelism by hand: W and v split over a manual "model" axis, the loss psum'ed over it in loss_fn.
+  The check for a loss still varying after the reduction read the packed all-reduce's type (the gradient's
+  "model" split) and refused this correct program; it reads the local sums now (found by the diff review)."""
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
+  opt = optax.sgd(0.1)
+  rng = np.random.default_rng(3)
+  params = {"W": rng.normal(size=(D, 4)).astype(np.float32), "v": rng.normal(size=(4,)).astype(np.float32)}
+  x, y = rng.normal(size=(6, D)).astype(np.float32), rng.normal(size=(6,)).astype(np.float32)
+  weights = np.array([1, 1, 0, 1, 1, 1], np.float32)
+  specs = {"W": P(None, "model"), "v": P("model")}
+
+  def loss_fn(p, batch):
+    return (jax.lax.psum(jnp.tanh(batch["x"] @ p["W"]) @ p["v"], "model") - batch["y"]) ** 2
+
+  def body(p, batch, w):
+    state = jaxdp.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32), None)
+    return jaxdp.train_step(loss_fn, opt, state, batch, w, axis_name="data")[0].params
+
+  place = lambda tree, spec: jax.device_put(tree, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), spec))  # noqa: E731
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs))
+  new = step(place(params, specs), place({"x": x, "y": y}, {"x": P("data"), "y": P("data")}), place(weights, P("data")))
+
+  def reference(p):
+    return jnp.sum(weights * ((jnp.tanh(x @ p["W"]) @ p["v"] - y) ** 2)) / weights.sum()
+
+  grads = jax.grad(reference)(params)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(new[k]), params[k] - 0.1 * grads[k], rtol=RTOL, atol=ATOL)
+
+
 def test_scatter_needs_the_types_that_tell_chunks_apart():
   """Under check_vma=False (or pmap) the chunks look like agreed leaves: each device's own norm and skip."""
 
