@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxdp._checks import batch_size, check_float_dtype, check_int, check_reduce_dtype
+from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.batchnorm import training_batch_guards
 from jaxdp.layout import model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
@@ -316,12 +316,13 @@ def local_gradient(
       pass, while the gradient is taken with respect to the params as they
       are (float32 master weights) and the sums stay float32. Where the
       backward pass runs in 16 bits (this dtype, or 16-bit params), the
-      weighted sum is differentiated over the global batch's row count (one
-      device's mean-loss scale; the same constant on every replica, so
-      collectives in ``loss_fn`` stay exact) and the float32 gradient scaled
-      back: the sum itself overflows float16's 65,504 on large batches.
-      Weights far from 1 move that scale (only their ratios matter under
-      ``"mean"``); there is no loss scaling.
+      weighted sum is differentiated over the global batch's ``Σ w`` per
+      micro-batch (one device's mean-loss scale; with ``axis_name``, one
+      4-byte ``psum`` of the weights before the forward pass, so the scale
+      is the same on every replica and collectives in ``loss_fn`` stay
+      exact) and the float32 gradient scaled back: the sum itself overflows
+      float16's 65,504 on large batches and flushes to 0 under small
+      weights. There is no loss scaling.
 
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
@@ -333,12 +334,22 @@ def local_gradient(
     check_axis_bound(axis_name)
     params = as_varying(params, axis_name)
 
-  # A 16-bit backward pass differentiates the weighted sum over the global batch's row count (the scale of one
-  # device's mean loss), and the float32 gradient is scaled back: the sum itself overflows float16 (65,504) on
-  # large batches. The scale is the same constant on every replica, so a loss_fn whose forward pass communicates
-  # (exact BatchNorm statistics) still gets every replica's terms right; a per-replica Σ w would not.
-  mean_scale = _sixteen_bit(params, compute_dtype)
-  replicas = 1 if axis_name is None else math.prod(lax.axis_size(a) for a in axis_names(axis_name))
+  # A 16-bit backward pass differentiates the weighted sum over one scale, the global batch's Σ w per
+  # micro-batch (one device's mean-loss scale), and the float32 gradient is scaled back: the sum itself
+  # overflows float16 (65,504) on large batches, and flushes to 0 under small weights. The scale is the same
+  # on every replica (one 4-byte psum of the weights, before the forward pass and outside the micro-batch
+  # loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets every
+  # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it is the global row count.
+  scale = None
+  if _sixteen_bit(params, compute_dtype):
+    if weights is None:
+      replicas = 1 if axis_name is None else math.prod(lax.axis_size(a) for a in axis_names(axis_name))
+      scale = jnp.float32(replicas * _rows(batch) / accum_steps)
+    else:
+      total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
+      total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
+      # A zero, negative or non-finite total (the poison path reports those) keeps the plain sum.
+      scale = lax.stop_gradient(jnp.where(total > 0, total / accum_steps, 1.0).astype(jnp.float32))
 
   def micro_gradient(micro_batch, micro_weights, micro_rng, state):
     def weighted_sum(p):
@@ -346,14 +357,10 @@ def local_gradient(
       sums = loss_sums(
           loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train
       )
-      if not mean_scale:
-        return sums.loss_sum, (sums, None)
-      rows = np.shape(micro_weights)[0] if micro_weights is not None else batch_size(micro_batch)
-      scale = jnp.float32(replicas * rows)  # static: the same on every replica
-      return sums.loss_sum / scale, (sums, scale)
+      return (sums.loss_sum if scale is None else sums.loss_sum / scale), sums
 
     with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
-      (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+      (_, sums), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
     widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
     return sums._replace(grads=jax.tree.map(widen, grads))
 

@@ -193,7 +193,11 @@ def test_bfloat16_compute_keeps_float32_master_params():
                jaxdp.gather_state(reference).params)
 
 
-def test_a_float16_parameter_gets_one_float16_device_s_gradient():
+@pytest.mark.parametrize("weight", [1e-9, 1.0, 1e5])
+def test_a_float16_gradient_is_taken_at_the_scale_of_the_mean_whatever_the_weights(weight):
+  """A float16 parameter's gradient of the weighted *sum* flushed to 0 under small weights (a wrong step, not
+  skipped) and overflowed under large ones (skipped); now the sum is differentiated over the global Σ w (one
+  device's mean-loss scale) and scaled back in float32. Reference: float32, one device, the mean loss."""
   rng = np.random.default_rng(0)
   x, y = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
 
@@ -206,10 +210,11 @@ def test_a_float16_parameter_gets_one_float16_device_s_gradient():
   opt = optax.sgd(1.0)
   batch, weights = jaxdp.shard_uneven([{"x": x[:3], "y": y[:3]}, {"x": x[3:3], "y": y[3:3]},
                                        {"x": x[3:7], "y": y[3:7]}, {"x": x[7:], "y": y[7:]}], MESH)
-  state, metrics = jaxdp.make_train_step(half_loss, opt, MESH)(jaxdp.init_state(params, opt, MESH), batch, weights)
+  state, metrics = jaxdp.make_train_step(half_loss, opt, MESH)(jaxdp.init_state(params, opt, MESH), batch,
+                                                                weights * weight)
   assert int(metrics["skipped"]) == 0
   applied = params["h"].astype(np.float32) - np.asarray(state.params["h"], np.float32)
-  np.testing.assert_allclose(applied, expected, rtol=2e-3)  # float16 rounding of each device's part and the update
+  np.testing.assert_allclose(applied, expected, rtol=2e-3)  # float16 rounding of each device's mean and the update
 
 
 @pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float16])
@@ -241,6 +246,20 @@ def test_a_16_bit_backward_pass_keeps_collectives_in_loss_fn_exact(compute_dtype
   applied = params["W"] - np.asarray(state.params["W"])
   expected = jax.grad(reference)(params)["W"]
   assert np.max(np.abs(applied - expected)) / np.max(np.abs(expected)) < 2e-2  # 16-bit rounding: 5e-3 here
+
+
+def test_a_16_bit_local_gradient_takes_a_batch_with_a_side_input():
+  """local_gradient on its own takes a batch whose leaves need not share a leading size (a memory bank next to
+  the rows); a version of the 16-bit scale read every leaf's and refused it (found by the second diff review)."""
+  params = {"W": jnp.full((3, 2), 0.1)}
+  batch = {"a_x": np.ones((4, 3), np.float32), "z_mem": np.ones((5, 2), np.float32)}
+
+  def with_memory(p, b):
+    return jnp.tanh((b["a_x"] @ p["W"]) @ b["z_mem"].T).sum(-1)
+
+  wide = jaxdp.local_gradient(with_memory, params, batch, None)
+  half = jaxdp.local_gradient(with_memory, params, batch, None, compute_dtype=jnp.bfloat16)
+  np.testing.assert_allclose(half.grads["W"], wide.grads["W"], rtol=2e-2)
 
 
 def test_float16_compute_sums_many_tokens_without_overflow():
