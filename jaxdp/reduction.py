@@ -37,7 +37,9 @@ REDUCTIONS = ("mean", "rank_mean", "sum", "none")
   what PyTorch DDP computes; a replica with zero weight contributes zero but
   still counts in the denominator.
 * ``"sum"``: all-reduced sum of the local weighted sums.
-* ``"none"``: no communication; each replica steps on its own local mean.
+* ``"none"``: no communication of the gradient; each replica steps on its own
+  local mean (a 16-bit backward pass still sums the weights once, 4 bytes, for
+  its scale: see :func:`local_gradient`).
 """
 
 
@@ -322,7 +324,9 @@ def local_gradient(
       is the same on every replica and collectives in ``loss_fn`` stay
       exact) and the float32 gradient scaled back: the sum itself overflows
       float16's 65,504 on large batches and flushes to 0 under small
-      weights. There is no loss scaling.
+      weights. There is no loss scaling. Under ``"rank_mean"`` or
+      ``"none"``, where each replica's own mean counts, a replica whose
+      weights are tiny next to the others' can still underflow float16.
 
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
@@ -339,17 +343,15 @@ def local_gradient(
   # overflows float16 (65,504) on large batches, and flushes to 0 under small weights. The scale is the same
   # on every replica (one 4-byte psum of the weights, before the forward pass and outside the micro-batch
   # loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets every
-  # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it is the global row count.
-  scale = None
-  if _sixteen_bit(params, compute_dtype):
-    if weights is None:
-      replicas = 1 if axis_name is None else math.prod(lax.axis_size(a) for a in axis_names(axis_name))
-      scale = jnp.float32(replicas * _rows(batch) / accum_steps)
-    else:
-      total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
-      total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
-      # A zero, negative or non-finite total (the poison path reports those) keeps the plain sum.
-      scale = lax.stop_gradient(jnp.where(total > 0, total / accum_steps, 1.0).astype(jnp.float32))
+  # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it is the global count of
+  # loss elements, the same on every replica without communication.
+  sixteen_bit, given = _sixteen_bit(params, compute_dtype), None
+  replicas = 1 if axis_name is None else math.prod(lax.axis_size(a) for a in axis_names(axis_name))
+  if sixteen_bit and weights is not None:
+    total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
+    total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
+    # A zero, negative or non-finite total (the poison path reports those) keeps the plain sum.
+    given = lax.stop_gradient(jnp.where(total > 0, total / accum_steps, 1.0).astype(jnp.float32))
 
   def micro_gradient(micro_batch, micro_weights, micro_rng, state):
     def weighted_sum(p):
@@ -357,10 +359,14 @@ def local_gradient(
       sums = loss_sums(
           loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train
       )
-      return (sums.loss_sum if scale is None else sums.loss_sum / scale), sums
+      if not sixteen_bit:
+        return sums.loss_sum, (sums, None)
+      # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
+      scale = given if given is not None else lax.stop_gradient(replicas * sums.weight_sum)
+      return sums.loss_sum / scale, (sums, scale)
 
     with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
-      (_, sums), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+      (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
     widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
     return sums._replace(grads=jax.tree.map(widen, grads))
 
@@ -714,7 +720,7 @@ def reduce_gradient(
   """Makes the replicas agree on one gradient, loss, metrics and model state, in one all-reduce.
 
   Must run inside ``shard_map`` or ``pmap`` over ``axis_name`` (except for
-  ``reduction="none"``, which communicates nothing).
+  ``reduction="none"``, which communicates no gradient).
 
   Args:
     local: this replica's :class:`LocalGradient`.

@@ -281,11 +281,18 @@ def test_float16_compute_sums_many_tokens_without_overflow():
   opt = optax.sgd(1.0)
   batch, weights = jaxdp.shard_uneven([{"x": x[:3]}, {"x": x[3:3]}, {"x": x[3:7]}, {"x": x[7:]}], MESH)
   weights = jnp.broadcast_to(weights[:, None], (weights.shape[0], tokens))
-  state, metrics = jaxdp.make_train_step(per_token, opt, MESH, compute_dtype=jnp.float16)(
-      jaxdp.init_state(params, opt, MESH), batch, weights)
+  step = jaxdp.make_train_step(per_token, opt, MESH, compute_dtype=jnp.float16)
+  state, metrics = step(jaxdp.init_state(params, opt, MESH), batch, weights)
   assert int(metrics["skipped"]) == 0
   # As close as one float16 device (each device's mean has the same subnormal cotangents, at most 4x larger).
   np.testing.assert_allclose(params["w"] - np.asarray(state.params["w"]), expected, rtol=one_device_error)
+  # Without weights (a full batch, no padding) the scale counts the tokens too: 320,000 of them here.
+  full = {"x": np.concatenate([x, x])}
+  one_device = jax.grad(lambda p: jnp.mean(per_token(half(p), half(full)).astype(jnp.float32)))(params)["w"]
+  state, metrics = step(jaxdp.init_state(params, opt, MESH), full)
+  assert int(metrics["skipped"]) == 0
+  np.testing.assert_allclose(params["w"] - np.asarray(state.params["w"]), expected,
+                             rtol=np.max(np.abs(one_device - expected) / np.abs(expected)))
 
 
 def test_bad_precision_options():
