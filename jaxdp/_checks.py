@@ -111,7 +111,7 @@ def unshared_buffers(state: Any) -> Any:
   seen: set = set()
   out = []
   for leaf in leaves:
-    key = _buffer_key(leaf)
+    key = buffer_key(leaf)
     if key is not None and key in seen:
       leaf = leaf.copy()
     elif key is not None:
@@ -120,7 +120,7 @@ def unshared_buffers(state: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _buffer_key(leaf: Any) -> Any:
+def buffer_key(leaf: Any) -> Any:
   if not isinstance(leaf, jax.Array):
     return None
   try:

@@ -90,6 +90,7 @@ class CompiledStep:
     self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
     self._returned: tuple = ()  # weak references to the leaves of the state the last call returned
     self._returned_treedef = None  # and its structure (the same leaves in another tree are not that state)
+    self._kinds: dict = {}  # layout key -> the state's (shape, dtype) pairs, for inputs that may alias it
     self._returned_layout = self._prepared_layout = None
 
   def reset_nonfinite_guard(self) -> None:
@@ -172,11 +173,11 @@ class CompiledStep:
     rng = place(rng, replicated(self.mesh))
     batch, weights, has_more = _put_batch((batch, weights, has_more), split_along(self.mesh, self.axis_name))
     if self.donate:
-      # An input that is one of the state's arrays (weights=state.params[...]) would reach the step twice, once
-      # donated: XLA crashes the process on that. The input gets its own copy.
-      donated = {id(x) for x in (leaves if ours else jax.tree.leaves(state))}  # ours: placed already, same leaves
-      batch, weights, rng, has_more = jax.tree.map(
-          lambda x: x.copy() if id(x) in donated else x, (batch, weights, rng, has_more))
+      if layout_key not in self._kinds:  # the state's (shape, dtype) pairs follow from its layout key
+        arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+        self._kinds[layout_key] = frozenset((x.shape, x.dtype) for x in arrays)
+      batch, weights, rng, has_more = _unshared_inputs(
+          (batch, weights, rng, has_more), self._kinds[layout_key], lambda: leaves if ours else jax.tree.leaves(state))
     return layout_key, (state, batch, weights, rng, has_more)
 
   def _jitted_for(self, layout_key):
@@ -229,6 +230,26 @@ def _put_batch(inputs: Any, sharding: jax.sharding.Sharding) -> Any:
   if all(isinstance(x, jax.Array) and x.sharding == sharding for x in jax.tree.leaves(inputs)):
     return inputs
   return jax.device_put(inputs, sharding)
+
+
+def _unshared_inputs(inputs: Any, kinds: frozenset, donated: Callable[[], list]) -> Any:
+  """``inputs`` with a copy of any array that holds one of the donated state's buffers.
+
+  Such an input (``weights=state.params[...]``, or an array built on its shards) would reach the step twice,
+  once donated, and XLA crashes the process on that. Only an input of a state leaf's (shape, dtype), one of
+  ``kinds``, is compared by buffer with the state's leaves of that kind (``donated()``): the usual call pays
+  one set lookup per input array.
+  """
+
+  def own(x):
+    if not isinstance(x, jax.Array) or (x.shape, x.dtype) not in kinds:
+      return x
+    same_kind = [y for y in donated() if isinstance(y, jax.Array) and (y.shape, y.dtype) == (x.shape, x.dtype)]
+    if any(x is y for y in same_kind) or _checks.buffer_key(x) in {_checks.buffer_key(y) for y in same_kind}:
+      return x.copy()
+    return x
+
+  return jax.tree.map(own, inputs)
 
 
 def make_train_step(

@@ -94,11 +94,17 @@ def test_an_input_that_is_one_of_the_donated_state_arrays_gets_its_own_copy(zero
   fresh = lambda: jaxdp.init_state({**params(), "v": np.full(12, 0.5, np.float32)}, OPT, MESH, zero_stage=zero_stage)  # noqa: E731
   step = jaxdp.make_train_step(shared_loss, OPT, MESH, zero_stage=zero_stage)
   batch, _ = data(counts=(3, 3, 3, 3))
-  state = fresh()
-  new, metrics = step(state, batch, state.params["v"])
   expected, expected_metrics = step(fresh(), batch, np.full(12, 0.5, np.float32))
-  assert float(metrics["loss"]) == float(expected_metrics["loss"])
-  jax.tree.map(np.testing.assert_array_equal, jaxdp.gather_state(new).params, jaxdp.gather_state(expected).params)
+  state = fresh()
+  v = state.params["v"]
+  # The array itself, and another Array object on the same buffers (the second diff review's variant).
+  for shared in (lambda: v, lambda: jax.make_array_from_single_device_arrays(
+      v.shape, v.sharding, [s.data for s in v.addressable_shards])):
+    state = fresh()
+    v = state.params["v"]
+    new, metrics = step(state, batch, shared())
+    assert float(metrics["loss"]) == float(expected_metrics["loss"])
+    jax.tree.map(np.testing.assert_array_equal, jaxdp.gather_state(new).params, jaxdp.gather_state(expected).params)
 
 
 def test_the_guard_keeps_its_own_copy_of_the_nonfinite_flag():
