@@ -105,7 +105,8 @@ def _positional(loss_fn: Callable) -> tuple[list, bool] | None:
     parameters = list(inspect.signature(loss_fn).parameters.values())
   except (TypeError, ValueError):
     return None
-  named = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  named = [p for p in parameters if p.kind in positional]
   return named, any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
 
 
@@ -125,10 +126,6 @@ def _accepts_rng(loss_fn: Callable) -> bool:
   if len(named) >= 3:
     return named[2].name not in loss_keywords(loss_fn)
   return var_positional
-
-
-def _third_parameter(loss_fn: Callable) -> str:
-  return list(inspect.signature(loss_fn).parameters)[2]
 
 
 def check_loss_fn(loss_fn: Any, *, with_model_state: bool = False) -> None:
@@ -166,8 +163,8 @@ def call_loss(
   args = (params, batch) if rng is None else (params, batch, rng)
   if rng is None and _requires_rng(loss_fn):
     raise TypeError(
-        f"loss_fn takes a PRNG key as its third argument ({_third_parameter(loss_fn)!r}) without a default, and this "
-        "call has none: evaluation (make_eval_step) and a step called without rng= call loss_fn(params, batch). Give "
+        f"loss_fn takes a PRNG key as its third argument ({_positional(loss_fn)[0][2].name!r}) without a default, and "
+        "this call has none: evaluation (make_eval_step) and a step called without rng= call loss_fn(params, batch). Give "
         "it a default (def loss_fn(params, batch, rng=None, ...)) and run without dropout when it is None, or pass "
         "rng=jax.random.key(...) to the training step. Nothing ran and nothing was donated."
     )

@@ -346,7 +346,9 @@ def local_gradient(
   # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it is the global count of
   # loss elements, the same on every replica without communication.
   sixteen_bit, given = _sixteen_bit(params, compute_dtype), None
-  replicas = 1 if axis_name is None else math.prod(lax.axis_size(a) for a in axis_names(axis_name))
+  replicas = 1  # the data-parallel replicas, read only by the 16-bit scale
+  if sixteen_bit and axis_name is not None:
+    replicas = math.prod(lax.axis_size(a) for a in axis_names(axis_name))
   if sixteen_bit and weights is not None:
     total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
     total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)

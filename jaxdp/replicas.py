@@ -125,10 +125,17 @@ def replica_divergence(tree: Any, axis_name: str, *, skip_varying: bool = True) 
   tracked = skip_varying and varies(lax.axis_index(axis_name), axis_names(axis_name)[-1])
   replicated = [x for x in jax.tree.leaves(tree) if not (tracked and varies(x, axis_names(axis_name)[-1]))]
   for leaf in replicated:
-    for part in _real_parts(jnp.asarray(leaf)):
-      x = as_varying(part.astype(jnp.float32), axis_name)
-      checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
-      gaps.append(jnp.max(lax.pmax(checksum, axis_name) - lax.pmin(checksum, axis_name)))
+    gaps.append(_gap(leaf, axis_name, lambda x: as_varying(x, axis_name)))
+  return jnp.max(jnp.stack(gaps))
+
+
+def _gap(leaf: Any, axes: Any, cast: Any = lambda x: x) -> jax.Array:
+  """The largest ``pmax - pmin`` over ``axes`` of ``leaf``'s float32 checksums (sum, sum of |x|) per real part."""
+  gaps = []
+  for part in _real_parts(jnp.asarray(leaf)):
+    x = cast(part.astype(jnp.float32))
+    checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
+    gaps.append(jnp.max(lax.pmax(checksum, axes) - lax.pmin(checksum, axes)))
   return jnp.max(jnp.stack(gaps))
 
 
@@ -150,12 +157,8 @@ def divergence_over_mesh(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> jax.
     for leaf, spec in zip(leaves, flat_specs):
       used = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
       copies = tuple(a for a in everything if a not in used and mesh.shape[a] > 1)
-      if not copies:
-        continue
-      for part in _real_parts(jnp.asarray(leaf)):
-        x = part.astype(jnp.float32)
-        checksum = jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
-        gaps.append(jnp.max(lax.pmax(checksum, copies) - lax.pmin(checksum, copies)))
+      if copies:
+        gaps.append(_gap(leaf, copies))
     return lax.pmax(jnp.max(jnp.stack(gaps)), everything)  # the same on every device
 
   # check_vma=False: the copies are compared as the devices hold them, which the types say are equal.
