@@ -418,7 +418,8 @@ PACK_BYTES = 1 << 18
 
 
 def _psum(tree: Any, axis_name: str) -> Any:
-  """One all-reduce of every leaf of ``tree``, the small leaves packed into one flat operand per dtype.
+  """One all-reduce of every leaf of ``tree``, the small leaves packed into one flat operand per dtype (and
+  varying type).
 
   XLA CPU's all-reduce pays a fixed cost per operand (measured at 8 devices: 28 operands of 64 to 16,384
   floats took 5.4 ms, the same values as one flat operand 1.2 ms); packing leaves of up to
@@ -431,7 +432,9 @@ def _psum(tree: Any, axis_name: str) -> Any:
   groups: dict = {}
   for i, x in enumerate(leaves):
     if x.size * x.dtype.itemsize <= PACK_BYTES and _splittable(x):
-      groups.setdefault(jnp.dtype(x.dtype), []).append(i)
+      # By type too: a leaf replicated over a manual model axis packed with one split over it would come
+      # back typed as varying there (and differ from the parameter it updates).
+      groups.setdefault((jnp.dtype(x.dtype), _varying_axes(x)), []).append(i)
   packs = [group for group in groups.values() if len(group) > 1]
   packed = {i for group in packs for i in group}
   rows = [_to_row([leaves[i] for i in group]) for group in packs]
@@ -895,15 +898,24 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   agreed leaves from per-replica ones, so each device sums such leaves whole:
   the norm of its own values, never a mix of the replicas' slices. A leaf the
   compiler may split over another mesh axis (an ``Auto`` model axis) is
-  summed whole on every device, counted once. Without ``axis_name`` it is
+  summed whole on every device, counted once. A leaf also typed as varying
+  over a manual axis that is not a data axis (a tensor-parallel shard in a
+  hand-written ``shard_map``) is a part of the vector there too: its squares
+  are added over that axis as well, so every device holds the whole
+  gradient's norm. Without ``axis_name`` it is
   ``optax.tree.norm``. Chunks must partition the vector (ZeRO's zero padding
   adds nothing to the norm). ``divisor``: the norm of ``tree / divisor``
   (see :func:`divide_gradient`), without writing the quotient.
   """
-  partial, shared, communicate = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), False
+  data = set(axis_names(axis_name)) if axis_name is not None else set()
+  # Sums of squares keyed by the manual axes besides the data axes that the leaf varies over (a tensor-parallel
+  # shard of a hand-written shard_map): its part of the norm is completed over them too.
+  partial: dict = {}  # added over the data axes (and the key's)
+  shared: dict = {}  # added over the key's axes only
   # One device: nothing to split or add. Otherwise split agreed leaves only where they are known to be agreed.
   parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or _typed(axis_name))
   for leaf in jax.tree.leaves(tree):
+    extra = _varying_axes(leaf) - data
     if axis_name is not None and varies(leaf, axis_name):
       squares = _squares(leaf, divisor)
       # A chunk that is the same over some of the axes (ZeRO's, over "replica" of ("replica", "data")) is summed
@@ -911,14 +923,17 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
       for other in axis_names(axis_name):
         if not varies(leaf, other):
           squares = jnp.where(lax.axis_index(other) == 0, squares, 0)
-      partial, communicate = partial + squares, True
+      partial[extra] = partial.get(extra, 0) + squares
     elif parts and _splittable(leaf):
-      partial, communicate = partial + _squares(_own_part(leaf, axis_name), divisor), True
+      partial[extra] = partial.get(extra, 0) + _squares(_own_part(leaf, axis_name), divisor)
     else:
-      shared = shared + _squares(leaf, divisor)
-  if communicate:
-    partial = lax.psum(partial, axis_name)
-  return jnp.sqrt(partial + shared)
+      shared[extra] = shared.get(extra, 0) + _squares(leaf, divisor)
+  total = jnp.zeros((), jnp.float32)
+  for extra, squares in partial.items():
+    total = total + lax.psum(squares, tuple(axis_names(axis_name)) + tuple(sorted(extra)))
+  for extra, squares in shared.items():
+    total = total + (lax.psum(squares, tuple(sorted(extra))) if extra else squares)
+  return jnp.sqrt(total)
 
 
 def _typed(axis_name: Any) -> bool:

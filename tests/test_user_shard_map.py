@@ -446,3 +446,43 @@ def test_none_inside_a_typed_shard_map_says_what_to_do():
 
   with pytest.raises(ValueError, match=r"reduction='none' inside shard_map with check_vma=True.*as_varying"):
     _mapped(replica, out_specs=(P(), P()))(jaxdp.init_state(init_params(), OPT, MESH), *_global(*device_data(0)))
+
+
+def test_tensor_parallel_by_hand_with_replicated_parameters_and_the_global_norm():
+  """Tensor parallelism by hand with parameters replicated over the manual "model" axis next to split ones.
+  The packed all-reduce put the replicated small leaves in one operand with the split ones, typing their sums
+  as varying over "model": JAX refused the step ("cond branches must have equal output types"). The gradient
+  norm (the metric and the skip decision) counted only each model shard's part: it is completed over "model"."""
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
+  opt = optax.adam(0.1)
+  rng = np.random.default_rng(3)
+  params = {"W": rng.normal(size=(D, 4)).astype(np.float32), "v": rng.normal(size=(4,)).astype(np.float32),
+            "c": np.float32(0.3), "d": rng.normal(size=(D,)).astype(np.float32)}
+  x, y = rng.normal(size=(6, D)).astype(np.float32), rng.normal(size=(6,)).astype(np.float32)
+  weights = np.array([1, 1, 0, 1, 3, 1], np.float32)
+  specs = {"W": P(None, "model"), "v": P("model"), "c": P(), "d": P()}
+
+  def predict(p, x):
+    return jax.lax.psum(jnp.tanh(x @ p["W"]) @ p["v"], "model") + p["c"] + x @ p["d"]
+
+  def body(p, batch, w):
+    state = jaxdp.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32), None)
+    state, metrics = jaxdp.train_step(lambda p, b: (predict(p, b["x"]) - b["y"]) ** 2, opt, state, batch, w,
+                                      axis_name="data")
+    return state.params, metrics["grad_norm"]
+
+  place = lambda tree, spec: jax.device_put(tree, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), spec))  # noqa: E731
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=(specs, P())))
+  new, grad_norm = step(place(params, specs), place({"x": x, "y": y}, {"x": P("data"), "y": P("data")}),
+                        place(weights, P("data")))
+
+  def reference(p):
+    out = jnp.tanh(x @ p["W"]) @ p["v"] + p["c"] + x @ p["d"]
+    return jnp.sum(weights * (out - y) ** 2) / weights.sum()
+
+  grads = jax.grad(reference)(params)
+  updates, _ = opt.update(grads, opt.init(params), params)
+  expected = optax.apply_updates(params, updates)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(new[k]), expected[k], rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(float(grad_norm), float(optax.tree.norm(grads)), rtol=RTOL)
