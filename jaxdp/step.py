@@ -27,6 +27,7 @@ from jaxdp.reduction import (
     _typed,
     _to_row,
     check_axis_bound,
+    _varying_axes,
     _with_flat_buckets,
     check_reduction,
     divide_gradient,
@@ -88,11 +89,32 @@ def apply_update(
       )
       raise
     kept = state.model_state if new_model_state is None else new_model_state
-    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1, kept)
+    new_params = optax.apply_updates(state.params, updates)
+    _check_update_types(state.params, new_params)
+    return TrainState(new_params, opt_state, state.step + 1, kept)
 
   # cond rather than a select over the whole state: a select copies every buffer each step.
   # The division and the cast happen inside the branch, fused into the update's pass over the gradient.
   return lax.cond(apply, step, lambda operand: operand[0], (state, model_state, grads))
+
+
+def _check_update_types(params: Any, new_params: Any) -> None:
+  """Refuses an update that varies over manual axes its parameter does not (JAX's cond would say only that
+  its branches' types differ): the optimizer read values that differ between those devices."""
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, old), new in zip(paths, jax.tree.leaves(new_params)):
+    extra = _varying_axes(new) - _varying_axes(old)
+    if extra:
+      raise ValueError(
+          f"the optimizer's update of params{jax.tree_util.keystr(path)} varies over the manual mesh axes "
+          f"{sorted(extra)}, where the parameter is replicated: the optimizer read values that differ between "
+          "those devices (a gradient not reduced over them, or a whole-gradient transformation of a shard). Inside "
+          "your own shard_map with a manual model axis the optimizer sees each device's "
+          "shard of the gradient only, so transformations that read the whole gradient (optax.clip_by_global_norm, "
+          "LAMB's trust ratio, Adafactor's factored moments) compute each shard's own value. Use "
+          "jaxdp.make_train_step with that axis in the mesh (XLA partitions the update on the global arrays), or "
+          "an optimizer that reads each element on its own."
+      )
 
 
 def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | None = None) -> Any:

@@ -486,3 +486,25 @@ def test_tensor_parallel_by_hand_with_replicated_parameters_and_the_global_norm(
   for k in params:
     np.testing.assert_allclose(np.asarray(new[k]), expected[k], rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(float(grad_norm), float(optax.tree.norm(grads)), rtol=RTOL)
+
+
+def test_a_whole_gradient_transformation_of_a_tensor_parallel_shard_is_named():
+  """optax.clip_by_global_norm inside a hand-written tensor-parallel shard_map reads each model shard's norm:
+  the update of a parameter replicated over "model" would vary over it. JAX said only that the cond's branch
+  types differ; jaxdp names the parameter, the axis and the way out."""
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
+  opt = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+  rng = np.random.default_rng(4)
+  params = {"W": rng.normal(size=(D, 4)).astype(np.float32), "c": np.float32(0.3)}
+  specs = {"W": P(None, "model"), "c": P()}
+
+  def body(p, batch):
+    state = jaxdp.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32), None)
+    loss_fn = lambda p, b: (jax.lax.psum(jnp.sum(b["x"] @ p["W"], -1), "model") + p["c"] - b["y"]) ** 2  # noqa: E731
+    return jaxdp.train_step(loss_fn, opt, state, batch, axis_name="data")[0].params
+
+  place = lambda tree, spec: jax.device_put(tree, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), spec))  # noqa: E731
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs))
+  batch = {"x": rng.normal(size=(4, D)).astype(np.float32), "y": rng.normal(size=(4,)).astype(np.float32)}
+  with pytest.raises(ValueError, match=r"params\['c'\] varies over the manual mesh axes \['model'\].*make_train_step"):
+    step(place(params, specs), place(batch, {"x": P("data"), "y": P("data")}))
