@@ -24,7 +24,10 @@ the data axis.
 * The loss is called on a Module rebuilt inside the traced step (so
   BatchNorm may update its statistics: no "Cannot mutate BatchStat from a
   different trace level"), in ``model.train()`` mode in the training step and
-  ``model.eval()`` mode in the evaluation step.
+  ``model.eval()`` mode in the evaluation step; layers frozen at
+  :func:`split` stay frozen with ``keep_frozen=True`` (a model with frozen
+  layers needs that choice). What the call sows (``nnx.Intermediate``) is
+  dropped.
 * flax's own ``nnx.BatchNorm`` is refused: it puts zero-weight padding rows
   into its statistics unless every call passes a ``mask``, and even with a
   mask it averages the devices' means with equal weight, which is not the
@@ -58,11 +61,14 @@ class Definition(NamedTuple):
     rng_state: the ``nnx.RngState`` variables (keys and counts), replaced by
       per-replica keys in every training step.
     streams: the names of the RNG streams (e.g. ``("dropout",)``).
+    frozen: ``(path, attribute)`` of the mode flags that training keeps as
+      they were at :func:`split` (``keep_frozen=True``).
   """
 
   graphdef: Any
   rng_state: Any
   streams: tuple[str, ...]
+  frozen: tuple[tuple[tuple, str], ...] = ()
 
 
 def _flax_batchnorm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]:
@@ -71,7 +77,18 @@ def _flax_batchnorm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]
           if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)]
 
 
-def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False) -> tuple[Definition, Any, Any]:
+_MODE_FLAGS = ("use_running_average", "deterministic")  # what model.train() and model.eval() set
+
+
+def _frozen_flags(model: nnx.Module) -> list[tuple[tuple, str]]:
+  """``(path, attribute)`` of each mode flag set to its evaluation value (flax's own BatchNorm aside)."""
+  return [(tuple(path), flag) for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.Module) and not (isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm))
+          for flag in _MODE_FLAGS if getattr(node, flag, None) is True]
+
+
+def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False,
+          keep_frozen: bool | None = None) -> tuple[Definition, Any, Any]:
   """``(definition, params, model_state)`` of ``model`` for :func:`jaxdp.init_state` and :func:`loss_fn`.
 
   Args:
@@ -81,6 +98,16 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False) -> tuple[Def
       too (where ``model.train()`` would switch them to batch statistics,
       padding rows included). By default they are refused with a
       ``ValueError``: see the module docstring.
+    keep_frozen: what the training step does with layers that are in
+      evaluation mode now (``use_running_average=True`` or
+      ``deterministic=True``: a BatchNorm or Dropout frozen for fine-tuning,
+      or a model after ``model.eval()``). ``True``: they stay so in training
+      (every other layer trains), as a one-device program that never calls
+      ``model.train()``. ``False``: training switches every layer to
+      training mode (``model.train()``, what a one-device loop that calls it
+      does). ``None`` (default): a model with such layers is refused with a
+      ``ValueError`` naming them, since either choice would silently give
+      the other program's numbers.
 
   Returns:
     ``definition`` (a :class:`Definition`), ``params`` (an ``nnx.State`` of
@@ -98,10 +125,22 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False) -> tuple[Def
         "(same arguments; pass mask=weights in the call), or pass allow_flax_batchnorm=True if they only run on "
         "their running averages."
     )
+  if keep_frozen not in (None, True, False):
+    raise TypeError(f"keep_frozen must be True, False or None, got {keep_frozen!r}.")
+  frozen = _frozen_flags(model)
+  if frozen and keep_frozen is None:
+    named = ", ".join(f"{'/'.join(map(str, path)) or '<root>'}.{flag}" for path, flag in frozen[:6])
+    raise ValueError(
+        f"model has layers in evaluation mode ({named}{', ...' if len(frozen) > 6 else ''} are True). Say what "
+        "training does with them: jaxdp.nnx.split(model, keep_frozen=True) keeps them frozen while the rest "
+        "trains (fine-tuning; a one-device program that never calls model.train()), keep_frozen=False switches "
+        "every layer to training mode in the training step (model.train(), e.g. after model.eval())."
+    )
   graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   streams = tuple(sorted({stream for stream, _ in _stream_paths(model)}))
   model_state = rest if jax.tree.leaves(rest) else None
-  return Definition(graphdef, rng_state, streams), params, model_state
+  kept = tuple(frozen) if keep_frozen else ()
+  return Definition(graphdef, rng_state, streams, kept), params, model_state
 
 
 def partition_specs(model_or_params: Any) -> Any:
@@ -214,6 +253,10 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
       # allow_flax_batchnorm) as layers that run on their running averages, so they stay on them.
       for _, bn in _flax_batchnorm_layers(model):
         bn.use_running_average = True
+      if definition.frozen:  # split(keep_frozen=True): the layers frozen then stay frozen
+        nodes = dict(nnx.iter_graph(model))
+        for path, flag in definition.frozen:
+          setattr(nodes[path], flag, True)
     else:
       model.eval()
     if rng is not None and definition.streams:
@@ -231,6 +274,9 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
         "axis_name": axis_name,
     }
     losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}))
+    # What the call sowed (nnx.Intermediate) is not model state: on one device it is read off the Module
+    # (nnx.pop) and dropped; return it as a metric from fn to keep it.
+    nnx.pop(model, nnx.Intermediate)
     _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
     return LossOutput(losses, new_state if model_state is not None else None, metrics)
 
