@@ -598,30 +598,54 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
       raise ValueError(
           f"model_state{jax.tree_util.keystr(path)} ({x.dtype}) differs between the replicas: it depends on each "
           "replica's rows, so no replica's value is what one device would hold (DDP keeps rank 0's, silently). Make "
-          "it identical where it is computed (in loss_fn): lax.psum it over axis_name for a count, lax.pmax for a "
-          "maximum, or compute it from replicated values only (a step counter: model_state['n'] + 1)."
+          "it identical where it is computed (in loss_fn): lax.psum it over axis_name for a count, "
+          "lax.pmax(lax.stop_gradient(x), axis_name) for a maximum, or compute it from replicated values only (a "
+          "step counter: model_state['n'] + 1). A value the same everywhere but computed from the params or an "
+          "all_gather is typed as per-replica too (the step differentiates each replica's copy of the params): "
+          "lax.pmax(lax.stop_gradient(x), axis_name) makes it replicated without changing it."
       )
     elif jnp.issubdtype(x.dtype, jnp.floating):
       how.append("mean")
       contributions.append(jnp.where(weight_sum > 0, _at_least_float32(x) * weight_sum, 0))
       if fallback:  # for a global weight of 0 (no replica saw a real row): replica 0's value, not 0
         contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
+    elif jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys: their bits travel
+      how.append(("key", jax.random.key_impl(x)))
+      bits = jax.random.key_data(x)
+      contributions.append(jnp.where(lax.axis_index(axis_name) == 0, bits, jnp.zeros_like(bits)))
     else:
       how.append("first")
       contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
+  if not tracked:
+    # Nothing types a floating leaf as the same on every replica here (a float step counter, a decay factor):
+    # one pmax of (x, -x) finds the elements every replica agrees on, kept exactly (a weighted mean of equal
+    # values is not always the value: Σ w·x / Σ w rounds).
+    floats = [i for i, mode in enumerate(how) if mode == "mean"]
+    if floats:
+      leaves = [paths[i][1] for i in floats]
+      highest = lax.pmax([jnp.stack([x, -x]) for x in leaves], axis_name)
+      for i, x, both in zip(floats, leaves, highest):
+        how[i] = ("mean", x, both[0] == -both[1])
   return how, contributions, treedef
 
 
 def _rebuild_state(leaves: list, how: list, sums: list, weight: jax.Array, treedef: Any, fallback: bool = False) -> Any:
   sums, out = iter(sums), []
   for x, mode in zip(leaves, how):
+    agreed = None
+    if isinstance(mode, tuple) and mode[0] == "mean":  # untracked: (mode, own value, where all replicas agree)
+      mode, own, agreed = mode
     if mode == "keep":
       out.append(x)
-    elif mode == "mean" and fallback:
-      weighted, first = next(sums), next(sums)
-      out.append(jnp.where(weight > 0, _safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype)))
+    elif isinstance(mode, tuple):  # a typed key: replica 0's bits
+      out.append(jax.random.wrap_key_data(next(sums), impl=mode[1]))
     elif mode == "mean":
-      out.append(_safe_divide(next(sums), weight).astype(x.dtype))
+      if fallback:
+        weighted, first = next(sums), next(sums)
+        value = jnp.where(weight > 0, _safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype))
+      else:
+        value = _safe_divide(next(sums), weight).astype(x.dtype)
+      out.append(value if agreed is None else jnp.where(agreed, own, value))
     else:
       out.append(next(sums).astype(x.dtype))
   return jax.tree.unflatten(treedef, out)
@@ -639,10 +663,12 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   means average to the running mean of the global batch (replica 0's value
   if no replica has weight). That is right for mean-like statistics only: a
   count or a maximum over the batch must be made identical in ``loss_fn``
-  (``lax.psum``/``lax.pmax``). A leaf of another dtype that differs per
-  replica raises ``ValueError`` (no replica's value is one device's). Under
-  ``pmap`` or ``check_vma=False`` (no replication types) every leaf is
-  treated as differing, and non-floating ones take replica 0's value.
+  (``lax.psum``; ``lax.pmax`` of a ``lax.stop_gradient``). A leaf of another
+  dtype that differs per replica raises ``ValueError`` (no replica's value
+  is one device's). Under ``pmap`` or ``check_vma=False`` (no replication
+  types) every leaf is treated as differing: floating elements that every
+  replica holds equal are kept exactly (one ``pmax``), the others averaged;
+  non-floating leaves take replica 0's value.
   :func:`reduce_gradient` does the same inside its one all-reduce.
   """
   check_axis_bound(axis_name)

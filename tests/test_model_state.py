@@ -390,3 +390,63 @@ def test_flax_linen_batchnorm_is_refused_in_training_and_runs_in_evaluation():
     jaxdp.make_train_step(loss_fn, OPT, mesh)(state, *jaxdp.shard_uneven(portions, mesh))
   metrics = jaxdp.make_eval_step(loss_fn, mesh)(state, *jaxdp.shard_uneven(portions, mesh))
   assert float(metrics["weight"]) == 9.0 and np.isfinite(float(metrics["loss"]))
+
+
+def test_state_the_same_on_every_replica_is_kept_exactly_under_pmap():
+  """pmap has no replication types, so every floating leaf was rebuilt as Σ w·x / Σ w, which rounds: a float
+  step counter from 1e4 read 10199.895 after 200 steps with fractional weights (shard_map and one device:
+  10200). Elements all replicas agree on are kept exactly (one pmax); a typed PRNG key, which crashed psum
+  ("Cannot interpret 'key<fry>' as a data type"), travels as its bits. Per-replica statistics are still
+  averaged by weight (test_local_statistics_are_averaged_by_weight)."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=(8,)).astype(np.float32)}
+  weights = (rng.uniform(0.01, 1.0, size=8) ** 3).astype(np.float32)
+
+  def loss_fn(params, batch, *, model_state):
+    new = {"t": model_state["t"] + 1.0, "key": jax.random.split(model_state["key"])[0]}
+    return jaxdp.LossOutput(0.5 * (batch["x"] @ params["w"] - batch["y"]) ** 2, model_state=new)
+
+  steps = 60
+  key, t = jax.random.key(3), np.float32(1e4)
+  for _ in range(steps):  # the one-device program's state
+    key, t = jax.random.split(key)[0], t + np.float32(1.0)
+  for backend in ("shard_map", "pmap"):
+    state = jaxdp.init_state({"w": np.array([0.3, -0.7, 1.1], np.float32)}, OPT, mesh,
+                             model_state={"t": np.float32(1e4), "key": jax.random.key(3)})
+    step = jaxdp.make_train_step(loss_fn, OPT, mesh, backend=backend)
+    for _ in range(steps):
+      state, _ = step(state, batch, weights)
+    assert float(state.model_state["t"]) == float(t), backend
+    np.testing.assert_array_equal(jax.random.key_data(state.model_state["key"]), jax.random.key_data(key))
+
+
+def test_the_refusals_advice_for_state_computed_from_params_and_for_a_maximum_works():
+  """A pruning mask |w| > 0.5 is the same on every replica but typed per-replica (the step differentiates each
+  replica's copy of the params): refused, and the message's lax.pmax(lax.stop_gradient(x)) makes it replicated.
+  The README's advice for a running maximum was lax.pmax alone, which has no derivative (NotImplementedError
+  inside the differentiated loss); with stop_gradient it gives the one-device maximum over the real rows."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  rng = np.random.default_rng(1)
+  portions = [{"x": rng.normal(size=(n, 3)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)}
+              for n in (3, 0, 5, 1)]
+  params = {"w": np.array([0.3, -0.7, 1.1], np.float32)}
+
+  def loss_fn(advised):
+    def loss(p, batch, *, model_state, weights, axis_name):
+      h = batch["x"] @ p["w"]
+      mask = jax.lax.stop_gradient(jnp.abs(p["w"]) > 0.5)
+      top = jax.lax.stop_gradient(jnp.where(weights > 0, h, -jnp.inf).max())
+      if advised:
+        mask, top = jax.lax.pmax(mask, axis_name), jax.lax.pmax(top, axis_name)
+      new = {"mask": mask, "max": jnp.maximum(model_state["max"], top)}
+      return jaxdp.LossOutput(0.5 * (h - batch["y"]) ** 2, model_state=new)
+    return loss
+
+  state = jaxdp.init_state(params, OPT, mesh, model_state={"mask": np.zeros(3, bool), "max": np.float32(-np.inf)})
+  with pytest.raises(ValueError, match=r"model_state\['mask'\].*computed from the params.*lax\.stop_gradient"):
+    jaxdp.make_train_step(loss_fn(False), OPT, mesh)(state, *jaxdp.shard_uneven(portions, mesh))
+  state, _ = jaxdp.make_train_step(loss_fn(True), OPT, mesh)(state, *jaxdp.shard_uneven(portions, mesh))
+  x = np.concatenate([p["x"] for p in portions])
+  np.testing.assert_array_equal(state.model_state["mask"], np.abs(params["w"]) > 0.5)
+  np.testing.assert_allclose(float(state.model_state["max"]), float(np.max(x @ params["w"])), rtol=RTOL)
