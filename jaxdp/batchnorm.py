@@ -429,6 +429,9 @@ class BatchNorm(nnx.Module):
       use_running_average: overrides the attribute of the same name.
       mask: ``None`` or weights ``>= 0`` (bool or numeric; 0 = padding) of
         the leading non-feature axes (e.g. ``[b]``) or broadcastable to ``x``.
+        Numeric weights weigh each row's statistics (frequency weights);
+        flax's boolean mask counts each row once: with sample weights, pass
+        ``mask=weights > 0`` for flax's statistics.
 
     Returns:
       The normalised input, of ``x``'s shape.
