@@ -337,6 +337,13 @@ def _choice(value, name: str, choices: tuple) -> None:
     raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}.")
 
 
+def _stage(value) -> int:
+  """A ZeRO stage: an int in ``ZERO_STAGES`` (``True`` and ``1.0`` refused: ``True == 1`` and ``1.0 == 1``)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in ZERO_STAGES:
+    raise ValueError(f"zero_stage must be an int, one of {', '.join(map(repr, ZERO_STAGES))}, got {value!r}.")
+  return int(value)
+
+
 def _check_precision(precision) -> Precision:
   if not isinstance(precision, Precision):
     raise ValueError(f"precision must be a jaxdp.scaling.Precision (e.g. MIXED_ADAM), got {precision!r}.")
@@ -520,7 +527,7 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
   """
   psi = _int(psi, "psi", 1)
   n = _int(n_devices, "n_devices", 1)
-  _choice(zero_stage, "zero_stage", ZERO_STAGES)
+  zero_stage = _stage(zero_stage)
   _choice(schedule, "schedule", SCHEDULES)
   precision = _check_precision(precision)
   split = psi if split_params is None else _int(split_params, "split_params", 0)
@@ -558,7 +565,7 @@ def jaxdp_norm_bytes(zero_stage: int, split_leaves: int, *, model_axis: bool = F
   every device then sums the whole gradient, see :func:`jaxdp.global_norm`).
   Stage 1: none (the norm of the replicated gradient needs no collective).
   """
-  _choice(zero_stage, "zero_stage", ZERO_STAGES)
+  zero_stage = _stage(zero_stage)
   split_leaves = _int(split_leaves, "split_leaves", 0)
   if zero_stage >= 2:
     return 4 * split_leaves
@@ -645,7 +652,7 @@ def step_time(model: ModelCost, n_devices: int, topology: Topology, *, batch_per
   n = _int(n_devices, "n_devices", 1)
   _check_topology(topology, n)
   batch = _int(batch_per_device, "batch_per_device", 1)
-  _choice(zero_stage, "zero_stage", ZERO_STAGES)
+  zero_stage = _stage(zero_stage)
   if bucket_bytes is not None:
     _real(bucket_bytes, "bucket_bytes", open_min=True)
   _choice(algorithm, "algorithm", ALGORITHMS)
@@ -683,6 +690,8 @@ def communication_bound_at(model: ModelCost, topology: Topology, *, batch_per_de
     That N, or ``None`` if communication stays below compute up to ``max_devices``.
   """
   _check_model(model)
+  if "zero_stage" in options:
+    _stage(options["zero_stage"])
   for n in valid_device_counts(topology, max_devices):
     t = step_time(model, n, topology, batch_per_device=batch_per_device, **options)
     if t.communication - t.hidden > t.compute:
@@ -722,7 +731,7 @@ def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Pr
   """
   psi = _real(psi, "psi")
   n = _int(n_devices, "n_devices", 1)
-  _choice(zero_stage, "zero_stage", ZERO_STAGES)
+  zero_stage = _stage(zero_stage)
   split = psi if split_params is None else _real(split_params, "split_params", 0.0, psi)
   replicated, sharded = _state_bytes(zero_stage, _check_precision(precision))
   return split * (replicated + sharded / n) + (psi - split) * (replicated + sharded)
@@ -746,7 +755,7 @@ def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precisio
   memory = _real(memory_bytes, "memory_bytes")
   reserved = _real(reserved_bytes, "reserved_bytes", 0.0, memory)
   n = _int(n_devices, "n_devices", 1)
-  _choice(zero_stage, "zero_stage", ZERO_STAGES)
+  zero_stage = _stage(zero_stage)
   replicated, sharded = _state_bytes(zero_stage, _check_precision(precision))
   per_n_devices = replicated * n + sharded  # bytes per parameter, times N: keeps the division exact
   if per_n_devices == 0:

@@ -332,3 +332,30 @@ def test_model_bytes_equal_bytes_counted_in_a_compiled_jaxdp_step(n, zero_stage,
                             split_params=split, scalar_bytes=8, norm_bytes=4 if zero_stage == 0 else 4 * split_leaves)
   for kind in scaling.KINDS:
     assert counted[kind].bytes == sum(op.nbytes for op in ops if op.kind == kind), (kind, counted)
+
+
+# Every public function that takes a ZeRO stage, called with ``stage``.
+STAGE_TAKERS = {
+    "collectives": lambda stage: scaling.collectives(1000, 4, stage),
+    "communication_volume": lambda stage: scaling.communication_volume(1000, 4, stage),
+    "jaxdp_norm_bytes": lambda stage: scaling.jaxdp_norm_bytes(stage, 3),
+    "step_time": lambda stage: scaling.step_time(MODEL, 4, TOY, batch_per_device=2, zero_stage=stage),
+    "communication_bound_at": lambda stage: scaling.communication_bound_at(
+        MODEL, TOY, batch_per_device=2, max_devices=8, zero_stage=stage),
+    "memory_per_device": lambda stage: scaling.memory_per_device(1e9, 8, stage),
+    "largest_model": lambda stage: scaling.largest_model(80e9, 8, stage),
+}
+
+
+@pytest.mark.parametrize("function", sorted(STAGE_TAKERS))
+@pytest.mark.parametrize("stage", [True, False, 1.0, 2.0, np.float64(3.0), "1", None, -1, 4])
+def test_zero_stage_must_be_an_int_not_a_bool_or_a_float(function, stage):
+  """True == 1 and 1.0 == 1, so a membership test alone accepted them as stage 1."""
+  with pytest.raises(ValueError, match="zero_stage"):
+    STAGE_TAKERS[function](stage)
+
+
+@pytest.mark.parametrize("function", sorted(STAGE_TAKERS))
+def test_zero_stage_accepts_numpy_ints(function):
+  for stage in scaling.ZERO_STAGES:
+    assert STAGE_TAKERS[function](np.int64(stage)) == STAGE_TAKERS[function](stage)
