@@ -25,12 +25,17 @@ Collectives on N devices, message of M bytes (Thakur, Rabenseifner & Gropp
 * tree all-reduce (NCCL's double binary tree across nodes, a chain inside a
   node; Sanders, Speck & Träff 2009; NCCL 2.4, 2019): 2((g−1) + ⌈log2 nodes⌉)
   steps and 2M bytes per device (NCCL converts bus to algorithm bandwidth with
-  a factor ½ for trees). Reduce-scatter and all-gather use the ring (NCCL has
-  no tree for them).
+  a factor ½ for trees). A tree step has its own latency, ``Link.tree_latency``
+  (NCCL's tuning model, v2.8.3: 28 µs per tree step over NVLink and over the
+  network, against 3.4 and 9.6 µs per ring step; see the presets), so the
+  tree pays 2((g−1)·α_tree,intra + ⌈log2 nodes⌉·α_tree,inter). (NCCL's tuner
+  counts ⌊log2 nodes⌋; the same for a power of two.) Reduce-scatter and
+  all-gather use the ring (NCCL has no tree for them).
 * hierarchical: reduce-scatter inside each node of g devices, all-reduce of
   the 1/g shard between nodes (ring or tree, whichever is faster, as NCCL's
   tuner picks per call), all-gather inside the node. With one node it *is*
-  the ring.
+  the ring. Which one wins between nodes, and so the hierarchical figures
+  at 16-1,024 GPUs, depends on the tree's per-step latency.
 
 The flat ring and tree are paced by the slowest link they use, with one
 logical ring (one channel): the textbook model. On clusters with one NIC per
@@ -148,11 +153,16 @@ class Link(NamedTuple):
     name: a label.
     bandwidth: bytes per second one device can send (and, at the same time,
       receive) on this link: the per-direction figure, 1/β.
-    latency: α, seconds per step of a collective algorithm on this link.
+    latency: α, seconds per step of the ring (and of reduce-scatter,
+      all-gather and the hierarchical collectives' rings) on this link.
     shared: the bandwidth is one medium shared by all devices on it (e.g.
       simulated devices copying through one host's memory): each of g
       devices then gets ``bandwidth / g``. Point-to-point links: ``False``.
     source: where the figures come from.
+    tree_latency: α of one step of the tree all-reduce on this link (NCCL's
+      tuning model gives trees their own, larger per-step latency: see
+      :data:`NCCL_TREE_LATENCY`). ``None``: assumed equal to ``latency``
+      (no separate figure known).
   """
 
   name: str
@@ -160,6 +170,7 @@ class Link(NamedTuple):
   latency: float
   shared: bool = False
   source: str = ""
+  tree_latency: float | None = None
 
 
 class Topology(NamedTuple):
@@ -257,32 +268,54 @@ class StepTime(NamedTuple):
 # Presets. Nominal peak figures: real collectives reach a fraction of them.
 # ---------------------------------------------------------------------------
 
-# NCCL's cost model (NVIDIA/nccl src/graph/tuning.cc, 2020 source: ring, Simple
-# protocol, the one used for large messages): per-step hwLat 3.4 µs over NVLink,
-# 9.6 µs over the network; baseLat 8.4 µs per call.
-_NCCL = "latency: NCCL's tuning model (src/graph/tuning.cc, ring/Simple hwLat)"
+# NCCL's cost model, read from the source: NVIDIA/nccl tag v2.8.3-1 (2020-11-17,
+# commit 920dbe5b359fe5817b8ba874476ca4ba2dc5f1ef), src/graph/tuning.cc, Simple
+# protocol (the one used for large messages):
+#   hwLat  NVLINK: Tree 28 µs, Ring 3.4 µs per step;  NET: Tree 28 µs, Ring 9.6 µs per step
+#   baseLat (per call): Ring 8.4 µs, Tree 0 µs
+# The same values from v2.8.3-1 to v2.11.4-1 (2021-09). NCCL's comment on the row:
+# "Tree/Simple is the latency a 256kB chunk, which is ~ base lat + 256k/12GB/s
+# (+ 256k/12GB/s for the network)", so the tree's figure includes one chunk's
+# transfer, which the bandwidth term here counts again (an overestimate for large
+# messages). Other versions: v2.7.x has NET Tree/Simple 50 µs; NET Ring/Simple is
+# 28 µs in v2.12-v2.13, 9.6 µs again in v2.14-v2.17 and 14 µs from v2.18; from
+# v2.23 (2024-09; still in v2.30.7-1, 2026-06) Tree/Simple is 4.0 µs over NVLink
+# and 14 µs over the network.
+# The model charges the ring's 8.4 µs per call (``Topology.launch_latency``) to
+# trees too, 8.4 µs more than NCCL 2.8's Tree/Simple baseLat of 0.
+_NCCL = ("latency: NCCL's tuning model (NVIDIA/nccl v2.8.3-1, src/graph/tuning.cc, hwLat, Simple protocol: "
+         "ring {ring} µs, tree {tree} µs per step)")
 NCCL_LAUNCH_LATENCY = 8.4e-6
+NCCL_TREE_LATENCY = 28e-6  # hwLat Tree/Simple, NVLink and network alike, NCCL v2.8.3-1
+_NCCL_NVLINK = _NCCL.format(ring=3.4, tree=28)
+_NCCL_NET = _NCCL.format(ring=9.6, tree=28)
 
 NVLINK2_V100 = Link(
     "NVLink 2 (V100 SXM2)", 150 * GB, 3.4e-6,
-    source=f"NVIDIA Tesla V100 datasheet (2017-2018): 300 GB/s total per GPU, 150 GB/s per direction; {_NCCL}")
+    source=f"NVIDIA Tesla V100 datasheet (2017-2018): 300 GB/s total per GPU, 150 GB/s per direction; {_NCCL_NVLINK}",
+    tree_latency=NCCL_TREE_LATENCY)
 NVLINK3_A100 = Link(
     "NVLink 3 (A100 SXM)", 300 * GB, 3.4e-6,
     source=f"NVIDIA A100 Tensor Core GPU datasheet (2020-2021): 600 GB/s total per GPU, "
-           f"300 GB/s per direction; {_NCCL}")
+           f"300 GB/s per direction; {_NCCL_NVLINK}",
+    tree_latency=NCCL_TREE_LATENCY)
 NVLINK4_H100 = Link(
     "NVLink 4 (H100 SXM)", 450 * GB, 3.4e-6,
     source=f"NVIDIA H100 Tensor Core GPU datasheet (2022-2023): 900 GB/s total per GPU, "
-           f"450 GB/s per direction; {_NCCL}")
+           f"450 GB/s per direction; {_NCCL_NVLINK}",
+    tree_latency=NCCL_TREE_LATENCY)
 IB_EDR = Link(
     "InfiniBand EDR 100 Gb/s per GPU", 12.5 * GB, 9.6e-6,
-    source=f"InfiniBand EDR: 100 Gb/s per port = 12.5 GB/s per direction; {_NCCL}")
+    source=f"InfiniBand EDR: 100 Gb/s per port = 12.5 GB/s per direction; {_NCCL_NET}",
+    tree_latency=NCCL_TREE_LATENCY)
 IB_HDR = Link(
     "InfiniBand HDR 200 Gb/s per GPU", 25 * GB, 9.6e-6,
-    source=f"NVIDIA ConnectX-6 / DGX A100 datasheet (2020): 8 x 200 Gb/s HDR, one per GPU = 25 GB/s; {_NCCL}")
+    source=f"NVIDIA ConnectX-6 / DGX A100 datasheet (2020): 8 x 200 Gb/s HDR, one per GPU = 25 GB/s; {_NCCL_NET}",
+    tree_latency=NCCL_TREE_LATENCY)
 IB_NDR = Link(
     "InfiniBand NDR 400 Gb/s per GPU", 50 * GB, 9.6e-6,
-    source=f"NVIDIA ConnectX-7 / DGX H100 datasheet (2022-2023): 8 x 400 Gb/s NDR, one per GPU = 50 GB/s; {_NCCL}")
+    source=f"NVIDIA ConnectX-7 / DGX H100 datasheet (2022-2023): 8 x 400 Gb/s NDR, one per GPU = 50 GB/s; {_NCCL_NET}",
+    tree_latency=NCCL_TREE_LATENCY)
 TPU_V4_ICI = Link(
     "TPU v4 ICI", 1.1e15 / 4096, 1e-6,
     source="Google Cloud TPU v4 documentation (2023; Jouppi et al., ISCA 2023): all-reduce bandwidth 1.1 PB/s "
@@ -357,7 +390,14 @@ def _check_link(link, name: str) -> Link:
     raise ValueError(f"{name} must be a jaxdp.scaling.Link, got {link!r}.")
   _real(link.bandwidth, f"{name}.bandwidth", open_min=True)
   _real(link.latency, f"{name}.latency")
+  if link.tree_latency is not None:
+    _real(link.tree_latency, f"{name}.tree_latency")
   return link
+
+
+def _tree_alpha(link: Link) -> float:
+  """α of one tree step on ``link``: its own figure, else (assumed) the ring's."""
+  return link.latency if link.tree_latency is None else link.tree_latency
 
 
 def _check_topology(topology, n_devices: int) -> int:
@@ -427,10 +467,10 @@ def _tree_time(nbytes: float, n: int, nodes: int, topology: Topology) -> float:
   """NCCL's all-reduce tree: chain inside a node, double binary tree between nodes, 2M bytes per device."""
   g = n // nodes
   bandwidth = _per_device_bandwidth(topology.intra, g)
-  latency = 2 * (g - 1) * topology.intra.latency
+  latency = 2 * (g - 1) * _tree_alpha(topology.intra)
   if nodes > 1:
     bandwidth = min(bandwidth, topology.inter.bandwidth)
-    latency += 2 * math.ceil(math.log2(nodes)) * topology.inter.latency
+    latency += 2 * math.ceil(math.log2(nodes)) * _tree_alpha(topology.inter)
   return latency + 2 * nbytes / bandwidth
 
 

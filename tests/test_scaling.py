@@ -159,6 +159,46 @@ def test_tree_latency_is_logarithmic_in_nodes():
     assert t == pytest.approx(want, rel=ROUND_OFF)
 
 
+def test_tree_steps_pay_the_links_tree_latency_not_the_rings():
+  """A link's tree_latency (here 7 µs in a node, 50 µs between nodes) prices the tree's steps; rings keep α."""
+  fast, slow = FAST._replace(tree_latency=7e-6), SLOW._replace(tree_latency=50e-6)
+  no_bandwidth = TOY._replace(intra=fast._replace(bandwidth=1e300), inter=slow._replace(bandwidth=1e300))
+  # 8 nodes of 4: 2 x (3 chain steps at 7 µs + 3 tree levels at 50 µs) + the 5 µs launch = 347 µs.
+  tree = scaling.collective_time("all-reduce", 1e6, 32, no_bandwidth, algorithm="tree")
+  assert tree == pytest.approx(5e-6 + 2 * (3 * 7e-6 + 3 * 50e-6), rel=ROUND_OFF)
+  # The ring over the same 32 devices: 2 x (24 in-node steps at 1 µs + 7 node crossings at 10 µs) + 5 µs = 193 µs.
+  ring = scaling.collective_time("all-reduce", 1e6, 32, no_bandwidth, algorithm="ring")
+  assert ring == pytest.approx(5e-6 + 2 * (24 * 1e-6 + 7 * 10e-6), rel=ROUND_OFF)
+
+
+def test_nccl_presets_carry_nccls_tree_and_ring_latencies():
+  """NVIDIA/nccl v2.8.3-1 src/graph/tuning.cc, Simple protocol: hwLat NVLink ring 3.4 µs, tree 28 µs;
+  network ring 9.6 µs, tree 28 µs; baseLat ring 8.4 µs."""
+  for link in (scaling.NVLINK2_V100, scaling.NVLINK3_A100, scaling.NVLINK4_H100):
+    assert (link.latency, link.tree_latency) == (3.4e-6, 28e-6)
+  for link in (scaling.IB_EDR, scaling.IB_HDR, scaling.IB_NDR):
+    assert (link.latency, link.tree_latency) == (9.6e-6, 28e-6)
+  assert scaling.H100_NDR.launch_latency == 8.4e-6
+
+
+def test_hierarchical_on_1024_h100s_by_hand():
+  """128 nodes of 8, 8 MiB all-reduced: reduce-scatter and all-gather in the node (7 ring steps of 3.4 µs,
+  7/8 of the bytes at 450 GB/s, each), then the 1 MiB shard between nodes by the tree (2 x 7 levels at
+  28 µs, 2 MiB at 50 GB/s), which beats the ring (2 x 127 steps at 9.6 µs)."""
+  nbytes = 8 * 2**20
+  in_node = 7 * 3.4e-6 + 7 / 8 * nbytes / 450e9
+  tree = 2 * 7 * 28e-6 + 2 * (nbytes / 8) / 50e9
+  ring = 2 * 127 * 9.6e-6 + 2 * 127 / 128 * (nbytes / 8) / 50e9
+  assert tree < ring
+  want = 8.4e-6 + 2 * in_node + tree
+  got = scaling.collective_time("all-reduce", nbytes, 1024, scaling.H100_NDR)
+  assert got == pytest.approx(want, rel=ROUND_OFF)
+  # Two nodes: the ring (2 steps at 9.6 µs) beats the tree (2 levels at 28 µs).
+  two = scaling.collective_time("all-reduce", nbytes, 16, scaling.H100_NDR)
+  ring2 = 2 * 1 * 9.6e-6 + 2 * 1 / 2 * (nbytes / 8) / 50e9
+  assert two == pytest.approx(8.4e-6 + 2 * in_node + ring2, rel=ROUND_OFF)
+
+
 def test_overlap_hides_at_most_the_backward_pass_and_never_the_last_bucket():
   kwargs = dict(batch_per_device=8, algorithm="ring")
   one_bucket = scaling.step_time(MODEL, 4, TOY, overlap=1.0, **kwargs)
@@ -212,6 +252,8 @@ def test_presets_are_consistent():
         (lambda: scaling.step_time(MODEL, 2, TOY._replace(intra=FAST._replace(bandwidth=0.0)), batch_per_device=1),
          "topology.intra.bandwidth"),
         (lambda: scaling.collective_time("all-to-all", 1.0, 2, TOY), "kind"),
+        (lambda: scaling.collective_time("all-reduce", 1.0, 8, TOY._replace(inter=SLOW._replace(tree_latency=-1.0)),
+                                         algorithm="tree"), "topology.inter.tree_latency"),
         (lambda: scaling.communication_bound_at(MODEL, None, batch_per_device=1), "topology"),
         (lambda: scaling.communication_bound_at(MODEL, TOY, batch_per_device=1, max_devices=0), "max_devices"),
         (lambda: scaling.memory_per_device(-1, 8, 0), "psi"),
