@@ -47,13 +47,28 @@ Trillion Parameter Models", SC 2020), Ψ parameters, p/g bytes per parameter
 and gradient element, K bytes of optimizer state per parameter, N devices:
 
   stage 0: (p + g + K) Ψ       stage 1: (p + g) Ψ + K Ψ / N
-  stage 2: p Ψ + (g + K) Ψ / N  stage 3: (p + g + K) Ψ / N
+  stage 2: p Ψ + (g + K) Ψ / N  stage 3: (p + g + K) Ψ / N   (``schedule="paper"``)
+
+The paper's stage 3 reaches (p + g + K) Ψ / N because it gathers the
+parameters layer by layer, holding one layer's at a time. jaxdp does not:
+its stage 3 gathers all split parameters once before the forward pass and
+keeps them through the backward pass (see the communication below), so
+each device holds a full copy of them during the step on top of its
+1/N share: with ``schedule="jaxdp"`` (the default) stage 3 is
+
+  stage 3: (p + g + K) Ψ / N + p Ψ   (N > 1)
+
+(measured: ``docs/zero_memory.json``, N = 8, fp32 Adam: model state
+2.52 MiB and temporaries 6.05 MiB, among them the 5.05 MiB parameter
+copy). Stages 0-2 are the same under both schedules.
 
 Mixed-precision Adam (the paper's notation): p = g = 2 (fp16/bf16), K = 12
 (fp32 master weights, momentum and variance), 16 bytes/param unsharded. fp32
 Adam (what jaxdp measures in ``experiments/zero_memory.py``): p = g = 4,
-K = 8, also 16 bytes/param: 16Ψ, (8 + 8/N)Ψ, (4 + 12/N)Ψ, 16Ψ/N. Model
-state only: activations, temporary buffers and fragmentation are not counted.
+K = 8, also 16 bytes/param: 16Ψ, (8 + 8/N)Ψ, (4 + 12/N)Ψ, 16Ψ/N (paper) or
+(4 + 16/N)Ψ (jaxdp). Model state (and, for jaxdp's stage 3, the gathered
+parameters) only: activations, other temporary buffers and fragmentation
+are not counted.
 
 jaxdp's layout (:mod:`jaxdp.layout`): each leaf keeps its shape and is split
 over the N devices along one dimension that divides by N
@@ -61,7 +76,8 @@ over the N devices along one dimension that divides by N
 bias, a scalar) stays whole on every device, unpadded. So of the Ψ
 parameters only Ψ_s (``split_params``, default Ψ; :func:`split_params_of`
 counts them) split; the other Ψ_u = Ψ − Ψ_s are replicated at every stage:
-per-device memory is the formula above for Ψ_s plus (p + g + K) Ψ_u.
+per-device memory is the formula above for Ψ_s plus (p + g + K) Ψ_u (jaxdp's
+stage 3 gathers only the Ψ_s: it adds p Ψ_s).
 
 Communication per ZeRO stage (``schedule="jaxdp"``, what jaxdp compiles:
 read off the compiled HLO with :func:`jaxdp.comm_report`, see README "ZeRO").
@@ -750,9 +766,14 @@ def _state_bytes(zero_stage: int, precision: Precision) -> tuple[int, int]:
   return {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[zero_stage]
 
 
+def _gathered_bytes(zero_stage: int, n: int, schedule: str, precision: Precision) -> int:
+  """Bytes per split parameter that jaxdp's stage 3 holds gathered through the step (its full copy): p."""
+  return precision.param_bytes if zero_stage == 3 and schedule == "jaxdp" and n > 1 else 0
+
+
 def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
-                      split_params: float | None = None) -> float:
-  """Bytes of model state (params, gradients, optimizer state) per device, the ZeRO paper's formulas.
+                      split_params: float | None = None, schedule: str = "jaxdp") -> float:
+  """Bytes per device of model state (params, gradients, optimizer state), plus stage 3's gathered params.
 
   Args:
     psi: Ψ, the number of parameters.
@@ -763,23 +784,33 @@ def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Pr
     split_params: Ψ_s, the parameters in leaves ZeRO splits (see
       :func:`split_params_of`); the other Ψ − Ψ_s stay whole on every device
       at every stage. Default Ψ (the paper's formulas).
+    schedule: ``"jaxdp"`` (default, as :func:`collectives`): stage 3 gathers
+      all split parameters before the forward pass and keeps them through
+      the backward pass, so it adds ``p·Ψ_s`` per device (N > 1). ``"paper"``:
+      the ZeRO paper's layer-by-layer gathering, counted as model state only
+      (one layer's gathered parameters are not counted). Stages 0-2 do not
+      depend on it.
 
   Returns:
-    ``(p+g+K)Ψ``, ``(p+g)Ψ + KΨ/N``, ``pΨ + (g+K)Ψ/N`` or ``(p+g+K)Ψ/N``
-    (with Ψ_s < Ψ: the formula for Ψ_s plus ``(p+g+K)(Ψ − Ψ_s)``).
-    Activations and temporary buffers are not included.
+    ``(p+g+K)Ψ``, ``(p+g)Ψ + KΨ/N``, ``pΨ + (g+K)Ψ/N``, and at stage 3
+    ``(p+g+K)Ψ/N + pΨ`` (jaxdp) or ``(p+g+K)Ψ/N`` (paper) (with Ψ_s < Ψ:
+    the formula for Ψ_s plus ``(p+g+K)(Ψ − Ψ_s)``). Activations and other
+    temporary buffers are not included.
   """
   psi = _real(psi, "psi")
   n = _int(n_devices, "n_devices", 1)
   zero_stage = _stage(zero_stage)
+  _choice(schedule, "schedule", SCHEDULES)
+  precision = _check_precision(precision)
   split = psi if split_params is None else _real(split_params, "split_params", 0.0, psi)
-  replicated, sharded = _state_bytes(zero_stage, _check_precision(precision))
-  return split * (replicated + sharded / n) + (psi - split) * (replicated + sharded)
+  replicated, sharded = _state_bytes(zero_stage, precision)
+  gathered = _gathered_bytes(zero_stage, n, schedule, precision)
+  return split * (replicated + sharded / n + gathered) + (psi - split) * (replicated + sharded)
 
 
 def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
-                  reserved_bytes: float = 0.0) -> int:
-  """The most parameters whose model state fits ``memory_bytes`` per device.
+                  reserved_bytes: float = 0.0, schedule: str = "jaxdp") -> int:
+  """The most parameters whose model state (and jaxdp's stage-3 gathered params) fits ``memory_bytes`` per device.
 
   Args:
     memory_bytes: device memory.
@@ -787,6 +818,10 @@ def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precisio
     zero_stage: 0-3.
     precision: as in :func:`memory_per_device`.
     reserved_bytes: memory kept for activations, workspace and the runtime.
+    schedule: as in :func:`memory_per_device`: ``"jaxdp"`` (default; stage 3
+      holds every split parameter gathered, ``p`` bytes each, so it fits
+      little more than stage 2) or ``"paper"`` (layer-by-layer gathering,
+      which jaxdp does not do).
 
   Returns:
     The largest integer Ψ with ``memory_per_device(Ψ, ...) <= memory_bytes - reserved_bytes``, every
@@ -796,7 +831,10 @@ def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precisio
   reserved = _real(reserved_bytes, "reserved_bytes", 0.0, memory)
   n = _int(n_devices, "n_devices", 1)
   zero_stage = _stage(zero_stage)
-  replicated, sharded = _state_bytes(zero_stage, _check_precision(precision))
+  _choice(schedule, "schedule", SCHEDULES)
+  precision = _check_precision(precision)
+  replicated, sharded = _state_bytes(zero_stage, precision)
+  replicated += _gathered_bytes(zero_stage, n, schedule, precision)
   per_n_devices = replicated * n + sharded  # bytes per parameter, times N: keeps the division exact
   if per_n_devices == 0:
     raise ValueError(f"precision={precision!r} stores 0 bytes per parameter: every model fits.")
