@@ -5,11 +5,18 @@
    sub-meshes of 1, 2, 4, 8 simulated CPU devices (2 shared cores):
 
    * step time with the gradient all-reduce (``reduction="mean"``) and
-     without any communication (``reduction="none"``, same work otherwise);
+     without any communication (``reduction="none"``, same work otherwise),
+     every case one runner of ``common.time_interleaved`` (a new shuffled
+     order each round) and summarised by ``common.stats``; the communication
+     in the step is the median over rounds of (with - without) in the same
+     round;
    * the one-device step at batches 64 and 512: the slope is the compute time
      per example, the intercept the per-step update (and fixed overhead);
-   * a ``psum`` micro-benchmark (4 KiB to 7.5 MB, 2/4/8 devices) minus a
-     no-op dispatch baseline: a least-squares fit (non-negative) of the
+   * a ``psum`` micro-benchmark (64 KiB, 1, 4 and 16 MiB, plus the
+     gradient's 7.45 MB; 2/4/8 devices), each psum interleaved with a no-op
+     dispatch on the same mesh and input (both runners of one
+     ``time_interleaved`` call), its time the median over rounds of the
+     per-round difference: a least-squares fit (non-negative) of the
      model's all-reduce ``launch + 2(N-1)·α + 2(N-1)/N·M / bandwidth`` gives
      the "simulated CPU" link. Both a point-to-point link and a *shared* one
      (the devices copy through one host memory, each getting bandwidth/N)
@@ -20,7 +27,11 @@
 
    Predicted step = model compute + model communication ("ideal devices":
    each device its own cores) and = measured no-communication step + model
-   communication (isolates the communication model). Timing on 2 shared
+   communication (isolates the communication model; out of sample with the
+   psum-fitted link, which never sees the steps), next to the measured
+   no-communication step alone (zero modelled communication: the baseline
+   error) and the ratio of modelled to measured communication in the step.
+   Timing on 2 shared
    cores is noisy (p10-p90 spread ±15%) and 8 "devices" share 2 cores, so
    the ideal-device prediction is *not* expected to hold beyond 2 devices.
 
@@ -32,10 +43,14 @@
 
 3. **Compare** with the ZeRO paper's memory table (7.5B params, 64 GPUs) and
    with the near-linear 256-GPU scaling of PyTorch DDP (Li et al. 2020).
+   Memory: jaxdp's schedule (stage 3 keeps every split parameter gathered
+   through the step) for the predictions, the fit marks and the largest
+   model; the paper's layer-by-layer stage 3 next to it.
 
 4. Writes ``scaling.png`` and ``scaling.md`` under ``--docs`` (default
-   ``docs/``; ``out/scaling_quick`` with ``--quick``) and ``scaling.json``
-   under ``--out``; prints a summary.
+   ``docs/``) and ``scaling.json`` under ``--out`` (default ``docs/data/``,
+   committed with the docs it produced); ``--quick`` writes all three under
+   ``out/scaling_quick``. Prints a summary.
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
 
@@ -46,7 +61,6 @@ Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -64,6 +78,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from scipy.optimize import nnls
 
 import jaxdp
+from experiments import common
 from jaxdp import scaling
 
 LAYERS = (784, 1024, 1024, 10)
@@ -132,7 +147,6 @@ class Case:
     self.step = jaxdp.make_train_step(loss_fn, self.optimizer, mesh, reduction=reduction, zero_stage=zero_stage)
     self.state = jaxdp.init_state(mlp_params(), self.optimizer, mesh, zero_stage=zero_stage)
     self.batch = make_batch(batch_size)
-    self.times = []
 
   def run(self):
     self.state, metrics = self.step(self.state, self.batch)
@@ -142,35 +156,29 @@ class Case:
     return jaxdp.comm_report(self.step, self.state, self.batch)
 
 
-def stats(times):
-  return {"median": statistics.median(times), "p10": float(np.percentile(times, 10)),
-          "p90": float(np.percentile(times, 90)), "n": len(times)}
+def seconds(times_ms):
+  """``common.time_interleaved`` reports ms; the model works in seconds."""
+  return [t / MS for t in times_ms]
 
 
-def paired_difference(cases, n):
-  """Median over rounds of (step with all-reduce - step without), both timed in the same round: drift cancels."""
-  return statistics.median(a - b for a, b in zip(cases[n, "mean"].times, cases[n, "none"].times))
+def paired_difference(a, b):
+  """Median over rounds of a - b, both timed in the same round (``time_interleaved``): drift cancels."""
+  return statistics.median(x - y for x, y in zip(a, b))
 
 
-def time_cases(cases, rounds, warmup=2):
-  """Median and spread per case; cases run interleaved round by round, so load drift hits all alike."""
-  for case in cases.values():
-    for _ in range(warmup):
-      case.run()
-  for _ in range(rounds):
-    for case in cases.values():
-      start = time.perf_counter()
-      case.run()
-      case.times.append(time.perf_counter() - start)
-  return {key: stats(case.times) for key, case in cases.items()}
+def measure_steps(devices, rounds, warmup=2):
+  """Step times (with and without communication), the one-device batch sweep, and counted collectives.
 
-
-def measure_steps(devices, rounds):
-  """Step times (with and without communication), the one-device batch sweep, and counted collectives."""
+  Every case is one runner of ``common.time_interleaved``: one step of each per round, in a new shuffled
+  order each round, so load drift and what a step leaves behind hit all cases alike.
+  """
   cases = {(n, red): Case(n, red) for n in devices for red in ("mean", "none")}
   cases["small"] = Case(1, "none", SMALL_BATCH)
-  timed = time_cases(cases, rounds)
-  comm = {n: paired_difference(cases, n) for n in devices}
+  names = {str(key): key for key in cases}
+  times = common.time_interleaved({name: cases[key].run for name, key in names.items()}, rounds, warmup)
+  times = {key: seconds(times[name]) for name, key in names.items()}
+  timed = {key: common.stats(t) for key, t in times.items()}
+  comm = {n: paired_difference(times[n, "mean"], times[n, "none"]) for n in devices}
   counted = {n: cases[n, "mean"].comm() for n in devices if n > 1}
   return timed, comm, counted
 
@@ -185,28 +193,30 @@ def count_stages(n):
 # --------------------------------------------------------------------------
 
 
-def _median_call(fn, x, reps):
-  jax.block_until_ready(fn(x))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(x))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+def measure_allreduce(devices, sizes, reps, warmup=2):
+  """Seconds of one ``psum`` of ``nbytes`` per device, less a no-op dispatch on the same mesh and input.
 
-
-def measure_allreduce(devices, sizes, reps):
-  """Seconds of one ``psum`` of ``nbytes`` per device, less a no-op dispatch on the same mesh."""
+  Per device count, every size's psum and its no-op are runners of one ``common.time_interleaved`` call
+  (shuffled each round); a sample's time is the median over rounds of (psum - no-op) in the same round.
+  """
   samples = []
   for n in (d for d in devices if d > 1):
     mesh = jaxdp.data_mesh(jax.devices()[:n])
+    psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))
+    noop = jax.jit(jax.shard_map(lambda v: v[:, :1], mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    runners, counted = {}, {}
     for nbytes in sizes:
       x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("data")))
-      psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))
-      noop = jax.jit(jax.shard_map(lambda v: v[:, :1], mesh=mesh, in_specs=P("data"), out_specs=P("data")))
-      counted = jaxdp.collectives_from_hlo(psum.lower(x).compile().as_text(), n)["all-reduce"].bytes
-      call, dispatch = _median_call(psum, x, reps), _median_call(noop, x, reps)
-      samples.append({"n": n, "bytes": counted, "call": call, "seconds": call - dispatch})
+      counted[nbytes] = jaxdp.collectives_from_hlo(psum.lower(x).compile().as_text(), n)["all-reduce"].bytes
+      runners[f"psum {nbytes}"] = lambda x=x: jax.block_until_ready(psum(x))
+      runners[f"noop {nbytes}"] = lambda x=x: jax.block_until_ready(noop(x))
+    times = common.time_interleaved(runners, reps, warmup)
+    for nbytes in sizes:
+      call, dispatch = seconds(times[f"psum {nbytes}"]), seconds(times[f"noop {nbytes}"])
+      difference = common.stats([c - d for c, d in zip(call, dispatch)])
+      samples.append({"n": n, "bytes": counted[nbytes], "call": statistics.median(call),
+                      "dispatch": statistics.median(dispatch), "seconds": difference["median"],
+                      "p10": difference["p10"], "p90": difference["p90"], "rounds": difference["n"]})
   return samples
 
 
@@ -273,7 +283,10 @@ def check_rows(devices, timed, comm, topologies, model):
       row[f"model_comm_{name}"] = t.communication
       row[f"hybrid_{name}"] = quiet + t.communication
       row[f"error_hybrid_{name}"] = (quiet + t.communication) / measured - 1
+      # modelled / measured communication in the step (None where the measured difference is not positive)
+      row[f"comm_ratio_{name}"] = t.communication / comm[n] if n > 1 and comm[n] > 0 else None
     row["error_ideal"] = row["model_ideal"] / measured - 1
+    row["error_no_comm"] = quiet / measured - 1  # zero modelled communication: the baseline for the hybrid errors
     rows.append(row)
   return rows
 
@@ -318,12 +331,14 @@ def predict(options):
                                       overlap=overlap, **options) for overlap in (0.0, 1.0))
           whole = scaling.step_time(model, n, topology, batch_per_device=SEQS_PER_DEVICE, zero_stage=stage,
                                     **(options | {"bucket_bytes": None}))
-          memory = scaling.memory_per_device(psi, n, stage)
+          memory = scaling.memory_per_device(psi, n, stage)  # jaxdp's schedule: stage 3 keeps the gathered params
+          memory_paper = scaling.memory_per_device(psi, n, stage, schedule="paper")
           rows.append({"cluster": cluster, "model": name, "stage": stage, "n": n, "compute": t0.compute,
                        "communication": t0.communication, "total": t0.total, "efficiency": t0.efficiency,
                        "total_overlap": t1.total, "efficiency_overlap": t1.efficiency, "launches": t0.launches,
                        "efficiency_one_bucket": whole.efficiency,
-                       "memory": memory, "fits": memory <= device.memory_bytes})
+                       "memory": memory, "fits": memory <= device.memory_bytes,
+                       "memory_paper": memory_paper, "fits_paper": memory_paper <= device.memory_bytes})
   return rows
 
 
@@ -345,16 +360,21 @@ def comm_bound(options, max_devices=65536):
 
 
 def largest_models():
+  """Largest model per device, N and stage: jaxdp's schedule (``params``) and the paper's (``params_paper``)."""
   return [{"memory_gb": device.memory_bytes / scaling.GB, "device": device.name, "n": n, "stage": stage,
-           "params": scaling.largest_model(device.memory_bytes, n, stage)}
+           "params": scaling.largest_model(device.memory_bytes, n, stage),
+           "params_paper": scaling.largest_model(device.memory_bytes, n, stage, schedule="paper")}
           for _, device in CLUSTERS.values() for n in PREDICT_DEVICES for stage in scaling.ZERO_STAGES]
 
 
 def zero_table():
-  """The ZeRO paper's 7.5B / 64-GPU row from the formulas (K=12), and jaxdp's fp32 variant."""
+  """The ZeRO paper's 7.5B / 64-GPU row from its formulas (K=12, layer-by-layer stage 3), and jaxdp's schedule."""
+  memory = lambda stage, precision, schedule: scaling.memory_per_device(
+      7.5e9, 64, stage, precision, schedule=schedule) / scaling.GB
   return [{"stage": s, "paper_gb": ZERO_PAPER_64[s],
-           "formula_gb": scaling.memory_per_device(7.5e9, 64, s) / scaling.GB,
-           "fp32_gb": scaling.memory_per_device(7.5e9, 64, s, scaling.FP32_ADAM) / scaling.GB}
+           "formula_gb": memory(s, scaling.MIXED_ADAM, "paper"),
+           "jaxdp_gb": memory(s, scaling.MIXED_ADAM, "jaxdp"),
+           "fp32_gb": memory(s, scaling.FP32_ADAM, "jaxdp")}
           for s in scaling.ZERO_STAGES]
 
 
@@ -413,7 +433,10 @@ def plot(out, path):
       eff_ax.plot(ns, [r["efficiency_overlap"] for r in rows], style, color=color, alpha=0.35, lw=3)
     ns = np.geomspace(8, 1024, 50)
     mem_ax.plot(ns, [scaling.memory_per_device(7e9, int(n), stage) / scaling.GB for n in ns], color=color,
-                label=f"stage {stage}")
+                label=f"stage {stage}" + (" (jaxdp: keeps the gathered params)" if stage == 3 else ""))
+    if stage == 3:
+      mem_ax.plot(ns, [scaling.memory_per_device(7e9, int(n), 3, schedule="paper") / scaling.GB for n in ns],
+                  ":", color=color, label="stage 3, paper's layer-by-layer gather (not jaxdp)")
   for (topology, device), style in zip(CLUSTERS.values(), ("-", "--")):
     compute = transformer(1.3e9, device)
     time_ax.axhline((SEQS_PER_DEVICE * compute.seconds_per_example + compute.update_seconds) * MS, color="k",
@@ -422,13 +445,14 @@ def plot(out, path):
   time_ax.set(title=f"1.3B params: predicted step ({SEQS_PER_DEVICE}x{SEQ_LEN} tokens/device, MFU {MFU:.0%})",
               ylabel="ms per step (no overlap)", yscale="log")
   eff_ax.set(title="1.3B: predicted efficiency (faint: overlap 1)", ylabel="single-device step / step", ylim=(0, 1.08))
-  mem_ax.set(title="7B params: model state per device (K=12)", ylabel="GB per device", yscale="log")
+  mem_ax.set(title="7B params: model state (+ stage 3's gathered params) per device (K=12)",
+             ylabel="GB per device", yscale="log")
   for ax in (time_ax, eff_ax, mem_ax):
     ax.set_xscale("log", base=2)
     ax.set_xticks(PREDICT_DEVICES, [str(n) for n in PREDICT_DEVICES])
     ax.set_xlabel("devices N")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6.5, ncol=2)
+    ax.legend(fontsize=6.5, ncol=1 if ax is mem_ax else 2, loc="lower left" if ax is mem_ax else "best")
   check = out["check"]
   ns = [r["n"] for r in check]
   measured = np.array([r["measured"] for r in check]) * MS
@@ -440,7 +464,7 @@ def plot(out, path):
   cpu_ax.plot(ns, [r["hybrid_step"] * MS for r in check], "v-", color="C4",
               label="measured no-comm step + model comm (bandwidth fitted to steps)")
   cpu_ax.plot(ns, [r["no_comm"] * MS for r in check], ":", color="grey", label="measured, reduction='none'")
-  cpu_ax.set(title="measured here: MLP 1.86M params, batch 512, 2 shared cores", xlabel="devices N",
+  cpu_ax.set(title="measured here: MLP 1.86M params, batch 512, 2 cores", xlabel="devices N",
              ylabel="ms per step")
   cpu_ax.set_xscale("log", base=2)
   cpu_ax.set_xticks(ns, [str(n) for n in ns])
@@ -455,10 +479,14 @@ def _fmt_n(n):
   return "—" if n is None else f"{n:,}"
 
 
-def _worst_comm_ratio(check):
-  """The largest factor between measured and psum-modelled communication, either way round."""
-  ratios = [r["measured_comm"] / r["model_comm_psum"] for r in check if r["n"] > 1 and r["measured_comm"] > 0]
-  return max(max(x, 1 / x) for x in ratios) if ratios else float("nan")
+def _comm_ratios(check):
+  """Modelled (psum fit) / measured communication in the step, N > 1."""
+  return [r["comm_ratio_psum"] for r in check if r["n"] > 1 and r["comm_ratio_psum"] is not None]
+
+
+def _span(values, fmt):
+  values = [v for v in values if v is not None and not math.isnan(v)]
+  return "n/a" if not values else (fmt.format(min(values)) + "…" + fmt.format(max(values)))
 
 
 def _check_md(out):
@@ -468,14 +496,17 @@ def _check_md(out):
       "## 1. Check on simulated CPU devices (measured here)",
       "",
       f"MLP 784-1024-1024-10 (Ψ = {param_count():,}), Adam, fp32, global batch {GLOBAL_BATCH}; "
-      f"jax {jax.__version__}, {os.cpu_count()} cores, median of {out['rounds']} interleaved steps; load "
+      f"jax {jax.__version__}, {os.cpu_count()} cores, median of {out['rounds']} interleaved steps "
+      "(`common.time_interleaved`: one step of every case per round, a new shuffled order each round); load "
       f"average {out['load'][0]:.1f} at the start, {out['load'][1]:.1f} after the timings (other jobs share "
       "the cores, hence the wide p10–p90).",
       "",
       f"Calibration: compute {out['cpu_model']['seconds_per_example'] * 1e6:.1f} µs per example and "
       f"{out['cpu_model']['update_seconds'] * MS:.1f} ms per step (update and fixed cost), from the one-device "
       f"step at batches {SMALL_BATCH} and {GLOBAL_BATCH}. Link, fitted (non-negative least squares on "
-      f"error, relative to each whole call) to {len(out['allreduce'])} psum timings less a no-op dispatch: "
+      f"error, relative to each whole call) to {len(out['allreduce'])} psum timings (64 KiB to 16 MiB and the "
+      "gradient's 7.45 MB on 2, 4 and 8 devices), each the median over rounds of the psum less a no-op "
+      "dispatch timed in the same round: "
       f"launch {link['launch'] * 1e6:.0f} µs, "
       f"α {link['alpha'] * 1e6:.1f} µs per step, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s"
       f"{' shared by the devices (each gets bandwidth/N)' if link['shared'] else ' per device'}; "
@@ -486,26 +517,40 @@ def _check_md(out):
       "The likely reason the two differ (not verified): inside a step the all-reduce also waits for the "
       "slowest of the device threads sharing 2 cores, which an isolated psum does not.",
       "",
-      "| N | measured ms (p10–p90) | no-comm step ms | comm in step ms | model comm ms: psum fit / step fit | "
+      "| N | measured ms (p10–p90) | no-comm step ms (error as a prediction) | comm in step ms | "
+      "model comm ms: psum fit / step fit | model / measured comm (psum fit) | "
       "model, ideal devices ms (error) | no-comm step + model comm ms: psum fit (error) / step fit (error) |",
-      "|---:|---:|---:|---:|---:|---:|---:|",
+      "|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in out["check"]:
+    ratio = "—" if r["comm_ratio_psum"] is None else f"{r['comm_ratio_psum']:.2f}"
     lines.append(
         f"| {r['n']} | {r['measured'] * MS:.1f} ({r['p10'] * MS:.1f}–{r['p90'] * MS:.1f}) | "
-        f"{r['no_comm'] * MS:.1f} | "
+        f"{r['no_comm'] * MS:.1f} ({r['error_no_comm']:+.0%}) | "
         f"{r['measured_comm'] * MS:+.1f} | {r['model_comm_psum'] * MS:.1f} / {r['model_comm_step'] * MS:.1f} | "
+        f"{ratio} | "
         f"{r['model_ideal'] * MS:.1f} ({r['error_ideal']:+.0%}) | {r['hybrid_psum'] * MS:.1f} "
         f"({r['error_hybrid_psum']:+.0%}) / {r['hybrid_step'] * MS:.1f} ({r['error_hybrid_step']:+.0%}) |")
+  multi = [r for r in out["check"] if r["n"] > 1]
+  ratios = _comm_ratios(out["check"])
   lines += [
       "",
       "The ideal-device model assumes each device has its own cores; here 2, 4 or 8 devices share 2 cores, so "
       "the measured step *grows* with N even without communication (the no-comm column) while the model's "
       "compute shrinks as 1/N. That error comes from the machine, which the model does not describe; on "
       "real accelerators the compute term is the one to measure (one device, two batch sizes) and the link "
-      "is the one to look up. The communication model alone (psum fit) is off by a factor of up to "
-      f"{_worst_comm_ratio(out['check']):.1f} on these small, noisy differences of a few ms; they are a "
-      "small share of the step here.",
+      "is the one to look up.",
+      "",
+      "How much the communication model adds, at N = " + ", ".join(str(r["n"]) for r in multi) + ": the "
+      "measured no-comm step plus the modelled communication (psum-fitted link: out of sample, it never saw "
+      "the steps) is off by " + _span([r["error_hybrid_psum"] for r in multi], "{:+.0%}") + "; the no-comm "
+      "step alone (no communication modelled at all) by " + _span([r["error_no_comm"] for r in multi],
+                                                                  "{:+.0%}") + ". The modelled "
+      "communication is " + _span(ratios, "{:.2f}") + " times the communication measured in the step "
+      "(measured / modelled " + _span([1 / x for x in ratios if x > 0], "{:.1f}") + "). Communication is a "
+      "small share of these steps, so the hybrid error says little about the communication model; the ratio "
+      "is its direct check. The step fit's errors are in sample (its bandwidth is fitted to these "
+      "differences) and are not a check.",
   ]
   lines += [
       "",
@@ -531,7 +576,8 @@ def _predict_md(out):
       f"mixed-precision Adam (K=12) whose update reads and writes {ADAM_UPDATE_BYTES} bytes/param at HBM speed; "
       "hierarchical all-reduce; PyTorch DDP's 25 MiB buckets. Step ms with no overlap; efficiency without / "
       "with full overlap of all but the last gradient bucket. ✗: the model state does not fit the device "
-      "(80 GB H100, 16 GB v5e; activations not counted).",
+      "(80 GB H100, 16 GB v5e; activations not counted), with jaxdp's schedule: its stage 3 also holds "
+      "all the gathered parameters (2 bytes each) through the step.",
       "",
       "| cluster | model | stage | " + " | ".join(f"N={n}: ms, eff." for n in PREDICT_DEVICES) + " |",
       "|---|---|---:|" + "---:|" * len(PREDICT_DEVICES),
@@ -570,24 +616,39 @@ def _predict_md(out):
                                 == (cluster, name, alg, s))
       hier = " / ".join(_fmt_n(get("hierarchical", s)) for s in scaling.ZERO_STAGES)
       lines.append(f"| {cluster} | {name} | {_fmt_n(get('ring', 0))} | {_fmt_n(get('tree', 0))} | {hier} |")
-  lines += ["", "Largest model whose state (K=12) fits the device's memory, billions of params:", "",
-            "| device | stage | " + " | ".join(f"N={n}" for n in PREDICT_DEVICES) + " |",
-            "|---|---:|" + "---:|" * len(PREDICT_DEVICES)]
+  lines += ["", "Largest model whose state (K=12) fits the device's memory, billions of params, with jaxdp's "
+            "schedule (stage 3 keeps every gathered parameter through the step: (2 + 16/N) bytes per "
+            "param, barely more room than stage 2's 2 + 14/N). The last column is the paper's layer-by-layer "
+            "ZeRO-3 ((16/N) bytes per param, one layer gathered at a time, not counted), **which jaxdp does "
+            "not do**; stages 0–2 are the same under both.", "",
+            "| device | stage | " + " | ".join(f"N={n}" for n in PREDICT_DEVICES)
+            + " | paper's layer-by-layer stage 3 (not jaxdp): " + " / ".join(f"N={n}" for n in PREDICT_DEVICES)
+            + " |",
+            "|---|---:|" + "---:|" * (len(PREDICT_DEVICES) + 1)]
   for _, device in CLUSTERS.values():
     for stage in scaling.ZERO_STAGES:
-      cells = [next(r["params"] for r in out["largest"] if (r["device"], r["n"], r["stage"]) == (device.name, n, stage))
-               for n in PREDICT_DEVICES]
-      lines.append(f"| {device.name} | {stage} | " + " | ".join(f"{c / 1e9:,.1f}" for c in cells) + " |")
+      rows = [next(r for r in out["largest"] if (r["device"], r["n"], r["stage"]) == (device.name, n, stage))
+              for n in PREDICT_DEVICES]
+      paper = " / ".join(f"{r['params_paper'] / 1e9:,.1f}" for r in rows) if stage == 3 else "same"
+      lines.append(f"| {device.name} | {stage} | " + " | ".join(f"{r['params'] / 1e9:,.1f}" for r in rows)
+                   + f" | {paper} |")
   return lines
 
 
 def _papers_md(out):
   lines = ["## 3. Against published figures", "",
            "ZeRO (Rajbhandari et al., SC 2020), 7.5B params on 64 GPUs, K=12, GB per device:", "",
-           "| stage | paper | formula | fp32 Adam (jaxdp's setting) |", "|---:|---:|---:|---:|"]
-  lines += [f"| {r['stage']} | {r['paper_gb']} | {r['formula_gb']:.4g} | {r['fp32_gb']:.4g} |" for r in out["zero"]]
+           "| stage | paper | formula, paper's schedule (layer-by-layer stage 3) | jaxdp's schedule, K=12 | "
+           "jaxdp's schedule, fp32 Adam (jaxdp's setting) |", "|---:|---:|---:|---:|---:|"]
+  lines += [f"| {r['stage']} | {r['paper_gb']} | {r['formula_gb']:.4g} | {r['jaxdp_gb']:.4g} | {r['fp32_gb']:.4g} |"
+            for r in out["zero"]]
+  z3 = out["zero"][3]
   lines += ["", "The formulas give the paper's row to its rounding (31.41 → 31.4, 16.64 → 16.6, 1.875 → "
-            "1.88). jaxdp trains in fp32, where stages 1–2 keep twice the replicated bytes (p + g = 8).", "",
+            f"1.88). jaxdp's stage 3 gathers all parameters before the forward pass and keeps them through the "
+            f"backward pass, so it also holds the 7.5B gathered parameters: {z3['jaxdp_gb']:.4g} GB, not "
+            f"{z3['formula_gb']:.4g} (measured at small scale in `docs/zero_memory.json`: at N = 8 the "
+            "temporaries include a full parameter copy). jaxdp trains in fp32, where stages 1–2 keep twice the "
+            "replicated bytes (p + g = 8) and stage 3 gathers 4-byte parameters.", "",
             "PyTorch DDP (Li et al., VLDB 2020) reports that DDP 'attains near-linear scalability using 256 "
             "GPUs' (abstract) for ResNet50 and BERT with NCCL, relying on gradient bucketing (25 MiB by default) "
             "and overlapping the all-reduce with the backward pass. Their per-GPU throughputs and network are not "
@@ -622,10 +683,15 @@ The model (module docstring of `jaxdp/scaling.py`): per step,
 compute = batch · time per example + update (÷N at ZeRO ≥ 1); each
 collective costs launch + steps·α + bytes sent/bandwidth (ring all-reduce
 2(N−1) steps and 2(N−1)/N·M bytes; NCCL-style tree 2((g−1) + ⌈log2 nodes⌉)
-steps and 2M bytes; hierarchical = reduce-scatter in the node, the 1/g shard
-between nodes, all-gather in the node); buckets each pay the latency; a
+steps, each at the link's own tree latency, and 2M bytes; hierarchical =
+reduce-scatter in the node, the 1/g shard between nodes by ring or tree,
+whichever is faster, all-gather in the node); buckets each pay the latency; a
 fraction `overlap` of the gradient communication before its last bucket hides
-behind the backward pass. Memory per device: the ZeRO paper's formulas.
+behind the backward pass. Memory per device: the ZeRO paper's formulas for
+stages 0–2; for stage 3, jaxdp's schedule, which gathers all parameters before
+the forward pass and keeps them through the backward pass: (p+g+K)Ψ/N + pΨ, not
+the paper's layer-by-layer (p+g+K)Ψ/N (shown next to it where it matters).
+The run's data: [`docs/data/scaling.json`](data/scaling.json).
 
 ![scaling](scaling.png)
 
@@ -637,7 +703,7 @@ Figures used (nominal; per device, per direction unless stated):
 | NVLink 3 (A100 SXM) | 600 GB/s total, 300 GB/s per direction | NVIDIA A100 datasheet (2020–21) |
 | NVLink 2 (V100 SXM2) | 300 GB/s total, 150 GB/s per direction | NVIDIA V100 datasheet (2017–18) |
 | InfiniBand NDR / HDR / EDR | 400 / 200 / 100 Gb/s = 50 / 25 / 12.5 GB/s per NIC, one NIC per GPU | NVIDIA ConnectX-7 / DGX H100, ConnectX-6 / DGX A100 datasheets |
-| NVLink / network step latency, per call | 3.4 µs / 9.6 µs per step, 8.4 µs per call | NCCL's tuning model, `src/graph/tuning.cc` (ring, Simple protocol), 2020 source |
+| NVLink / network step latency, per call | ring 3.4 µs / 9.6 µs per step, tree 28 µs / 28 µs per step, 8.4 µs per call | NCCL's tuning model, NVIDIA/nccl v2.8.3-1 (2020-11, commit 920dbe5), `src/graph/tuning.cc`: `hwLat` Ring and Tree rows, Simple protocol, and `baseLat` Ring/Simple (same values through v2.11.4; from v2.23 the Tree/Simple row is 4.0 µs / 14 µs and the ring's network step 14 µs) |
 | TPU v5e ICI | 400 GB/s bidirectional per chip; 51.2 TB/s all-reduce per 256-chip pod = 200 GB/s per chip; 1 µs per step assumed | Google Cloud TPU v5e documentation (2023) |
 | TPU v5e DCN | 2 × 100 Gb/s per host of 8 chips = 3.1 GB/s per chip; 30 µs per step assumed | Google Cloud TPU v5e documentation (2023) |
 | TPU v4 ICI | 1.1 PB/s all-reduce per 4,096-chip pod = 269 GB/s per chip | Google Cloud TPU v4 documentation; Jouppi et al., ISCA 2023 |
@@ -647,9 +713,14 @@ Known simplifications: the flat ring and tree use one channel paced by the
 slowest link (NCCL's parallel rings on rail-optimised clusters come close to
 the hierarchical figure instead); the ring's 2(N−1) latency steps overstate a
 TPU torus's latency (a 16×16 torus needs about 2·(15+15)); NCCL's NVLS,
-CollNet/SHARP and PAT algorithms are not modelled; no congestion,
-stragglers, input pipeline or activation memory; the per-device compute does
-not change with N (weak scaling, a fixed per-device batch).
+CollNet/SHARP and PAT algorithms are not modelled; the tree is charged the
+ring's 8.4 µs per call (NCCL 2.8's Tree/Simple base latency is 0) and NCCL's
+28 µs tree step already includes one 256 kB chunk's transfer, which the
+bandwidth term counts again; the hierarchical figures across nodes depend on
+the tree's per-step latency (whichever of ring and tree is faster is used);
+no congestion, stragglers, input pipeline or activation memory; the
+per-device compute does not change with N (weak scaling, a fixed per-device
+batch).
 """
 
 
@@ -670,11 +741,13 @@ def parse_args(argv=None):
   parser.add_argument("--rounds", type=int, help="timed steps per case (default 20; 4 with --quick)")
   parser.add_argument("--docs",
                       help="folder for scaling.png and scaling.md (default docs; out/scaling_quick with --quick)")
-  parser.add_argument("--out", default="out/scaling", help="folder for scaling.json")
+  parser.add_argument("--out", help="folder for scaling.json (default docs/data, committed with the docs it "
+                                    "produced; out/scaling_quick with --quick)")
   args = parser.parse_args(argv)
   args.devices = [d for d in ((1, 2, 8) if args.quick else (1, 2, 4, 8)) if d <= jax.device_count()]
   args.rounds = args.rounds or (4 if args.quick else 20)
   args.docs = args.docs or ("out/scaling_quick" if args.quick else "docs")
+  args.out = args.out or ("out/scaling_quick" if args.quick else os.path.join("docs", "data"))
   if max(args.devices) < 8:
     parser.error(f"needs 8 devices, {jax.device_count()} exist; set JAX_NUM_CPU_DEVICES=8.")
   return args
@@ -718,7 +791,9 @@ def summary(out):
            f" bandwidth refitted to the steps {step['bandwidth'] / 1e9:.2f} GB/s"]
   for r in out["check"]:
     lines.append(f"  N={r['n']}: measured {r['measured'] * MS:6.1f} ms; model ideal {r['model_ideal'] * MS:6.1f} "
-                 f"({r['error_ideal']:+.0%}); no-comm + model comm {r['hybrid_psum'] * MS:6.1f} "
+                 f"({r['error_ideal']:+.0%}); no-comm alone {r['no_comm'] * MS:6.1f} ({r['error_no_comm']:+.0%}); "
+                 f"model/measured comm {_span([r['comm_ratio_psum']], '{:.2f}')}; "
+                 f"no-comm + model comm {r['hybrid_psum'] * MS:6.1f} "
                  f"({r['error_hybrid_psum']:+.0%}) / {r['hybrid_step'] * MS:6.1f} ({r['error_hybrid_step']:+.0%}); "
                  f"comm in step {r['measured_comm'] * MS:+.1f} vs model {r['model_comm_psum'] * MS:.1f} / "
                  f"{r['model_comm_step'] * MS:.1f} ms")
@@ -729,7 +804,12 @@ def summary(out):
       lines.append(f"Predict {r['cluster']}, 1.3B, stage {r['stage']}, N={r['n']}: {r['total'] * MS:.0f} ms, "
                    f"efficiency {r['efficiency']:.2f} (overlap: {r['efficiency_overlap']:.2f})")
   lines.append("ZeRO 7.5B/64 GPUs, GB: " + ", ".join(f"{r['formula_gb']:.3g} (paper {r['paper_gb']})"
-                                                      for r in out["zero"]))
+                                                      for r in out["zero"])
+               + f"; jaxdp's stage 3 {out['zero'][3]['jaxdp_gb']:.4g}")
+  for r in out["largest"]:
+    if r["n"] == 1024 and r["stage"] in (0, 2, 3):
+      lines.append(f"Largest model, {r['device']}, N=1024, stage {r['stage']}: {r['params'] / 1e9:,.1f}B "
+                   f"(paper's schedule {r['params_paper'] / 1e9:,.1f}B)")
   lines += [f"DDP-like 256 V100s, {r['model']}, {r['network']}, overlap {r['overlap']:.0f}: efficiency "
             f"{r['efficiency']:.2f}" for r in out["ddp"]]
   return "\n".join(lines)
@@ -744,12 +824,10 @@ def main(argv=None) -> dict:
           "zero": zero_table(), "ddp": ddp_comparison()}
   out |= {"seconds": time.perf_counter() - start, "argv": ["experiments/scaling.py"] + list(argv or sys.argv[1:])}
   os.makedirs(args.docs, exist_ok=True)
-  os.makedirs(args.out, exist_ok=True)
   plot(out, os.path.join(args.docs, "scaling.png"))
   with open(os.path.join(args.docs, "scaling.md"), "w") as f:
     f.write(markdown(out))
-  with open(os.path.join(args.out, "scaling.json"), "w") as f:
-    json.dump(out, f, indent=1, default=float)
+  common.write_json(os.path.join(args.out, "scaling.json"), out)
   print(summary(out))
   print(f"wrote {args.docs}/scaling.png, {args.docs}/scaling.md, {args.out}/scaling.json "
         f"in {time.perf_counter() - start:.0f} s")
