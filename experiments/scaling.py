@@ -54,7 +54,7 @@
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
 
-  .venv/bin/python experiments/scaling.py            # about 1.5 minutes on 2 cores
+  .venv/bin/python experiments/scaling.py            # 40-90 s on 2 shared cores
   .venv/bin/python experiments/scaling.py --quick    # devices 1, 2, 8; fewer steps; under a minute
 """
 
@@ -547,9 +547,10 @@ def _check_md(out):
       "step alone (no communication modelled at all) by " + _span([r["error_no_comm"] for r in multi],
                                                                   "{:+.0%}") + ". The modelled "
       "communication is " + _span(ratios, "{:.2f}") + " times the communication measured in the step "
-      "(measured / modelled " + _span([1 / x for x in ratios if x > 0], "{:.1f}") + "). Communication is a "
-      "small share of these steps, so the hybrid error says little about the communication model; the ratio "
-      "is its direct check. The step fit's errors are in sample (its bandwidth is fitted to these "
+      "(measured / modelled " + _span([1 / x for x in ratios if x > 0], "{:.1f}") + "). The measured "
+      "communication is " + _span([r["measured_comm"] / r["measured"] for r in multi], "{:.0%}") + " of the "
+      "measured step, so the hybrid error is the communication model's error scaled down by that share; the "
+      "ratio is its direct check. The step fit's errors are in sample (its bandwidth is fitted to these "
       "differences) and are not a check.",
   ]
   lines += [
@@ -738,14 +739,16 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="devices 1,2,8; 4 timed steps; fewer psum sizes; no stage 1-3 HLO")
-  parser.add_argument("--rounds", type=int, help="timed steps per case (default 20; 4 with --quick)")
+  parser.add_argument("--rounds", type=int, help="timed steps per case (default 60: the communication in a step, "
+                                                   "a few ms, is the difference of two noisy ~60-100 ms steps; "
+                                                   "4 with --quick)")
   parser.add_argument("--docs",
                       help="folder for scaling.png and scaling.md (default docs; out/scaling_quick with --quick)")
   parser.add_argument("--out", help="folder for scaling.json (default docs/data, committed with the docs it "
                                     "produced; out/scaling_quick with --quick)")
   args = parser.parse_args(argv)
   args.devices = [d for d in ((1, 2, 8) if args.quick else (1, 2, 4, 8)) if d <= jax.device_count()]
-  args.rounds = args.rounds or (4 if args.quick else 20)
+  args.rounds = args.rounds or (4 if args.quick else 60)
   args.docs = args.docs or ("out/scaling_quick" if args.quick else "docs")
   args.out = args.out or ("out/scaling_quick" if args.quick else os.path.join("docs", "data"))
   if max(args.devices) < 8:
