@@ -18,7 +18,8 @@ Methods, all on the same initial parameters, batch and split:
   ``jaxdp_buckets``, ``jaxdp_zero1_buckets`` .. ``jaxdp_zero3_buckets``:
   the same with ``bucket_bytes=25 MiB`` (the gradient all-reduced in flat
   buckets; at stages 1-3 one parameter gather, and at stages 2-3 one
-  reduce-scatter, per bucket of flat slices instead of one per leaf);
+  reduce-scatter, per bucket of flat slices instead of one per larger leaf
+  and one for the leaves of up to 256 KiB);
 * ``bare``: the step a JAX expert writes by hand: ``jit(shard_map)`` over an
   Auto mesh, grad of the local mean loss with respect to
   ``lax.pcast(params, "data", to="varying")``, ``psum`` of the gradients,
@@ -822,7 +823,7 @@ How the comparison is kept fair:
   gradient per flat bucket (stages 0-1), one parameter gather (stages 1-3)
   and one reduce-scatter (stages 2-3) per bucket of flat slices, where the
   plain rows have one all-reduce in all, and one gather and reduce-scatter
-  per leaf."""
+  per leaf over 256 KiB plus one for all the smaller ones."""
 
 
 def markdown(result: dict) -> str:

@@ -108,7 +108,8 @@ def split_of(layers, n, specs=None):
 def formula_bytes(layers, n, stage) -> float:
   """The ZeRO paper's model state per device, for the leaves that split; the others whole."""
   psi = common.param_count(layers)
-  return scaling.memory_per_device(psi, n, stage, PRECISION, split_params=split_of(layers, n)[0])
+  # The persistent state only (schedule="paper"): what memory_report's model_state measures.
+  return scaling.memory_per_device(psi, n, stage, PRECISION, split_params=split_of(layers, n)[0], schedule="paper")
 
 
 def model_collectives(psi, split, leaves, n, stage, model_axis=False):

@@ -39,6 +39,7 @@ from jaxdp.layout import (
     check_mesh_axis,
     check_zero_stage,
     data_mesh,
+    data_dim,
     data_part,
     make_layout,
     model_specs_of,
@@ -326,11 +327,13 @@ def make_train_step(
     bucket_bytes: reduce the gradient in buckets of about this many bytes,
       in reverse layer order, one all-reduce each (DDP's ``bucket_cap_mb``);
       ``None`` (default) reduces it in one; ``0`` per leaf. Bitwise the same
-      results. At ZeRO stages 1-3 the parameters' all-gathers (one per
-      leaf by default) are cut the same way, one per bucket of flattened
+      results. At ZeRO stages 1-3 the parameters' all-gathers (by default
+      one for all leaves of up to ``jaxdp.reduction.PACK_BYTES``, 256 KiB,
+      and one per larger leaf; ``0``: one per leaf) are cut the same way,
+      one per bucket of flattened
       slices (FSDP's flat parameters): after the update at stages 1-2,
       before the forward pass at stage 3; at stages 2-3 so is the
-      gradient's reduce-scatter. Far fewer collectives for a model of many
+      gradient's reduce-scatter (packed the same way by default). Far fewer collectives for a model of many
       leaves; the same sums, equal to the per-leaf step up to float32
       round-off (XLA may compile the backward pass that feeds a flat
       bucket differently; see :func:`jaxdp.reduce_gradient`).
@@ -490,9 +493,13 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
       check_vma=check_vma,
   )
   gather = None
-  if stage in (1, 2) and options.get("bucket_bytes") is not None:
-    # The updated parameters, computed split as the optimizer state is (XLA slices the replicated ones), are
-    # gathered by jaxdp in flat buckets: XLA would place one all-gather per leaf.
+  # An optimizer with state split over the data axis computes the update split as that state (XLA slices the
+  # replicated parameters); one without (SGD) updates the replicated parameters and has nothing to gather.
+  state_split = any(data_dim(spec, axis_name) is not None for spec in jax.tree.leaves(
+      layout.specs.opt_state, is_leaf=lambda x: isinstance(x, P)))
+  if stage in (1, 2) and (state_split or options.get("bucket_bytes") is not None):
+    # The updated parameters, computed split, are gathered by jaxdp in flat buckets (without bucket_bytes,
+    # the small leaves in one all-gather): XLA would place one all-gather per leaf.
     split_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.split_specs)
     gather = jax.shard_map(
         lambda p: gather_params(p, layout.split_specs, axis_name, options["bucket_bytes"]),

@@ -48,7 +48,7 @@ def eval_sums(
   Call it inside ``shard_map`` over ``axis_name`` (batch split); one
   all-reduce. ``params_split``: the params' tree of data-axis specs of
   parameters that arrive split over ``axis_name`` (ZeRO stage 3), gathered
-  first: one all-gather per leaf, or one per flat bucket of about
+  first: one all-gather per larger leaf and one for the small ones, or one per flat bucket of about
   ``bucket_bytes`` (see :func:`jaxdp.make_eval_step`). Dividing by
   ``"weight"`` gives the exact global weighted means; adding sums over
   batches first gives those of a whole dataset.
@@ -168,7 +168,8 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
     bucket_bytes: parameters that arrive split over the data axis (ZeRO
       stage 3) are gathered in flat buckets of about this many bytes, one
       all-gather each, as :func:`jaxdp.make_train_step` does with the same
-      argument; ``None`` (default): one all-gather per leaf. The gathered
+      argument; ``None`` (default): one all-gather for the leaves of up to
+      ``jaxdp.reduction.PACK_BYTES`` and one per larger leaf. The gathered
       parameters are the same, bit for bit; the sums equal the per-leaf
       step's up to float32 round-off (XLA may compile the forward pass that
       reads a bucket differently).

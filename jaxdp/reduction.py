@@ -493,16 +493,21 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | Non
     return scatter(x) if spec is True else per_model_shard(scatter, spec, axis_name)(x)
 
   if bucket_bytes is None:
-    return jax.tree.map(reduce, tree, specs)
+    # Leaves of up to PACK_BYTES split over the data axis only share one reduce-scatter (per dtype), as
+    # _psum packs the all-reduced ones; the larger ones keep a collective each.
+    return _with_flat_buckets(tree, specs, axis_name, reduce, lambda leaves, dims: _scatter_buckets(
+        leaves, dims, axis_name, PACK_BYTES * len(leaves)), small_bytes=PACK_BYTES)
   return _with_flat_buckets(tree, specs, axis_name, reduce,
                             lambda leaves, dims: _scatter_buckets(leaves, dims, axis_name, bucket_bytes))
 
 
-def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable, bucketed: Callable) -> Any:
+def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable, bucketed: Callable,
+                       small_bytes: int | None = None) -> Any:
   """``tree`` with ``bucketed(leaves, dims)`` applied to the leaves flat buckets take, ``per_leaf(x, spec)`` to the rest.
 
   Flat buckets take the leaves split over ZeRO's axis only (``dims``: the dimension each is split along); a
-  leaf also split over a model axis, or not split, keeps a collective of its own.
+  leaf also split over a model axis, or not split, keeps a collective of its own. ``small_bytes``: only leaves
+  of up to that many bytes, and only if there are two (the default packing, without ``bucket_bytes``).
   """
   zero = axis_names(axis_name)[-1]
   leaves, treedef = jax.tree.flatten(tree)
@@ -510,7 +515,10 @@ def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable
   dims = [_scatter_dim(spec, zero) for spec in spec_leaves]
   # An empty leaf has nothing to put in a row: it keeps its own (empty) collective.
   flat = [i for i, (dim, spec) in enumerate(zip(dims, spec_leaves))
-          if dim is not None and leaves[i].size and (spec is True or not any(model_part(spec, axis_name)))]
+          if dim is not None and leaves[i].size and (spec is True or not any(model_part(spec, axis_name)))
+          and (small_bytes is None or leaves[i].size * leaves[i].dtype.itemsize <= small_bytes)]
+  if small_bytes is not None and len(flat) < 2:  # nothing to pack
+    flat = []
   out = [None if i in flat else per_leaf(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
   for i, x in zip(flat, bucketed([leaves[i] for i in flat], [dims[i] for i in flat])):
     out[i] = x
@@ -778,7 +786,8 @@ def reduce_gradient(
       data axis only are reduce-scattered in flat buckets instead (each
       leaf's scatter dimension moved to the front, the bucket's slices
       concatenated: one reduce-scatter per bucket, as FSDP's flat
-      parameters, where the default is one per leaf); leaves also split
+      parameters, where the default gives the leaves of up to
+      :data:`PACK_BYTES` one reduce-scatter and each larger leaf its own); leaves also split
       over model axes stay one reduce-scatter each. Each element is the
       same sum; XLA may compile the backward pass feeding the concatenation
       differently, so the result can differ from the per-leaf reduction in

@@ -86,7 +86,7 @@ gradient per replica and run the optimizer on the global, sharded arrays,
 where XLA partitions the update and inserts the collectives it needs:
 
 * stage 0: all-reduce of the gradient, Ψ·g;
-* stage 1: the same all-reduce, then XLA all-gathers the updated split
+* stage 1: the same all-reduce, then jaxdp all-gathers the updated split
   parameters (the update of a split leaf runs on each device's slice,
   where its optimizer state lives), Ψ_s·p: 1.5× stage 0 at p = g. An
   optimizer without state (K = 0, SGD) splits nothing at stage 1, which is

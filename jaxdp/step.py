@@ -20,6 +20,7 @@ from jax import lax
 from jaxdp._checks import check_optimizer, check_reduce_dtype
 from jaxdp.layout import data_dim, per_model_shard, zero_axis
 from jaxdp.loss import declared_keywords
+from jaxdp import reduction as _reduction
 from jaxdp.reduction import (
     ReducedGradient,
     _buckets,
@@ -118,11 +119,12 @@ def _check_update_types(params: Any, new_params: Any) -> None:
 
 
 def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | None = None) -> Any:
-  """Whole parameters from this device's slices (ZeRO stage 3): one all-gather per split leaf.
+  """Whole parameters from this device's slices (ZeRO stage 3): one all-gather per split leaf, the small ones shared.
 
   ``bucket_bytes``: the leaves split over the data axis only are gathered in flat buckets of about that
-  many bytes instead, one all-gather each (the slices concatenated, as FSDP's flat parameters); the
-  gathered values are the same, bit for bit.
+  many bytes instead, one all-gather each (the slices concatenated, as FSDP's flat parameters); without it,
+  those whose whole value has up to :data:`jaxdp.reduction.PACK_BYTES` share one such bucket. The gathered
+  values are the same, bit for bit.
   """
   if split is None:
     return params
@@ -133,15 +135,15 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
       return x
     return per_model_shard(lambda y: _all_gather_invariant(y, zero_axis(axis_name), dim), spec, axis_name)(x)
 
-  if bucket_bytes is None:
-    return jax.tree.map(gather, params, split)
   zero = zero_axis(axis_name)
   n = lax.axis_size(zero)
 
   def gather_buckets(leaves, dims):
     out = [None] * len(leaves)
-    # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does.
-    for bucket in _buckets([jax.ShapeDtypeStruct((x.size * n,), x.dtype) for x in leaves], bucket_bytes):
+    # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does;
+    # without bucket_bytes, the small leaves (what _with_flat_buckets passes) in one bucket per dtype.
+    size = _reduction.PACK_BYTES * n * len(leaves) if bucket_bytes is None else bucket_bytes
+    for bucket in _buckets([jax.ShapeDtypeStruct((x.size * n,), x.dtype) for x in leaves], size):
       moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
       # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
       rows = _all_gather_invariant(_to_row(moved), zero, 0)
@@ -150,7 +152,9 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
         out[i] = jnp.moveaxis(rows[:, start:stop].reshape((-1, *m.shape[1:])), 0, dims[i])
     return out
 
-  return _with_flat_buckets(params, split, axis_name, gather, gather_buckets)
+  # Without bucket_bytes, the leaves whose gathered value has up to PACK_BYTES share one all-gather.
+  small = _reduction.PACK_BYTES // n if bucket_bytes is None else None
+  return _with_flat_buckets(params, split, axis_name, gather, gather_buckets, small_bytes=small)
 
 
 def _all_gather_invariant(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
