@@ -136,6 +136,10 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False,
         "trains (fine-tuning; a one-device program that never calls model.train()), keep_frozen=False switches "
         "every layer to training mode in the training step (model.train(), e.g. after model.eval())."
     )
+  if jax.tree.leaves(nnx.state(model, nnx.Intermediate)):
+    # Values sown before the split (an eager call to check shapes) are no state to train: a copy without them.
+    model = nnx.clone(model)
+    nnx.pop(model, nnx.Intermediate)
   graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   streams = tuple(sorted({stream for stream, _ in _stream_paths(model)}))
   model_state = rest if jax.tree.leaves(rest) else None

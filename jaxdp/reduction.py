@@ -381,8 +381,8 @@ def local_gradient(
     # The carry's types must not change across iterations: a model state that the first micro-batch makes
     # per-replica (local statistics) is per-replica from the start; one it keeps replicated stays so.
     # (Any of the data axes: a hybrid axis is a tuple, never itself an element of the set.)
-    varying = jax.tree.map(lambda s: bool(set(axis_names(axis_name)) & _abstract_vma(s)), first.model_state)
-    model_state = jax.tree.map(lambda x, v: as_varying(x, axis_name) if v else x, model_state, varying)
+    # A hand-written tensor-parallel step adds its manual model axes: every axis the first result varies over.
+    model_state = jax.tree.map(_varying_like, model_state, first.model_state)
 
   def accumulate(carry, xs):
     total, state = carry
@@ -397,8 +397,15 @@ def local_gradient(
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first._replace(model_state=None))
   if axis_name is not None:
     zeros = as_varying(zeros, axis_name)
+    zeros = jax.tree.map(_varying_like, zeros, first._replace(model_state=None))
   (total, new_state), _ = lax.scan(accumulate, (zeros, model_state), (jnp.arange(accum_steps), *micro))
   return total._replace(model_state=new_state)
+
+
+def _varying_like(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` typed as varying over every axis ``like`` (an array or ``ShapeDtypeStruct``) varies over too."""
+  missing = tuple(sorted(_abstract_vma(like) - _varying_axes(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _sixteen_bit(params: Any, compute_dtype: Any) -> bool:
@@ -626,14 +633,16 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
       contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
   if not tracked:
     # Nothing types a floating leaf as the same on every replica here (a float step counter, a decay factor):
-    # one pmax of (x, -x) finds the elements every replica agrees on, kept exactly (a weighted mean of equal
-    # values is not always the value: Σ w·x / Σ w rounds).
+    # one pmax of each element's bits b and ~b (max ~b = ~min b) finds the elements every replica holds bit
+    # for bit, kept exactly (a weighted mean of equal values is not always the value: Σ w·x / Σ w rounds).
+    # Bits, not values: XLA's max skips NaN (a replica without rows holds 0/0) and has 0.0 == -0.0.
     floats = [i for i, mode in enumerate(how) if mode == "mean"]
     if floats:
       leaves = [paths[i][1] for i in floats]
-      highest = lax.pmax([jnp.stack([x, -x]) for x in leaves], axis_name)
+      bits = [lax.bitcast_convert_type(x, jnp.dtype(f"int{jnp.dtype(x.dtype).itemsize * 8}")) for x in leaves]
+      highest = lax.pmax([jnp.stack([b, ~b]) for b in bits], axis_name)
       for i, x, both in zip(floats, leaves, highest):
-        how[i] = ("mean", x, both[0] == -both[1])
+        how[i] = ("mean", x, both[0] == ~both[1])
   return how, contributions, treedef
 
 
@@ -675,7 +684,8 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   dtype that differs per replica raises ``ValueError`` (no replica's value
   is one device's). Under ``pmap`` or ``check_vma=False`` (no replication
   types) every leaf is treated as differing: floating elements that every
-  replica holds equal are kept exactly (one ``pmax``), the others averaged;
+  replica holds bit for bit are kept exactly (one ``pmax``), the others
+  averaged;
   non-floating leaves take replica 0's value.
   :func:`reduce_gradient` does the same inside its one all-reduce.
   """
@@ -688,14 +698,16 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
 def _buckets(leaves: list, bucket_bytes: int) -> list[list[int]]:
   """Leaf indices grouped, in reverse order (the order backprop produces them), into buckets of ~``bucket_bytes``.
 
-  A bucket holds one dtype (it is reduced as one flat vector). Empty leaves are left out (nothing to carry).
+  A bucket holds one dtype and one varying type (it is reduced as one flat vector: a leaf replicated over a
+  manual model axis would come back typed as split over it). Empty leaves are left out (nothing to carry).
   """
   buckets, current, size = [], [], 0
   for i in reversed(range(len(leaves))):
     if not leaves[i].size:
       continue
     nbytes = leaves[i].size * leaves[i].dtype.itemsize
-    if current and (size + nbytes > bucket_bytes or leaves[i].dtype != leaves[current[0]].dtype):
+    if current and (size + nbytes > bucket_bytes or leaves[i].dtype != leaves[current[0]].dtype
+                    or _abstract_vma(leaves[i]) != _abstract_vma(leaves[current[0]])):
       buckets.append(current)
       current, size = [], 0
     current.append(i)
@@ -721,6 +733,8 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
   tie = -(jnp.zeros((), real) * jnp.abs(jnp.where(jnp.isfinite(element), element, 0)).astype(real))
 
   def tied(x):
+    if _varying_axes(tie) - _varying_axes(x):  # the tie would retype x (a model-split bucket before it): untied
+      return x
     if jnp.issubdtype(x.dtype, jnp.complexfloating):  # -0.0 in both parts: a cast would add +0.0 to the imaginary
       part = tie.astype(jnp.real(x).dtype)
       return x + lax.complex(part, part)
@@ -937,12 +951,12 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   over a manual axis that is not a data axis (a tensor-parallel shard in a
   hand-written ``shard_map``) is a part of the vector there too: its squares
   are added over that axis as well, so every device holds the whole
-  gradient's norm. Without ``axis_name`` it is
+  gradient's norm (only with ``axis_name``). Without ``axis_name`` it is
   ``optax.tree.norm``. Chunks must partition the vector (ZeRO's zero padding
   adds nothing to the norm). ``divisor``: the norm of ``tree / divisor``
   (see :func:`divide_gradient`), without writing the quotient.
   """
-  data = set(axis_names(axis_name)) if axis_name is not None else set()
+  data = set(axis_names(axis_name)) if axis_name is not None else None
   # Sums of squares keyed by the manual axes besides the data axes that the leaf varies over (a tensor-parallel
   # shard of a hand-written shard_map): its part of the norm is completed over them too.
   partial: dict = {}  # added over the data axes (and the key's)
@@ -950,7 +964,8 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   # One device: nothing to split or add. Otherwise split agreed leaves only where they are known to be agreed.
   parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or _typed(axis_name))
   for leaf in jax.tree.leaves(tree):
-    extra = _varying_axes(leaf) - data
+    # Without axis_name nothing says which axes hold parts and which hold replicas (reduction="none"): none added.
+    extra = frozenset() if data is None else _varying_axes(leaf) - data
     if axis_name is not None and varies(leaf, axis_name):
       squares = _squares(leaf, divisor)
       # A chunk that is the same over some of the axes (ZeRO's, over "replica" of ("replica", "data")) is summed

@@ -450,3 +450,28 @@ def test_the_refusals_advice_for_state_computed_from_params_and_for_a_maximum_wo
   x = np.concatenate([p["x"] for p in portions])
   np.testing.assert_array_equal(state.model_state["mask"], np.abs(params["w"]) > 0.5)
   np.testing.assert_allclose(float(state.model_state["max"]), float(np.max(x @ params["w"])), rtol=RTOL)
+
+
+
+def test_under_pmap_replicas_without_rows_do_not_keep_their_own_nan_state():
+  """The pmap agreement test was a pmax of (x, -x): XLA's max skips NaN, so a masked mean on replicas holding only
+  padding (0/0) counted as agreed, and each replica kept its own value (device 0 finite, the others NaN, with
+  replica_divergence 0). Agreement is now bit for bit, which also stops 0.0 and -0.0 (equal values) from staying
+  different bits on different replicas (found by the diff review)."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+
+  def loss_fn(params, batch, *, model_state, weights):
+    mean = jnp.sum(weights[:, None] * batch["x"], 0) / jnp.sum(weights)  # 0/0 on a replica of padding only
+    return jaxdp.LossOutput((batch["x"] @ params["w"] - batch["y"]) ** 2, {"ema": 0.9 * model_state["ema"] + 0.1 * mean})
+
+  x = np.array([[1.0, 5.0], [3.0, 7.0]] + [[0, 0]] * 6, np.float32)
+  batch, weights = {"x": x, "y": np.ones(8, np.float32)}, np.array([1, 1, 0, 0, 0, 0, 0, 0], np.float32)
+  for backend in ("shard_map", "pmap"):
+    state = jaxdp.init_state({"w": np.ones(2, np.float32)}, OPT, mesh, model_state={"ema": np.zeros(2, np.float32)})
+    state, _ = jaxdp.make_train_step(loss_fn, OPT, mesh, backend=backend)(state, batch, weights)
+    for shard in state.model_state["ema"].addressable_shards:
+      np.testing.assert_allclose(np.asarray(shard.data), [0.2, 0.6], rtol=1e-6, err_msg=backend)
+
+  zeros = jax.pmap(lambda s, w: jaxdp.reduce_model_state({"s": s}, w, axis_name="data"), axis_name="data",
+                   devices=jax.devices()[:4])(np.array([[0.0], [-0.0], [0.0], [-0.0]], np.float32), np.ones(4, np.float32))
+  assert not np.any(np.signbit(np.asarray(zeros["s"])))  # one value, +0.0, on every replica

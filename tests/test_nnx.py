@@ -392,7 +392,8 @@ def test_layers_frozen_at_split_train_as_the_user_says(keep_frozen):
 
 def test_what_a_loss_sows_is_not_model_state():
   """nnx's sow (nnx.Intermediate) in a model with BatchNorm state made the step refuse the returned state's
-  structure, naming a state the user never returned: what the call sows is dropped, as on one device."""
+  structure, naming a state the user never returned: what the call sows is dropped, as on one device, and so
+  is what an eager call sowed before the split."""
 
   class Sowing(Net):
     def __call__(self, x, mask=None):
@@ -403,7 +404,10 @@ def test_what_a_loss_sows_is_not_model_state():
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   data = portions((3, 0, 4, 1))
   model = Sowing(rngs=nnx.Rngs(0))
+  model.eval(), model(data[0]["x"]), model.train()  # an eager call to check shapes sows before the split
   definition, params, model_state = jaxdp.nnx.split(model)
+  assert not jax.tree.leaves(nnx.state(jaxdp.nnx.merge(definition, params, model_state), nnx.Intermediate))
+  assert jax.tree.leaves(nnx.state(model, nnx.Intermediate))  # the user's model keeps what it sowed
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), OPT, mesh)
   state, _ = step(state, *jaxdp.shard_uneven(data, mesh), rng=jax.random.key(0))

@@ -448,18 +448,21 @@ def test_none_inside_a_typed_shard_map_says_what_to_do():
     _mapped(replica, out_specs=(P(), P()))(jaxdp.init_state(init_params(), OPT, MESH), *_global(*device_data(0)))
 
 
-def test_tensor_parallel_by_hand_with_replicated_parameters_and_the_global_norm():
+@pytest.mark.parametrize("options", [{}, {"bucket_bytes": 0}, {"bucket_bytes": 10**5}, {"accum_steps": 2}])
+def test_tensor_parallel_by_hand_with_replicated_parameters_and_the_global_norm(options):
   """Tensor parallelism by hand with parameters replicated over the manual "model" axis next to split ones.
   The packed all-reduce put the replicated small leaves in one operand with the split ones, typing their sums
   as varying over "model": JAX refused the step ("cond branches must have equal output types"). The gradient
-  norm (the metric and the skip decision) counted only each model shard's part: it is completed over "model"."""
+  norm (the metric and the skip decision) counted only each model shard's part: it is completed over "model".
+  Buckets had the same mix (by dtype only, and each tied to the one before), and the accumulation's carry
+  was typed as varying over the data axis only (JAX: "scan body ... carry ... must have equal types")."""
   mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
   opt = optax.adam(0.1)
   rng = np.random.default_rng(3)
   params = {"W": rng.normal(size=(D, 4)).astype(np.float32), "v": rng.normal(size=(4,)).astype(np.float32),
             "c": np.float32(0.3), "d": rng.normal(size=(D,)).astype(np.float32)}
-  x, y = rng.normal(size=(6, D)).astype(np.float32), rng.normal(size=(6,)).astype(np.float32)
-  weights = np.array([1, 1, 0, 1, 3, 1], np.float32)
+  x, y = rng.normal(size=(8, D)).astype(np.float32), rng.normal(size=(8,)).astype(np.float32)
+  weights = np.array([1, 1, 0, 1, 3, 1, 2, 0], np.float32)
   specs = {"W": P(None, "model"), "v": P("model"), "c": P(), "d": P()}
 
   def predict(p, x):
@@ -468,7 +471,7 @@ def test_tensor_parallel_by_hand_with_replicated_parameters_and_the_global_norm(
   def body(p, batch, w):
     state = jaxdp.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32), None)
     state, metrics = jaxdp.train_step(lambda p, b: (predict(p, b["x"]) - b["y"]) ** 2, opt, state, batch, w,
-                                      axis_name="data")
+                                      axis_name="data", **options)
     return state.params, metrics["grad_norm"]
 
   place = lambda tree, spec: jax.device_put(tree, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), spec))  # noqa: E731
@@ -508,3 +511,33 @@ def test_a_whole_gradient_transformation_of_a_tensor_parallel_shard_is_named():
   batch = {"x": rng.normal(size=(4, D)).astype(np.float32), "y": rng.normal(size=(4,)).astype(np.float32)}
   with pytest.raises(ValueError, match=r"params\['c'\] varies over the manual mesh axes \['model'\].*make_train_step"):
     step(place(params, specs), place(batch, {"x": P("data"), "y": P("data")}))
+
+
+
+def test_each_replica_keeps_its_own_norm_under_none_in_a_typed_shard_map():
+  """reduction="none" gives each replica its own step: its grad_norm is its own gradient's, and a NaN on one
+  replica skips that replica only. The completion of the norm over manual axes (for hand-written tensor
+  parallelism) summed every replica's squares when finish_step got no axis_name (found by the diff review)."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  opt = optax.sgd(0.1)
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(3,)).astype(np.float32)}
+  x, y = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8,)).astype(np.float32)
+  y_nan = y.copy()
+  y_nan[0] = np.nan
+  loss = lambda p, b: (b["x"] @ p["w"] - b["y"]) ** 2  # noqa: E731
+
+  def body(p, batch):
+    p = jaxdp.as_varying(p, "data")
+    state = jaxdp.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32), None)
+    _, metrics = jaxdp.train_step(loss, opt, state, batch, reduction="none")
+    return metrics["grad_norm"][None], metrics["skipped"][None]
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data"))))
+  norms, skipped = step(params, {"x": x, "y": y})
+  own = [float(optax.tree.norm(jax.grad(lambda p: jnp.mean(loss(p, {"x": x[2 * i:2 * i + 2], "y": y[2 * i:2 * i + 2]})))(
+      params))) for i in range(4)]
+  np.testing.assert_allclose(np.asarray(norms), own, rtol=RTOL)
+  assert not np.any(np.asarray(skipped))
+  _, skipped = step(params, {"x": x, "y": y_nan})
+  np.testing.assert_array_equal(np.asarray(skipped), [1, 0, 0, 0])
