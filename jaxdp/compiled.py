@@ -328,8 +328,9 @@ def make_train_step(
       in reverse layer order, one all-reduce each (DDP's ``bucket_cap_mb``);
       ``None`` (default) reduces it in one; ``0`` per leaf. Bitwise the same
       results. At ZeRO stages 1-3 the parameters' all-gathers (by default
-      one for all leaves of up to ``jaxdp.reduction.PACK_BYTES``, 256 KiB,
-      and one per larger leaf; ``0``: one per leaf) are cut the same way,
+      one per dtype for the leaves of up to ``jaxdp.reduction.PACK_BYTES``,
+      256 KiB, and one per larger leaf, or one per leaf on a mesh with
+      model axes; ``0``: one per leaf) are cut the same way,
       one per bucket of flattened
       slices (FSDP's flat parameters): after the update at stages 1-2,
       before the forward pass at stage 3; at stages 2-3 so is the
@@ -493,11 +494,12 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
       check_vma=check_vma,
   )
   gather = None
-  # An optimizer with state split over the data axis computes the update split as that state (XLA slices the
-  # replicated parameters); one without (SGD) updates the replicated parameters and has nothing to gather.
+  # The update is computed split where the gradient (stage 2) or the optimizer state is split (XLA slices the
+  # replicated parameters); at stage 1 an optimizer without state (SGD) updates the replicated parameters and
+  # has nothing to gather.
   state_split = any(data_dim(spec, axis_name) is not None for spec in jax.tree.leaves(
       layout.specs.opt_state, is_leaf=lambda x: isinstance(x, P)))
-  if stage in (1, 2) and (state_split or options.get("bucket_bytes") is not None):
+  if stage == 2 or (stage == 1 and state_split):
     # The updated parameters, computed split, are gathered by jaxdp in flat buckets (without bucket_bytes,
     # the small leaves in one all-gather): XLA would place one all-gather per leaf.
     split_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.split_specs)

@@ -514,7 +514,9 @@ def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable
 
   Flat buckets take the leaves split over ZeRO's axis only (``dims``: the dimension each is split along); a
   leaf also split over a model axis, or not split, keeps a collective of its own. ``small_bytes``: only leaves
-  of up to that many bytes, and only if there are two (the default packing, without ``bucket_bytes``).
+  of up to that many bytes, grouped by dtype and varying type whatever their order (the default packing,
+  without ``bucket_bytes``); none on a mesh with another axis the compiler partitions, which would split
+  the packed row over it and gather it back (and part of the backward pass with it).
   """
   zero = axis_names(axis_name)[-1]
   leaves, treedef = jax.tree.flatten(tree)
@@ -524,8 +526,11 @@ def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable
   flat = [i for i, (dim, spec) in enumerate(zip(dims, spec_leaves))
           if dim is not None and leaves[i].size and (spec is True or not any(model_part(spec, axis_name)))
           and (small_bytes is None or leaves[i].size * leaves[i].dtype.itemsize <= small_bytes)]
-  if small_bytes is not None and len(flat) < 2:  # nothing to pack
-    flat = []
+  if small_bytes is not None:
+    groups: dict = {}
+    for i in flat:
+      groups.setdefault((jnp.dtype(leaves[i].dtype), _abstract_vma(leaves[i])), []).append(i)
+    flat = [] if _compiler_partitioned_axes() else [i for group in groups.values() if len(group) > 1 for i in group]
   out = [None if i in flat else per_leaf(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
   for i, x in zip(flat, bucketed([leaves[i] for i in flat], [dims[i] for i in flat])):
     out[i] = x
@@ -695,17 +700,18 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   return _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight, treedef, fallback=True)
 
 
-def _buckets(leaves: list, bucket_bytes: int) -> list[list[int]]:
+def _buckets(leaves: list, bucket_bytes: int, scale: int = 1) -> list[list[int]]:
   """Leaf indices grouped, in reverse order (the order backprop produces them), into buckets of ~``bucket_bytes``.
 
   A bucket holds one dtype and one varying type (it is reduced as one flat vector: a leaf replicated over a
   manual model axis would come back typed as split over it). Empty leaves are left out (nothing to carry).
+  ``scale``: each leaf counts as that many times its bytes (a slice counted as the whole leaf it gathers to).
   """
   buckets, current, size = [], [], 0
   for i in reversed(range(len(leaves))):
     if not leaves[i].size:
       continue
-    nbytes = leaves[i].size * leaves[i].dtype.itemsize
+    nbytes = leaves[i].size * leaves[i].dtype.itemsize * scale
     if current and (size + nbytes > bucket_bytes or leaves[i].dtype != leaves[current[0]].dtype
                     or _abstract_vma(leaves[i]) != _abstract_vma(leaves[current[0]])):
       buckets.append(current)
@@ -1015,6 +1021,15 @@ def _own_part(x: jax.Array, axis_name: Any) -> jax.Array:
   if flat.shape[0] % n == 0:  # the parts tile the array: no window overlaps another
     return window
   return jnp.where(start + jnp.arange(chunk) >= i * chunk, window, jnp.zeros_like(window))
+
+
+def _compiler_partitioned_axes() -> bool:
+  """Whether the mesh has an axis of size > 1 that is not manual here (one the compiler partitions)."""
+  try:
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(a not in mesh.manual_axes and mesh.shape[a] > 1 for a in mesh.axis_names)
+  except (AttributeError, TypeError):  # no mesh information in this JAX: assume there is one
+    return True
 
 
 def _splittable(x: jax.Array) -> bool:

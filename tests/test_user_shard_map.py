@@ -541,3 +541,34 @@ def test_each_replica_keeps_its_own_norm_under_none_in_a_typed_shard_map():
   assert not np.any(np.asarray(skipped))
   _, skipped = step(params, {"x": x, "y": y_nan})
   np.testing.assert_array_equal(np.asarray(skipped), [1, 0, 0, 0])
+
+
+def test_a_reduce_scatter_by_hand_keeps_replicated_leaves_replicated_over_a_manual_model_axis():
+  """reduce_gradient(scatter=...) in the user's shard_map with "model" manual too: the default packing of small
+  leaves put a leaf replicated over "model" in one row with a model-split one, and its slice came back typed as
+  varying over "model" (shard_map refused the out_specs). Leaves are packed by varying type (packing review)."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(8, 8)).astype(np.float32), "v": rng.normal(size=(8,)).astype(np.float32)}
+  x, y = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16,)).astype(np.float32)
+
+  def loss(p, batch):
+    out = jax.lax.psum(jnp.tanh(batch["x"] @ p["w"]).sum(-1), "model") + batch["x"] @ p["v"]
+    return 0.5 * (out - batch["y"]) ** 2
+
+  scatter = {"w": P("data"), "v": P("data")}
+  grads = {}
+  for bucket_bytes in (None, 0):
+    def replica(params, batch, weights):
+      local = jaxdp.local_gradient(loss, params, batch, weights, axis_name="data")
+      return jaxdp.reduce_gradient(local, axis_name="data", scatter=scatter, bucket_bytes=bucket_bytes).grads
+
+    step = jax.jit(jax.shard_map(replica, mesh=mesh, in_specs=({"w": P(None, "model"), "v": P()}, P("data"), P("data")),
+                                 out_specs={"w": P("data", "model"), "v": P("data")}))
+    place = lambda tree, spec: jax.device_put(tree, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), spec))  # noqa: E731
+    grads[bucket_bytes] = step(place(params, {"w": P(None, "model"), "v": P()}),
+                               place({"x": x, "y": y}, {"x": P("data"), "y": P("data")}), place(np.ones(16, np.float32), P("data")))
+  expected = jax.grad(lambda p: jnp.sum(0.5 * ((jnp.tanh(x @ p["w"]).sum(-1) + x @ p["v"]) - y) ** 2) / 16)(params)
+  for got in grads.values():
+    for k in params:
+      np.testing.assert_allclose(np.asarray(got[k]), expected[k], rtol=RTOL, atol=ATOL)
