@@ -59,7 +59,7 @@ each device holds a full copy of them during the step on top of its
   stage 3: (p + g + K) Ψ / N + p Ψ   (N > 1)
 
 (measured: ``docs/zero_memory.json``, N = 8, fp32 Adam: model state
-2.52 MiB and temporaries 6.05 MiB, among them the 5.05 MiB parameter
+2.52 MiB and temporaries about 6 MiB, among them the 5.05 MiB parameter
 copy). Stages 0-2 are the same under both schedules.
 
 Mixed-precision Adam (the paper's notation): p = g = 2 (fp16/bf16), K = 12
