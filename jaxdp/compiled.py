@@ -364,6 +364,12 @@ def make_train_step(
         "backend='pmap' passes the state unmapped (replicated), so it cannot hold a ZeRO-sharded state; "
         "use backend='shard_map' with zero_stage > 0."
     )
+  if backend == "pmap" and any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+    # pmap maps over this process's devices with per-process inputs; the step hands it the global batch.
+    raise ValueError(
+        "backend='pmap' runs on one process's devices only, but the mesh spans several processes; use "
+        "backend='shard_map' (the default) in multi-process runs: the same numbers, bitwise, on one process."
+    )
   if max_consecutive_skips is not None:
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
   for name, flag in (("donate", donate), ("check_replicas", check_replicas)):

@@ -128,8 +128,12 @@ def _accepts_rng(loss_fn: Callable) -> bool:
   return var_positional
 
 
-def check_loss_fn(loss_fn: Any, *, with_model_state: bool = False) -> None:
-  """Raises ``TypeError`` unless ``loss_fn`` is callable and, ``with_model_state``, accepts ``model_state``."""
+def check_loss_fn(loss_fn: Any, *, with_model_state: bool | None = None) -> None:
+  """Raises ``TypeError`` unless ``loss_fn`` is callable and takes model state exactly when the state has it.
+
+  ``with_model_state``: whether the state holds model state (``None``: not known yet). A ``loss_fn`` that
+  requires ``model_state`` (no default) given a state without any would get ``None`` for it.
+  """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}; pass loss_fn(params, batch) -> losses.")
   if with_model_state and "model_state" not in loss_keywords(loss_fn):
@@ -138,6 +142,23 @@ def check_loss_fn(loss_fn: Any, *, with_model_state: bool = False) -> None:
         "(def loss_fn(params, batch, *, model_state): ...) and return "
         "jaxdp.LossOutput(losses, model_state=new_model_state), or build the state without model_state."
     )
+  if with_model_state is False and _requires_keyword(loss_fn, "model_state"):
+    raise TypeError(
+        "loss_fn requires model_state (it has no default) but state.model_state is None: the state was built "
+        "without it. Pass it where the state is made: jaxdp.init_state(params, optimizer, mesh, "
+        "model_state=variables['batch_stats']) for flax linen (model_state from jaxdp.nnx.split for nnx), and "
+        "CheckpointManager.restore(..., model_state=...) when resuming. Nothing ran and nothing was donated."
+    )
+
+
+def _requires_keyword(fn: Callable, name: str) -> bool:
+  """Whether ``fn`` has a parameter ``name`` that can be passed by keyword and has no default."""
+  try:
+    parameter = inspect.signature(fn).parameters.get(name)
+  except (TypeError, ValueError):
+    return False
+  return (parameter is not None and parameter.default is inspect.Parameter.empty
+          and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
 def call_loss(

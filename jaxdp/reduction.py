@@ -193,7 +193,8 @@ def _loss_weights(weights: jax.Array | None, losses: jax.Array) -> jax.Array:
   if weights.shape != losses.shape:
     raise ValueError(
         f"weights has shape {weights.shape} but loss_fn returned losses of shape {losses.shape} (this device's "
-        "slice); pass weights with exactly the shape of the per-example (or per-token) losses."
+        "slice); return one loss per weight (per-example losses of shape [b]: e.g. .squeeze(-1) of a [b, 1] "
+        "output), or pass weights with exactly the shape of the per-example (or per-token) losses."
     )
   return _at_least_float32(weights)
 

@@ -220,3 +220,30 @@ def test_donating_the_state_keeps_callers_params():
   assert_still_usable(state)
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
   assert_still_usable(jaxdp.init_state(params, OPT, MESH))  # the same params make a second state
+
+
+def test_a_loss_requiring_model_state_given_a_state_without_it_is_named():
+  """The README's checkpoint recipe built the state without model_state= for a linen BatchNorm loss_fn that
+  requires it: flax raised its generic "first argument passed to an apply function should be a dictionary of
+  collections". jaxdp names model_state and where to pass it, before anything runs (found by the linen review)."""
+  def needs_state(params, batch, *, model_state):
+    return jaxdp.LossOutput(loss_fn(params, batch), model_state=model_state)
+
+  state = fresh_state()
+  with pytest.raises(TypeError, match=r"requires model_state.*init_state\(.*model_state=.*restore"):
+    jaxdp.make_train_step(needs_state, OPT, MESH)(state, global_arrays(8))
+  with pytest.raises(TypeError, match=r"requires model_state"):
+    jaxdp.make_eval_step(needs_state, MESH)(state, global_arrays(8))
+  # A loss whose model_state has a default (jaxdp.nnx.loss_fn's) runs without model state.
+  jaxdp.make_eval_step(lambda p, b, *, model_state=None: loss_fn(p, b), MESH)(state, global_arrays(8))
+  assert_still_usable(state)
+
+
+def test_losses_of_shape_b_1_name_the_squeeze():
+  """[b, 1] losses (a Dense(1) output minus y[:, None]) next to [b] weights: the message told a DataPipeline user,
+  who does not choose the weights' shape, to reshape the weights; it now says to return [b] losses first."""
+  state = fresh_state()
+  step = jaxdp.make_train_step(lambda p, b: loss_fn(p, b)[:, None], OPT, MESH)
+  with pytest.raises(ValueError, match=r"losses of shape \(2, 1\).*squeeze\(-1\)"):
+    step(state, global_arrays(8), np.ones(8, np.float32))
+  assert_still_usable(state)

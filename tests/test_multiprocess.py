@@ -203,6 +203,8 @@ def test_disagreeing_processes_raise_on_every_process(tmp_path):
     assert f"[rank {rank}] save ValueError on rank {rank}: processes disagree on CheckpointManager.save" in output
     assert (f"[rank {rank}] streaming ValueError on rank {rank}: data-axis positions [0, 1] of this mesh hold "
             "devices of several processes") in output
+    assert (f"[rank {rank}] pmap ValueError on rank {rank}: backend='pmap' runs on one process's devices only"
+            in output)
   assert "initial values['model_state']['bn']['mean']" in output
   assert "DataPipeline arguments['seed']: process 0: 0, process 1: 1" in output
   assert "CheckpointManager.save['step']: process 0: 2, process 1: 3" in output

@@ -68,6 +68,8 @@ def main():
 
   crossed = Mesh(np.array(jax.devices()).reshape(2, 2).T, ("data", "model"))
   report(rank, "streaming", lambda: jaxdp.StreamingPipeline(examples, collate, crossed, per_device_batch=2))
+  # pmap over every process's devices failed inside the first step with JAX's "cannot select an axis to squeeze".
+  report(rank, "pmap", lambda: jaxdp.make_train_step(problem.loss_fn, optimizer, mesh, backend="pmap"))
   multihost_utils.sync_global_devices("reported")
   sys.exit(2)
 
