@@ -28,7 +28,7 @@ from jaxdp.layout import (
     place,
     split_along,
 )
-from jaxdp.reduction import _safe_divide, axis_names, loss_sums, reduce_gradient
+from jaxdp.reduction import _safe_divide, axis_names, cast_floating, loss_sums, reduce_gradient
 from jaxdp.state import TrainState
 from jaxdp.step import gather_params
 
@@ -42,6 +42,7 @@ def eval_sums(
     axis_name: str = "data",
     params_split: Any = None,
     bucket_bytes: int | None = None,
+    compute_dtype: Any = None,
 ) -> dict[str, jax.Array]:
   """Global sums ``{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}`` of one batch, as seen by one replica.
 
@@ -51,9 +52,12 @@ def eval_sums(
   first: one all-gather per larger leaf and one for the small ones, or one per flat bucket of about
   ``bucket_bytes`` (see :func:`jaxdp.make_eval_step`). Dividing by
   ``"weight"`` gives the exact global weighted means; adding sums over
-  batches first gives those of a whole dataset.
+  batches first gives those of a whole dataset. ``compute_dtype``: the
+  forward pass in this floating dtype, as the training step's (the floating
+  params and batch leaves cast; the sums stay float32).
   """
   params = gather_params(state.params, params_split, axis_name, bucket_bytes)
+  params, batch = cast_floating((params, batch), compute_dtype)
   local = loss_sums(
       loss_fn, params, batch, weights, model_state=state.model_state, axis_name=axis_name, train=False
   )
@@ -156,7 +160,7 @@ class EvalStep:
 
 
 def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data",
-                   bucket_bytes: int | None = None) -> EvalStep:
+                   bucket_bytes: int | None = None, compute_dtype: Any = None) -> EvalStep:
   """Builds the jitted evaluation step over every device of ``mesh[axis_name]``.
 
   Args:
@@ -173,12 +177,16 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
       parameters are the same, bit for bit; the sums equal the per-leaf
       step's up to float32 round-off (XLA may compile the forward pass that
       reads a bucket differently).
+    compute_dtype: evaluate in this floating dtype (e.g. ``jnp.bfloat16``),
+      as a model trained with ``make_train_step(..., compute_dtype=)`` runs
+      its forward pass; ``None`` (default): the params' own dtypes.
 
   Returns:
     An :class:`EvalStep`. It takes a :class:`jaxdp.TrainState` of any ZeRO
     stage and never changes it (nothing is donated).
   """
   check_loss_fn(loss_fn)
+  compute_dtype = _checks.check_float_dtype(compute_dtype, "compute_dtype")
   if bucket_bytes is not None:
     _checks.check_int(bucket_bytes, "bucket_bytes", 0, "or None to gather split parameters one leaf at a time.")
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
@@ -189,7 +197,8 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
 
   def build(params_split):
     def replica(s, b, w):
-      return eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split, bucket_bytes=bucket_bytes)
+      return eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split, bucket_bytes=bucket_bytes,
+                       compute_dtype=compute_dtype)
 
     state_specs = TrainState(params_split, None, P(), P())
     return jax.jit(jax.shard_map(

@@ -504,3 +504,22 @@ def test_zero_packing_groups_dtypes_gathers_after_a_stateless_update_and_leaves_
              for b in (None, 0)]
   for kind in ("all-gather", "all-reduce", "reduce-scatter"):
     assert reports[0][kind].bytes == reports[1][kind].bytes, kind
+
+
+def test_eval_step_runs_the_forward_pass_in_the_training_compute_dtype():
+  """make_eval_step had no compute_dtype, so a model trained with compute_dtype=bfloat16 was evaluated in float32
+  (a one-device bf16 program evaluates in bf16; from the linen review). With it, the sums equal a plain
+  one-device evaluation on params and batch cast to bfloat16 (bf16 per-device forward passes, float32 sums:
+  rtol 1e-2), and differ from the float32 evaluation by bf16's rounding."""
+  state = jaxdp.init_state(init_params(), OPT, MESH)
+  batch, weights = data(seed=7)
+  got = jaxdp.make_eval_step(loss_fn, MESH, compute_dtype=jnp.bfloat16)(state, batch, weights)
+  full = jaxdp.make_eval_step(loss_fn, MESH)(state, batch, weights)
+  cast = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                      (init_params(), batch))
+  losses = loss_fn(*cast).astype(jnp.float32)
+  expected = float(jnp.sum(weights * losses) / jnp.sum(weights))
+  np.testing.assert_allclose(float(got["loss"]), expected, rtol=1e-2)
+  assert float(got["loss"]) != float(full["loss"])
+  with pytest.raises(ValueError, match=r"compute_dtype=.*not a floating dtype"):
+    jaxdp.make_eval_step(loss_fn, MESH, compute_dtype=jnp.int32)
