@@ -128,12 +128,8 @@ def _accepts_rng(loss_fn: Callable) -> bool:
   return var_positional
 
 
-def check_loss_fn(loss_fn: Any, *, with_model_state: bool | None = None) -> None:
-  """Raises ``TypeError`` unless ``loss_fn`` is callable and takes model state exactly when the state has it.
-
-  ``with_model_state``: whether the state holds model state (``None``: not known yet). A ``loss_fn`` that
-  requires ``model_state`` (no default) given a state without any would get ``None`` for it.
-  """
+def check_loss_fn(loss_fn: Any, *, with_model_state: bool = False) -> None:
+  """Raises ``TypeError`` unless ``loss_fn`` is callable and, ``with_model_state``, accepts ``model_state``."""
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}; pass loss_fn(params, batch) -> losses.")
   if with_model_state and "model_state" not in loss_keywords(loss_fn):
@@ -142,23 +138,6 @@ def check_loss_fn(loss_fn: Any, *, with_model_state: bool | None = None) -> None
         "(def loss_fn(params, batch, *, model_state): ...) and return "
         "jaxdp.LossOutput(losses, model_state=new_model_state), or build the state without model_state."
     )
-  if with_model_state is False and _requires_keyword(loss_fn, "model_state"):
-    raise TypeError(
-        "loss_fn requires model_state (it has no default) but state.model_state is None: the state was built "
-        "without it. Pass it where the state is made: jaxdp.init_state(params, optimizer, mesh, "
-        "model_state=variables['batch_stats']) for flax linen (model_state from jaxdp.nnx.split for nnx), and "
-        "CheckpointManager.restore(..., model_state=...) when resuming. Nothing ran and nothing was donated."
-    )
-
-
-def _requires_keyword(fn: Callable, name: str) -> bool:
-  """Whether ``fn`` has a parameter ``name`` that can be passed by keyword and has no default."""
-  try:
-    parameter = inspect.signature(fn).parameters.get(name)
-  except (TypeError, ValueError):
-    return False
-  return (parameter is not None and parameter.default is inspect.Parameter.empty
-          and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
 def call_loss(
@@ -204,6 +183,14 @@ def call_loss(
         f"micro-batch of it under accum_steps; {np.shape(weights)[0]} rows), called with params of structure "
         f"{_structure(params)}; nothing ran and nothing was donated."
     )
+    if model_state is None and "model_state" in keywords:
+      # A loss may take None for a stateless model; one that needs state got None because the state has none.
+      e.add_note(
+          "jaxdp: loss_fn was called with model_state=None: the state was built without model state. If the "
+          "model has some (BatchNorm statistics), pass it where the state is made: jaxdp.init_state(params, "
+          "optimizer, mesh, model_state=variables['batch_stats']) for flax linen (from jaxdp.nnx.split for nnx), "
+          "and CheckpointManager.restore(..., model_state=...) when resuming."
+      )
     raise
   if isinstance(out, LossOutput):
     losses, new_state, metrics = out
