@@ -593,7 +593,10 @@ class StreamingPipeline:
   padded with zero rows of weight 0, so a process whose stream has run dry
   keeps stepping with padding only, and ``reduction="mean"`` is exactly the
   gradient of the real examples. Every example is used once; none is
-  repeated or dropped.
+  repeated or dropped. If reading the stream or ``collate`` raises while a
+  batch is drawn, the examples read for it are lost: the error propagates,
+  and every later draw raises too until :meth:`reset`, so the pass cannot
+  end as if it were complete.
 
   With each batch comes ``has_more``, int32 ``[n_devices]`` split over
   ``axis_name``: 1 on every device of a process whose stream has an example
@@ -737,6 +740,7 @@ class StreamingPipeline:
     self._awaiting_report = False
     self._reported: Any = None
     self._done = False
+    self._failed: str | None = None  # the error that lost examples of a batch being drawn
 
   @property
   def done(self) -> bool:
@@ -814,20 +818,30 @@ class StreamingPipeline:
           f"step {self.steps - 1}'s has_more was not reported: call stream.report(metrics['has_more']) after every "
           "step, before drawing the next batch; without it the processes cannot agree on when to stop."
       )
+    if self._failed is not None:
+      raise RuntimeError(
+          f"this pipeline failed while drawing step {self.steps}'s batch ({self._failed}); the examples it had "
+          "read for that batch are gone from the stream, so going on would end the pass without them. Start again "
+          "on a fresh iterator (stream.reset(examples), or a new pipeline; a generator that raised is finished)."
+      )
     if self._done:
       return None
     # Only a dry process reads (and so waits for) the last count: one with data knows it is > 0.
     if self.steps and not self._local_more and self._last_count() == 0:
       self._done = True
       return None
-    taken = self._stream.take(len(self.local_positions) * self.per_device_batch)
-    self._local_more = self._stream.more()
-    flag = np.full((1,), int(self._local_more), np.int32)
-    portions, start = {}, 0
-    for position, size in zip(self.local_positions, _portion_sizes(len(taken), len(self.local_positions))):
-      part, start = taken[start : start + size], start + size
-      batch, weights = _collated(self.collate, part, self._empty) if part else self._empty
-      portions[position] = (*_pad_portion(batch, weights, self.per_device_batch), flag)
+    try:
+      taken = self._stream.take(len(self.local_positions) * self.per_device_batch)
+      self._local_more = self._stream.more()
+      flag = np.full((1,), int(self._local_more), np.int32)
+      portions, start = {}, 0
+      for position, size in zip(self.local_positions, _portion_sizes(len(taken), len(self.local_positions))):
+        part, start = taken[start : start + size], start + size
+        batch, weights = _collated(self.collate, part, self._empty) if part else self._empty
+        portions[position] = (*_pad_portion(batch, weights, self.per_device_batch), flag)
+    except Exception as e:  # examples read from the stream would be lost without a word: the pipeline is done
+      self._failed = f"{type(e).__name__}: {e}"
+      raise
     self.steps += 1
     self.consumed += len(taken)
     self._awaiting_report = True

@@ -365,3 +365,35 @@ def test_real_processes_with_streams_of_different_lengths(job, tmp_path):
   moved = max(float(np.max(np.abs(reference[k] - problem.init_params()[k]))) for k in reference)
   assert moved > 1e-2, "the reference must actually train"
   print(f"\n{job}: {steps} steps, {result.seconds:.1f} s")
+
+
+def test_an_error_while_drawing_a_batch_ends_the_pipeline_loudly():
+  """An iterator or collate that raised while a batch was drawn lost the examples already read for it; a caller
+  that caught the error and went on ended the pass normally without them (a generator that raised even looked
+  like a clean end of the stream). The pipeline now re-raises on every later draw until reset (found by the
+  streaming review)."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+
+  def collate(rows):
+    ids = np.asarray(rows, np.int32)
+    return {"id": ids}, np.ones(len(ids), np.float32)
+
+  def flaky():
+    for i in range(12):
+      if i == 6:
+        raise OSError("transient read error")
+      yield i
+
+  stream = jaxdp.StreamingPipeline(flaky(), collate, mesh, per_device_batch=2, template=0)
+  seen = []
+  with pytest.raises(OSError, match="transient"):
+    while True:
+      batch, weights, has_more = next(stream)
+      seen += [int(i) for i in np.asarray(batch["id"])[np.asarray(weights) > 0]]
+      stream.report(int(np.sum(np.asarray(has_more))))
+  assert seen == [0, 1, 2, 3]
+  with pytest.raises(RuntimeError, match=r"failed while drawing step 1's batch \(OSError: transient read error\)"):
+    next(stream)
+  stream.reset(range(4))  # a fresh iterator starts over
+  batch, weights, _ = next(stream)
+  assert sorted(int(i) for i in np.asarray(batch["id"])[np.asarray(weights) > 0]) == [0, 1, 2, 3]
