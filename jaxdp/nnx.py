@@ -71,10 +71,14 @@ class Definition(NamedTuple):
   frozen: tuple[tuple[tuple, str], ...] = ()
 
 
+def _is_flax_batchnorm(node: Any) -> bool:
+  """Whether ``node`` is flax's own ``nnx.BatchNorm`` (jaxdp's subclass is not)."""
+  return isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)
+
+
 def _flax_batchnorm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]:
   """``(path, layer)`` of every flax ``nnx.BatchNorm`` in ``model`` (jaxdp's own are not listed)."""
-  return [("/".join(map(str, path)) or "<root>", node) for path, node in nnx.iter_graph(model)
-          if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)]
+  return [("/".join(map(str, path)) or "<root>", node) for path, node in nnx.iter_graph(model) if _is_flax_batchnorm(node)]
 
 
 _MODE_FLAGS = ("use_running_average", "deterministic")  # what model.train() and model.eval() set
@@ -83,7 +87,7 @@ _MODE_FLAGS = ("use_running_average", "deterministic")  # what model.train() and
 def _frozen_flags(model: nnx.Module) -> list[tuple[tuple, str]]:
   """``(path, attribute)`` of each mode flag set to its evaluation value (flax's own BatchNorm aside)."""
   return [(tuple(path), flag) for path, node in nnx.iter_graph(model)
-          if isinstance(node, nnx.Module) and not (isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm))
+          if isinstance(node, nnx.Module) and not _is_flax_batchnorm(node)
           for flag in _MODE_FLAGS if getattr(node, flag, None) is True]
 
 

@@ -504,7 +504,7 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | Non
     # Leaves of up to PACK_BYTES split over the data axis only share one reduce-scatter (per dtype), as
     # _psum packs the all-reduced ones; the larger ones keep a collective each.
     return _with_flat_buckets(tree, specs, axis_name, reduce, lambda leaves, dims: _scatter_buckets(
-        leaves, dims, axis_name, PACK_BYTES * len(leaves)), small_bytes=PACK_BYTES)
+        leaves, dims, axis_name, math.inf), small_bytes=PACK_BYTES)
   return _with_flat_buckets(tree, specs, axis_name, reduce,
                             lambda leaves, dims: _scatter_buckets(leaves, dims, axis_name, bucket_bytes))
 
@@ -531,7 +531,8 @@ def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable
     groups: dict = {}
     for i in flat:
       groups.setdefault((jnp.dtype(leaves[i].dtype), _abstract_vma(leaves[i])), []).append(i)
-    flat = [] if _compiler_partitioned_axes() else [i for group in groups.values() if len(group) > 1 for i in group]
+    # (None, no mesh information: assume such an axis.)
+    flat = [] if _compiler_partitioned_axes() != {} else [i for group in groups.values() if len(group) > 1 for i in group]
   out = [None if i in flat else per_leaf(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
   for i, x in zip(flat, bucketed([leaves[i] for i in flat], [dims[i] for i in flat])):
     out[i] = x
@@ -631,7 +632,7 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
       if fallback:  # for a global weight of 0 (no replica saw a real row): replica 0's value, not 0
         contributions.append(jnp.where(lax.axis_index(axis_name) == 0, x, jnp.zeros_like(x)))
     elif jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys: their bits travel
-      how.append(("key", jax.random.key_impl(x)))
+      how.append("key")
       bits = jax.random.key_data(x)
       contributions.append(jnp.where(lax.axis_index(axis_name) == 0, bits, jnp.zeros_like(bits)))
     else:
@@ -647,28 +648,26 @@ def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str
       leaves = [paths[i][1] for i in floats]
       bits = [lax.bitcast_convert_type(x, jnp.dtype(f"int{jnp.dtype(x.dtype).itemsize * 8}")) for x in leaves]
       highest = lax.pmax([jnp.stack([b, ~b]) for b in bits], axis_name)
-      for i, x, both in zip(floats, leaves, highest):
-        how[i] = ("mean", x, both[0] == ~both[1])
+      for i, both in zip(floats, highest):
+        how[i] = ("mean", both[0] == ~both[1])
   return how, contributions, treedef
 
 
 def _rebuild_state(leaves: list, how: list, sums: list, weight: jax.Array, treedef: Any, fallback: bool = False) -> Any:
   sums, out = iter(sums), []
   for x, mode in zip(leaves, how):
-    agreed = None
-    if isinstance(mode, tuple) and mode[0] == "mean":  # untracked: (mode, own value, where all replicas agree)
-      mode, own, agreed = mode
+    mode, agreed = mode if isinstance(mode, tuple) else (mode, None)  # untracked: ("mean", where all agree)
     if mode == "keep":
       out.append(x)
-    elif isinstance(mode, tuple):  # a typed key: replica 0's bits
-      out.append(jax.random.wrap_key_data(next(sums), impl=mode[1]))
+    elif mode == "key":  # replica 0's bits
+      out.append(jax.random.wrap_key_data(next(sums), impl=jax.random.key_impl(x)))
     elif mode == "mean":
       if fallback:
         weighted, first = next(sums), next(sums)
         value = jnp.where(weight > 0, _safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype))
       else:
         value = _safe_divide(next(sums), weight).astype(x.dtype)
-      out.append(value if agreed is None else jnp.where(agreed, own, value))
+      out.append(value if agreed is None else jnp.where(agreed, x, value))
     else:
       out.append(next(sums).astype(x.dtype))
   return jax.tree.unflatten(treedef, out)
@@ -1024,27 +1023,28 @@ def _own_part(x: jax.Array, axis_name: Any) -> jax.Array:
   return jnp.where(start + jnp.arange(chunk) >= i * chunk, window, jnp.zeros_like(window))
 
 
-def _compiler_partitioned_axes() -> bool:
-  """Whether the mesh has an axis of size > 1 that is not manual here (one the compiler partitions)."""
+def _compiler_partitioned_axes() -> dict | None:
+  """``{axis: type}`` of the mesh axes of size > 1 that are not manual here (the compiler partitions them);
+  ``None`` where this JAX gives no mesh information."""
   try:
     mesh = jax.sharding.get_abstract_mesh()
-    return any(a not in mesh.manual_axes and mesh.shape[a] > 1 for a in mesh.axis_names)
-  except (AttributeError, TypeError):  # no mesh information in this JAX: assume there is one
-    return True
+    return {a: t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in mesh.manual_axes and mesh.shape[a] > 1}
+  except (AttributeError, TypeError):
+    return None
 
 
 def _splittable(x: jax.Array) -> bool:
   """Whether slicing ``x`` on the manual axes leaves it where it is: no other mesh axis may split it."""
-  try:
-    mesh = jax.sharding.get_abstract_mesh()
-    others = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
-              if a not in mesh.manual_axes and mesh.shape[a] > 1]
-    if not others:
-      return True
-    if any(t != jax.sharding.AxisType.Explicit for a, t in zip(mesh.axis_names, mesh.axis_types) if a in others):
-      return False  # the compiler chooses how an Auto axis splits the leaf: slicing could make it gather
-    named = {a for part in jax.typeof(x).sharding.spec if part is not None
-             for a in ((part,) if isinstance(part, str) else part)}
-    return not named & set(others)
-  except (AttributeError, TypeError):  # no mesh information in this JAX: sum the whole leaf
+  others = _compiler_partitioned_axes()
+  if others is None:  # no mesh information: sum the whole leaf
     return False
+  if not others:
+    return True
+  if any(t != jax.sharding.AxisType.Explicit for t in others.values()):
+    return False  # the compiler chooses how an Auto axis splits the leaf: slicing could make it gather
+  try:
+    spec = jax.typeof(x).sharding.spec
+  except (AttributeError, TypeError):
+    return False
+  named = {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
+  return not named & set(others)

@@ -9,6 +9,7 @@ optimizer sees whole leaves whatever their sharding: see
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -142,8 +143,7 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
     out = [None] * len(leaves)
     # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does;
     # without bucket_bytes, the small leaves (what _with_flat_buckets passes, grouped) in one bucket per dtype.
-    size = _reduction.PACK_BYTES * n * len(leaves) if bucket_bytes is None else bucket_bytes
-    for bucket in _buckets(leaves, size, scale=n):
+    for bucket in _buckets(leaves, math.inf if bucket_bytes is None else bucket_bytes, scale=n):
       moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
       # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
       rows = _all_gather_invariant(_to_row(moved), zero, 0)
