@@ -178,9 +178,10 @@ def call_loss(
     with in_step(axis_name):
       out = loss_fn(*args, **keywords)
   except Exception as e:  # the user's own error, unchanged: only say where it happened
+    where = ("the training step was traced on one device's slice of the batch (or one micro-batch of it under "
+             "accum_steps" if train else "the evaluation step was traced on one device's slice of the batch (")
     e.add_note(
-        f"jaxdp: raised inside loss_fn while the step was traced on one device's slice of the batch (or one "
-        f"micro-batch of it under accum_steps; {np.shape(weights)[0]} rows), called with params of structure "
+        f"jaxdp: raised inside loss_fn while {where}; {np.shape(weights)[0]} rows), called with params of structure "
         f"{_structure(params)}; nothing ran and nothing was donated."
     )
     if model_state is None and "model_state" in keywords:

@@ -178,8 +178,13 @@ def test_state_built_from_other_params(other):
   with pytest.raises((TypeError, ValueError, KeyError)) as error:
     good_step()(bad, *jaxdp.shard_uneven(batches, MESH, weights=weights))
   notes = "\n".join(getattr(error.value, "__notes__", []))
-  assert "raised inside loss_fn" in notes and "nothing was donated" in notes
+  assert "raised inside loss_fn while the training step was traced" in notes and "nothing was donated" in notes
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(bad))
+  # Evaluation calls the same loss_fn: the note names the evaluation step, with no word of micro-batches.
+  with pytest.raises((TypeError, ValueError, KeyError)) as error:
+    jaxdp.make_eval_step(loss_fn, MESH)(bad, global_arrays(8))
+  notes = "\n".join(getattr(error.value, "__notes__", []))
+  assert "raised inside loss_fn while the evaluation step was traced" in notes and "accum_steps" not in notes
   assert_still_usable(state)
 
 
