@@ -821,8 +821,10 @@ class StreamingPipeline:
     if self._failed is not None:
       raise RuntimeError(
           f"this pipeline failed while drawing step {self.steps}'s batch ({self._failed}); the examples it had "
-          "read for that batch are gone from the stream, so going on would end the pass without them. Start again "
-          "on a fresh iterator (stream.reset(examples), or a new pipeline; a generator that raised is finished)."
+          "read for that batch are gone from the stream, so going on would end the pass without them. This pass "
+          "cannot be completed: restore the checkpoint saved before it, or restart the pass on every process with a "
+          "fresh iterator (stream.reset(examples), or a new pipeline; a generator that raised is finished), knowing "
+          "that the steps already drawn in it are then trained twice."
       )
     if self._done:
       return None
@@ -839,8 +841,12 @@ class StreamingPipeline:
         part, start = taken[start : start + size], start + size
         batch, weights = _collated(self.collate, part, self._empty) if part else self._empty
         portions[position] = (*_pad_portion(batch, weights, self.per_device_batch), flag)
-    except Exception as e:  # examples read from the stream would be lost without a word: the pipeline is done
+    except BaseException as e:  # examples read from the stream would be lost without a word: the pipeline is done
+      # (Ctrl-C too: a loop run again after it would go on without them.)
       self._failed = f"{type(e).__name__}: {e}"
+      if isinstance(e, StopIteration):  # out of __next__ it would end a for loop as a complete pass (cf. PEP 479)
+        raise RuntimeError(f"collate or the stream raised StopIteration while step {self.steps}'s batch was drawn; "
+                           "the pass is not complete") from e
       raise
     self.steps += 1
     self.consumed += len(taken)

@@ -397,3 +397,36 @@ def test_an_error_while_drawing_a_batch_ends_the_pipeline_loudly():
   stream.reset(range(4))  # a fresh iterator starts over
   batch, weights, _ = next(stream)
   assert sorted(int(i) for i in np.asarray(batch["id"])[np.asarray(weights) > 0]) == [0, 1, 2, 3]
+
+
+def test_stopiteration_or_interrupt_while_drawing_is_no_clean_end():
+  """A StopIteration raised inside collate (next() of a lookup that found nothing) left __next__ as StopIteration
+  and ended the `for` loop as a complete pass, 4 of 12 examples trained; a Ctrl-C during a draw was not marked, so
+  the loop run again ended the pass without the batch's examples (from the review of 16d53e9)."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  missing = 6
+
+  def collate(rows):
+    ids = np.asarray([next(r for r in range(12) if r == row and r != missing) for row in rows], np.int32)
+    return {"id": ids}, np.ones(len(ids), np.float32)
+
+  stream = jaxdp.StreamingPipeline(iter(range(12)), collate, mesh, per_device_batch=2, template=0)
+  seen = []
+  with pytest.raises(RuntimeError, match="StopIteration while step 1's batch was drawn"):
+    for batch, weights, has_more in stream:
+      seen += [int(i) for i in np.asarray(batch["id"])[np.asarray(weights) > 0]]
+      stream.report(int(np.sum(np.asarray(has_more))))
+  assert seen == [0, 1, 2, 3]
+  with pytest.raises(RuntimeError, match="failed while drawing step 1's batch"):
+    next(stream)
+
+  def interrupted():
+    yield from range(6)
+    raise KeyboardInterrupt
+
+  stream = jaxdp.StreamingPipeline(interrupted(), collate, mesh, per_device_batch=2, template=0)
+  stream.report(int(np.sum(np.asarray(next(stream)[2]))))
+  with pytest.raises(KeyboardInterrupt):
+    next(stream)
+  with pytest.raises(RuntimeError, match=r"KeyboardInterrupt"):  # the loop run again is told, not ended
+    next(stream)
