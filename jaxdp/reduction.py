@@ -732,7 +732,8 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
   otherwise turn the loss and weight sent after it into NaN); XLA folds
   neither the product nor the select, so the dependency stays.
   """
-  if previous is None:
+  if previous is None or _split_by_compiler(previous):
+    # A bucket split over an Explicit mesh axis cannot be sliced to one element: left untied (XLA may combine).
     return tree
   element = previous.reshape(-1)[0]
   real = jnp.real(jnp.zeros((), previous.dtype)).dtype  # a complex bucket's tie is real too
@@ -828,7 +829,11 @@ def reduce_gradient(
     A :class:`ReducedGradient`. Every replica holds the same values except
     under ``"none"`` (and the gradient chunks under ``scatter``). The model
     state is made identical as :func:`reduce_model_state` says (kept
-    per-replica under ``"none"``).
+    per-replica under ``"none"``), except where no replica has weight: the
+    averaged leaves are then 0, not replica 0's value (the step that reads
+    them, :func:`jaxdp.finish_step`, skips such a step and keeps the state;
+    sending replica 0's value too would double the state's share of every
+    all-reduce).
   """
   check_reduction(reduction)
   check_reduce_dtype(reduce_dtype, "reduce_dtype")
@@ -1031,6 +1036,14 @@ def _compiler_partitioned_axes() -> dict | None:
     return {a: t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in mesh.manual_axes and mesh.shape[a] > 1}
   except (AttributeError, TypeError):
     return None
+
+
+def _split_by_compiler(x: jax.Array) -> bool:
+  """Whether ``x``'s type says it is split over a mesh axis the compiler partitions (an Explicit axis)."""
+  try:
+    return any(part is not None for part in jax.typeof(x).sharding.spec)
+  except (AttributeError, TypeError):
+    return False
 
 
 def _splittable(x: jax.Array) -> bool:
