@@ -204,7 +204,12 @@ def batch_size(batch: Any, name: str = "batch") -> int:
 
 def check_state(state: Any, name: str = "state") -> None:
   if not isinstance(state, TrainState):
-    raise TypeError(f"{name} must be a jaxdp.TrainState, got {type(state).__name__}; build it with jaxdp.init_state(params, optimizer, mesh).")
+    kind = type(state)
+    raise TypeError(
+        f"{name} must be a jaxdp.TrainState, got {kind.__module__}.{kind.__qualname__}; build it with "
+        "jaxdp.init_state(params, optimizer, mesh, model_state=...): a flax TrainState's batch_stats go to "
+        "model_state=, its tx to the step and init_state, and its apply_fn into loss_fn."
+    )
 
 
 def check_opt_state(state, optimizer, name: str = "state") -> None:

@@ -184,6 +184,12 @@ def call_loss(
         f"jaxdp: raised inside loss_fn while {where}; {np.shape(weights)[0]} rows), called with params of structure "
         f"{_structure(params)}; nothing ran and nothing was donated."
     )
+    if rng is None and _accepts_rng(loss_fn):
+      e.add_note(
+          "jaxdp: loss_fn was called without a PRNG key (rng=None): "
+          + ("the step was called without rng=; a model with dropout needs step(state, batch, weights, rng=key)."
+             if train else "evaluation passes none; run without dropout there (train=False or rng is None).")
+      )
     if model_state is None and "model_state" in keywords:
       # A loss may take None for a stateless model; one that needs state got None because the state has none.
       e.add_note(

@@ -256,3 +256,37 @@ def test_losses_of_shape_b_1_name_the_squeeze():
   with pytest.raises(ValueError, match=r"losses of shape \(2, 1\).*squeeze\(-1\)"):
     step(state, global_arrays(8), np.ones(8, np.float32))
   assert_still_usable(state)
+
+
+def test_a_flax_train_state_and_a_missing_dropout_key_are_named():
+  """A port of flax's ImageNet example passed its flax TrainState (the error said only 'got TrainState', the name
+  of jaxdp's own class) and called a step of a dropout model without rng= (flax's 'Dropout_0 needs PRNG' with
+  nothing about the step); both now say what to do (from the port review)."""
+  import flax.linen as nn
+  from flax.training import train_state
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      return nn.Dense(1)(nn.Dropout(0.5, deterministic=not train)(x))[:, 0]
+
+  net = Net()
+  params = net.init(jax.random.key(0), np.zeros((1, D), np.float32), False)["params"]
+  flax_state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=OPT)
+
+  def dropout_loss(params, batch, rng=None, *, train):
+    rngs = {} if rng is None else {"dropout": rng}
+    return 0.5 * (net.apply({"params": params}, batch["x"], train, rngs=rngs) - batch["y"]) ** 2
+
+  step = jaxdp.make_train_step(dropout_loss, OPT, MESH)
+  batch, weights = jaxdp.shard_uneven(device_data()[0], MESH, weights=device_data()[1])
+  with pytest.raises(TypeError, match=r"flax\.training\.train_state\.TrainState.*model_state="):
+    step(flax_state, batch, weights)
+  state = jaxdp.init_state(params, OPT, MESH)
+  with pytest.raises(Exception) as error:
+    step(state, batch, weights)
+  notes = "\n".join(getattr(error.value, "__notes__", []))
+  assert "called without a PRNG key" in notes and "rng=key" in notes
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  new_state, _ = step(state, batch, weights, jax.random.key(1))  # with the key it trains
+  assert int(new_state.step) == 1
