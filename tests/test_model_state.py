@@ -475,3 +475,51 @@ def test_under_pmap_replicas_without_rows_do_not_keep_their_own_nan_state():
   zeros = jax.pmap(lambda s, w: jaxdp.reduce_model_state({"s": s}, w, axis_name="data"), axis_name="data",
                    devices=jax.devices()[:4])(np.array([[0.0], [-0.0], [0.0], [-0.0]], np.float32), np.ones(4, np.float32))
   assert not np.any(np.signbit(np.asarray(zeros["s"])))  # one value, +0.0, on every replica
+
+
+class EmaState(NamedTuple):
+  ema: dict
+
+
+def ema_of_params(decay):
+  """The README's recipe, as written there: an EMA of the parameters kept in the optimizer state."""
+
+  def init(params):
+    return EmaState(jax.tree.map(lambda p: p.astype(jnp.float32), params))
+
+  def update(updates, state, params):
+    new = optax.apply_updates(params, updates)
+    return updates, EmaState(jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, state.ema, new))
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_the_readmes_ema_of_params_in_the_optimizer_state_is_one_devices(zero_stage):
+  """The README keeps an EMA of the parameters in opt_state (a port review found the model_state route one step
+  behind, K updates a step under accum_steps): after 3 uneven steps (one of global weight 0, skipped) it is the
+  one-device EMA ``0.9 * ema + 0.1 * new_params`` of the plain program's parameters, at stage 0 and 3."""
+  opt = optax.chain(OPT, ema_of_params(0.9))
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  params, model_state = init_params(0), init_model_state()
+  counts = [(2, 0, 3, 1), (0, 0, 0, 0), (1, 4, 0, 2)]
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, zero_stage=zero_stage)
+  state = jaxdp.init_state(params, opt, mesh, model_state=model_state, zero_stage=zero_stage)
+  rng = np.random.default_rng(5)
+  ref_params, ref_state, ref_opt = jax.tree.map(jnp.asarray, params), model_state, OPT.init(params)
+  ema = jax.tree.map(jnp.asarray, params)
+  for rows in counts:
+    portions = [{"x": rng.normal(size=(n, D)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)}
+                for n in rows]
+    state, _ = step(state, *jaxdp.shard_uneven(portions, mesh))
+    if sum(rows):  # one device: the global batch's weighted mean, the plain update, then the EMA
+      batch = jax.tree.map(lambda *xs: np.concatenate(xs), *portions)
+      weights = np.ones(sum(rows), np.float32)
+      (_, (count, _, ref_state)), sums = reference_gradient(ref_params, ref_state, batch, weights)
+      updates, ref_opt = OPT.update(jax.tree.map(lambda g: g / count, sums), ref_opt, ref_params)
+      ref_params = optax.apply_updates(ref_params, updates)
+      ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, ref_params)
+  got = jaxdp.gather_state(state)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got.opt_state[-1].ema[k]), np.asarray(ema[k]), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(got.params[k]), np.asarray(ref_params[k]), rtol=RTOL, atol=ATOL)
