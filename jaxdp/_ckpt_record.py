@@ -55,12 +55,22 @@ def _entry_name(entry: Any) -> str:
 
 def named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
   """``[(path components, leaf)]`` of ``tree`` in flattening order; paths must be distinct."""
-  named, seen = [], set()
+  named, stored = [], {}  # the name orbax stores each leaf under -> (its path components, its key path)
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     components = tuple(_entry_name(e) for e in path)
-    if components in seen:
-      raise ValueError(f"two leaves of the state share the path {'/'.join(components)!r}; use distinct dict keys.")
-    seen.add(components)
+    # orbax names each array by its path joined with '.': {'x.y': a, 'x': {'y': b}} would be written to one
+    # tensorstore array, one value silently overwriting the other (the restore then found the step corrupt).
+    name = ".".join(components)
+    if name in stored:
+      first_components, first_path = stored[name]
+      if first_components == components:
+        raise ValueError(f"two leaves of the state share the path {'/'.join(components)!r}; use distinct dict keys.")
+      raise ValueError(
+          f"the state's leaves {jax.tree_util.keystr(first_path)} and {jax.tree_util.keystr(path)} would be stored "
+          f"under the same checkpoint name {name!r} (orbax joins the path with '.'); rename a dict key so that no "
+          "key containing '.' spells a nested path. Nothing was written."
+      )
+    stored[name] = (components, path)
     named.append((components, leaf))
   return named
 

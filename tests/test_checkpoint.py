@@ -141,6 +141,22 @@ def test_raw_uint32_key_comes_back_raw(tmp_path):
   np.testing.assert_array_equal(restored.rng, jax.random.PRNGKey(5))
 
 
+def test_a_dotted_key_that_spells_a_nested_path_is_refused_before_anything_is_written(tmp_path):
+  """{'x.y': a, 'x': {'y': b}}: orbax stores both leaves under one name, 'params.x.y', one value overwriting the
+  other; the save succeeded and every restore called the step corrupt (found by the sharding review). The state
+  is refused up front naming both leaves; dotted keys that spell no nested path round-trip."""
+  clash = {"x.y": np.arange(8, dtype=np.float32), "x": {"y": -np.arange(8, dtype=np.float32) - 100}}
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    with pytest.raises(ValueError, match=r"\['x\.y'\].*\['x'\]\['y'\]|\['x'\]\['y'\].*\['x\.y'\]"):
+      ckpt.save(1, jaxdp.init_state(clash, OPT, mesh_of(2)))
+    assert ckpt.latest_step() is None
+    dotted = {"a.b": np.arange(4, dtype=np.float32), "a.c": np.ones(3, np.float32), "h": np.zeros(2, np.float32)}
+    state = jaxdp.init_state(dotted, OPT, mesh_of(2))
+    ckpt.save(1, state)
+    restored = ckpt.restore(params=dotted, optimizer=OPT, mesh=mesh_of(2))
+  assert_bitwise_equal(restored.state, state)
+
+
 LAYOUTS = [(1, 0), (3, 3), (4, 2), (2, 3), (8, 1)]  # (devices, zero_stage); the checkpoint is from (2, 1)
 
 
