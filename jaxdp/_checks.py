@@ -205,10 +205,15 @@ def batch_size(batch: Any, name: str = "batch") -> int:
 def check_state(state: Any, name: str = "state") -> None:
   if not isinstance(state, TrainState):
     kind = type(state)
+    advice = ""
+    if kind.__module__.startswith("flax"):
+      advice = (" A flax TrainState's batch_stats go to model_state=, its tx to init_state and the step, and its "
+                "apply_fn into loss_fn.")
+    elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], TrainState):
+      advice = f" This is a (state, metrics) pair: unpack the step's result, {name}, metrics = step(...)."
     raise TypeError(
         f"{name} must be a jaxdp.TrainState, got {kind.__module__}.{kind.__qualname__}; build it with "
-        "jaxdp.init_state(params, optimizer, mesh, model_state=...): a flax TrainState's batch_stats go to "
-        "model_state=, its tx to the step and init_state, and its apply_fn into loss_fn."
+        f"jaxdp.init_state(params, optimizer, mesh, model_state=...).{advice}"
     )
 
 

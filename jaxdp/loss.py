@@ -179,12 +179,12 @@ def call_loss(
       out = loss_fn(*args, **keywords)
   except Exception as e:  # the user's own error, unchanged: only say where it happened
     where = ("the training step was traced on one device's slice of the batch (or one micro-batch of it under "
-             "accum_steps" if train else "the evaluation step was traced on one device's slice of the batch (")
+             "accum_steps; " if train else "the evaluation step was traced on one device's slice of the batch (")
     e.add_note(
-        f"jaxdp: raised inside loss_fn while {where}; {np.shape(weights)[0]} rows), called with params of structure "
+        f"jaxdp: raised inside loss_fn while {where}{np.shape(weights)[0]} rows), called with params of structure "
         f"{_structure(params)}; nothing ran and nothing was donated."
     )
-    if rng is None and _accepts_rng(loss_fn):
+    if rng is None and _accepts_rng(loss_fn) and "rng" in f"{type(e).__name__} {e}".lower():  # flax: needs PRNG
       e.add_note(
           "jaxdp: loss_fn was called without a PRNG key (rng=None): "
           + ("the step was called without rng=; a model with dropout needs step(state, batch, weights, rng=key)."

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.extend import core as jax_core
 
 from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.batchnorm import training_batch_guards
@@ -318,14 +319,17 @@ def local_gradient(
       cast to this dtype (e.g. ``jnp.bfloat16``) for the forward and backward
       pass, while the gradient is taken with respect to the params as they
       are (float32 master weights) and the sums stay float32. Where the
-      backward pass runs in 16 bits (this dtype, or 16-bit params), the
-      weighted sum is differentiated over the global batch's ``Σ w`` per
-      micro-batch (one device's mean-loss scale; with ``axis_name``, one
-      4-byte ``psum`` of the weights before the forward pass, so the scale
-      is the same on every replica and collectives in ``loss_fn`` stay
-      exact) and the float32 gradient scaled back: the sum itself overflows
+      backward pass runs in 16 bits (this dtype, 16-bit params, or 16-bit
+      values in the loss's own trace: a model's ``dtype=jnp.float16``), the
+      weighted sum is divided by a power of two near the global ``Σ w`` per
+      micro-batch over ``N·√n`` (``n``: a device's loss elements; see
+      ``_sixteen_bit_scale``; with ``axis_name``, one 4-byte ``psum`` of
+      the weights before the forward pass, so the scale is the same on
+      every replica and collectives in ``loss_fn`` stay exact) and the
+      float32 gradient scaled back exactly: the sum itself overflows
       float16's 65,504 on large batches and flushes to 0 under small
-      weights. There is no loss scaling. Under ``"rank_mean"`` or
+      weights, and one device's mean-loss scale underflows float16 past
+      ~16k tokens. There is no dynamic loss scaling. Under ``"rank_mean"`` or
       ``"none"``, where each replica's own mean counts, a replica whose
       weights are tiny next to the others' can still underflow float16.
 
@@ -339,22 +343,30 @@ def local_gradient(
     check_axis_bound(axis_name)
     params = as_varying(params, axis_name)
 
-  # A 16-bit backward pass differentiates the weighted sum over one scale, the global batch's Σ w per
-  # micro-batch (one device's mean-loss scale), and the float32 gradient is scaled back: the sum itself
-  # overflows float16 (65,504) on large batches, and flushes to 0 under small weights. The scale is the same
+  # A 16-bit backward pass differentiates the weighted sum over one scale (_sixteen_bit_scale: a power of two
+  # near √n per element), and the float32 gradient is scaled back: the sum itself overflows float16 (65,504)
+  # on large batches and flushes to 0 under small weights; the mean underflows it on many tokens. The scale is the same
   # on every replica (one 4-byte psum of the weights, before the forward pass and outside the micro-batch
   # loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets every
-  # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it is the global count of
+  # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the count of
   # loss elements, the same on every replica without communication.
   sixteen_bit, given = _sixteen_bit(params, compute_dtype), None
+  if not sixteen_bit:  # a model that computes in 16 bits by its own dtype (flax's dtype=jnp.float16)
+    first = (batch, weights) if accum_steps == 1 else jax.tree.map(lambda x: x[0], _split_micro((batch, weights),
+                                                                                                accum_steps))
+    def traced(p):  # as micro_gradient calls it: compute_dtype casts the params and the batch first
+      p, b = cast_floating((p, first[0]), compute_dtype)
+      return loss_sums(loss_fn, p, b, first[1], rng=rng, model_state=model_state, axis_name=axis_name,
+                       train=train).loss_sum
+
+    sixteen_bit = _computes_in_16_bits(traced, params)
   replicas = 1  # the data-parallel replicas, read only by the 16-bit scale
   if sixteen_bit and axis_name is not None:
     replicas = math.prod(lax.axis_size(a) for a in axis_names(axis_name))
   if sixteen_bit and weights is not None:
     total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
     total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
-    # A zero, negative or non-finite total (the poison path reports those) keeps the plain sum.
-    given = lax.stop_gradient(jnp.where(total > 0, total / accum_steps, 1.0).astype(jnp.float32))
+    given = _sixteen_bit_scale(total / accum_steps, replicas, np.size(weights) / accum_steps)
 
   def micro_gradient(micro_batch, micro_weights, micro_rng, state):
     def weighted_sum(p):
@@ -365,7 +377,7 @@ def local_gradient(
       if not sixteen_bit:
         return sums.loss_sum, (sums, None)
       # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
-      scale = given if given is not None else lax.stop_gradient(replicas * sums.weight_sum)
+      scale = given if given is not None else _sixteen_bit_scale(replicas * sums.weight_sum, replicas, sums.weight_sum)
       return sums.loss_sum / scale, (sums, scale)
 
     with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
@@ -409,11 +421,53 @@ def _varying_like(x: jax.Array, like: Any) -> jax.Array:
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _sixteen_bit_scale(total: jax.Array, replicas: int, elements: Any) -> jax.Array:
+  """The power of two nearest ``total / (replicas · √elements)``: what a 16-bit backward pass divides Σ w·l by.
+
+  ``total``: the global batch's Σ w (per micro-batch); ``elements``: the loss elements of one device's
+  (micro-)batch. Each element's cotangent is then about ``1/√elements`` of its share (the mean weight counts
+  as 1, whatever the weights' magnitude) and a device's sum about ``√elements`` times an element's: between
+  the sum's overflow of float16's 65,504 and the mean's underflow below its 6.1e-5 (past ~16k tokens), far
+  from both. A power of two, so that dividing and scaling back are exact. The same on every replica (a
+  global total, static shapes), so collectives inside loss_fn see consistent values. A zero, negative or
+  non-finite total (the poison path reports those) or an empty batch keeps the plain sum (1).
+  """
+  scale = jnp.asarray(total, jnp.float32) / (replicas * jnp.sqrt(jnp.asarray(elements, jnp.float32)))
+  power = jnp.exp2(jnp.round(jnp.log2(scale)))
+  return lax.stop_gradient(jnp.where((scale > 0) & jnp.isfinite(power) & (power > 0), power, 1.0))
+
+
 def _sixteen_bit(params: Any, compute_dtype: Any) -> bool:
   """Whether the backward pass runs in a 16-bit float: a 16-bit ``compute_dtype`` or parameter."""
   dtypes = [compute_dtype] if compute_dtype is not None else []
   dtypes += [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
   return any(jnp.finfo(d).bits < 32 for d in dtypes)
+
+
+def _computes_in_16_bits(fn: Callable, params: Any) -> bool:
+  """Whether ``fn(params)`` computes a floating value in fewer than 32 bits (its backward pass then does too).
+
+  Traces ``fn`` once more (no computation); nested jaxprs (jit, scan, cond, custom rules) are read as well.
+  """
+  def narrow(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+      for var in eqn.outvars:
+        dtype = getattr(var.aval, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+          return True
+      for value in eqn.params.values():
+        for inner in value if isinstance(value, (tuple, list)) else (value,):
+          inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+          if isinstance(inner, jax_core.Jaxpr) and narrow(inner):
+            return True
+    return False
+
+  try:
+    jaxpr = jax.make_jaxpr(fn)(params).jaxpr
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+          jax.errors.TracerIntegerConversionError):  # an eager call whose loss reads values: no abstract trace
+    return False
+  return narrow(jaxpr)
 
 
 def _is_trivial(tree: Any, axis_name: str) -> bool:

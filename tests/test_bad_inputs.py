@@ -280,8 +280,13 @@ def test_a_flax_train_state_and_a_missing_dropout_key_are_named():
 
   step = jaxdp.make_train_step(dropout_loss, OPT, MESH)
   batch, weights = jaxdp.shard_uneven(device_data()[0], MESH, weights=device_data()[1])
-  with pytest.raises(TypeError, match=r"flax\.training\.train_state\.TrainState.*model_state="):
+  with pytest.raises(TypeError, match=r"flax\.training\.train_state\.TrainState.*batch_stats go to model_state="):
     step(flax_state, batch, weights)
+  state = jaxdp.init_state(params, OPT, MESH)
+  # A forgotten unpack of the step's result is named as such, with no word of flax.
+  with pytest.raises(TypeError, match=r"got builtins\.tuple.*\(state, metrics\) pair") as error:
+    step(step(state, batch, weights, jax.random.key(0)), batch, weights)
+  assert "flax" not in str(error.value)
   state = jaxdp.init_state(params, OPT, MESH)
   with pytest.raises(Exception) as error:
     step(state, batch, weights)
@@ -290,3 +295,10 @@ def test_a_flax_train_state_and_a_missing_dropout_key_are_named():
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
   new_state, _ = step(state, batch, weights, jax.random.key(1))  # with the key it trains
   assert int(new_state.step) == 1
+  # An error that is not about a key gets no such note, though loss_fn takes an optional key.
+  def shape_bug(params, batch, rng=None):
+    return batch["x"] @ params["Dense_0"]["kernel"].T
+  with pytest.raises(TypeError) as error:
+    jaxdp.make_train_step(shape_bug, OPT, MESH)(new_state, batch, weights)
+  notes = "\n".join(getattr(error.value, "__notes__", []))
+  assert "rows), called with" in notes and "(;" not in notes and "PRNG key" not in notes

@@ -194,10 +194,11 @@ def test_bfloat16_compute_keeps_float32_master_params():
 
 
 @pytest.mark.parametrize("weight", [1e-9, 1.0, 1e5])
-def test_a_float16_gradient_is_taken_at_the_scale_of_the_mean_whatever_the_weights(weight):
+def test_a_float16_gradient_is_taken_at_a_scale_that_follows_the_weights(weight):
   """A float16 parameter's gradient of the weighted *sum* flushed to 0 under small weights (a wrong step, not
-  skipped) and overflowed under large ones (skipped); now the sum is differentiated over the global Σ w (one
-  device's mean-loss scale) and scaled back in float32. Reference: float32, one device, the mean loss."""
+  skipped) and overflowed under large ones (skipped); now the sum is divided by a power of two that follows the
+  global Σ w (see test_a_float16_backward_pass_over_many_tokens_stays_near_float32) and the gradient scaled back
+  in float32. Reference: float32, one device, the mean loss."""
   rng = np.random.default_rng(0)
   x, y = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
 
@@ -264,7 +265,7 @@ def test_a_16_bit_local_gradient_takes_a_batch_with_a_side_input():
 
 def test_float16_compute_sums_many_tokens_without_overflow():
   """Per-token losses over 20,000 tokens a row: the float16 gradient of the weighted sum overflowed 65,504 and the
-  step was skipped as non-finite; at the scale of the mean it is applied, as one float32 device's."""
+  step was skipped as non-finite; at jaxdp's 16-bit scale it is applied, as one float32 device's."""
   rng = np.random.default_rng(1)
   tokens = 20_000
   x = rng.uniform(1.0, 2.0, size=(8, 3)).astype(np.float32)  # a device's 4 rows: a sum of 80,000 to 160,000
@@ -293,6 +294,93 @@ def test_float16_compute_sums_many_tokens_without_overflow():
   assert int(metrics["skipped"]) == 0
   np.testing.assert_allclose(params["w"] - np.asarray(state.params["w"]), expected,
                              rtol=np.max(np.abs(one_device - expected) / np.abs(expected)))
+
+
+def test_a_model_computing_in_float16_by_its_own_dtype_is_taken_at_the_scale_of_the_mean():
+  """flax's ImageNet example on GPU: float32 params, the model computes in float16 (nn.Dense(dtype=float16)), no
+  compute_dtype. jaxdp saw no 16-bit dtype and differentiated each device's weighted sum in float16, which
+  overflowed where one device's mean does not: every step skipped (found by the port review). The loss's own
+  16-bit values are seen now; reference: float32, one device, the mean loss."""
+  rng = np.random.default_rng(1)
+  tokens = 20_000
+  x = rng.uniform(1.0, 2.0, size=(8, 3)).astype(np.float32)
+
+  def in_float16(params, batch):  # what a flax module with dtype=jnp.float16 does inside
+    h = batch["x"].astype(jnp.float16) @ params["w"].astype(jnp.float16)
+    return (h[:, None] * jnp.ones((1, tokens), jnp.float16)).astype(jnp.float32)
+
+  params = {"w": np.array([1.0, -0.5, 0.25], np.float32)}
+  expected = jax.grad(lambda p: jnp.mean(x @ p["w"]))(params)["w"]  # every token's loss is its row's x @ w
+  one_device = jax.grad(lambda p: jnp.mean(in_float16(p, {"x": x})))(params)["w"]
+  opt = optax.sgd(1.0)
+  batch, weights = jaxdp.shard_uneven([{"x": x[:3]}, {"x": x[3:3]}, {"x": x[3:7]}, {"x": x[7:]}], MESH)
+  weights = jnp.broadcast_to(weights[:, None], (weights.shape[0], tokens))
+  state, metrics = jaxdp.make_train_step(in_float16, opt, MESH)(jaxdp.init_state(params, opt, MESH), batch, weights)
+  assert int(metrics["skipped"]) == 0
+  np.testing.assert_allclose(params["w"] - np.asarray(state.params["w"]), expected,
+                             rtol=max(4 * np.max(np.abs(one_device - expected) / np.abs(expected)), 1e-3))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "rank_mean"])
+def test_a_float16_backward_pass_over_many_tokens_stays_near_float32(reduction):
+  """Per-token float16 losses, 4 devices of 1/12/12/12 rows of 16,384 tokens (a diff review's case): at one
+  device's mean-loss scale each token's cotangent fell below float16's smallest normal and the update was 2.2e-2
+  off float32 (7.7e-2 under rank_mean). The scale is now a power of two near Σw / (N·√n), n a device's loss
+  elements: 5.5e-4 (1.5e-3). Reference: the same step with the model in float32."""
+  tokens, features, rows = 16_384, 4, (1, 12, 12, 12)
+  rng = np.random.default_rng(0)
+  portions = [{"x": rng.normal(size=(n, features)).astype(np.float32),
+               "y": 0.01 * rng.normal(size=(n, tokens)).astype(np.float32)} for n in rows]
+  weights = [np.full((n, tokens), 1e-2 if i == 0 else 1.0, np.float32) for i, n in enumerate(rows)]
+  params = {"w": (0.1 * rng.normal(size=(features, tokens))).astype(np.float32)}
+  opt = optax.sgd(1.0)
+
+  def in_dtype(dtype):
+    def loss(p, b):
+      out = b["x"].astype(dtype) @ p["w"].astype(dtype)
+      return (0.5 * (out - b["y"].astype(dtype)) ** 2).astype(jnp.float32)
+    return loss
+
+  updates = {}
+  for dtype in (jnp.float32, jnp.float16):
+    step = jaxdp.make_train_step(in_dtype(dtype), opt, MESH, reduction=reduction)
+    new, metrics = step(jaxdp.init_state(params, opt, MESH), *jaxdp.shard_uneven(portions, MESH, weights=weights))
+    assert int(metrics["skipped"]) == 0
+    updates[dtype] = params["w"] - np.asarray(new.params["w"])
+  error = np.linalg.norm(updates[jnp.float16] - updates[jnp.float32]) / np.linalg.norm(updates[jnp.float32])
+  assert error < 4e-3, error
+
+
+def test_the_16_bit_search_reads_what_the_step_runs_and_leaves_eager_calls_alone():
+  """The search for 16-bit values in the loss (a diff review): it traced the batch before compute_dtype's cast, so
+  a bfloat16 batch under compute_dtype=float32 took the 16-bit path (one more all-reduce, other rounding); and its
+  abstract trace broke an eager local_gradient of a loss that branches on a value (fine under eager jax.grad)."""
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(3,)).astype(np.float32)}
+  opt = optax.sgd(0.1)
+
+  def tanh_loss(p, b):
+    return (jnp.tanh((b["x"] * 0.5) @ p["w"]) - 1.0) ** 2
+
+  x = [rng.normal(size=(n, 3)).astype(jnp.bfloat16) for n in (3, 1, 0, 3)]
+  results, counts = {}, {}
+  for dtype in (jnp.bfloat16, jnp.float32):
+    step = jaxdp.make_train_step(tanh_loss, opt, MESH, compute_dtype=jnp.float32)
+    state = jaxdp.init_state(params, opt, MESH)
+    batch, weights = jaxdp.shard_uneven([{"x": np.asarray(v).astype(dtype)} for v in x], MESH, rows=3)
+    counts[dtype] = jaxdp.comm_report(step, state, batch, weights)["all-reduce"].count
+    results[dtype] = np.asarray(step(state, batch, weights)[0].params["w"])
+  assert counts[jnp.bfloat16] == counts[jnp.float32]
+  np.testing.assert_array_equal(results[jnp.bfloat16], results[jnp.float32])
+
+  def branching(p, b):
+    err = b["x"] @ p["w"] - b["y"]
+    return jnp.abs(err) if jnp.max(jnp.abs(err)) > 10.0 else 0.5 * err**2
+
+  batch = {"x": np.ones((4, 3), np.float32), "y": np.zeros(4, np.float32)}
+  got = jaxdp.local_gradient(branching, {"w": np.ones(3, np.float32)}, batch, None)
+  np.testing.assert_array_equal(got.grads["w"], jax.grad(lambda p: jnp.sum(branching(p, batch)))(
+      {"w": np.ones(3, np.float32)})["w"])
 
 
 def test_bad_precision_options():
