@@ -407,7 +407,7 @@ def local_gradient(
       sums = as_varying(sums, axis_name)
     return (jax.tree.map(jnp.add, total, sums), part.model_state), None
 
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first._replace(model_state=None))
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=_explicit_sharding(s)), first._replace(model_state=None))
   if axis_name is not None:
     zeros = as_varying(zeros, axis_name)
     zeros = jax.tree.map(_varying_like, zeros, first._replace(model_state=None))
@@ -754,16 +754,17 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   return _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight, treedef, fallback=True)
 
 
-def _buckets(leaves: list, bucket_bytes: int, scale: int = 1) -> list[list[int]]:
+def _buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] | None = None) -> list[list[int]]:
   """Leaf indices grouped, in reverse order (the order backprop produces them), into buckets of ~``bucket_bytes``.
 
   A bucket holds one dtype and one varying type (it is reduced as one flat vector: a leaf replicated over a
   manual model axis would come back typed as split over it). Empty leaves are left out (nothing to carry).
   ``scale``: each leaf counts as that many times its bytes (a slice counted as the whole leaf it gathers to).
+  ``alone``: leaves left out as well (the caller reduces them on their own).
   """
   buckets, current, size = [], [], 0
   for i in reversed(range(len(leaves))):
-    if not leaves[i].size:
+    if not leaves[i].size or (alone is not None and alone[i]):
       continue
     nbytes = leaves[i].size * leaves[i].dtype.itemsize * scale
     if current and (size + nbytes > bucket_bytes or leaves[i].dtype != leaves[current[0]].dtype
@@ -786,8 +787,7 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
   otherwise turn the loss and weight sent after it into NaN); XLA folds
   neither the product nor the select, so the dependency stays.
   """
-  if previous is None or _split_by_compiler(previous):
-    # A bucket split over an Explicit mesh axis cannot be sliced to one element: left untied (XLA may combine).
+  if previous is None:
     return tree
   element = previous.reshape(-1)[0]
   real = jnp.real(jnp.zeros((), previous.dtype)).dtype  # a complex bucket's tie is real too
@@ -809,9 +809,12 @@ def _psum_buckets(grads: Any, small: Any, axis_name: str, bucket_bytes: int | No
   if bucket_bytes is None:  # one psum call: XLA reduces everything in a single all-reduce
     return _psum((grads, small), axis_name)
   leaves, treedef = jax.tree.flatten(grads)
-  reduced = [_psum(x, axis_name) if not x.size else x for x in leaves]  # empty leaves: in no bucket
+  # On their own: empty leaves (nothing to carry) and leaves split over an Explicit mesh axis of a user's shard_map
+  # (their flat row cannot be concatenated with others, nor an element sliced for the tie).
+  alone = [not x.size or _split_by_compiler(x) for x in leaves]
+  reduced = [_psum(x, axis_name) if own else x for x, own in zip(leaves, alone)]
   previous = None
-  for bucket in _buckets(leaves, bucket_bytes):
+  for bucket in _buckets(leaves, bucket_bytes, alone=alone):
     # One flat row per bucket, as DDP's buckets: one all-reduce whatever XLA's combiner would do.
     previous = _psum(_after(_to_row([leaves[i] for i in bucket]), previous), axis_name)
     for i, x in zip(bucket, _from_row(previous, [leaves[i] for i in bucket])):
@@ -1090,6 +1093,11 @@ def _compiler_partitioned_axes() -> dict | None:
     return {a: t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in mesh.manual_axes and mesh.shape[a] > 1}
   except (AttributeError, TypeError):
     return None
+
+
+def _explicit_sharding(x: Any) -> Any:
+  """``x``'s sharding where its type splits it over an Explicit mesh axis (a zero like it must keep it), else None."""
+  return x.sharding if _split_by_compiler(x) else None
 
 
 def _split_by_compiler(x: jax.Array) -> bool:

@@ -575,26 +575,30 @@ def test_a_reduce_scatter_by_hand_keeps_replicated_leaves_replicated_over_a_manu
 
 
 def test_buckets_in_a_shard_map_manual_over_data_only_with_an_explicit_model_split():
-  """The user's shard_map is manual over "data" only and "model" is Explicit, a parameter split over it: each
-  bucket's ordering tie sliced one element of the model-split bucket before and JAX refused the slice
-  (ShardingTypeError) with bucket_bytes=0 or a size; such a bucket is left untied (from the review of e9feb8f)."""
+  """The user's shard_map is manual over "data" only and "model" is Explicit, parameters split over it: each
+  bucket's ordering tie sliced one element of a model-split bucket (ShardingTypeError), a 2-D leaf split on its
+  columns could not be flattened into a bucket's row, and accum_steps=2's zero carry lost the split (scan's type
+  error). Such leaves are reduced on their own; the carry keeps their sharding (from two diff reviews)."""
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   rng = np.random.default_rng(0)
-  params = {"v": rng.normal(size=(8,)).astype(np.float32), "c": rng.normal(size=(4,)).astype(np.float32)}
+  params = {"v": rng.normal(size=(8,)).astype(np.float32), "W": rng.normal(size=(4, 6)).astype(np.float32),
+            "c": rng.normal(size=(6,)).astype(np.float32)}
+  specs = {"v": P("model"), "W": P(None, "model"), "c": P()}
   x, w = rng.normal(size=(8, 4)).astype(np.float32), rng.uniform(0.5, 2.0, size=(8,)).astype(np.float32)
 
   def loss(p, batch):
-    return (jnp.sum(p["v"]) * (batch @ p["c"]) / 8) ** 2
+    return jnp.tanh(batch @ p["W"]) @ p["c"] * jnp.sum(p["v"]) / 8
 
   place = lambda tree, spec: jax.device_put(tree, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), spec))  # noqa: E731
   expected = jax.grad(lambda p: jnp.sum(w * loss(p, x)) / jnp.sum(w))(params)
-  for bucket_bytes in (None, 0, 16):
+  for bucket_bytes, accum_steps in ((None, 1), (0, 1), (16, 1), (0, 2)):
     def replica(params, batch, weights):
-      local = jaxdp.local_gradient(loss, params, batch, weights, axis_name="data")
+      local = jaxdp.local_gradient(loss, params, batch, weights, axis_name="data", accum_steps=accum_steps)
       return jaxdp.reduce_gradient(local, axis_name="data", bucket_bytes=bucket_bytes).grads
 
     step = jax.jit(jax.shard_map(replica, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(),
                                  axis_names={"data"}))
-    got = step(place(params, {"v": P("model"), "c": P()}), place(x, P("data")), place(w, P("data")))
+    got = step(place(params, specs), place(x, P("data")), place(w, P("data")))
     for k in params:
-      np.testing.assert_allclose(np.asarray(got[k]), expected[k], rtol=RTOL, atol=ATOL, err_msg=f"{bucket_bytes} {k}")
+      np.testing.assert_allclose(np.asarray(got[k]), expected[k], rtol=RTOL, atol=ATOL,
+                                 err_msg=f"{bucket_bytes} {accum_steps} {k}")
