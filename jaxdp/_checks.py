@@ -282,6 +282,52 @@ def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: in
     )
 
 
+def check_weights_dtype(weights: Any) -> None:
+  """Refuses weights that are a PRNG key (typed, or raw uint32 key data): ``step(state, batch, key)`` puts the key
+  in the weights' place, and raw key data of a 2-row batch would silently become the example weights."""
+  dtype = getattr(weights, "dtype", None)
+  if dtype is None:
+    return
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or (
+      np.dtype(dtype) == np.uint32 and np.shape(weights) == _raw_key_shape()):
+    raise TypeError(
+        f"weights has dtype {dtype}, that of a PRNG key: the step's third positional argument is weights. Pass the "
+        "key by name, step(state, batch, rng=key) (or step(state, batch, weights, key)), and weights as floats "
+        "(or None for all ones)."
+    )
+
+
+def check_batch_values(batch: Any, name: str, *, dtypes: bool = True) -> None:
+  """Refuses host leaves the devices cannot hold as given: strings and objects, and 64-bit integers out of 32-bit
+  range; ``dtypes=False`` checks only the ranges (the dtypes are checked once per signature).
+
+  Without ``jax_enable_x64`` JAX stores int64 as int32 (uint64 as uint32), wrapping larger values silently:
+  token or example ids above 2**31 would reach the model as other ids. JAX arrays are left alone (they hold
+  only what JAX can).
+  """
+  wide = jax.dtypes.canonicalize_dtype(np.int64) != np.int64  # 64-bit mode off
+  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    if isinstance(leaf, jax.Array):
+      continue
+    leaf = np.asarray(leaf)
+    where = f"{name}{jax.tree_util.keystr(path)}"
+    # jax.dtypes knows bfloat16 and the other ml_dtypes as numbers; datetimes and timedeltas it cannot hold.
+    if dtypes and (not (jax.dtypes.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_)
+                   or leaf.dtype.kind in "mM"):
+      raise ValueError(
+          f"{where} has dtype {leaf.dtype}, which a JAX array cannot hold; encode it as numbers in the batch "
+          "(e.g. strings as integer ids)."
+      )
+    if wide and leaf.dtype in (np.int64, np.uint64) and leaf.size:
+      narrow = np.iinfo(np.int32 if leaf.dtype == np.int64 else np.uint32)
+      if leaf.min() < narrow.min or leaf.max() > narrow.max:
+        raise ValueError(
+            f"{where} holds {leaf.dtype} values outside {narrow.dtype}'s range (min {leaf.min()}, max {leaf.max()}); "
+            f"without jax_enable_x64 JAX stores them as {narrow.dtype}, wrapping them silently. Map them into that "
+            "range (e.g. ids to a vocabulary index), or enable 64-bit mode (jax.config.update('jax_enable_x64', True))."
+        )
+
+
 def check_step_inputs(
     loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1
 ) -> None:
@@ -298,6 +344,8 @@ def check_step_inputs(
   check_rng(rng)
   check_params_dtypes(state.params)
   check_opt_state(state, optimizer)
+  check_weights_dtype(weights)
+  check_batch_values(batch, "batch")
   check_batch_split(batch, weights, n_replicas, accum_steps)
   if np.shape(state.step) != ():
     raise ValueError(f"state.step must be a scalar, got shape {np.shape(state.step)}.")

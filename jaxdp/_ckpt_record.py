@@ -392,7 +392,8 @@ def _check_rng_impl(impl: Any, key: dict | None) -> None:
   else:
     data = key_data_shape(impl) if isinstance(impl, str) else None
     _require(data is not None, "rng_impl", impl, "null or the name of a JAX PRNG implementation, e.g. threefry2x32")
-    fits = tuple(key["shape"]) == data.shape and key["dtype"] == np.dtype(data.dtype).name
+    shape = tuple(key["shape"])  # one key, or an array of keys (save accepts both): the key data ends the shape
+    fits = shape[len(shape) - len(data.shape):] == data.shape and key["dtype"] == np.dtype(data.dtype).name
     _require(fits, "rng_impl", impl, f"an implementation whose keys' data is {key['dtype']}{key['shape']}, as saved")
 
 

@@ -172,6 +172,7 @@ class CompiledStep:
     if not ours:  # the returned state is placed already: skip the placement of each leaf
       state = place(state, layout.shardings(self.mesh))
     rng = place(rng, replicated(self.mesh))
+    _checks.check_batch_values(batch, "batch", dtypes=False)  # each call: 64-bit ids out of 32-bit range
     batch, weights, has_more = _put_batch((batch, weights, has_more), split_along(self.mesh, self.axis_name))
     if self.donate:
       if layout_key not in self._kinds:  # the state's (shape, dtype) pairs follow from its layout key

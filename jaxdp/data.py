@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxdp._checks import batch_size, check_int
+from jaxdp._checks import batch_size, check_batch_values, check_int
 from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import check_mesh_axis, data_rows, data_size, global_array, split_along
 
@@ -104,7 +104,7 @@ def shard_uneven(
   host = [jax.tree.map(np.asarray, b) for b in batches]
   sizes = [batch_size(b, name=f"batches[{i}]") for i, b in enumerate(host)]
   for i, b in enumerate(host):
-    _check_batch_values(b, f"batches[{i}]")
+    check_batch_values(b, f"batches[{i}]")
   for i, b in enumerate(host[1:], start=1):
     for a, c in zip(jax.tree.leaves(host[0]), jax.tree.leaves(b)):
       if a.shape[1:] != c.shape[1:] or a.dtype != c.dtype:
@@ -154,31 +154,6 @@ def _float32_weights(w: Any, name: str) -> np.ndarray:
         "devices; scale the weights down (only their ratios matter under reduction='mean')."
     )
   return w.astype(np.float32)
-
-
-def _check_batch_values(batch: Any, name: str) -> None:
-  """Refuses leaves the devices cannot hold as given: strings and objects, and 64-bit integers out of 32-bit range.
-
-  Without ``jax_enable_x64`` JAX stores int64 as int32 (uint64 as uint32), wrapping larger values silently:
-  token or example ids above 2**31 would reach the model as other ids.
-  """
-  wide = jax.dtypes.canonicalize_dtype(np.int64) != np.int64  # 64-bit mode off
-  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-    where = f"{name}{jax.tree_util.keystr(path)}"
-    # jax.dtypes knows bfloat16 and the other ml_dtypes as numbers; datetimes and timedeltas it cannot hold.
-    if not (jax.dtypes.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_) or leaf.dtype.kind in "mM":
-      raise ValueError(
-          f"{where} has dtype {leaf.dtype}, which a JAX array cannot hold; encode it as numbers in the batch "
-          "(e.g. strings as integer ids)."
-      )
-    if wide and leaf.dtype in (np.int64, np.uint64) and leaf.size:
-      narrow = np.iinfo(np.int32 if leaf.dtype == np.int64 else np.uint32)
-      if leaf.min() < narrow.min or leaf.max() > narrow.max:
-        raise ValueError(
-            f"{where} holds {leaf.dtype} values outside {narrow.dtype}'s range (min {leaf.min()}, max {leaf.max()}); "
-            f"without jax_enable_x64 JAX stores them as {narrow.dtype}, wrapping them silently. Map them into that "
-            "range (e.g. ids to a vocabulary index), or enable 64-bit mode (jax.config.update('jax_enable_x64', True))."
-        )
 
 
 def _check_weights(weights: Sequence[Any], sizes: list[int]) -> list[np.ndarray]:
@@ -328,7 +303,7 @@ def _collated(collate: Callable, examples: list, template: tuple[Any, np.ndarray
   if weights.ndim not in (1, 2) or weights.shape[0] != k:
     raise ValueError(f"collate's weights have shape {weights.shape} for {k} examples; return [{k}] or [{k}, t].")
   weights = _float32_weights(weights, "collate's weights")
-  _check_batch_values(batch, "collate's batch")
+  check_batch_values(batch, "collate's batch")
   if template is not None and _row_signature((batch, weights)) != _row_signature(template):
     raise ValueError(
         "collate returned a batch whose structure, trailing shapes or dtypes differ from those of example 0 "
@@ -412,6 +387,12 @@ class DataPipeline:
     if not callable(collate):
       raise ValueError(f"collate must be callable, got {type(collate).__name__}; pass collate(examples) -> (batch, weights).")
     self.dataset, self.collate, self.mesh, self.axis_name = dataset, collate, mesh, axis_name
+    if isinstance(dataset, Mapping) and set(dataset) != set(range(len(dataset))):
+      raise ValueError(
+          f"dataset is a {type(dataset).__name__} (keys {list(dataset)[:4]}...): len() would count its keys and "
+          "dataset[i] look up key i. Pass a sequence of examples, e.g. [dict(zip(d, row)) for row in zip(*d.values())] "
+          "for a dict of columns d, or a list/array indexable by example number."
+      )
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
       raise ValueError(
           f"dataset must be indexable with a length (a list, an array, a grain data source), got "
@@ -546,6 +527,11 @@ class _Lookahead:
   """An iterator with a one-example lookahead: whether more follows is known without losing an example."""
 
   def __init__(self, examples: Iterable[Any]):
+    if isinstance(examples, Mapping):
+      raise ValueError(
+          f"examples is a {type(examples).__name__}: iterating it gives its keys, not examples. Pass an iterable of "
+          "examples, e.g. (dict(zip(d, row)) for row in zip(*d.values())) for a dict of columns d."
+      )
     try:
       self._it: Iterator[Any] | None = iter(examples)
     except TypeError:

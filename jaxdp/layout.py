@@ -121,6 +121,12 @@ def check_mesh_axis(mesh: Any, axis_name: Any) -> None:
         f"axis_name must name a mesh axis (a str) or several distinct ones (a tuple of str, e.g. "
         f"('replica', 'data') for hybrid sharding), got {axis_name!r}."
     )
+  if len(set(mesh.devices.flat)) != mesh.devices.size:
+    repeated = sorted({str(d) for d in mesh.devices.flat if list(mesh.devices.flat).count(d) > 1})
+    raise ValueError(
+        f"mesh lists {', '.join(repeated)} more than once ({mesh.devices.size} entries, "
+        f"{len(set(mesh.devices.flat))} devices); give each device once, e.g. jaxdp.data_mesh(devices)."
+    )
   for name in names:
     if name not in mesh.axis_names:
       raise ValueError(
@@ -131,7 +137,8 @@ def check_mesh_axis(mesh: Any, axis_name: Any) -> None:
 
 def check_zero_stage(zero_stage: Any) -> None:
   if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
-    raise ValueError(f"zero_stage={zero_stage!r} is not supported; use one of {ZERO_STAGES}.")
+    kind = "" if type(zero_stage) is int else f" (a {type(zero_stage).__module__}.{type(zero_stage).__name__}; pass a Python int, e.g. int(zero_stage))"
+    raise ValueError(f"zero_stage={zero_stage!r} is not supported{kind}; use one of {ZERO_STAGES}.")
 
 
 # Placement ---------------------------------------------------------------------------------------
@@ -511,7 +518,9 @@ def init_state(
   abstract = abstract_state(params, optimizer, model_state)
   layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs)
   shardings = layout.shardings(mesh)
-  params = place(params, jax.tree.map(lambda x, s: x.sharding if _is_global(x) else s, params, shardings.params))
+  params = place(params, jax.tree.map(
+      lambda x, s: x.sharding if _is_global(x) and x.sharding.device_set == s.device_set else s,
+      params, shardings.params))
   model_state = place(model_state, replicated(mesh))
   # Copying inside the jit keeps outputs from aliasing the caller's arrays, which a donating step would consume.
   copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731

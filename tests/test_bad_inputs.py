@@ -302,3 +302,40 @@ def test_a_flax_train_state_and_a_missing_dropout_key_are_named():
     jaxdp.make_train_step(shape_bug, OPT, MESH)(new_state, batch, weights)
   notes = "\n".join(getattr(error.value, "__notes__", []))
   assert "rows), called with" in notes and "(;" not in notes and "PRNG key" not in notes
+
+
+def test_plausible_mistakes_at_the_edges_are_named():
+  """From an edge review: a key passed where weights go (step(state, batch, key)) trained with weights [0, 7] on a
+  2-row batch; int64 ids above 2**31 given to the step itself wrapped silently to int32 (shard_uneven refused
+  them); a string leaf got JAX's error naming no leaf; a hand-built Mesh listing a device twice failed deep in
+  JAX; zero_stage=np.int64(1) was 'not supported' with no word of why; params on another mesh failed in
+  init_state; a dict dataset gave KeyError: 0. Each is now refused naming the fix, the state untouched."""
+  state = fresh_state()
+  batches, weights = device_data()
+  batch, w = jaxdp.shard_uneven(batches, MESH, weights=weights)
+  with pytest.raises(TypeError, match=r"weights has dtype key<fry>.*rng=key"):
+    good_step()(state, batch, jax.random.key(7))
+  with pytest.raises(TypeError, match=r"weights has dtype uint32.*rng=key"):
+    good_step()(state, batch, jax.random.PRNGKey(7))
+  rows = 8
+  with pytest.raises(ValueError, match=r"batch\['id'\] has dtype <U1"):
+    good_step()(state, {**global_arrays(rows), "id": np.array(list("abcdefgh"))}, np.ones(rows, np.float32))
+  ids = np.full((rows,), 2**32 + 1, np.int64)
+  with pytest.raises(ValueError, match=r"batch\['id'\] holds int64 values outside int32's range"):
+    good_step()(state, {**global_arrays(rows), "id": ids}, np.ones(rows, np.float32))
+  with pytest.raises(ValueError, match=r"batch\['id'\] holds int64 values outside int32's range"):
+    jaxdp.make_eval_step(loss_fn, MESH)(state, {**global_arrays(rows), "id": ids}, np.ones(rows, np.float32))
+  devices = jax.devices()
+  twice = jax.sharding.Mesh(np.array([devices[0], devices[1], devices[0], devices[1]]), ("data",))
+  with pytest.raises(ValueError, match=r"more than once.*data_mesh"):
+    jaxdp.make_train_step(loss_fn, OPT, twice)
+  with pytest.raises(ValueError, match=r"pass a Python int"):
+    jaxdp.make_train_step(loss_fn, OPT, MESH, zero_stage=np.int64(1))
+  with pytest.raises(ValueError, match=r"dataset is a dict"):
+    jaxdp.DataPipeline({"x": np.zeros((4, 2)), "y": np.zeros(4)}, lambda rows: rows, MESH, per_device_batch=1)
+  with pytest.raises(ValueError, match=r"examples is a dict"):
+    jaxdp.StreamingPipeline({"x": [1, 2]}, lambda rows: rows, MESH, per_device_batch=1, template={"x": 0})
+  # Params left on another (larger) mesh are placed on this one.
+  elsewhere = jax.device_put(init_params(), jax.sharding.NamedSharding(jaxdp.data_mesh(devices), P()))
+  assert_still_usable(jaxdp.init_state(elsewhere, OPT, MESH))
+  assert_still_usable(state)

@@ -157,6 +157,17 @@ def test_a_dotted_key_that_spells_a_nested_path_is_refused_before_anything_is_wr
   assert_bitwise_equal(restored.state, state)
 
 
+def test_an_array_of_keys_as_rng_round_trips(tmp_path):
+  """save(rng=jax.random.split(key)) was written, and every restore called the step corrupt (its record's rng
+  implementation was checked against one key's shape): found by an edge review."""
+  state = jaxdp.init_state(init_params(), OPT, mesh_of(1))
+  keys = jax.random.split(jax.random.key(3))
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(0, state, rng=keys)
+    restored = ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(1))
+  np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(keys))
+
+
 LAYOUTS = [(1, 0), (3, 3), (4, 2), (2, 3), (8, 1)]  # (devices, zero_stage); the checkpoint is from (2, 1)
 
 
