@@ -190,7 +190,7 @@ def call_loss(
           + ("the step was called without rng=; a model with dropout needs step(state, batch, weights, rng=key)."
              if train else "evaluation passes none; run without dropout there (train=False or rng is None).")
       )
-    if model_state is None and "model_state" in keywords:
+    if model_state is None and "model_state" in keywords and not getattr(loss_fn, "jaxdp_nnx_loss", False):
       # A loss may take None for a stateless model; one that needs state got None because the state has none.
       e.add_note(
           "jaxdp: loss_fn was called with model_state=None: the state was built without model state. If the "

@@ -269,7 +269,9 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
       model.eval()
     if rng is not None and definition.streams:
       keys = jax.random.split(rng, len(definition.streams))
-      nnx.reseed(model, **dict(zip(definition.streams, keys)))
+      # 'match_shape': a stream of layers stacked with nnx.vmap + nnx.split_rngs holds a key per layer (shape
+      # (L,)); the default 'scalars_only' refuses it. The step's key is split into one key per layer.
+      nnx.reseed(model, policy="match_shape", **dict(zip(definition.streams, keys)))
     elif train and definition.streams:
       raise ValueError(
           f"the model draws random numbers (RNG streams {', '.join(definition.streams)}) but the step got no "
@@ -288,6 +290,7 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
     _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
     return LossOutput(losses, new_state if model_state is not None else None, metrics)
 
+  loss.jaxdp_nnx_loss = True  # a missing model state is reported by merge above, not by call_loss's generic note
   return loss
 
 
