@@ -477,3 +477,41 @@ def test_layers_stacked_with_a_key_per_layer_train():
   with pytest.raises(TypeError) as error:
     jaxdp.make_train_step(broken, tx, mesh)(jaxdp.init_state(params, tx, mesh, model_state=model_state), batch)
   assert "model_state=None" not in "\n".join(getattr(error.value, "__notes__", []))
+
+
+class _Tuned(nnx.Module):
+  def __init__(self, rngs):
+    self.base = nnx.Linear(3, 4, rngs=rngs)
+    self.head = nnx.Linear(4, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.base(x)))[:, 0]
+
+
+def test_the_readmes_wrt_recipe_trains_only_the_subset():
+  """nnx.Optimizer(model, tx, wrt=subset) has no counterpart in split; the README freezes the rest with
+  optax.multi_transform over the same filter. Reference: one device, nnx.Optimizer(wrt=subset)."""
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=(8,)).astype(np.float32)}
+  objective = lambda model, b: (model(b["x"]) - b["y"]) ** 2  # noqa: E731
+  WRT = nnx.All(nnx.Param, nnx.PathContains("head"))  # the README's lines, as written there
+  labels = lambda params: nnx.from_flat_state(  # noqa: E731
+      [(path, v.replace("train" if WRT(path, v) else "frozen")) for path, v in nnx.to_flat_state(params)])
+  tx = optax.multi_transform({"train": optax.adam(0.1), "frozen": optax.set_to_zero()}, labels)
+  model = _Tuned(nnx.Rngs(0))
+  definition, params, model_state = jaxdp.nnx.split(model)
+  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), tx, mesh)
+  state = jaxdp.init_state(params, tx, mesh, model_state=model_state)
+  for _ in range(2):
+    state, _ = step(state, batch)
+  reference = _Tuned(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(reference, optax.adam(0.1), wrt=WRT)
+  for _ in range(2):
+    optimizer.update(reference, nnx.grad(lambda m: jnp.mean(objective(m, batch)), argnums=nnx.DiffState(0, WRT))(
+        reference))
+  got = jaxdp.gather_state(state).params
+  np.testing.assert_array_equal(np.asarray(got["base"]["kernel"]), np.asarray(model.base.kernel[...]))
+  for name in ("kernel", "bias"):
+    np.testing.assert_allclose(np.asarray(got["head"][name]), np.asarray(getattr(reference.head, name)[...]),
+                               rtol=1e-5, atol=1e-6)
