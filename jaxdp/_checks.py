@@ -289,7 +289,7 @@ def check_weights_dtype(weights: Any) -> None:
   if dtype is None:
     return
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or (
-      np.dtype(dtype) == np.uint32 and np.shape(weights) == _raw_key_shape()):
+      isinstance(weights, jax.Array) and np.dtype(dtype) == np.uint32 and np.shape(weights) == _raw_key_shape()):
     raise TypeError(
         f"weights has dtype {dtype}, that of a PRNG key: the step's third positional argument is weights. Pass the "
         "key by name, step(state, batch, rng=key) (or step(state, batch, weights, key)), and weights as floats "

@@ -97,6 +97,7 @@ class EvalStep:
       check_loss_fn(self.loss_fn, with_model_state=state.model_state is not None)
       _checks.check_batch_split(batch, weights, data_size(self.mesh, self.axis_name))
       _checks.check_batch_values(batch, "batch")
+      _checks.check_weights_dtype(weights)
       self._validated.add(key)
     _checks.check_batch_values(batch, "batch", dtypes=False)  # each call: 64-bit ids out of 32-bit range
     if jax.process_count() > 1:

@@ -519,13 +519,18 @@ def init_state(
   layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs)
   shardings = layout.shardings(mesh)
   params = place(params, jax.tree.map(
-      lambda x, s: x.sharding if _is_global(x) and x.sharding.device_set == s.device_set else s,
+      # Kept only on this mesh's devices in this order (a mesh over the same devices reordered is another layout).
+      lambda x, s: x.sharding if _is_global(x) and _same_devices(x.sharding.mesh, s.mesh) else s,
       params, shardings.params))
   model_state = place(model_state, replicated(mesh))
   # Copying inside the jit keeps outputs from aliasing the caller's arrays, which a donating step would consume.
   copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
   build = jax.jit(lambda p, m: TrainState.create(copy(p), optimizer, copy(m)), out_shardings=shardings)
   return build(params, model_state)
+
+
+def _same_devices(a: Any, b: Any) -> bool:
+  return tuple(a.devices.flat) == tuple(b.devices.flat)
 
 
 def _is_global(x: Any) -> bool:

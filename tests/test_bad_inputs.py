@@ -335,7 +335,20 @@ def test_plausible_mistakes_at_the_edges_are_named():
     jaxdp.DataPipeline({"x": np.zeros((4, 2)), "y": np.zeros(4)}, lambda rows: rows, MESH, per_device_batch=1)
   with pytest.raises(ValueError, match=r"examples is a dict"):
     jaxdp.StreamingPipeline({"x": [1, 2]}, lambda rows: rows, MESH, per_device_batch=1, template={"x": 0})
-  # Params left on another (larger) mesh are placed on this one.
-  elsewhere = jax.device_put(init_params(), jax.sharding.NamedSharding(jaxdp.data_mesh(devices), P()))
-  assert_still_usable(jaxdp.init_state(elsewhere, OPT, MESH))
+  # Params left on another (larger) mesh, or on this mesh's devices in another order, are placed on this one.
+  for other in (jaxdp.data_mesh(devices), jaxdp.data_mesh(devices[:K][::-1])):
+    elsewhere = jax.device_put(init_params(), jax.sharding.NamedSharding(other, P()))
+    assert_still_usable(jaxdp.init_state(elsewhere, OPT, MESH))
   assert_still_usable(state)
+  # Host uint32 weights (counts) of a raw key's shape are weights, not a key (the final diff review): one device's.
+  counts = np.array([2, 1], np.uint32)
+  two = jaxdp.data_mesh(devices[:2])
+  batch2 = global_arrays(2)
+  opt = optax.sgd(0.1)
+  stepped, _ = jaxdp.make_train_step(loss_fn, opt, two)(jaxdp.init_state(init_params(), opt, two), batch2, counts)
+  grads = jax.grad(lambda p: jnp.sum(counts * loss_fn(p, batch2)) / 3.0)(jax.tree.map(jnp.asarray, init_params()))
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, init_params(), grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6), stepped.params,
+               expected)
+  with pytest.raises(TypeError, match=r"weights has dtype uint32.*rng=key"):  # the eval step too
+    jaxdp.make_eval_step(loss_fn, two)(stepped, batch2, jax.random.PRNGKey(7))
