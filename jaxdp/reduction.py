@@ -344,19 +344,21 @@ def local_gradient(
     params = as_varying(params, axis_name)
 
   # A 16-bit backward pass differentiates the weighted sum over one scale (_sixteen_bit_scale: a power of two
-  # near √n per element), and the float32 gradient is scaled back: the sum itself overflows float16 (65,504)
-  # on large batches and flushes to 0 under small weights; the mean underflows it on many tokens. The scale is the same
+  # that makes each element's cotangent about 1/√n), and the float32 gradient is scaled back: the sum itself
+  # overflows float16 (65,504) on large batches and flushes to 0 under small weights; the mean underflows it on
+  # many tokens. The scale is the same
   # on every replica (one 4-byte psum of the weights, before the forward pass and outside the micro-batch
   # loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets every
   # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the count of
   # loss elements, the same on every replica without communication.
   sixteen_bit, given = _sixteen_bit(params, compute_dtype), None
   if not sixteen_bit:  # a model that computes in 16 bits by its own dtype (flax's dtype=jnp.float16)
-    first = (batch, weights) if accum_steps == 1 else jax.tree.map(lambda x: x[0], _split_micro((batch, weights),
-                                                                                                accum_steps))
+    sample = (batch, weights) if accum_steps == 1 else jax.tree.map(lambda x: x[0], _split_micro((batch, weights),
+                                                                                                 accum_steps))
+
     def traced(p):  # as micro_gradient calls it: compute_dtype casts the params and the batch first
-      p, b = cast_floating((p, first[0]), compute_dtype)
-      return loss_sums(loss_fn, p, b, first[1], rng=rng, model_state=model_state, axis_name=axis_name,
+      p, b = cast_floating((p, sample[0]), compute_dtype)
+      return loss_sums(loss_fn, p, b, sample[1], rng=rng, model_state=model_state, axis_name=axis_name,
                        train=train).loss_sum
 
     sixteen_bit = _computes_in_16_bits(traced, params)
@@ -407,7 +409,8 @@ def local_gradient(
       sums = as_varying(sums, axis_name)
     return (jax.tree.map(jnp.add, total, sums), part.model_state), None
 
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=_explicit_sharding(s)), first._replace(model_state=None))
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=_explicit_sharding(s)),
+                       first._replace(model_state=None))
   if axis_name is not None:
     zeros = as_varying(zeros, axis_name)
     zeros = jax.tree.map(_varying_like, zeros, first._replace(model_state=None))
