@@ -297,9 +297,10 @@ def check_weights_dtype(weights: Any) -> None:
     )
 
 
-def check_batch_values(batch: Any, name: str, *, dtypes: bool = True) -> None:
-  """Refuses host leaves the devices cannot hold as given: strings and objects, and 64-bit integers out of 32-bit
-  range; ``dtypes=False`` checks only the ranges (the dtypes are checked once per signature).
+def check_batch_values(batch: Any, name: str, *, dtypes: bool = True, ranges: bool = True) -> None:
+  """Refuses host leaves the devices cannot hold as given: strings and objects (``dtypes``: a property of the
+  signature, checked once per signature by the steps), and 64-bit integers out of 32-bit range (``ranges``: of
+  the values, checked every call).
 
   Without ``jax_enable_x64`` JAX stores int64 as int32 (uint64 as uint32), wrapping larger values silently:
   token or example ids above 2**31 would reach the model as other ids. JAX arrays are left alone (they hold
@@ -318,7 +319,7 @@ def check_batch_values(batch: Any, name: str, *, dtypes: bool = True) -> None:
           f"{where} has dtype {leaf.dtype}, which a JAX array cannot hold; encode it as numbers in the batch "
           "(e.g. strings as integer ids)."
       )
-    if wide and leaf.dtype in (np.int64, np.uint64) and leaf.size:
+    if ranges and wide and leaf.dtype in (np.int64, np.uint64) and leaf.size:
       narrow = np.iinfo(np.int32 if leaf.dtype == np.int64 else np.uint32)
       if leaf.min() < narrow.min or leaf.max() > narrow.max:
         raise ValueError(
@@ -345,7 +346,7 @@ def check_step_inputs(
   check_params_dtypes(state.params)
   check_opt_state(state, optimizer)
   check_weights_dtype(weights)
-  check_batch_values(batch, "batch")
+  check_batch_values(batch, "batch", ranges=False)  # the values: every call (CompiledStep._prepare)
   check_batch_split(batch, weights, n_replicas, accum_steps)
   if np.shape(state.step) != ():
     raise ValueError(f"state.step must be a scalar, got shape {np.shape(state.step)}.")

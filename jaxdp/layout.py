@@ -137,8 +137,9 @@ def check_mesh_axis(mesh: Any, axis_name: Any) -> None:
 
 def check_zero_stage(zero_stage: Any) -> None:
   if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
-    kind = "" if type(zero_stage) is int else f" (a {type(zero_stage).__module__}.{type(zero_stage).__name__}; pass a Python int, e.g. int(zero_stage))"
-    raise ValueError(f"zero_stage={zero_stage!r} is not supported{kind}; use one of {ZERO_STAGES}.")
+    kind = type(zero_stage)
+    advice = "" if kind is int else f" (a {kind.__module__}.{kind.__name__}; pass a Python int, e.g. int(zero_stage))"
+    raise ValueError(f"zero_stage={zero_stage!r} is not supported{advice}; use one of {ZERO_STAGES}.")
 
 
 # Placement ---------------------------------------------------------------------------------------

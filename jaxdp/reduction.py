@@ -589,7 +589,8 @@ def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable
     for i in flat:
       groups.setdefault((jnp.dtype(leaves[i].dtype), _abstract_vma(leaves[i])), []).append(i)
     # (None, no mesh information: assume such an axis.)
-    flat = [] if _compiler_partitioned_axes() != {} else [i for group in groups.values() if len(group) > 1 for i in group]
+    flat = ([] if _compiler_partitioned_axes() != {}
+            else [i for group in groups.values() if len(group) > 1 for i in group])
   out = [None if i in flat else per_leaf(x, spec) for i, (x, spec) in enumerate(zip(leaves, spec_leaves))]
   for i, x in zip(flat, bucketed([leaves[i] for i in flat], [dims[i] for i in flat])):
     out[i] = x
@@ -1103,12 +1104,19 @@ def _explicit_sharding(x: Any) -> Any:
   return x.sharding if _split_by_compiler(x) else None
 
 
+def _spec_axes(x: Any) -> set | None:
+  """The mesh axes ``x``'s type says it is split over (axes the compiler partitions: Explicit ones); ``None``
+  where this JAX gives no such type."""
+  try:
+    spec = jax.typeof(x).sharding.spec
+  except (AttributeError, TypeError):
+    return None
+  return {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
+
+
 def _split_by_compiler(x: jax.Array) -> bool:
   """Whether ``x``'s type says it is split over a mesh axis the compiler partitions (an Explicit axis)."""
-  try:
-    return any(part is not None for part in jax.typeof(x).sharding.spec)
-  except (AttributeError, TypeError):
-    return False
+  return bool(_spec_axes(x))
 
 
 def _splittable(x: jax.Array) -> bool:
@@ -1120,9 +1128,5 @@ def _splittable(x: jax.Array) -> bool:
     return True
   if any(t != jax.sharding.AxisType.Explicit for t in others.values()):
     return False  # the compiler chooses how an Auto axis splits the leaf: slicing could make it gather
-  try:
-    spec = jax.typeof(x).sharding.spec
-  except (AttributeError, TypeError):
-    return False
-  named = {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
-  return not named & set(others)
+  named = _spec_axes(x)
+  return named is not None and not named & set(others)
