@@ -21,7 +21,7 @@ BatchNorm, exact) and :mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm).
 from jaxdp import batchnorm, distributed, layout, linen, nnx, scaling
 from jaxdp.batchnorm import Moments, masked_moments
 from jaxdp.checkpoint import CheckpointManager, Restored
-from jaxdp.compiled import BACKENDS, CompiledStep, make_train_step
+from jaxdp.compiled import CompiledStep, make_train_step
 from jaxdp.data import (
     DataPipeline,
     StreamingPipeline,
@@ -34,6 +34,7 @@ from jaxdp.data import (
 from jaxdp.evaluation import EvalStep, eval_sums, make_eval_step, means_from_sums
 from jaxdp.loss import LOSS_KEYWORDS, LossOutput
 from jaxdp.layout import (
+    BACKENDS,
     ZERO_STAGES,
     Layout,
     auto_mesh,

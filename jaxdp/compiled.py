@@ -36,6 +36,7 @@ from jaxdp.layout import (
     Layout,
     data_size,
     auto_mesh,
+    check_backend,
     check_mesh_axis,
     check_zero_stage,
     data_mesh,
@@ -53,7 +54,6 @@ from jaxdp.replicas import divergence_over_mesh, replica_divergence
 from jaxdp.step import finish_step, gather_params, gradient_step, train_step
 from jaxdp.state import TrainState
 
-BACKENDS = ("shard_map", "pmap")
 _MAX_UNREAD_FLAGS = 2  # non-finite flags of earlier steps read at the latest two calls later
 
 
@@ -348,28 +348,16 @@ def make_train_step(
   """
   check_modes(reduction, zero_stage)
   check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
-  if backend not in BACKENDS:
-    raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
   check_loss_fn(loss_fn)
   check_optimizer(optimizer)
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
   check_mesh_axis(mesh, axis_name)
   mesh = auto_mesh(mesh)
-  if backend == "pmap" and mesh.axis_names != (axis_name,):
-    raise ValueError(
-        f"backend='pmap' maps over one axis only, but mesh has axes {mesh.axis_names}; "
-        "use backend='shard_map' for multi-axis meshes."
-    )
+  check_backend(backend, mesh, axis_name)
   if backend == "pmap" and zero_stage:
     raise ValueError(
         "backend='pmap' passes the state unmapped (replicated), so it cannot hold a ZeRO-sharded state; "
         "use backend='shard_map' with zero_stage > 0."
-    )
-  if backend == "pmap" and any(d.process_index != jax.process_index() for d in mesh.devices.flat):
-    # pmap maps over this process's devices with per-process inputs; the step hands it the global batch.
-    raise ValueError(
-        "backend='pmap' runs on one process's devices only, but the mesh spans several processes; use "
-        "backend='shard_map' (the default) in multi-process runs: the same numbers, bitwise, on one process."
     )
   if max_consecutive_skips is not None:
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
@@ -394,8 +382,9 @@ def make_train_step(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
       grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes,
   )
-  # One device needs no type-checked collectives, and without the check they compile to nothing.
-  check_vma = reduction != "none" and data_size(mesh, axis_name) > 1
+  # Typed on any number of devices, so that a program that fails at scale fails on one device too. Under
+  # "none" every replica keeps its own update, which the types would refuse to return as one state.
+  check_vma = reduction != "none"
 
   def replica_step(state, batch, weights, rng, has_more):
     new_state, metrics = train_step(loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more, **options)

@@ -21,6 +21,7 @@ from jaxdp import _checks
 from jaxdp.loss import check_loss_fn
 from jaxdp.layout import (
     auto_mesh,
+    check_backend,
     check_mesh_axis,
     data_mesh,
     data_part,
@@ -83,8 +84,9 @@ class EvalStep:
   of it as Python floats, the per-batch float32 sums added in float64.
   """
 
-  def __init__(self, build, *, loss_fn, mesh: Mesh, axis_name: str):
+  def __init__(self, build, *, loss_fn, mesh: Mesh, axis_name: str, gather_split: bool = False):
     self._build, self.loss_fn, self.mesh, self.axis_name = build, loss_fn, mesh, axis_name
+    self._gather_split = gather_split  # pmap takes the state unmapped: split parameters are gathered first
     self._validated: set = set()
     self._jitted: dict = {}  # the params' data-axis splits -> the jitted step
 
@@ -106,6 +108,8 @@ class EvalStep:
       assert_same_across_processes({"state": state, "batch": batch, "weights": weights}, "evaluation inputs")
     # Parameters stay where they are (a ZeRO-3 split is gathered inside); the optimizer state is not needed.
     specs = jax.tree.map(lambda x: _current_spec(x, self.mesh), state.params)
+    if self._gather_split:
+      specs = jax.tree.map(lambda _: P(), specs)
     state = TrainState(
         place(state.params, jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)), None,
         place(state.step, NamedSharding(self.mesh, P())),
@@ -163,7 +167,8 @@ class EvalStep:
 
 
 def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data",
-                   bucket_bytes: int | None = None, compute_dtype: Any = None) -> EvalStep:
+                   backend: str = "shard_map", bucket_bytes: int | None = None,
+                   compute_dtype: Any = None) -> EvalStep:
   """Builds the jitted evaluation step over every device of ``mesh[axis_name]``.
 
   Args:
@@ -172,6 +177,10 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
       ``model_state`` if it declares ``model_state``, and without a PRNG key.
     mesh: the device mesh; default ``jaxdp.data_mesh()`` over every device.
     axis_name: the data-parallel axis.
+    backend: ``"shard_map"`` (default) or ``"pmap"``, as in
+      :func:`jaxdp.make_train_step`; the same sums either way. Under
+      ``"pmap"`` parameters split over the data axis (ZeRO stage 3) are
+      gathered onto every device before the call.
     bucket_bytes: parameters that arrive split over the data axis (ZeRO
       stage 3) are gathered in flat buckets of about this many bytes, one
       all-gather each, as :func:`jaxdp.make_train_step` does with the same
@@ -195,7 +204,7 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
   check_mesh_axis(mesh, axis_name)
   mesh = auto_mesh(mesh)
-  check_vma = data_size(mesh, axis_name) > 1
+  check_backend(backend, mesh, axis_name)
   batch_spec = split_along(mesh, axis_name).spec
 
   def build(params_split):
@@ -203,13 +212,28 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
       return eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split, bucket_bytes=bucket_bytes,
                        compute_dtype=compute_dtype)
 
+    if backend == "pmap":
+      return _pmap_eval(replica, mesh, axis_name)
     state_specs = TrainState(params_split, None, P(), P())
+    # Typed on any number of devices (check_vma), so that a program that fails at scale fails on one device too.
     return jax.jit(jax.shard_map(
         replica, mesh=mesh, in_specs=(state_specs, batch_spec, batch_spec), out_specs=P(),
-        axis_names=set(axis_names(axis_name)), check_vma=check_vma,
+        axis_names=set(axis_names(axis_name)), check_vma=True,
     ))
 
-  return EvalStep(build, loss_fn=loss_fn, mesh=mesh, axis_name=axis_name)
+  return EvalStep(build, loss_fn=loss_fn, mesh=mesh, axis_name=axis_name, gather_split=backend == "pmap")
+
+
+def _pmap_eval(replica, mesh: Mesh, axis_name: str):
+  """The evaluation step through ``jax.pmap``: the global batch reshaped to ``[n, b, ...]``, the state unmapped."""
+  n = mesh.shape[axis_name]
+  mapped = jax.pmap(replica, axis_name, in_axes=(None, 0, 0), out_axes=None, devices=list(mesh.devices.flat))
+
+  def run(state, batch, weights):
+    split = lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])  # noqa: E731
+    return mapped(state, *jax.tree.map(split, (batch, weights)))
+
+  return jax.jit(run)
 
 
 def _current_spec(x: Any, mesh: Mesh) -> P:

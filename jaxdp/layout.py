@@ -111,6 +111,27 @@ def data_rows(mesh: Mesh, axis_name: Any) -> np.ndarray:
   return np.transpose(mesh.devices, order + rest).reshape(data_size(mesh, axis_name), -1)
 
 
+BACKENDS = ("shard_map", "pmap")
+"""How a step maps over the data axis: ``jit`` of ``jax.shard_map``, or ``jax.pmap``."""
+
+
+def check_backend(backend: Any, mesh: Mesh, axis_name: Any) -> None:
+  """Raises unless ``backend`` is one of :data:`BACKENDS` and can map over ``mesh[axis_name]``."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
+  if backend == "pmap" and mesh.axis_names != (axis_name,):
+    raise ValueError(
+        f"backend='pmap' maps over one axis only, but mesh has axes {mesh.axis_names}; "
+        "use backend='shard_map' for multi-axis meshes."
+    )
+  if backend == "pmap" and any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+    # pmap maps over this process's devices with per-process inputs; the step hands it the global batch.
+    raise ValueError(
+        "backend='pmap' runs on one process's devices only, but the mesh spans several processes; use "
+        "backend='shard_map' (the default) in multi-process runs: the same numbers, bitwise, on one process."
+    )
+
+
 def check_mesh_axis(mesh: Any, axis_name: Any) -> None:
   """Raises unless ``mesh`` is a ``Mesh`` with the axis ``axis_name`` (a str), or each of several (a tuple)."""
   if not isinstance(mesh, Mesh):

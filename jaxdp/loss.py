@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp.carries import promoting_carries
+
 LOSS_KEYWORDS = ("model_state", "weights", "axis_name", "train")
 """The keyword arguments jaxdp passes to a ``loss_fn`` that declares them."""
 
@@ -74,10 +76,14 @@ def step_axis() -> Any:
 
 @contextlib.contextmanager
 def in_step(axis_name: Any):
-  """Traces what runs inside as part of a jaxdp step over ``axis_name`` (see :func:`step_axis`)."""
+  """Traces what runs inside as part of a jaxdp step over ``axis_name`` (see :func:`step_axis`).
+
+  Loops in it accept initial carries made from constants (:func:`jaxdp.carries.promoting_carries`).
+  """
   token = _STEP_AXIS.set(axis_name)
   try:
-    yield
+    with promoting_carries():
+      yield
   finally:
     _STEP_AXIS.reset(token)
 
