@@ -41,10 +41,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxdp.batchnorm import BatchNorm
-from jaxdp.loss import LossOutput, declared_keywords
+from jaxdp.loss import LossOutput, declared_keywords, scalar_mean_message
 from jaxdp.layout import gather_state
 from jaxdp.state import TrainState
 
@@ -201,8 +202,8 @@ def merge(definition: Definition, params: Any, model_state: Any = None) -> nnx.M
   return nnx.merge(definition.graphdef, *states)
 
 
-def _as_output(out: Any) -> tuple[jax.Array, Any]:
-  """``(losses, metrics)`` from what the user's function returned."""
+def _as_output(out: Any, rows: int | None) -> tuple[jax.Array, Any]:
+  """``(losses, metrics)`` from what the user's function returned (``rows``: this device's, for messages)."""
   if isinstance(out, LossOutput):
     if out.model_state is not None:
       raise ValueError(
@@ -211,12 +212,25 @@ def _as_output(out: Any) -> tuple[jax.Array, Any]:
       )
     return out.losses, out.metrics
   if isinstance(out, tuple):
-    if len(out) != 2 or not isinstance(out[1], dict):
-      raise TypeError(
-          f"the nnx loss returned a tuple of {len(out)} items; return losses, or (losses, {{name: values}})."
+    if len(out) == 2 and isinstance(out[1], dict):
+      return out
+    problems = []
+    if out and np.shape(out[0]) == () and hasattr(out[0], "dtype"):  # upstream's (mean_loss, logits)
+      problems.append(scalar_mean_message("its first item is", rows))
+    if len(out) == 2 and not isinstance(out[1], dict):
+      problems.append(
+          f"its second item is {_what(out[1])}, not a dict: extra outputs (like logits) go into metrics "
+          "as a dict of per-example values, e.g. {'accuracy': logits.argmax(-1) == labels}, reduced like the loss"
       )
-    return out
+    raise TypeError(
+        f"the nnx loss returned a tuple of {len(out)} items" + (": " + "; ".join(problems) if problems else "")
+        + ". Return losses, or (losses, {name: values}) with per-example losses and values."
+    )
   return out, None
+
+
+def _what(x: Any) -> str:
+  return f"an array of shape {np.shape(x)}" if hasattr(x, "dtype") else f"a {type(x).__name__}"
 
 
 def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., LossOutput]:
@@ -275,7 +289,8 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
     elif train and definition.streams:
       raise ValueError(
           f"the model draws random numbers (RNG streams {', '.join(definition.streams)}) but the step got no "
-          "key; pass rng=jax.random.key(seed) to the step, so that every replica and step gets its own key."
+          "key; call it with one, step(state, batch, weights, rng=jax.random.key(seed)) (train_step(..., rng=key) "
+          "inside your own shard_map), so that every replica and step gets its own key."
       )
     available = {
         "weights": weights,
@@ -283,7 +298,8 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
         "train": train,
         "axis_name": axis_name,
     }
-    losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}))
+    rows = None if weights is None else np.shape(weights)[0]
+    losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}), rows)
     # What the call sowed (nnx.Intermediate) is not model state: on one device it is read off the Module
     # (nnx.pop) and dropped; return it as a metric from fn to keep it.
     nnx.pop(model, nnx.Intermediate)
