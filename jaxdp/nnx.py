@@ -289,8 +289,8 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
     elif train and definition.streams:
       raise ValueError(
           f"the model draws random numbers (RNG streams {', '.join(definition.streams)}) but the step got no "
-          "key; call it with one, step(state, batch, weights, rng=jax.random.key(seed)) (train_step(..., rng=key) "
-          "inside your own shard_map), so that every replica and step gets its own key."
+          "key; pass rng=jax.random.key(seed) to the step, step(state, batch, weights, rng=key) "
+          "(train_step(..., rng=key) inside your own shard_map), so that every replica and step gets its own key."
       )
     available = {
         "weights": weights,
