@@ -82,6 +82,7 @@ class CompiledStep:
     self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
+    self._before_step = getattr(loss_fn, "jaxdp_before_train_step", None)
     self.mesh, self.axis_name = mesh, axis_name
     self.reduction, self.backend = reduction, backend
     self.accum_steps, self.zero_stage = accum_steps, zero_stage
@@ -127,6 +128,8 @@ class CompiledStep:
             and all(ref() is x for ref, x in zip(self._returned, leaves)))
 
   def _prepare(self, state, batch, weights, rng, has_more=None):
+    if self._before_step is not None:  # jaxdp.nnx: the Module given to split must not have changed mode since
+      self._before_step()
     weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
     _checks.check_state(state)
     leaves, treedef = jax.tree.flatten(state)

@@ -37,6 +37,7 @@ the data axis.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -64,12 +65,56 @@ class Definition(NamedTuple):
     streams: the names of the RNG streams (e.g. ``("dropout",)``).
     frozen: ``(path, attribute)`` of the mode flags that training keeps as
       they were at :func:`split` (``keep_frozen=True``).
+    modes: the mode flags of the Module given to :func:`split` (weakly
+      held): a training step refuses to run once ``model.eval()`` or
+      ``model.train()`` changed them to a mode the step does not run.
   """
 
   graphdef: Any
   rng_state: Any
   streams: tuple[str, ...]
   frozen: tuple[tuple[tuple, str], ...] = ()
+  modes: Any = None  # a _ModeWatch of the Module given to split
+
+
+class _ModeWatch:
+  """The mode flags of the Module given to :func:`split`, so that a training step refuses a change to them.
+
+  The steps run the Module rebuilt from the state, never that object: ``model.eval()`` on it after the split
+  would otherwise be ignored in silence. Only weak references are kept (the Module may be freed).
+  """
+
+  def __init__(self, model: nnx.Module, kept: tuple[tuple[tuple, str], ...]):
+    self.nodes = []
+    for path, node in nnx.iter_graph(model):
+      flags = {f: getattr(node, f) for f in _MODE_FLAGS if isinstance(getattr(node, f, None), bool)}
+      if isinstance(node, nnx.Module) and flags:
+        # The value training runs with: True for a layer kept frozen (and flax's own BatchNorm), else False.
+        training = {f: (tuple(path), f) in kept or (_is_flax_batchnorm(node) and f == "use_running_average")
+                    for f in flags}
+        self.nodes.append((weakref.ref(node), "/".join(map(str, path)) or "<root>", flags, training))
+
+  def check(self) -> None:
+    """Raises ``ValueError`` if a flag now differs from its value at the split and from what training runs."""
+    changed = []
+    for ref, path, flags, training in self.nodes:
+      node = ref()
+      for flag, at_split in flags.items():
+        now = at_split if node is None else getattr(node, flag, at_split)
+        if now != at_split and now != training[flag]:
+          changed.append(f"{path}.{flag}={now}")
+    if changed:
+      raise ValueError(
+          f"the Module given to jaxdp.nnx.split changed mode since ({', '.join(changed[:4])}"
+          f"{', ...' if len(changed) > 4 else ''}: model.eval() or a mode flag set after the split). jaxdp's steps "
+          "never read that object: the training step runs the Module in training mode (layers frozen at the split "
+          "with keep_frozen=True stay frozen), make_eval_step in evaluation mode. Call model.train() before "
+          "training again (model.eval() is only needed for your own code on the object, after "
+          "jaxdp.nnx.update(model, state)); to train in this mode from now on, split again and build a step for "
+          "it, with the same state: definition, _, _ = jaxdp.nnx.split(model, keep_frozen=True), then "
+          "jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, fn), optimizer, mesh). Nothing ran and nothing "
+          "was donated."
+      )
 
 
 def _is_flax_batchnorm(node: Any) -> bool:
@@ -149,7 +194,7 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False,
   streams = tuple(sorted({stream for stream, _ in _stream_paths(model)}))
   model_state = rest if jax.tree.leaves(rest) else None
   kept = tuple(frozen) if keep_frozen else ()
-  return Definition(graphdef, rng_state, streams, kept), params, model_state
+  return Definition(graphdef, rng_state, streams, kept, _ModeWatch(model, kept)), params, model_state
 
 
 def partition_specs(model_or_params: Any) -> Any:
@@ -270,6 +315,7 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
           "from jaxdp.nnx.split(model); otherwise check that the params come from this model's split."
       ) from e
     if train:
+      check_modes()  # at trace time (train_step in your own shard_map); make_train_step also checks every call
       model.train()
       # train() switches every BatchNorm to batch statistics; flax's own are only admitted (split's
       # allow_flax_batchnorm) as layers that run on their running averages, so they stay on them.
@@ -306,6 +352,11 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
     _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
     return LossOutput(losses, new_state if model_state is not None else None, metrics)
 
+  def check_modes() -> None:
+    if definition.modes is not None:
+      definition.modes.check()
+
+  loss.jaxdp_before_train_step = check_modes  # called by make_train_step's step on every call, before anything
   loss.jaxdp_nnx_loss = True  # a missing model state is reported by merge above, not by call_loss's generic note
   return loss
 
