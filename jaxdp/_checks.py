@@ -329,6 +329,34 @@ def check_batch_values(batch: Any, name: str, *, dtypes: bool = True, ranges: bo
         )
 
 
+SMALLEST_WEIGHT = float(np.finfo(np.float32).tiny)  # float32's smallest normal number
+
+
+def subnormal_weights_message(name: str, count: int, what: str, after: str) -> str:
+  return (
+      f"{name} has {count} values in (0, {SMALLEST_WEIGHT:.3g}), below float32's smallest normal number, which "
+      f"accelerators and XLA's CPU backend flush to 0: {what}. Scale the weights up (only their ratios matter "
+      f"under reduction='mean') or set those to 0. {after}"
+  )
+
+
+def check_weight_values(weights: Any, name: str = "weights") -> None:
+  """Refuses host weights in (0, float32's smallest normal): the devices would read them as 0, and their rows
+  would silently count as padding (a batch of only such weights: a skipped step). Checked in the weights' own
+  dtype, every call; JAX arrays are left alone (reading them would wait for the device)."""
+  if weights is None or isinstance(weights, jax.Array):
+    return
+  w = np.asarray(weights)
+  if not jax.dtypes.issubdtype(w.dtype, np.floating) or not w.size:
+    return
+  w = w if w.dtype in (np.float32, np.float64) else w.astype(np.float64)  # bfloat16 reaches below it too
+  count = int(np.count_nonzero((w > 0) & (w < SMALLEST_WEIGHT)))
+  if count:
+    raise ValueError(subnormal_weights_message(
+        name, count, "their rows would count as padding (a batch of only such weights, a skipped step)",
+        "Nothing ran and nothing was donated."))
+
+
 def check_step_inputs(
     loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1
 ) -> None:

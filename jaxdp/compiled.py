@@ -25,6 +25,7 @@ import weakref
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -82,6 +83,7 @@ class CompiledStep:
     self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
+    self._before_step = getattr(loss_fn, "jaxdp_before_train_step", None)
     self.mesh, self.axis_name = mesh, axis_name
     self.reduction, self.backend = reduction, backend
     self.accum_steps, self.zero_stage = accum_steps, zero_stage
@@ -89,6 +91,8 @@ class CompiledStep:
     self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
     self._validated: set = set()
     self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
+    self._weight_counts: collections.deque = collections.deque()  # device weights' subnormal counts, not read yet
+    self._count_subnormal = None  # built at the first call with device weights
     self._returned: tuple = ()  # weak references to the leaves of the state the last call returned
     self._returned_treedef = None  # and its structure (the same leaves in another tree are not that state)
     self._kinds: dict = {}  # layout key -> the state's (shape, dtype) pairs, for inputs that may alias it
@@ -99,7 +103,21 @@ class CompiledStep:
     self.consecutive_skips = 0
     self._pending.clear()
 
+  def _check_previous_weights(self) -> None:
+    # Device weights below float32's smallest normal (the host's are refused before the step): read as the
+    # non-finite flags are, once ready or at the latest two calls later (one process only, see _prepare).
+    while self._weight_counts and (self._weight_counts[0].is_ready() or len(self._weight_counts) >= _MAX_UNREAD_FLAGS):
+      count = int(np.sum(jax.device_get(self._weight_counts.popleft())))
+      if count:
+        self._weight_counts.clear()
+        raise ValueError(_checks.subnormal_weights_message(
+            "the weights (a JAX array) given to an earlier step", count,
+            "that step counted their rows as padding (with no other weight it was skipped: metrics weight 0, "
+            "skipped 1, nonfinite 0)", "This error comes from a later call, which ran nothing; the steps in "
+            "between were applied."))
+
   def _check_previous_steps(self) -> None:
+    self._check_previous_weights()
     # Reads the flags of earlier steps once they are done, and waits only for one two steps old: the
     # device then still has the previous step to run while this one is prepared and dispatched.
     if self.max_consecutive_skips is None:
@@ -126,7 +144,9 @@ class CompiledStep:
     return (len(leaves) == len(self._returned) and treedef == self._returned_treedef
             and all(ref() is x for ref, x in zip(self._returned, leaves)))
 
-  def _prepare(self, state, batch, weights, rng, has_more=None):
+  def _prepare(self, state, batch, weights, rng, has_more=None, count_weights=True):
+    if self._before_step is not None:  # jaxdp.nnx: the Module given to split must not have changed mode since
+      self._before_step()
     weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
     _checks.check_state(state)
     leaves, treedef = jax.tree.flatten(state)
@@ -173,7 +193,16 @@ class CompiledStep:
       state = place(state, layout.shardings(self.mesh))
     rng = place(rng, replicated(self.mesh))
     _checks.check_batch_values(batch, "batch", dtypes=False)  # each call: 64-bit ids out of 32-bit range
+    _checks.check_weight_values(weights)  # each call: host weights the devices would flush to 0
+    on_device = isinstance(weights, jax.Array)
     batch, weights, has_more = _put_batch((batch, weights, has_more), split_along(self.mesh, self.axis_name))
+    if count_weights and on_device and jax.process_count() == 1 and jax.dtypes.issubdtype(weights.dtype, np.floating):
+      # Not read here (that would wait for the device): counted by a program of its own, read by a later call.
+      # With several processes each would see only its devices' counts, and one raising alone would leave the
+      # others waiting in the next step's all-reduce: not checked there.
+      if self._count_subnormal is None:
+        self._count_subnormal = _subnormal_counter(self.mesh, split_along(self.mesh, self.axis_name))
+      self._weight_counts.append(self._count_subnormal(weights))
     if self.donate:
       if layout_key not in self._kinds:  # the state's (shape, dtype) pairs follow from its layout key
         arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
@@ -223,8 +252,29 @@ class CompiledStep:
       *,
       has_more: jax.Array | None = None,
   ) -> jax.stages.Lowered:
-    layout_key, prepared = self._prepare(state, batch, weights, rng, has_more)
+    layout_key, prepared = self._prepare(state, batch, weights, rng, has_more, count_weights=False)
     return self._jitted_for(layout_key).lower(*prepared)
+
+
+def _subnormal_counter(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+  """``count(weights)``: per device, how many of its weights lie in (0, float32's smallest normal), which the
+  devices read as 0. Read from the bits; no collective (a program of all-reduces queued next to the steps' can
+  starve XLA's CPU rendezvous), so the result is one count per device, split like the weights."""
+
+  def local(w):
+    if w.dtype == np.float64:  # 64-bit mode: such values are normal in float64
+      return jnp.sum((w > 0) & (w < _checks.SMALLEST_WEIGHT))[None]
+    if w.dtype == jnp.bfloat16:  # float32's exponent range: its bits are float32's upper half
+      bits = lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32) << np.uint32(16)
+    elif w.dtype == np.float32:
+      bits = lax.bitcast_convert_type(w, jnp.uint32)
+    else:  # float16: every value is a normal float32 (8-bit floats are not checked)
+      return jnp.zeros((1,), jnp.int32)
+    exponent, mantissa, sign = np.uint32(0x7F800000), np.uint32(0x007FFFFF), np.uint32(0x80000000)
+    return jnp.sum(((bits & exponent) == 0) & ((bits & mantissa) != 0) & ((bits & sign) == 0))[None]
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=sharding.spec, out_specs=P(sharding.spec[0]),
+                               check_vma=False))
 
 
 def _put_batch(inputs: Any, sharding: jax.sharding.Sharding) -> Any:

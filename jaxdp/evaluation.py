@@ -102,6 +102,7 @@ class EvalStep:
       _checks.check_weights_dtype(weights)
       self._validated.add(key)
     _checks.check_batch_values(batch, "batch", dtypes=False)  # each call: 64-bit ids out of 32-bit range
+    _checks.check_weight_values(weights)  # each call: host weights the devices would flush to 0
     if jax.process_count() > 1:
       from jaxdp.distributed import assert_same_across_processes
 

@@ -190,12 +190,8 @@ def call_loss(
         f"jaxdp: raised inside loss_fn while {where}{np.shape(weights)[0]} rows), called with params of structure "
         f"{_structure(params)}; nothing ran and nothing was donated."
     )
-    if rng is None and _accepts_rng(loss_fn) and "rng" in f"{type(e).__name__} {e}".lower():  # flax: needs PRNG
-      e.add_note(
-          "jaxdp: loss_fn was called without a PRNG key (rng=None): "
-          + ("the step was called without rng=; a model with dropout needs step(state, batch, weights, rng=key)."
-             if train else "evaluation passes none; run without dropout there (train=False or rng is None).")
-      )
+    if rng is None and "rng" in f"{type(e).__name__} {e}".lower():  # flax: "Dropout_0 needs PRNG", nnx: "rngs"
+      e.add_note(_missing_key_note(loss_fn, train))
     if model_state is None and "model_state" in keywords and not getattr(loss_fn, "jaxdp_nnx_loss", False):
       # A loss may take None for a stateless model; one that needs state got None because the state has none.
       e.add_note(
@@ -208,9 +204,17 @@ def call_loss(
   if isinstance(out, LossOutput):
     losses, new_state, metrics = out
   elif isinstance(out, tuple):
+    rows = np.shape(weights)[0]
+    if out and np.shape(out[0]) == () and hasattr(out[0], "dtype") and rows:  # upstream's (mean_loss, logits)
+      raise TypeError(
+          f"loss_fn returned a {type(out).__name__} of {len(out)} items whose first, the loss, is "
+          + _SCALAR_MEAN.format(rows=rows) + ". Extra outputs go into jaxdp.LossOutput(losses, metrics={name: "
+          "values}) as per-example values (e.g. {'accuracy': logits.argmax(-1) == labels}), reduced like the loss."
+      )
     raise TypeError(
         f"loss_fn returned a {type(out).__name__} of {len(out)} items; return the per-example losses, or "
-        "jaxdp.LossOutput(losses, model_state=..., metrics={...}) for model state and metrics."
+        "jaxdp.LossOutput(losses, model_state=..., metrics={...}) for model state and metrics (per-example values, "
+        "e.g. {'accuracy': logits.argmax(-1) == labels}; not the logits themselves)."
     )
   else:
     losses, new_state, metrics = out, None, None
@@ -221,8 +225,33 @@ def call_loss(
   return LossOutput(losses, new_state, metrics)
 
 
+def _missing_key_note(loss_fn: Callable, train: bool) -> str:
+  """What to do about an error that asks for a PRNG key, raised inside a ``loss_fn`` called without one."""
+  if not train:
+    return ("jaxdp: loss_fn was called without a PRNG key (rng=None): evaluation (make_eval_step) passes none; run "
+            "without dropout there (train=False, or rng is None: deterministic=True / model.eval()).")
+  if not _accepts_rng(loss_fn):
+    return ("jaxdp: loss_fn was called without a PRNG key, and it takes none: declare one as its third argument "
+            "(def loss_fn(params, batch, rng=None, ...), handed to the model, e.g. rngs={'dropout': rng}) and call "
+            "the step with it, step(state, batch, weights, rng=key); each replica and step then gets its own key.")
+  return ("jaxdp: loss_fn was called without a PRNG key (rng=None): the step was called without rng=; a model with "
+          "dropout needs step(state, batch, weights, rng=key) (train_step(..., rng=key) inside your own shard_map).")
+
+
+_SCALAR_MEAN = ("a scalar (shape ()), a mean, where per-example losses [b] (or per-token losses [b, t]) belong, "
+                "b={rows} (this device's rows); return the unreduced losses: jaxdp computes the weighted mean itself, "
+                "over every device, with the weights")
+
+
+def scalar_mean_message(subject: str, rows: int | None) -> str:
+  """``"<subject> a scalar ... where per-example losses belong ..."``: the message for a mean returned as the loss."""
+  return f"{subject} " + _SCALAR_MEAN.format(rows="the batch's rows" if rows is None else rows)
+
+
 def _check_losses(losses: Any, rows: int) -> None:
   shape, dtype = np.shape(losses), getattr(losses, "dtype", None)
+  if shape == () and dtype is not None and rows:
+    raise ValueError(scalar_mean_message("loss_fn returned", rows) + ".")
   if dtype is None or len(shape) not in (1, 2) or shape[0] != rows:
     raise ValueError(
         f"loss_fn must return per-example losses [b] or per-token losses [b, t] with b={rows} rows "

@@ -37,14 +37,16 @@ the data axis.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxdp.batchnorm import BatchNorm
-from jaxdp.loss import LossOutput, declared_keywords
+from jaxdp.loss import LossOutput, declared_keywords, scalar_mean_message
 from jaxdp.layout import gather_state
 from jaxdp.state import TrainState
 
@@ -63,12 +65,56 @@ class Definition(NamedTuple):
     streams: the names of the RNG streams (e.g. ``("dropout",)``).
     frozen: ``(path, attribute)`` of the mode flags that training keeps as
       they were at :func:`split` (``keep_frozen=True``).
+    modes: the mode flags of the Module given to :func:`split` (weakly
+      held): a training step refuses to run once ``model.eval()`` or
+      ``model.train()`` changed them to a mode the step does not run.
   """
 
   graphdef: Any
   rng_state: Any
   streams: tuple[str, ...]
   frozen: tuple[tuple[tuple, str], ...] = ()
+  modes: Any = None  # a _ModeWatch of the Module given to split
+
+
+class _ModeWatch:
+  """The mode flags of the Module given to :func:`split`, so that a training step refuses a change to them.
+
+  The steps run the Module rebuilt from the state, never that object: ``model.eval()`` on it after the split
+  would otherwise be ignored in silence. Only weak references are kept (the Module may be freed).
+  """
+
+  def __init__(self, model: nnx.Module, kept: tuple[tuple[tuple, str], ...]):
+    self.nodes = []
+    for path, node in nnx.iter_graph(model):
+      flags = {f: getattr(node, f) for f in _MODE_FLAGS if isinstance(getattr(node, f, None), bool)}
+      if isinstance(node, nnx.Module) and flags:
+        # The value training runs with: True for a layer kept frozen (and flax's own BatchNorm), else False.
+        training = {f: (tuple(path), f) in kept or (_is_flax_batchnorm(node) and f == "use_running_average")
+                    for f in flags}
+        self.nodes.append((weakref.ref(node), "/".join(map(str, path)) or "<root>", flags, training))
+
+  def check(self) -> None:
+    """Raises ``ValueError`` if a flag now differs from its value at the split and from what training runs."""
+    changed = []
+    for ref, path, flags, training in self.nodes:
+      node = ref()
+      for flag, at_split in flags.items():
+        now = at_split if node is None else getattr(node, flag, at_split)
+        if now != at_split and now != training[flag]:
+          changed.append(f"{path}.{flag}={now}")
+    if changed:
+      raise ValueError(
+          f"the Module given to jaxdp.nnx.split changed mode since ({', '.join(changed[:4])}"
+          f"{', ...' if len(changed) > 4 else ''}: model.eval() or a mode flag set after the split). jaxdp's steps "
+          "never read that object: the training step runs the Module in training mode (layers frozen at the split "
+          "with keep_frozen=True stay frozen), make_eval_step in evaluation mode. Call model.train() before "
+          "training again (model.eval() is only needed for your own code on the object, after "
+          "jaxdp.nnx.update(model, state)); to train in this mode from now on, split again and build a step for "
+          "it, with the same state: definition, _, _ = jaxdp.nnx.split(model, keep_frozen=True), then "
+          "jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, fn), optimizer, mesh). Nothing ran and nothing "
+          "was donated."
+      )
 
 
 def _is_flax_batchnorm(node: Any) -> bool:
@@ -148,7 +194,7 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False,
   streams = tuple(sorted({stream for stream, _ in _stream_paths(model)}))
   model_state = rest if jax.tree.leaves(rest) else None
   kept = tuple(frozen) if keep_frozen else ()
-  return Definition(graphdef, rng_state, streams, kept), params, model_state
+  return Definition(graphdef, rng_state, streams, kept, _ModeWatch(model, kept)), params, model_state
 
 
 def partition_specs(model_or_params: Any) -> Any:
@@ -201,8 +247,8 @@ def merge(definition: Definition, params: Any, model_state: Any = None) -> nnx.M
   return nnx.merge(definition.graphdef, *states)
 
 
-def _as_output(out: Any) -> tuple[jax.Array, Any]:
-  """``(losses, metrics)`` from what the user's function returned."""
+def _as_output(out: Any, rows: int | None) -> tuple[jax.Array, Any]:
+  """``(losses, metrics)`` from what the user's function returned (``rows``: this device's, for messages)."""
   if isinstance(out, LossOutput):
     if out.model_state is not None:
       raise ValueError(
@@ -211,12 +257,25 @@ def _as_output(out: Any) -> tuple[jax.Array, Any]:
       )
     return out.losses, out.metrics
   if isinstance(out, tuple):
-    if len(out) != 2 or not isinstance(out[1], dict):
-      raise TypeError(
-          f"the nnx loss returned a tuple of {len(out)} items; return losses, or (losses, {{name: values}})."
+    if len(out) == 2 and isinstance(out[1], dict):
+      return out
+    problems = []
+    if out and np.shape(out[0]) == () and hasattr(out[0], "dtype"):  # upstream's (mean_loss, logits)
+      problems.append(scalar_mean_message("its first item is", rows))
+    if len(out) == 2 and not isinstance(out[1], dict):
+      problems.append(
+          f"its second item is {_what(out[1])}, not a dict: extra outputs (like logits) go into metrics "
+          "as a dict of per-example values, e.g. {'accuracy': logits.argmax(-1) == labels}, reduced like the loss"
       )
-    return out
+    raise TypeError(
+        f"the nnx loss returned a tuple of {len(out)} items" + (": " + "; ".join(problems) if problems else "")
+        + ". Return losses, or (losses, {name: values}) with per-example losses and values."
+    )
   return out, None
+
+
+def _what(x: Any) -> str:
+  return f"an array of shape {np.shape(x)}" if hasattr(x, "dtype") else f"a {type(x).__name__}"
 
 
 def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., LossOutput]:
@@ -256,6 +315,7 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
           "from jaxdp.nnx.split(model); otherwise check that the params come from this model's split."
       ) from e
     if train:
+      check_modes()  # at trace time (train_step in your own shard_map); make_train_step also checks every call
       model.train()
       # train() switches every BatchNorm to batch statistics; flax's own are only admitted (split's
       # allow_flax_batchnorm) as layers that run on their running averages, so they stay on them.
@@ -275,7 +335,8 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
     elif train and definition.streams:
       raise ValueError(
           f"the model draws random numbers (RNG streams {', '.join(definition.streams)}) but the step got no "
-          "key; pass rng=jax.random.key(seed) to the step, so that every replica and step gets its own key."
+          "key; pass rng=jax.random.key(seed) to the step, step(state, batch, weights, rng=key) "
+          "(train_step(..., rng=key) inside your own shard_map), so that every replica and step gets its own key."
       )
     available = {
         "weights": weights,
@@ -283,13 +344,19 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
         "train": train,
         "axis_name": axis_name,
     }
-    losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}))
+    rows = None if weights is None else np.shape(weights)[0]
+    losses, metrics = _as_output(fn(model, batch, **{k: available[k] for k in declared}), rows)
     # What the call sowed (nnx.Intermediate) is not model state: on one device it is read off the Module
     # (nnx.pop) and dropped; return it as a metric from fn to keep it.
     nnx.pop(model, nnx.Intermediate)
     _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
     return LossOutput(losses, new_state if model_state is not None else None, metrics)
 
+  def check_modes() -> None:
+    if definition.modes is not None:
+      definition.modes.check()
+
+  loss.jaxdp_before_train_step = check_modes  # called by make_train_step's step on every call, before anything
   loss.jaxdp_nnx_loss = True  # a missing model state is reported by merge above, not by call_loss's generic note
   return loss
 

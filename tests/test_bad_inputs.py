@@ -352,3 +352,38 @@ def test_plausible_mistakes_at_the_edges_are_named():
                expected)
   with pytest.raises(TypeError, match=r"weights has dtype uint32.*rng=key"):  # the eval step too
     jaxdp.make_eval_step(loss_fn, two)(stepped, batch2, jax.random.PRNGKey(7))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, "bfloat16"])
+def test_subnormal_host_weights_given_to_the_step_are_refused(dtype):
+  """Weights in (0, float32's smallest normal) given to the step directly were flushed to 0 on the devices: a
+  silent skipped step (weight 0, skipped 1, nonfinite 0). Refused on the host, as shard_uneven does, by the train
+  and the eval step; the state is untouched."""
+  state = fresh_state()
+  batch = global_arrays(8)
+  weights = np.ones(8, np.float32)
+  weights[[1, 6]] = 1e-40
+  weights = weights.astype(jnp.bfloat16 if dtype == "bfloat16" else dtype)
+  message = r"weights has 2 values in \(0, 1\.18e-38\), below float32's smallest normal.*Scale the weights up"
+  with pytest.raises(ValueError, match=message):
+    good_step()(state, batch, weights)
+  with pytest.raises(ValueError, match=message):
+    jaxdp.make_eval_step(loss_fn, MESH)(state, batch, weights)
+  assert_still_usable(state)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_subnormal_device_weights_are_reported_by_a_later_call(dtype):
+  """Device weights are not read on the host (that would wait for the device): each call counts them in a
+  program of its own, and a later call raises, naming them, before it runs anything. Never a silent skip."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, donate=True)
+  state = fresh_state()
+  batch = global_arrays(8)
+  state, metrics = step(state, batch, jnp.full((8,), 1e-40, dtype))
+  assert (float(metrics["weight"]), int(metrics["skipped"]), int(metrics["nonfinite"])) == (0.0, 1, 0)
+  jax.block_until_ready(metrics)
+  with pytest.raises(ValueError, match=r"the weights \(a JAX array\) given to an earlier step has 8 values in "
+                     r"\(0, 1\.18e-38\).*counted their rows as padding"):
+    step(state, batch, jnp.ones((8,), dtype))
+  state, metrics = step(state, batch, jnp.ones((8,), dtype))  # reported once: the step goes on
+  assert int(metrics["skipped"]) == 0 and int(state.step) == 1

@@ -169,3 +169,77 @@ def test_a_loss_that_requires_a_key_is_told_what_evaluation_passes():
     jaxdp.make_train_step(keyed, OPT, mesh)(state, *batch)
   state, metrics = jaxdp.make_train_step(keyed, OPT, mesh)(state, *batch, rng=jax.random.key(0))
   assert int(metrics["skipped"]) == 0
+
+
+def _notes(call):
+  with pytest.raises(Exception) as error:
+    call()
+  return str(error.value) + "\n".join(getattr(error.value, "__notes__", []))
+
+
+def test_a_missing_dropout_key_gets_jaxdps_note_on_every_route():
+  """flax's "Dropout_0 needs PRNG" from a step called without rng= gets a note naming step(..., rng=key), through
+  make_train_step and train_step in your own shard_map, also for a loss_fn that takes no key at all; evaluation
+  (dropout off) runs without one."""
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  model = Net(norm=jaxdp.linen.BatchNorm, dropout=0.5)
+  variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
+  state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
+  batch, weights = jaxdp.shard_uneven(portions()[:2], mesh)
+  keyed = jaxdp_loss(model)
+
+  def keyless(params, batch, *, model_state, weights, train):  # forgot the key altogether
+    return keyed(params, batch, None, model_state=model_state, weights=weights, train=train)
+
+  assert "rng=key" in _notes(lambda: jaxdp.make_train_step(keyed, OPT, mesh)(state, batch, weights))
+  said = _notes(lambda: jaxdp.make_train_step(keyless, OPT, mesh)(state, batch, weights))
+  assert "takes none: declare one as its third argument" in said and "rng=key" in said
+  specs = jaxdp.state_specs(state)
+  mapped = jax.jit(jax.shard_map(lambda s, b, w: jaxdp.train_step(keyed, OPT, s, b, w), mesh=mesh,
+                                 in_specs=(specs, P("data"), P("data")), out_specs=(specs, P())))
+  assert "rng=key" in _notes(lambda: mapped(state, batch, weights))
+  assert float(jaxdp.make_eval_step(keyed, mesh)(state, batch, weights)["weight"]) == 3.0
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_a_scalar_mean_is_named_where_per_example_losses_belong():
+  """A linen loss_fn returning the mean (or upstream's (mean, logits)): the message says a scalar mean was
+  returned where per-example losses belong, and where extra outputs go."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  model = Net()
+  variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
+  state = jaxdp.init_state(variables["params"], OPT, mesh)
+  batch, weights = jaxdp.shard_uneven(portions()[:2], mesh)
+  apply = lambda p, b: model.apply({"params": p, "batch_stats": variables["batch_stats"]}, b["x"], False)  # noqa: E731
+
+  def mean(params, batch):
+    return jnp.mean((apply(params, batch) - batch["y"]) ** 2)
+
+  def mean_and_logits(params, batch):
+    out = apply(params, batch)
+    return jnp.mean((out - batch["y"]) ** 2), out
+
+  with pytest.raises(ValueError, match=r"returned a scalar \(shape \(\)\), a mean, where per-example losses \[b\] "
+                     r"\(or per-token losses \[b, t\]\) belong, b=3.*weighted mean itself"):
+    jaxdp.make_train_step(mean, OPT, mesh)(state, batch, weights)
+  with pytest.raises(TypeError, match=r"tuple of 2 items whose first, the loss, is a scalar.*LossOutput\(losses, "
+                     r"metrics=\{name: values\}\) as per-example values"):
+    jaxdp.make_train_step(mean_and_logits, OPT, mesh)(state, batch, weights)
+  with pytest.raises(ValueError, match=r"a scalar \(shape \(\)\), a mean"):
+    jaxdp.make_eval_step(mean, mesh)(state, batch, weights)
+
+
+def test_the_readmes_per_example_metrics_block_runs_as_written():
+  """The README's port of per-example training metrics (accuracy from logits through LossOutput.metrics) runs as
+  written, on every device of this session, and reports the exact mean of the per-example values."""
+  import pathlib
+
+  text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  start = text.index("import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax, jaxdp")
+  scope: dict = {}
+  exec(text[start:text.index("```", start)], scope)  # noqa: S102
+  logits = scope["model"].apply({"params": scope["params"]}, scope["batch"]["x"])
+  expected = np.mean(np.asarray(logits.argmax(-1)) == scope["batch"]["y"])
+  np.testing.assert_allclose(float(scope["metrics"]["accuracy"]), expected, rtol=RTOL, atol=ATOL)

@@ -515,3 +515,115 @@ def test_the_readmes_wrt_recipe_trains_only_the_subset():
   for name in ("kernel", "bias"):
     np.testing.assert_allclose(np.asarray(got["head"][name]), np.asarray(getattr(reference.head, name)[...]),
                                rtol=1e-5, atol=1e-6)
+
+
+def _two_device_dropout_setup():
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  model = Net(dropout=0.5, rngs=nnx.Rngs(5))
+  definition, params, model_state = jaxdp.nnx.split(model)
+  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  return mesh, model, loss_fn, state, jaxdp.shard_uneven(portions((3, 2), seed=6), mesh)
+
+
+def test_upstream_mode_calls_after_split_are_honoured_or_refused_never_ignored():
+  """flax's MNIST loop calls model.train() / model.eval() on the Module each epoch. After jaxdp.nnx.split the
+  steps run the rebuilt Module, so those calls could not act on them: the loop as written runs (the eval step is
+  always deterministic), and a training step while the object is in eval mode is refused, not run in train mode."""
+  mesh, model, loss_fn, state, (batch, weights) = _two_device_dropout_setup()
+  step, evaluate = jaxdp.make_train_step(loss_fn, OPT, mesh), jaxdp.make_eval_step(loss_fn, mesh)
+  for epoch in range(2):  # the upstream loop
+    model.train()
+    state, _ = step(state, batch, weights, rng=jax.random.key(epoch))
+    model.eval()
+    first, second = evaluate(state, batch, weights), evaluate(state, batch, weights)
+    assert float(first["loss"]) == float(second["loss"])  # dropout off in evaluation
+  # The object is still in eval mode: training now would be ignoring it. Refused before anything is donated.
+  with pytest.raises(ValueError, match=r"changed mode since \(bn\.use_running_average=True, drop\.deterministic=True.*model\.train\(\)"):
+    step(state, batch, weights, rng=jax.random.key(7))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  # The loss traced by hand (train_step in your own shard_map) is refused the same way.
+  with pytest.raises(ValueError, match=r"changed mode since"):
+    loss_fn(state.params, batch, jax.random.key(0), model_state=state.model_state, weights=weights, train=True)
+  model.train()
+  state, _ = step(state, batch, weights, rng=jax.random.key(7))
+  assert int(state.step) == 3
+
+
+def test_the_documented_way_to_train_in_another_mode_splits_again():
+  """To train with dropout off from now on (what model.eval() before a one-device step does), split the Module in
+  that mode with keep_frozen=True and build a step on it: the same state trains, and the key no longer matters."""
+  mesh, model, loss_fn, state, (batch, weights) = _two_device_dropout_setup()
+  state, _ = jaxdp.make_train_step(loss_fn, OPT, mesh)(state, batch, weights, rng=jax.random.key(0))
+  model.drop.eval()  # a mode change on the object the first split saw
+  definition, _, _ = jaxdp.nnx.split(model, keep_frozen=True)
+  frozen_step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), OPT, mesh, donate=False)
+  a, _ = frozen_step(state, batch, weights, rng=jax.random.key(1))
+  b, _ = frozen_step(state, batch, weights, rng=jax.random.key(2))
+  jax.tree.map(np.testing.assert_array_equal, a.params, b.params)  # no dropout: the key changes nothing
+  assert int(a.step) == 2
+
+
+def test_a_scalar_mean_with_logits_is_named_as_such():
+  """upstream's nnx loss returns (mean_loss, logits): the message names the scalar mean and where logits go."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  definition, params, model_state = jaxdp.nnx.split(Net(rngs=nnx.Rngs(0)))
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  data = jaxdp.shard_uneven(portions((2, 2)), mesh)
+
+  def upstream(model, batch, *, weights):
+    pred = model(batch["x"], mask=weights)
+    return jnp.mean((pred - batch["y"]) ** 2), pred
+
+  def mean_only(model, batch, *, weights):
+    return jnp.mean((model(batch["x"], mask=weights) - batch["y"]) ** 2)
+
+  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, upstream), OPT, mesh)
+  with pytest.raises(TypeError, match=r"first item is a scalar \(shape \(\)\), a mean, where per-example losses "
+                     r"\[b\].*weighted mean itself.*second item is an array of shape \(2,\), not a dict: extra "
+                     r"outputs \(like logits\) go into metrics as a dict of per-example values"):
+    step(state, *data, rng=jax.random.key(0))
+  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, mean_only), OPT, mesh)
+  with pytest.raises(ValueError, match=r"loss_fn returned a scalar \(shape \(\)\), a mean, where per-example"):
+    step(state, *data, rng=jax.random.key(0))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+class _UpstreamDropout(nnx.Module):
+  """flax's MNIST CNN's way: Dropout built without rngs, the key passed at the call."""
+
+  def __init__(self, *, rngs):
+    self.dense = nnx.Linear(D, 1, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+
+  def __call__(self, x, rngs=None):
+    return self.drop(self.dense(x), rngs=rngs)[:, 0]
+
+
+@pytest.mark.parametrize("kind", ["streams", "upstream"])
+def test_a_missing_step_key_is_named_on_every_route(kind):
+  """A dropout model stepped without rng=: jaxdp's message or note names step(..., rng=key) through
+  make_train_step and through train_step in your own shard_map; the eval step runs without a key."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  if kind == "streams":
+    model = Net(dropout=0.5, rngs=nnx.Rngs(0))
+    fn = objective
+  else:
+    model = _UpstreamDropout(rngs=nnx.Rngs(0))
+    fn = lambda model, batch, *, rngs: (model(batch["x"], rngs=rngs) - batch["y"]) ** 2  # noqa: E731
+  definition, params, model_state = jaxdp.nnx.split(model)
+  loss_fn = jaxdp.nnx.loss_fn(definition, fn)
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  batch, weights = jaxdp.shard_uneven(portions((2, 2)), mesh)
+
+  def said(call):
+    with pytest.raises(Exception) as error:
+      call()
+    return str(error.value) + "\n".join(getattr(error.value, "__notes__", []))
+
+  assert "rng=key" in said(lambda: jaxdp.make_train_step(loss_fn, OPT, mesh)(state, batch, weights))
+  specs = jaxdp.state_specs(state)
+  mapped = jax.jit(jax.shard_map(lambda s, b, w: jaxdp.train_step(loss_fn, OPT, s, b, w), mesh=mesh,
+                                 in_specs=(specs, P("data"), P("data")), out_specs=(specs, P())))
+  assert "rng=key" in said(lambda: mapped(state, batch, weights))
+  assert float(jaxdp.make_eval_step(loss_fn, mesh)(state, batch, weights)["weight"]) == 4.0
