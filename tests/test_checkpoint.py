@@ -744,11 +744,16 @@ TAMPERED = {
 }
 
 
-def test_a_consistent_data_position_is_accepted(saved, tmp_path):
+# A global batch the devices do not divide (DataPipeline(global_batch_size=7) on 2 devices): 5 steps of 7 of 29.
+UNEVEN_POSITION = {**POSITION, "global_batch": 7}
+
+
+@pytest.mark.parametrize("position", [POSITION, UNEVEN_POSITION], ids=["even", "uneven global batch"])
+def test_a_consistent_data_position_is_accepted(saved, tmp_path, position):
   """The tampering cases above change one field of this position, which the record accepts."""
   directory = tmp_path / "ckpt"
   shutil.copytree(saved[0], directory)
-  _edit_record(directory / "4", _set("data_position", POSITION))
+  _edit_record(directory / "4", _set("data_position", position))
   with CheckpointManager(directory) as ckpt:
     assert ckpt.data_step() == 5
 
