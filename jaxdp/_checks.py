@@ -265,7 +265,8 @@ def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: in
     raise ValueError(
         f"batch has leading size {total}, which does not split evenly over {n_replicas} devices; "
         "split it with jaxdp.split_batch(batch, mesh, weights=weights), which pads the shorter devices with "
-        f"weight-0 rows (or pad it yourself to a multiple of {n_replicas})."
+        "weight-0 rows (jaxdp.shard_uneven does the same for per-device portions you already have), or pad it "
+        f"yourself to a multiple of {n_replicas}."
     )
   if (total // n_replicas) % accum_steps:
     raise ValueError(
