@@ -23,6 +23,7 @@ from jaxdp.batchnorm import Moments, masked_moments
 from jaxdp.checkpoint import CheckpointManager, Restored
 from jaxdp.compiled import BACKENDS, CompiledStep, make_train_step
 from jaxdp.data import (
+    PADS,
     DataPipeline,
     StreamingPipeline,
     addressable_positions,
@@ -74,6 +75,7 @@ __all__ = [
     "LOSS_KEYWORDS",
     "LossOutput",
     "Moments",
+    "PADS",
     "LocalGradient",
     "MemoryReport",
     "REDUCTIONS",

@@ -244,7 +244,7 @@ class CompiledStep:
 
 
 def _has_padding_rows(weights: Any) -> bool:
-  """Whether this process's part of a skipped step's ``weights`` has a row of weight 0 (read only for a skipped step)."""
+  """Whether this process's part of a skipped step's ``weights`` has a row of weight 0 (padding)."""
   if weights is None or (isinstance(weights, jax.Array) and weights.is_deleted()):
     return False
   shards = weights.addressable_shards if isinstance(weights, jax.Array) else [weights]

@@ -22,7 +22,7 @@ from jaxdp.layout import check_mesh_axis, data_rows, data_size, global_array, sp
 
 
 PADS = ("copy", "zeros")
-"""What padding rows hold: ``"copy"`` (default), copies of a real row; ``"zeros"``, zeros. Their weight is 0 either way."""
+"""What padding rows hold: ``"copy"`` (default), copies of a real row; ``"zeros"``, zeros. Weight 0 either way."""
 
 
 def check_pad(pad: Any) -> str:
@@ -334,7 +334,7 @@ def _portion_sizes(count: int, n_devices: int) -> np.ndarray:
 
 
 def _split_batch(order: np.ndarray, n_devices: int, global_batch: int, index: int) -> list[np.ndarray]:
-  """The example indices of each device in batch ``index`` (of ``global_batch`` examples) of an epoch visiting ``order``."""
+  """Each device's example indices in batch ``index`` (``global_batch`` examples) of an epoch visiting ``order``."""
   batch = order[index * global_batch : (index + 1) * global_batch]
   return np.split(batch, np.cumsum(_portion_sizes(len(batch), n_devices))[:-1])
 
@@ -465,15 +465,16 @@ class DataPipeline:
   0, so ``reduction="mean"`` gives exactly the gradient of the real examples.
   Padding rows copy a real row (``pad="copy"``, see :func:`shard_uneven`): the
   device's own first, or example 0 of the dataset for a device with no
-  example in the step (the same row whichever process loads it). The order is a function of
-  ``(seed, epoch)`` only (:func:`epoch_permutation`) and ``batch_at(step)`` is
-  what iteration yields at ``step``, so a run resumes from a step counter.
+  example in the step (the same row whichever process loads it). The order is
+  a function of ``(seed, epoch)`` only (:func:`epoch_permutation`) and
+  ``batch_at(step)`` is what iteration yields at ``step``, so a run resumes
+  from a step counter.
 
   In a multi-process run each process loads only the examples of its own
   devices (:func:`addressable_positions`), plus example 0 once, at
-  construction, to learn the shapes (and padding row) of an empty portion. ``collate`` must give
-  every portion the same trailing shapes and dtypes (pad variable-length
-  fields to a fixed length). Loading is synchronous; it overlaps the device
+  construction, for the shapes and padding of an empty portion. ``collate``
+  must give every portion the same trailing shapes and dtypes (pad
+  variable-length fields to a fixed length). Loading is synchronous; it overlaps the device
   work of the previous step because JAX dispatches steps asynchronously.
 
   Example::

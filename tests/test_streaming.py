@@ -80,7 +80,7 @@ def test_every_example_once_and_the_loop_ends_after_the_last_data_step(n, k, b, 
     # 1 on every device until the stream is dry after this step, then 0: known when the batch is built.
     assert has_more.tolist() == [int(s < steps - 1)] * k
     sizes = []
-    if weights[0] > 0:  # device 0 holds a row whenever any device does: empty devices copy it, and so do later dry steps
+    if weights[0] > 0:  # device 0 has a row whenever any device has: empty devices copy it, as do later dry steps
       spare = batch["x"][:1]
     for d in range(k):
       rows = slice(d * b, (d + 1) * b)
