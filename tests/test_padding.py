@@ -120,7 +120,7 @@ def _step(n: int, accum_steps: int, max_consecutive_skips: int | None = 10):
 # --- Part A: padding ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n, accum_steps", [(2, 1), (3, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("n, accum_steps", [(2, 1), (3, 2), (4, 2)])
 def test_copy_padding_trains_a_length_masked_model_as_one_device(n, accum_steps):
   mesh, step = _mesh(n), _step(n, accum_steps)
   state = jaxdp.init_state(init_params(), OPT, mesh)
@@ -262,8 +262,8 @@ def test_split_batch_refuses_what_is_not_one_global_batch():
 
 
 def test_pipeline_with_a_global_batch_that_the_devices_do_not_divide_matches_one_device():
-  """128 examples a step on 3 devices (43, 43, 42); 300 examples: the epoch's last step has 44 (15, 15, 14)."""
-  n_examples, mesh = 300, _mesh(3)
+  """128 examples a step on 3 devices (43, 43, 42); 150 examples: the epoch's last step has 22 (8, 7, 7)."""
+  n_examples, mesh = 150, _mesh(3)
   pool, pool_w = examples(n_examples, 3)
   dataset = [({k: v[i] for k, v in pool.items()}, pool_w[i]) for i in range(n_examples)]
 
@@ -271,9 +271,9 @@ def test_pipeline_with_a_global_batch_that_the_devices_do_not_divide_matches_one
     return {k: np.stack([b[k] for b, _ in items]) for k in pool}, np.stack([w for _, w in items])
 
   pipe = DataPipeline(dataset, collate, mesh, global_batch_size=128, seed=1)
-  assert (pipe.global_batch, pipe.per_device_batch, pipe.steps_per_epoch) == (128, 43, 3)
+  assert (pipe.global_batch, pipe.per_device_batch, pipe.steps_per_epoch) == (128, 43, 2)
   assert [len(p) for p in pipe.device_indices(0)] == [43, 43, 42]
-  assert [len(p) for p in pipe.device_indices(2)] == [15, 15, 14]
+  assert [len(p) for p in pipe.device_indices(1)] == [8, 7, 7]
   step = jaxdp.make_train_step(loss_fn, OPT, mesh)
   state = jaxdp.init_state(init_params(), OPT, mesh)
   globals_ = []
