@@ -11,7 +11,7 @@ Functional core (compose these inside your own ``shard_map``/``pmap``):
 :func:`gradient_step`, :func:`finish_step`, :func:`apply_update`,
 :func:`train_step`, :func:`eval_sums`. Edges:
 :func:`make_train_step`, :func:`make_eval_step`, :func:`data_mesh`,
-:func:`init_state`, :func:`shard_uneven`, :class:`DataPipeline`,
+:func:`init_state`, :func:`shard_uneven`, :func:`split_batch`, :class:`DataPipeline`,
 :func:`per_replica`, :func:`assert_replicas_equal`. Real programs: the
 loss protocol (:class:`LossOutput`, :mod:`jaxdp.loss`: model state,
 metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules), :mod:`jaxdp.linen` (flax linen's
@@ -23,6 +23,7 @@ from jaxdp.batchnorm import Moments, masked_moments
 from jaxdp.checkpoint import CheckpointManager, Restored
 from jaxdp.compiled import CompiledStep, make_train_step
 from jaxdp.data import (
+    PADS,
     DataPipeline,
     StreamingPipeline,
     addressable_positions,
@@ -30,6 +31,7 @@ from jaxdp.data import (
     epoch_permutation,
     process_positions,
     shard_uneven,
+    split_batch,
 )
 from jaxdp.evaluation import EvalStep, eval_sums, make_eval_step, means_from_sums
 from jaxdp.loss import LOSS_KEYWORDS, LossOutput
@@ -74,6 +76,7 @@ __all__ = [
     "LOSS_KEYWORDS",
     "LossOutput",
     "Moments",
+    "PADS",
     "LocalGradient",
     "MemoryReport",
     "REDUCTIONS",
@@ -119,6 +122,7 @@ __all__ = [
     "scaling",
     "replica_divergence",
     "shard_uneven",
+    "split_batch",
     "state_specs",
     "train_step",
 ]

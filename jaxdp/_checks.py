@@ -264,14 +264,16 @@ def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: in
   if total % n_replicas:
     raise ValueError(
         f"batch has leading size {total}, which does not split evenly over {n_replicas} devices; "
-        "pad it (e.g. with jaxdp.shard_uneven(per_device_batches, mesh), which adds zero-weight rows) "
-        f"to a multiple of {n_replicas}."
+        "split it with jaxdp.split_batch(batch, mesh, weights=weights), which pads the shorter devices with "
+        "weight-0 rows (jaxdp.shard_uneven does the same for per-device portions you already have), or pad it "
+        f"yourself to a multiple of {n_replicas}."
     )
   if (total // n_replicas) % accum_steps:
     raise ValueError(
         f"batch has {total // n_replicas} rows per device ({total} over {n_replicas} devices), which do not "
         f"split into accum_steps={accum_steps} micro-batches; make the batch a multiple of {n_replicas * accum_steps} "
-        f"rows (jaxdp.shard_uneven pads every device to its largest portion: pass rows= a multiple of {accum_steps}; "
+        f"rows (jaxdp.split_batch and jaxdp.shard_uneven pad every device to its largest portion: pass rows= a "
+        f"multiple of {accum_steps}; "
         f"a jaxdp.DataPipeline pads to per_device_batch: choose it a multiple of {accum_steps}, keeping the global "
         "batch with fewer devices or another per-device size)."
     )

@@ -399,9 +399,9 @@ def _check_rng_impl(impl: Any, key: dict | None) -> None:
 
 def _consistent_position(p: dict, data_step: int) -> bool:
   """Whether ``p`` is what ``DataPipeline.position(data_step)`` gives for some pipeline."""
-  if p["devices"] < 1 or p["global_batch"] < 1 or p["global_batch"] % p["devices"] or p["num_examples"] < 1:
+  if p["devices"] < 1 or p["global_batch"] < 1 or p["num_examples"] < 1:
     return False
-  steps_per_epoch = _steps_per_epoch(p["num_examples"], p["devices"], p["global_batch"] // p["devices"])
+  steps_per_epoch = _steps_per_epoch(p["num_examples"], p["global_batch"])
   return (p["example"] < p["num_examples"] and p["example"] % p["global_batch"] == 0
           and data_step == p["epoch"] * steps_per_epoch + p["example"] // p["global_batch"])
 
@@ -416,7 +416,7 @@ def check_record(record: dict) -> None:
              f"an object of integers >= 0: {', '.join(DATA_POSITION_FIELDS)}")
     _require(_consistent_position(position, record["data_step"]), "data_position", position,
              f"the position of data_step {record['data_step']} (a whole number of batches into an epoch of a "
-             "non-empty dataset, the global batch a multiple of the devices)")
+             "non-empty dataset)")
   leaves = record.get("leaves")
   _require(isinstance(leaves, list) and len(leaves) > 0, "leaves", leaves, "a non-empty list of leaf entries")
   seen = {}

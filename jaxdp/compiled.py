@@ -89,10 +89,13 @@ class CompiledStep:
     self.accum_steps, self.zero_stage = accum_steps, zero_stage
     self.max_consecutive_skips = max_consecutive_skips
     self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
+    self._skips_padded = False  # whether one of those steps had padding rows (all-zero weight)
     self._validated: set = set()
     self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
     self._weight_counts: collections.deque = collections.deque()  # device weights' subnormal counts, not read yet
     self._count_subnormal = None  # built at the first call with device weights
+    # id(flag) -> that step's weights, to tell if it is skipped whether padding rows may be the cause.
+    self._pending_weights: dict = {}
     self._returned: tuple = ()  # weak references to the leaves of the state the last call returned
     self._returned_treedef = None  # and its structure (the same leaves in another tree are not that state)
     self._kinds: dict = {}  # layout key -> the state's (shape, dtype) pairs, for inputs that may alias it
@@ -101,7 +104,9 @@ class CompiledStep:
   def reset_nonfinite_guard(self) -> None:
     """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
     self.consecutive_skips = 0
+    self._skips_padded = False
     self._pending.clear()
+    self._pending_weights.clear()
 
   def _check_previous_weights(self) -> None:
     # Device weights below float32's smallest normal (the host's are refused before the step): read as the
@@ -128,14 +133,24 @@ class CompiledStep:
     while self.consecutive_skips < self.max_consecutive_skips and self._pending and (
         (ready and self._pending[0].is_ready()) or len(self._pending) >= _MAX_UNREAD_FLAGS
     ):
-      bad = int(jax.device_get(self._pending.popleft())) > 0
+      flag = self._pending.popleft()
+      weights = self._pending_weights.pop(id(flag), None)
+      bad = int(jax.device_get(flag)) > 0
       self.consecutive_skips = self.consecutive_skips + 1 if bad else 0
+      self._skips_padded = bad and (self._skips_padded or _has_padding_rows(weights))
     # Once tripped it stays tripped (nothing runs, so no good step can clear it) until reset_nonfinite_guard().
     if self.consecutive_skips >= self.max_consecutive_skips:
+      padding = (
+          " These batches hold padding rows (weight 0). Weight 0 keeps a row out of the sums but not out of the "
+          "gradient: a row the model turns into NaN (e.g. an all-zero row under a length mask: a softmax over no "
+          "position) makes the whole gradient NaN (0 * NaN). If the padding rows are zeros (pad='zeros', or your "
+          "own zero padding), pad with copies of real rows instead: jaxdp.shard_uneven, jaxdp.split_batch and the "
+          "pipelines do by default (pad='copy')."
+      ) if self._skips_padded else ""
       raise FloatingPointError(
           f"the last {self.consecutive_skips} steps all had a NaN or Inf gradient or loss on at least one replica; "
           "every replica skipped them, so the replicas are still consistent and the state passed in is the last good "
-          "one. Lower the learning rate, check the data, or raise max_consecutive_skips; then call "
+          f"one.{padding} Lower the learning rate, check the data, or raise max_consecutive_skips; then call "
           "step.reset_nonfinite_guard() to run again."
       )
 
@@ -238,6 +253,7 @@ class CompiledStep:
     state, metrics, flag = self._jitted_for(layout_key)(*prepared)
     if self.max_consecutive_skips is not None:
       self._pending.append(flag)  # its own copy of metrics["nonfinite"]: the user may delete or donate theirs
+      self._pending_weights[id(flag)] = prepared[2]
     leaves, self._returned_treedef = jax.tree.flatten(state)
     self._returned = tuple(weakref.ref(x) for x in leaves)
     self._returned_layout = layout_key  # the output has the input's structure, shapes and layout
@@ -275,6 +291,18 @@ def _subnormal_counter(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Arr
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=sharding.spec, out_specs=P(sharding.spec[0]),
                                check_vma=False))
+
+
+def _has_padding_rows(weights: Any) -> bool:
+  """Whether this process's part of a skipped step's ``weights`` has a row of weight 0 (padding)."""
+  if weights is None or (isinstance(weights, jax.Array) and weights.is_deleted()):
+    return False
+  shards = weights.addressable_shards if isinstance(weights, jax.Array) else [weights]
+  for shard in shards:
+    w = np.asarray(getattr(shard, "data", shard))
+    if w.shape[0] and np.any(np.all(w.reshape(w.shape[0], -1) == 0, axis=1)):
+      return True
+  return False
 
 
 def _put_batch(inputs: Any, sharding: jax.sharding.Sharding) -> Any:

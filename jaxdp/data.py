@@ -21,14 +21,61 @@ from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import check_mesh_axis, data_rows, data_size, global_array, split_along
 
 
-def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
-  pad = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-  return np.pad(x, pad)
+PADS = ("copy", "zeros")
+"""What padding rows hold: ``"copy"`` (default), copies of a real row; ``"zeros"``, zeros. Weight 0 either way."""
 
 
-def _pad_portion(batch: Any, weights: np.ndarray, rows: int) -> tuple[Any, np.ndarray]:
-  """One device's ``(batch, weights)`` padded with zero rows (weight 0) to ``rows`` rows."""
-  return jax.tree.map(lambda x: _pad_rows(x, rows), batch), _pad_rows(weights, rows)
+def check_pad(pad: Any) -> str:
+  """``pad`` if it is one of :data:`PADS`, else a ``ValueError`` naming the argument and the choices."""
+  if not isinstance(pad, str) or pad not in PADS:
+    raise ValueError(
+        f"pad must be one of {PADS}, got {pad!r}: 'copy' (default) fills padding rows with copies of a real row, "
+        "'zeros' with zeros; their weight is 0 either way."
+    )
+  return pad
+
+
+def _real_row(batch: Any, weights: np.ndarray) -> Any | None:
+  """One row of a portion as a one-row pytree (the first with a positive weight, else row 0); ``None`` if empty."""
+  k = weights.shape[0]
+  if k == 0:
+    return None
+  positive = np.flatnonzero(np.any(weights.reshape(k, -1) > 0, axis=1))
+  i = int(positive[0]) if positive.size else 0
+  return jax.tree.map(lambda x: x[i : i + 1], batch)
+
+
+def _pad_rows(x: np.ndarray, rows: int, fill: np.ndarray | None = None) -> np.ndarray:
+  if fill is None:
+    return np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  return np.concatenate([x, np.repeat(fill, rows - x.shape[0], axis=0)])
+
+
+def _pad_portion(batch: Any, weights: np.ndarray, rows: int, fill: Any = None) -> tuple[Any, np.ndarray]:
+  """One device's ``(batch, weights)`` padded to ``rows`` rows of weight 0.
+
+  The padding rows are copies of ``fill`` (a one-row pytree shaped like ``batch``), or zeros if it is ``None``.
+  Copies, because a padding row is still computed on: a zero row can be NaN under a length mask (softmax over
+  no position), and although weight 0 keeps it out of the sums, the backward pass multiplies 0 by that NaN.
+  """
+  if fill is None:
+    return jax.tree.map(lambda x: _pad_rows(x, rows), batch), _pad_rows(weights, rows)
+  return jax.tree.map(lambda x, f: _pad_rows(x, rows, f), batch, fill), _pad_rows(weights, rows)
+
+
+def _padded(portions: Mapping[int, tuple[Any, np.ndarray]], rows: int, pad: str, spare: Any = None) -> dict:
+  """``{position: (batch, weights)}`` padded to ``rows`` rows, as ``pad`` says.
+
+  Under ``"copy"`` a portion pads with copies of its own real row; an empty one with copies of ``spare`` (a
+  one-row pytree) if given, else of the first non-empty portion's row; with no row anywhere, zeros (then every
+  weight is 0 and the step skips the batch).
+  """
+  if pad == "zeros":
+    return {p: _pad_portion(b, w, rows) for p, (b, w) in portions.items()}
+  own = {p: _real_row(b, w) for p, (b, w) in portions.items()}
+  if spare is None:
+    spare = next((row for row in own.values() if row is not None), None)
+  return {p: _pad_portion(b, w, rows, spare if own[p] is None else own[p]) for p, (b, w) in portions.items()}
 
 
 def _place_blocks(blocks: Mapping[int, np.ndarray], n: int, sharding) -> jax.Array:
@@ -61,8 +108,9 @@ def shard_uneven(
     weights: Sequence[Any] | None = None,
     axis_name: str = "data",
     rows: int | None = None,
+    pad: str = "copy",
 ) -> tuple[Any, jax.Array]:
-  """Pads uneven per-device portions with zero-weight rows and places them on the mesh.
+  """Pads uneven per-device portions with weight-0 rows and places them on the mesh.
 
   Args:
     batches: one pytree per device of ``mesh[axis_name]``, in mesh order. All
@@ -79,21 +127,30 @@ def shard_uneven(
       per-device batch, a multiple of ``accum_steps``) to give every batch,
       the last of an epoch included, the same shape: one compiled step, and
       micro-batches that split evenly.
+    pad: what padding rows hold. ``"copy"`` (default): copies of a real row
+      of the same device (its first of positive weight), or, for a device
+      with no rows, of another device's; ``"zeros"``: zeros. A batch with
+      no rows at all is padded with zeros (there is nothing to copy; its
+      total weight is 0, so the step skips it).
 
   Returns:
     ``(batch, weights)``: global arrays with leading size ``n_devices *
     max_len`` split over ``axis_name`` (``max_len`` is ``rows``, by default the
-    largest portion, at least 1). Padding rows are zeros with weight 0, so the ``"mean"``
-    reduction gives exactly the gradient of the real rows. ``weights`` is
-    float32 ``[n_devices * max_len]`` or ``[n_devices * max_len, t]``.
+    largest portion, at least 1). Padding rows have weight 0, so the ``"mean"``
+    reduction gives exactly the gradient of the real rows. They hold copies
+    of real rows by default because the model still runs on them: a zero
+    row can give NaN (a length mask over no position), and the gradient of
+    a weight-0 row is 0 times that NaN, i.e. NaN. ``weights`` is float32
+    ``[n_devices * max_len]`` or ``[n_devices * max_len, t]``.
   """
   check_mesh_axis(mesh, axis_name)
+  check_pad(pad)
   n = data_size(mesh, axis_name)
   if isinstance(batches, (np.ndarray, jax.Array, Mapping)) or not isinstance(batches, Sequence):
     raise TypeError(
         f"batches must be a list with one pytree per device (its portion), got {type(batches).__name__}; to split "
-        f"one global batch evenly, pass e.g. [{{'x': x[i::{n}]}} for i in range({n})], or place it yourself with "
-        f"jax.device_put(batch, NamedSharding(mesh, P({axis_name!r})))."
+        "one global batch over the devices, use jaxdp.split_batch(batch, mesh, weights=...), or place it yourself "
+        f"with jax.device_put(batch, NamedSharding(mesh, P({axis_name!r}))) if it splits evenly."
     )
   batches = list(batches)
   if len(batches) != n:
@@ -120,8 +177,60 @@ def shard_uneven(
     rows = max(max(sizes), 1)
   else:
     rows = check_int(rows, "rows", max(max(sizes), 1), "pad to at least the largest portion (and 1).")
-  portions = {i: _pad_portion(b, w, rows) for i, (b, w) in enumerate(zip(host, host_weights))}
+  portions = _padded(dict(enumerate(zip(host, host_weights))), rows, pad)
   return _place_portions(portions, n, split_along(mesh, axis_name))
+
+
+def split_batch(
+    batch: Any,
+    mesh: Mesh,
+    *,
+    weights: Any = None,
+    axis_name: str = "data",
+    rows: int | None = None,
+    pad: str = "copy",
+) -> tuple[Any, jax.Array]:
+  """Splits one global batch over the devices of ``mesh[axis_name]``, whatever their number, and places it.
+
+  Device ``i`` gets a contiguous run of rows, in order; ``B`` rows over
+  ``N`` devices give every device ``B // N`` and the first ``B % N`` one
+  more (128 over 3: 43, 43, 42). The shorter portions are padded as
+  :func:`shard_uneven` pads them, with weight 0, so the step's
+  ``reduction="mean"`` gradient is exactly that of the weighted mean over
+  the ``B`` rows, as on one device.
+
+  Args:
+    batch: a pytree of arrays with a common leading (batch) size ``B >= 0``.
+    mesh: the mesh to place on.
+    weights: ``None`` (weight 1 per row), or ``[B]`` example weights or
+      ``[B, t]`` token masks, finite and ``>= 0``.
+    axis_name: the data-parallel axis.
+    rows: rows per device after padding (see :func:`shard_uneven`);
+      default ``ceil(B / N)`` (at least 1). Pass a multiple of
+      ``accum_steps`` when the step accumulates.
+    pad: what padding rows hold, ``"copy"`` (default) or ``"zeros"`` (see
+      :func:`shard_uneven`).
+
+  Returns:
+    ``(batch, weights)`` as :func:`shard_uneven` returns them: global
+    arrays with leading size ``N * rows`` split over ``axis_name``, ready
+    for the step; ``weights`` float32, 0 on padding rows.
+  """
+  check_mesh_axis(mesh, axis_name)
+  check_pad(pad)
+  host = jax.tree.map(np.asarray, batch)
+  total = batch_size(host)
+  if weights is not None:
+    weights = np.asarray(weights)
+    if weights.ndim not in (1, 2) or weights.shape[0] != total:
+      raise ValueError(
+          f"weights has shape {weights.shape} but batch has {total} rows; pass [{total}] or [{total}, t], or None."
+      )
+  n = data_size(mesh, axis_name)
+  cuts = np.cumsum(_portion_sizes(total, n))[:-1]
+  portions = [jax.tree.map(lambda x: x[start:stop], host) for start, stop in zip([0, *cuts], [*cuts, total])]
+  per_device_weights = None if weights is None else np.split(weights, cuts)
+  return shard_uneven(portions, mesh, weights=per_device_weights, axis_name=axis_name, rows=rows, pad=pad)
 
 
 _SMALLEST_WEIGHT = float(np.finfo(np.float32).tiny)
@@ -172,12 +281,12 @@ def _check_weights(weights: Sequence[Any], sizes: list[int]) -> list[np.ndarray]
 # The input pipeline. The plan is pure and the same in every process:
 #
 # * epoch e visits the examples in the order epoch_permutation(N, seed, e);
-# * step s is batch i = s % S of epoch s // S (S = ceil(N / G), G = n_devices * b),
-#   i.e. positions [i*G, min((i+1)*G, N)) of that order;
+# * step s is batch i = s % S of epoch s // S (S = ceil(N / G); G = n_devices * b, or any G given
+#   as global_batch_size), i.e. positions [i*G, min((i+1)*G, N)) of that order;
 # * a batch's positions are cut into n_devices contiguous portions, in mesh order
-#   along the data axis. A full batch gives every device b examples; the last,
-#   with r = N - (S-1)*G examples, is spread as evenly as possible: every device
-#   gets r // n_devices and the first r % n_devices one more (at most b).
+#   along the data axis, as evenly as possible: r examples (G, or fewer in an
+#   epoch's last batch) give every device r // n_devices and the first
+#   r % n_devices one more (at most b = ceil(G / n_devices), the rows per device).
 #
 # So every example is used exactly once per epoch (no duplicates, no dropped tail),
 # and the global batch of a step, concatenated in device order, depends only on
@@ -224,38 +333,64 @@ def _portion_sizes(count: int, n_devices: int) -> np.ndarray:
   return count // n_devices + (np.arange(n_devices) < count % n_devices)
 
 
-def _split_batch(order: np.ndarray, n_devices: int, per_device_batch: int, index: int) -> list[np.ndarray]:
-  """The example indices of each device in batch ``index`` of an epoch visiting ``order``."""
-  global_batch = n_devices * per_device_batch
+def _split_batch(order: np.ndarray, n_devices: int, global_batch: int, index: int) -> list[np.ndarray]:
+  """Each device's example indices in batch ``index`` (``global_batch`` examples) of an epoch visiting ``order``."""
   batch = order[index * global_batch : (index + 1) * global_batch]
   return np.split(batch, np.cumsum(_portion_sizes(len(batch), n_devices))[:-1])
 
 
-def _steps_per_epoch(num_examples: int, n_devices: int, per_device_batch: int) -> int:
-  return -(-num_examples // (n_devices * per_device_batch))
+def _steps_per_epoch(num_examples: int, global_batch: int) -> int:
+  return -(-num_examples // global_batch)
 
 
-def device_indices(num_examples: int, n_devices: int, per_device_batch: int, seed: int, step: int) -> list[np.ndarray]:
+def _batch_sizes(n_devices: int, per_device_batch: int | None, global_batch_size: int | None) -> tuple[int, int]:
+  """``(rows per device, examples per step)`` from exactly one of the two ways to give a batch size.
+
+  ``per_device_batch=b``: ``(b, n_devices * b)``. ``global_batch_size=G``: ``(ceil(G / n_devices), G)``, the
+  ``G`` examples of a step split as evenly as possible (128 over 3 devices: 43, 43, 42).
+  """
+  if (per_device_batch is None) == (global_batch_size is None):
+    raise ValueError(
+        "pass exactly one of per_device_batch (rows per device; every step takes n_devices * per_device_batch "
+        "examples) and global_batch_size (examples per step, split over the devices as evenly as possible), got "
+        f"per_device_batch={per_device_batch!r}, global_batch_size={global_batch_size!r}."
+    )
+  if global_batch_size is None:
+    rows = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
+    return rows, n_devices * rows
+  total = check_int(global_batch_size, "global_batch_size", 1, "a step takes at least one example.")
+  return -(-total // n_devices), total
+
+
+def device_indices(
+    num_examples: int, n_devices: int, per_device_batch: int | None, seed: int, step: int, *,
+    global_batch_size: int | None = None,
+) -> list[np.ndarray]:
   """The dataset indices each device loads at ``step``: the pipeline's plan, without a mesh.
 
   Args:
     num_examples: the size of the dataset.
     n_devices: the number of devices along the data axis.
-    per_device_batch: rows per device ``b``; no device gets more.
+    per_device_batch: rows per device ``b``, so ``G = n_devices * b``
+      examples a step; or ``None`` with ``global_batch_size``.
     seed: the shuffling seed.
     step: the global step, counted from 0 across epochs.
+    global_batch_size: ``G`` examples a step, any ``G >= 1`` (then
+      ``per_device_batch=None``); devices get ``ceil(G / n_devices)`` at most.
 
   Returns:
-    ``n_devices`` int64 arrays, in mesh order, each of length ``<= b``. Over
-    the ``ceil(num_examples / (n_devices * b))`` steps of an epoch they hold
-    every index exactly once.
+    ``n_devices`` int64 arrays, in mesh order, each of length at most
+    ``ceil(G / n_devices)``: each step's ``G`` examples (fewer in an epoch's
+    last step) cut as evenly as possible, the first devices taking one more.
+    Over the ``ceil(num_examples / G)`` steps of an epoch they hold every
+    index exactly once.
   """
   num_examples = check_int(num_examples, "num_examples", 1, "the dataset must not be empty.")
   n_devices = check_int(n_devices, "n_devices", 1, "pass the size of the mesh's data axis.")
-  per_device_batch = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
+  _, total = _batch_sizes(n_devices, per_device_batch, global_batch_size)
   step = check_int(step, "step", 0, "steps count from 0.")
-  epoch, index = divmod(step, _steps_per_epoch(num_examples, n_devices, per_device_batch))
-  return _split_batch(epoch_permutation(num_examples, seed, epoch), n_devices, per_device_batch, index)
+  epoch, index = divmod(step, _steps_per_epoch(num_examples, total))
+  return _split_batch(epoch_permutation(num_examples, seed, epoch), n_devices, total, index)
 
 
 def process_positions(n_devices: int, n_processes: int, process_index: int) -> range:
@@ -322,19 +457,24 @@ class DataPipeline:
   """An epoch-shuffled, resumable input pipeline that splits every global batch over the devices.
 
   Every example of ``dataset`` is used exactly once per epoch: no duplicates
-  (unlike PyTorch's ``DistributedSampler``) and no dropped tail. Each device
-  gets up to ``per_device_batch`` examples per step; the last batch of an epoch
-  is spread as evenly as possible over the devices (the first ``r % n_devices``
-  get one more) and padded with zero rows of weight 0, so ``reduction="mean"``
-  gives exactly the gradient of the real examples. The order is a function of
-  ``(seed, epoch)`` only (:func:`epoch_permutation`) and ``batch_at(step)`` is
-  what iteration yields at ``step``, so a run resumes from a step counter.
+  (unlike PyTorch's ``DistributedSampler``) and no dropped tail. A step takes
+  :attr:`global_batch` examples (``n_devices * per_device_batch``, or any
+  ``global_batch_size``), fewer in the last step of an epoch, spread as evenly
+  as possible over the devices (``r`` examples: the first ``r % n_devices``
+  devices get one more) and padded to :attr:`per_device_batch` rows of weight
+  0, so ``reduction="mean"`` gives exactly the gradient of the real examples.
+  Padding rows copy a real row (``pad="copy"``, see :func:`shard_uneven`): the
+  device's own first, or example 0 of the dataset for a device with no
+  example in the step (the same row whichever process loads it). The order is
+  a function of ``(seed, epoch)`` only (:func:`epoch_permutation`) and
+  ``batch_at(step)`` is what iteration yields at ``step``, so a run resumes
+  from a step counter.
 
   In a multi-process run each process loads only the examples of its own
   devices (:func:`addressable_positions`), plus example 0 once, at
-  construction, to learn the shapes of an empty portion. ``collate`` must give
-  every portion the same trailing shapes and dtypes (pad variable-length
-  fields to a fixed length). Loading is synchronous; it overlaps the device
+  construction, for the shapes and padding of an empty portion. ``collate``
+  must give every portion the same trailing shapes and dtypes (pad
+  variable-length fields to a fixed length). Loading is synchronous; it overlaps the device
   work of the previous step because JAX dispatches steps asynchronously.
 
   Example::
@@ -351,9 +491,13 @@ class DataPipeline:
   converted for another global batch (:meth:`step_at`).
 
   Attributes:
-    steps_per_epoch: ``ceil(len(dataset) / (n_devices * per_device_batch))``.
+    steps_per_epoch: ``ceil(len(dataset) / global_batch)``.
     n_devices: devices along ``axis_name``.
-    global_batch: ``n_devices * per_device_batch``, the leading size of every batch.
+    global_batch: examples per step: ``global_batch_size``, or ``n_devices *
+      per_device_batch``.
+    per_device_batch: rows per device (padding included): as given, or
+      ``ceil(global_batch_size / n_devices)``. Every batch has leading size
+      ``n_devices * per_device_batch``.
     local_positions: the mesh positions whose portions this process loads.
   """
 
@@ -363,9 +507,11 @@ class DataPipeline:
       collate: Callable[[list], tuple[Any, Any]],
       mesh: Mesh,
       *,
-      per_device_batch: int,
+      per_device_batch: int | None = None,
+      global_batch_size: int | None = None,
       seed: int = 0,
       axis_name: str | tuple[str, ...] = "data",
+      pad: str = "copy",
   ):
     """Builds the pipeline and checks ``collate`` on example 0.
 
@@ -377,13 +523,21 @@ class DataPipeline:
         ``[k, t]`` (e.g. token masks), finite and ``>= 0``. Never called with
         an empty list.
       mesh: the mesh to place batches on.
-      per_device_batch: rows per device ``b``, ``>= 1``.
+      per_device_batch: rows per device ``b``, ``>= 1``: a step takes
+        ``n_devices * b`` examples. Give this or ``global_batch_size``.
+      global_batch_size: examples per step ``G``, ``>= 1``, whether or not
+        ``n_devices`` divides it (128 over 3 devices: 43, 43, 42, padded to
+        43 rows each); the weighted mean over the ``G`` examples is exact.
+        Give this or ``per_device_batch``.
       seed: the shuffling seed, ``>= 0``.
       axis_name: the data-parallel axis, or a tuple of axes (``("replica",
         "data")`` on a hybrid mesh); batches are split along it and
         replicated over any other axis.
+      pad: what padding rows hold, ``"copy"`` (default) or ``"zeros"`` (see
+        :func:`shard_uneven`).
     """
     check_mesh_axis(mesh, axis_name)
+    self.pad = check_pad(pad)
     if not callable(collate):
       raise ValueError(f"collate must be callable, got {type(collate).__name__}; pass collate(examples) -> (batch, weights).")
     self.dataset, self.collate, self.mesh, self.axis_name = dataset, collate, mesh, axis_name
@@ -399,13 +553,12 @@ class DataPipeline:
           f"{type(dataset).__name__}; for a stream of unknown length use jaxdp.StreamingPipeline."
       )
     self.num_examples = check_int(len(dataset), "len(dataset)", 1, "pass a non-empty dataset.")
-    self.per_device_batch = check_int(per_device_batch, "per_device_batch", 1, "give every device at least one row.")
+    self.n_devices = data_size(mesh, axis_name)
+    self.per_device_batch, self.global_batch = _batch_sizes(self.n_devices, per_device_batch, global_batch_size)
     self.seed = check_int(seed, "seed", 0, "use a non-negative integer seed.")
     if self.seed >= 2**64:
       raise ValueError(f"seed must be < 2**64 (the shuffle's key is 64 bits), got {self.seed}.")
-    self.n_devices = data_size(mesh, axis_name)
-    self.global_batch = self.n_devices * self.per_device_batch
-    self.steps_per_epoch = _steps_per_epoch(self.num_examples, self.n_devices, self.per_device_batch)
+    self.steps_per_epoch = _steps_per_epoch(self.num_examples, self.global_batch)
     self.local_positions = addressable_positions(mesh, axis_name)
     if not self.local_positions:
       raise ValueError("mesh has no device of this process; build the pipeline on a mesh that includes local devices.")
@@ -414,9 +567,12 @@ class DataPipeline:
     # between processes would train some examples twice and others never, silently (the shapes still agree).
     assert_same_across_processes(
         {"len(dataset)": self.num_examples, "seed": self.seed, "per_device_batch": self.per_device_batch,
-         "devices": self.n_devices}, "DataPipeline arguments")
+         "global_batch": self.global_batch, "devices": self.n_devices, "pad": self.pad}, "DataPipeline arguments")
     probe = _collated(collate, [dataset[0]], None)
     self._empty = jax.tree.map(lambda x: x[:0], probe)  # the portion of a device with no examples
+    # An empty portion's padding copies example 0, not a row of another device of the step: that row may be
+    # another process's to load, and the batch must not depend on which process loads what.
+    self._spare = _real_row(*probe)
     self._cached_order: tuple[int, np.ndarray] | None = None
 
   def _order(self, epoch: int) -> np.ndarray:
@@ -428,7 +584,7 @@ class DataPipeline:
     """Each device's dataset indices at ``step`` (see :func:`device_indices`)."""
     step = check_int(step, "step", 0, "steps count from 0.")
     epoch, index = divmod(step, self.steps_per_epoch)
-    return _split_batch(self._order(epoch), self.n_devices, self.per_device_batch, index)
+    return _split_batch(self._order(epoch), self.n_devices, self.global_batch, index)
 
   def position(self, step: int) -> dict:
     """Where ``step`` starts in the data, in examples rather than batches (what a checkpoint records).
@@ -462,7 +618,7 @@ class DataPipeline:
       raise ValueError(
           f"the saved data position is example {example} of epoch {epoch} (after batches of "
           f"{position['global_batch']}), inside a batch of this pipeline's global batch {self.global_batch} "
-          f"({self.n_devices} devices x per_device_batch {self.per_device_batch}). Resume with a global batch "
+          f"(over {self.n_devices} devices). Resume with a global batch "
           f"that divides {example} (the saving run's was {position['global_batch']}), or from a checkpoint at the "
           "start of an epoch."
       )
@@ -470,10 +626,8 @@ class DataPipeline:
 
   def _portion(self, indices: np.ndarray) -> tuple[Any, np.ndarray]:
     if len(indices) == 0:
-      portion = self._empty
-    else:
-      portion = _collated(self.collate, [self.dataset[int(i)] for i in indices], self._empty)
-    return _pad_portion(*portion, self.per_device_batch)
+      return self._empty
+    return _collated(self.collate, [self.dataset[int(i)] for i in indices], self._empty)
 
   def load(self, step: int, positions: Sequence[int] | None = None) -> dict[int, tuple[Any, np.ndarray]]:
     """The padded host portions ``{position: (batch, weights)}`` of ``step``.
@@ -487,16 +641,16 @@ class DataPipeline:
     if bad:
       raise ValueError(f"positions {bad} are outside the mesh axis of {self.n_devices} devices.")
     indices = self.device_indices(step)
-    return {p: self._portion(indices[p]) for p in positions}
+    return _padded({p: self._portion(indices[p]) for p in positions}, self.per_device_batch, self.pad, self._spare)
 
   def batch_at(self, step: int) -> tuple[Any, jax.Array]:
     """The global ``(batch, weights)`` of ``step``, as :meth:`iterate` yields it.
 
     Returns:
-      Global arrays with leading size :attr:`global_batch`, sharded
-      ``NamedSharding(mesh, P(axis_name))`` as :func:`shard_uneven` returns
-      them; ``weights`` is float32 ``[global_batch]`` or ``[global_batch, t]``
-      with 0 on padding rows.
+      Global arrays with leading size ``R = n_devices * per_device_batch``,
+      sharded ``NamedSharding(mesh, P(axis_name))`` as :func:`shard_uneven`
+      returns them; ``weights`` is float32 ``[R]`` or ``[R, t]`` with 0 on
+      padding rows.
     """
     return _place_portions(self.load(step), self.n_devices, self._sharding)
 
@@ -576,9 +730,12 @@ class StreamingPipeline:
   ``L`` devices: the first ``k % L`` get one more, as in
   :class:`DataPipeline`'s last batch; the whole local batch is read before
   it is split, so this needs no extra lookahead). Portions are
-  padded with zero rows of weight 0, so a process whose stream has run dry
+  padded with rows of weight 0, so a process whose stream has run dry
   keeps stepping with padding only, and ``reduction="mean"`` is exactly the
-  gradient of the real examples. Every example is used once; none is
+  gradient of the real examples. Padding rows copy a real row (``pad="copy"``,
+  see :func:`shard_uneven`): the device's own, else one of this process's
+  other devices in the step, else the last real row this process placed (for
+  a process with no example yet, the template's or first example's row). Every example is used once; none is
   repeated or dropped. If reading the stream or ``collate`` raises while a
   batch is drawn, the examples read for it are lost: the error propagates,
   and every later draw raises too until :meth:`reset`, so the pass cannot
@@ -636,6 +793,7 @@ class StreamingPipeline:
       template: Any = None,
       axis_name: str = "data",
       positions: Sequence[int] | None = None,
+      pad: str = "copy",
   ):
     """Builds the pipeline and checks ``collate`` on the template example.
 
@@ -650,7 +808,9 @@ class StreamingPipeline:
       per_device_batch: rows per device ``b``, ``>= 1``.
       template: one example shaped like every process's examples, for the
         shapes of an empty portion; required when this process's stream is
-        empty. Only its shapes matter: it is never trained on.
+        empty. It is never trained on, but a process that has no example
+        yet pads with copies of it, so make it a valid example (under a
+        length mask, not of length 0).
       axis_name: the data-parallel axis, or a tuple of axes (``("replica",
         "data")`` on a hybrid mesh); batches are split along it and
         replicated over any other axis.
@@ -658,11 +818,14 @@ class StreamingPipeline:
         (:func:`addressable_positions`). Others, e.g. from
         :func:`process_positions`, simulate one process of a multi-process
         run: such a pipeline only gives host portions (:meth:`next_portions`).
+      pad: what padding rows hold, ``"copy"`` (default) or ``"zeros"`` (see
+        :func:`shard_uneven`).
 
     Raises:
       ValueError: a bad argument, or an empty stream without ``template``.
     """
     check_mesh_axis(mesh, axis_name)
+    self.pad = check_pad(pad)
     if not callable(collate):
       raise ValueError(f"collate must be callable, got {type(collate).__name__}; pass collate(examples) -> (batch, weights).")
     self.collate, self.mesh, self.axis_name = collate, mesh, axis_name
@@ -696,6 +859,7 @@ class StreamingPipeline:
       template = self._stream.peek()
     probe = _collated(collate, [template], None)
     self._empty = jax.tree.map(lambda x: x[:0], probe)  # the portion of a device with no examples
+    self._spare = _real_row(*probe)  # what an empty portion copies when no device of this process has a row
 
   def _checked_positions(self, positions: Sequence[int]) -> tuple[int, ...]:
     checked = tuple(check_int(p, "positions entry", 0, "mesh positions count from 0.") for p in positions)
@@ -793,8 +957,8 @@ class StreamingPipeline:
 
     Returns:
       ``{position: (batch, weights, has_more)}`` for :attr:`local_positions`:
-      ``batch`` and ``weights`` with ``per_device_batch`` rows (zero rows of
-      weight 0 after the real ones), ``has_more`` int32 ``[1]``.
+      ``batch`` and ``weights`` with ``per_device_batch`` rows (padding rows
+      of weight 0 after the real ones), ``has_more`` int32 ``[1]``.
 
     Raises:
       RuntimeError: the previous step was not reported.
@@ -825,8 +989,11 @@ class StreamingPipeline:
       portions, start = {}, 0
       for position, size in zip(self.local_positions, _portion_sizes(len(taken), len(self.local_positions))):
         part, start = taken[start : start + size], start + size
-        batch, weights = _collated(self.collate, part, self._empty) if part else self._empty
-        portions[position] = (*_pad_portion(batch, weights, self.per_device_batch), flag)
+        portions[position] = _collated(self.collate, part, self._empty) if part else self._empty
+      if taken:  # the first position has a row whenever any has (extras go first): a dry step later copies it
+        self._spare = _real_row(*portions[self.local_positions[0]])
+      padded = _padded(portions, self.per_device_batch, self.pad, None if taken else self._spare)
+      portions = {position: (*padded[position], flag) for position in self.local_positions}
     except BaseException as e:  # examples read from the stream would be lost without a word: the pipeline is done
       # (Ctrl-C too: a loop run again after it would go on without them.)
       self._failed = f"{type(e).__name__}: {e}"

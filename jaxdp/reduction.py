@@ -253,8 +253,14 @@ def loss_sums(
   """This replica's weighted sums ``Σ w·l``, ``Σ w``, ``Σ w·m`` per metric, and its new model state.
 
   The one definition of the loss and metrics that training and evaluation
-  share. Sums are in float32 at least; rows of weight 0 never contribute,
-  even if their loss or metric is NaN. Returns a :class:`LocalGradient` with
+  share. Sums are in float32 at least. Rows of weight 0 never contribute to
+  the sums, even if their loss or metric is NaN, so evaluation means are
+  exact; the gradient is another matter: differentiating through a row whose
+  loss is NaN gives a NaN gradient whatever its weight (the row's zero
+  cotangent meets the NaN inside the model, and ``0 * NaN`` is NaN), and the
+  training step then skips the step. That is why jaxdp pads with copies of real rows
+  (``pad="copy"`` in :func:`jaxdp.shard_uneven` and the pipelines), never
+  rows the model may turn into NaN. Returns a :class:`LocalGradient` with
   ``grads=None``.
   """
   if weights is not None:

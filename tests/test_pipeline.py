@@ -160,11 +160,12 @@ def test_process_positions_partition_the_devices(n_devices, data):
     b=st.integers(1, 4),
     tokens=st.booleans(),
     step=st.integers(0, 30),
+    pad=st.sampled_from(["copy", "zeros"]),
 )
-def test_batches_follow_the_plan_with_zero_weight_padding(n_examples, n_devices, b, tokens, step):
+def test_batches_follow_the_plan_with_zero_weight_padding(n_examples, n_devices, b, tokens, step, pad):
   collate = collate_tokens if tokens else collate_examples
   mesh = _mesh(n_devices)
-  pipe = DataPipeline(list(range(n_examples)), collate, mesh, per_device_batch=b, seed=3)
+  pipe = DataPipeline(list(range(n_examples)), collate, mesh, per_device_batch=b, seed=3, pad=pad)
   assert pipe.steps_per_epoch == _steps(n_examples, n_devices, b)
   assert pipe.global_batch == n_devices * b
   batch, weights = pipe.batch_at(step)
@@ -185,8 +186,14 @@ def test_batches_follow_the_plan_with_zero_weight_padding(n_examples, n_devices,
       want_batch, want_weights = collate(list(indices))
       _assert_trees_equal(jax.tree.map(lambda x: x[:k], (block_batch, block_weights)), (want_batch, want_weights.astype(np.float32)))
       assert np.all(block_weights[:k].reshape(k, -1).sum(1) > 0)
-    for leaf in jax.tree.leaves((block_batch, block_weights)):  # padding: zeros, weight 0
-      assert not np.any(leaf[k:])
+    assert not np.any(block_weights[k:])  # padding: weight 0
+    if pad == "zeros":
+      for leaf in jax.tree.leaves(block_batch):
+        assert not np.any(leaf[k:])
+    else:  # copies of the device's first row, or of example 0 on a device with no example
+      row = jax.tree.map(lambda x: x[:1], block_batch if k else collate([0])[0])
+      for leaf, want in zip(jax.tree.leaves(block_batch), jax.tree.leaves(row)):
+        np.testing.assert_array_equal(leaf[k:], np.repeat(want, b - k, axis=0))
 
   # Every device holds its own block, and the layout is shard_uneven's.
   positions = {dev: i for i, dev in enumerate(mesh.devices.flat)}
@@ -194,19 +201,24 @@ def test_batches_follow_the_plan_with_zero_weight_padding(n_examples, n_devices,
     assert (shard.index[0].start or 0) == positions[shard.device] * b
   padded = [jax.tree.map(lambda x: x[d * b : (d + 1) * b], host_batch) for d in range(n_devices)]
   padded_w = [host_weights[d * b : (d + 1) * b] for d in range(n_devices)]
-  same_batch, same_weights = jaxdp.shard_uneven(padded, mesh, weights=padded_w)
+  same_batch, same_weights = jaxdp.shard_uneven(padded, mesh, weights=padded_w, pad=pad)
   _assert_trees_equal((same_batch, same_weights), (host_batch, host_weights))
   assert same_weights.sharding == weights.sharding
 
 
-def test_devices_without_examples_get_only_padding():
+@pytest.mark.parametrize("pad", ["copy", "zeros"])
+def test_devices_without_examples_get_only_padding(pad):
   # 3 examples, 8 devices: devices 3..7 have nothing, and collate is never called with [].
-  pipe = DataPipeline(list(range(3)), collate_tokens, _mesh(8), per_device_batch=2)
+  pipe = DataPipeline(list(range(3)), collate_tokens, _mesh(8), per_device_batch=2, pad=pad)
   assert pipe.steps_per_epoch == 1
   batch, weights = _host(pipe.batch_at(0))
   assert [len(p) for p in pipe.device_indices(0)] == [1, 1, 1, 0, 0, 0, 0, 0]
-  assert weights.shape == (16, T) and not np.any(weights[6:]) and not np.any(batch["tok"][6:])
+  assert weights.shape == (16, T) and not np.any(weights[6:])
   assert sorted(batch["id"][[0, 2, 4]].tolist()) == [0, 1, 2]
+  if pad == "zeros":
+    assert not np.any(batch["tok"][6:])
+  else:  # copies of example 0 (read once at construction, whichever process loads the device)
+    assert np.all(batch["id"][6:] == 0) and np.all(batch["tok"][6:] == collate_tokens([0])[0]["tok"])
 
 
 @settings(max_examples=15)
@@ -387,5 +399,5 @@ def test_values_the_devices_cannot_hold_are_refused_not_wrapped():
   with pytest.raises(ValueError, match=r"batches\[0\]\['t'\] has dtype timedelta64"):
     jaxdp.shard_uneven([{"t": np.array([1, 2], "timedelta64[s]")}, {"t": np.array([3], "timedelta64[s]")}], mesh)
   # int64 within int32's range is placed as before.
-  batch, _ = DataPipeline([2**31 - 1, 5, -7], ids, mesh, per_device_batch=2, seed=0).batch_at(0)
-  assert sorted(np.asarray(batch["id"])[np.asarray(batch["id"]) != 0].tolist()) == [-7, 5, 2**31 - 1]
+  batch, weights = DataPipeline([2**31 - 1, 5, -7], ids, mesh, per_device_batch=2, seed=0).batch_at(0)
+  assert sorted(np.asarray(batch["id"])[np.asarray(weights) > 0].tolist()) == [-7, 5, 2**31 - 1]

@@ -64,11 +64,12 @@ def _report_sum(stream, has_more) -> None:
 
 
 @settings(max_examples=60)
-@given(n=st.integers(0, 40), k=st.integers(1, 8), b=st.integers(1, 4))
-def test_every_example_once_and_the_loop_ends_after_the_last_data_step(n, k, b):
+@given(n=st.integers(0, 40), k=st.integers(1, 8), b=st.integers(1, 4), pad=st.sampled_from(["copy", "zeros"]))
+def test_every_example_once_and_the_loop_ends_after_the_last_data_step(n, k, b, pad):
   mesh = _mesh(k)
-  stream = StreamingPipeline((i for i in range(n)), collate_ids, mesh, per_device_batch=b, template=0)
+  stream = StreamingPipeline((i for i in range(n)), collate_ids, mesh, per_device_batch=b, template=0, pad=pad)
   steps, seen = _steps([n], k * b), []
+  spare = collate_ids([0])[0]["x"]  # the template's row: what a device copies before this process has any
   for s, (batch, weights, has_more) in enumerate(stream):
     _report_sum(stream, has_more)
     for leaf in jax.tree.leaves((batch, weights, has_more)):
@@ -79,11 +80,18 @@ def test_every_example_once_and_the_loop_ends_after_the_last_data_step(n, k, b):
     # 1 on every device until the stream is dry after this step, then 0: known when the batch is built.
     assert has_more.tolist() == [int(s < steps - 1)] * k
     sizes = []
+    if weights[0] > 0:  # device 0 has a row whenever any device has: empty devices copy it, as do later dry steps
+      spare = batch["x"][:1]
     for d in range(k):
       rows = slice(d * b, (d + 1) * b)
       real = int(np.sum(weights[rows] > 0))
       np.testing.assert_array_equal(weights[rows], [1.0] * real + [0.0] * (b - real))
-      assert not np.any(batch["x"][rows][real:]) and np.all(batch["x"][rows][:real])
+      assert np.all(batch["x"][rows][:real])
+      padding = batch["x"][rows][real:]
+      if pad == "zeros":
+        assert not np.any(padding)
+      else:  # copies of the device's own first row, else of another device's
+        np.testing.assert_array_equal(padding, np.repeat(batch["x"][rows][:1] if real else spare, b - real, axis=0))
       seen.extend(batch["id"][rows][:real].tolist())
       sizes.append(real)
     # Full local batches until the last data step, which is spread evenly, extras first.
