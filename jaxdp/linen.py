@@ -25,9 +25,8 @@ variables keep working; its training statistics are
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +144,6 @@ class BatchNorm(linen.Module):
       y += bias
       args.append(bias)
     return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=self.dtype))
-
 
 
 class Dropout(linen.Dropout):
