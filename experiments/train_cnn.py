@@ -11,6 +11,12 @@ statistics.
   python experiments/train_cnn.py                       # N devices, sync BatchNorm
   python experiments/train_cnn.py --bn local            # per-device BatchNorm (DDP without SyncBatchNorm)
   python experiments/train_cnn.py --compare             # 1 device vs N sync vs N local, dropout off
+  python experiments/train_cnn.py --compare --dropout 0.5   # the same with dropout: masks follow example ids
+
+Dropout is layout-invariant: the step is built with ``example_ids="id"``
+(each batch carries the examples' indices in the training set) and the CNN
+uses ``jaxdp.nnx.Dropout``, so every example gets the same mask on one
+device or N, whatever the split (see ``jaxdp.randomness``).
 
 ``--compare`` trains from one init on one data order: one device on the
 global batch; N devices with sync BatchNorm; N devices with local BatchNorm;
@@ -47,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--batch-size", type=int, default=64, help="global batch (the training set of 1,437 does not divide by it)")
   p.add_argument("--lr", type=float, default=0.05)
   p.add_argument("--momentum", type=float, default=0.9)
-  p.add_argument("--dropout", type=float, default=0.1, help="set to 0 under --compare")
+  p.add_argument("--dropout", type=float, default=None, help="dropout rate (default 0.1; 0 under --compare)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="out/cnn", help="where --compare writes compare.json and loss_curves.png")
   p.add_argument("--compare", action="store_true", help="1 device vs N devices (sync BN) vs N devices (local BN)")
@@ -81,7 +87,7 @@ class Config:
   batch_size: int = 64
   lr: float = 0.05
   momentum: float = 0.9
-  dropout: float = 0.1
+  dropout: float | None = None  # None: 0.1 in training, 0 under --compare
   seed: int = 0
   out: str | None = "out/cnn"
   compare: bool = False
@@ -94,10 +100,10 @@ class CNN(nnx.Module):
   def __init__(self, *, bn_axis: str | None, dropout: float, rngs: nnx.Rngs):
     self.conv1 = nnx.Conv(1, 16, kernel_size=(3, 3), rngs=rngs)
     self.bn1 = jaxdp.nnx.BatchNorm(16, axis_name=bn_axis, rngs=rngs)
-    self.drop1 = nnx.Dropout(dropout, rngs=rngs)
+    self.drop1 = jaxdp.nnx.Dropout(dropout, rngs=rngs)  # nnx.Dropout, with a mask per example id
     self.conv2 = nnx.Conv(16, 32, kernel_size=(3, 3), rngs=rngs)
     self.bn2 = jaxdp.nnx.BatchNorm(32, axis_name=bn_axis, rngs=rngs)
-    self.drop2 = nnx.Dropout(dropout, rngs=rngs)
+    self.drop2 = jaxdp.nnx.Dropout(dropout, rngs=rngs)
     self.linear1 = nnx.Linear(2 * 2 * 32, 64, rngs=rngs)
     self.linear2 = nnx.Linear(64, 10, rngs=rngs)
 
@@ -116,18 +122,22 @@ def classification_loss(model: CNN, batch: dict, *, weights: jax.Array):
 
 
 def load_digits(seed: int = 0) -> tuple[list, list]:
-  """``(train, test)`` lists of ``(image [8, 8, 1] float32 in [0, 1], label)``; 1,437 / 360, stratified."""
+  """``(train, test)`` lists of ``(image [8, 8, 1] float32 in [0, 1], label, index)``; 1,437 / 360, stratified.
+
+  ``index`` is the example's position in its set: its id, from which its dropout masks are drawn."""
   from sklearn.datasets import load_digits as sklearn_digits
   from sklearn.model_selection import train_test_split
 
   digits = sklearn_digits()
   images = (digits.images / 16.0).astype(np.float32)[..., None]
   x_tr, x_te, y_tr, y_te = train_test_split(images, digits.target, test_size=0.2, random_state=seed, stratify=digits.target)
-  return list(zip(x_tr, y_tr.astype(np.int32))), list(zip(x_te, y_te.astype(np.int32)))
+  return ([(x, y, i) for i, (x, y) in enumerate(zip(x_tr, y_tr.astype(np.int32)))],
+          [(x, y, i) for i, (x, y) in enumerate(zip(x_te, y_te.astype(np.int32)))])
 
 
 def collate(examples: list) -> tuple[dict, np.ndarray]:
-  batch = {"image": np.stack([e[0] for e in examples]), "label": np.array([e[1] for e in examples], np.int32)}
+  batch = {"image": np.stack([e[0] for e in examples]), "label": np.array([e[1] for e in examples], np.int32),
+           "id": np.array([e[2] for e in examples], np.int32)}
   return batch, np.ones(len(examples), np.float32)
 
 
@@ -158,14 +168,15 @@ def train(config: Config, *, devices=None, bn: str | None = None, data=None, row
     raise ValueError(f"--batch-size {config.batch_size} must be a multiple of the {len(devices)} devices")
   mesh = jaxdp.data_mesh(devices)
   train_set, test_set = load_digits(config.seed) if data is None else data
-  model = CNN(bn_axis="data" if (bn or config.bn) == "sync" else None, dropout=config.dropout, rngs=nnx.Rngs(config.seed))
+  dropout = 0.1 if config.dropout is None else config.dropout
+  model = CNN(bn_axis="data" if (bn or config.bn) == "sync" else None, dropout=dropout, rngs=nnx.Rngs(config.seed))
   definition, params, model_state = jaxdp.nnx.split(model)
   optimizer = optax.sgd(config.lr, momentum=config.momentum)
   loss_fn = jaxdp.nnx.loss_fn(definition, classification_loss)
   state = jaxdp.init_state(params, optimizer, mesh, model_state=model_state)
-  step = jaxdp.make_train_step(loss_fn, optimizer, mesh)
+  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, example_ids="id")  # masks follow batch["id"]
   pipeline = jaxdp.DataPipeline(train_set, collate, mesh, per_device_batch=config.batch_size // len(devices), seed=config.seed)
-  rng = jax.random.key(config.seed)  # made per replica and step by jaxdp; unused when dropout is 0
+  rng = jax.random.key(config.seed)  # fold_in(rng, step) on every device; unused when dropout is 0
   records, start = [], time.perf_counter()
   with tqdm.tqdm(total=config.steps, desc=desc, disable=not config.progress, dynamic_ncols=True) as bar:
     for i, (batch, weights) in pipeline.iterate(num_steps=config.steps):
@@ -208,7 +219,10 @@ STABLE_ATOL = 1e-6
 
 
 def compare(config: Config, data: tuple[list, list] | None = None) -> dict:
-  """Same init, same data order, dropout 0: 1 device vs N devices (sync BN) vs N devices (local BN).
+  """Same init, same data order: 1 device vs N devices (sync BN) vs N devices (local BN).
+
+  Dropout is 0 unless ``config.dropout`` is set; its masks follow the
+  example ids, so they are the same in every run but ``local``'s model.
 
   ``single_reversed`` and ``single_shuffled`` are the single-device run on
   batches whose rows are reversed or shuffled: their distance to ``single``
@@ -216,7 +230,7 @@ def compare(config: Config, data: tuple[list, list] | None = None) -> dict:
   *stable* up to the first step where either differs from ``single`` by more
   than :data:`STABLE_ATOL`; the N-device runs are judged on that window.
   """
-  config = dataclasses.replace(config, dropout=0.0)
+  config = dataclasses.replace(config, dropout=config.dropout or 0.0)
   devices = select_devices(config.devices)
   data = load_digits(config.seed) if data is None else data
   runs = {}
@@ -225,7 +239,7 @@ def compare(config: Config, data: tuple[list, list] | None = None) -> dict:
   loss = {k: np.array([r["loss"] for r in run["records"]]) for k, run in runs.items()}
   unstable = [_first_over(loss[k], loss["single"], STABLE_ATOL) for k in YARDSTICKS]
   stable = min([s for s in unstable if s is not None], default=config.steps)
-  result = {"devices": len(devices), "steps": config.steps, "batch_size": config.batch_size, "dropout": 0.0,
+  result = {"devices": len(devices), "steps": config.steps, "batch_size": config.batch_size, "dropout": config.dropout,
             "stable_steps": stable, "stable_atol": STABLE_ATOL}
   for name, run in runs.items():
     gap = np.abs(loss[name] - loss["single"])
@@ -234,6 +248,7 @@ def compare(config: Config, data: tuple[list, list] | None = None) -> dict:
         "host_eval_accuracy": host_accuracy(run["model"], data[1]),
         "max_abs_loss_diff_vs_single": float(np.max(gap)),
         "max_abs_loss_diff_vs_single_while_stable": float(np.max(gap[:stable])) if stable else 0.0,
+        "max_abs_loss_diff_vs_single_first_10": float(np.max(gap[:10])),
         "final_train_loss": float(loss[name][-1]), "seconds": run["seconds"],
     }
   result["max_abs_loss_diff_sync_vs_single_shuffled"] = float(np.max(np.abs(loss["sync"] - loss["single_shuffled"])))
@@ -269,7 +284,7 @@ def plot_curves(loss: dict, result: dict, path) -> None:
   for k, style in (("local", "-"), ("single_reversed", "-"), ("single_shuffled", "-"), ("sync", "--")):
     right.semilogy(np.maximum(np.abs(loss[k] - loss["single"]), 1e-10), style, color=colors[k], label=labels[k])
   right.axvline(result["stable_steps"], color="gray", lw=0.8, ls="--", label="end of the stable window")
-  left.set(xlabel="step", ylabel="train loss", title="digits CNN, BatchNorm, dropout 0")
+  left.set(xlabel="step", ylabel="train loss", title=f"digits CNN, BatchNorm, dropout {result['dropout']:g}")
   right.set(xlabel="step", ylabel="|loss − 1-device loss|", title="gap to the single-device run (0 drawn at 1e-10)")
   left.legend(), right.legend(fontsize="small")
   fig.tight_layout()
@@ -288,7 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
       r = result[name]
       print(f"[{name:>15}] eval accuracy {r['eval_accuracy']:.4f} (host {r['host_eval_accuracy']:.4f}), "
             f"eval loss {r['eval_loss']:.4f}, max |Δ train loss| vs single {r['max_abs_loss_diff_vs_single']:.2e} "
-            f"({r['max_abs_loss_diff_vs_single_while_stable']:.2e} while stable)")
+            f"({r['max_abs_loss_diff_vs_single_while_stable']:.2e} while stable, "
+            f"{r['max_abs_loss_diff_vs_single_first_10']:.2e} in the first 10 steps)")
   else:
     result = train(config)
     print(f"{result['devices']} device(s), {result['bn']} BatchNorm: final train loss {result['records'][-1]['loss']:.4f}, "

@@ -15,10 +15,12 @@ Functional core (compose these inside your own ``shard_map``/``pmap``):
 :func:`per_replica`, :func:`assert_replicas_equal`. Real programs: the
 loss protocol (:class:`LossOutput`, :mod:`jaxdp.loss`: model state,
 metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules), :mod:`jaxdp.linen` (flax linen's
-BatchNorm, exact) and :mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm).
+BatchNorm, exact), :mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm)
+and :mod:`jaxdp.randomness` (dropout masks that follow example ids, the same
+on any layout).
 """
 
-from jaxdp import batchnorm, distributed, layout, linen, nnx, scaling
+from jaxdp import batchnorm, distributed, layout, linen, nnx, randomness, scaling
 from jaxdp.batchnorm import Moments, masked_moments
 from jaxdp.checkpoint import CheckpointManager, Restored
 from jaxdp.compiled import CompiledStep, make_train_step
@@ -46,6 +48,7 @@ from jaxdp.layout import (
     place_state,
     state_specs,
 )
+from jaxdp.randomness import example_keys, use_example_ids
 from jaxdp.reduction import (
     REDUCTIONS,
     LocalGradient,
@@ -101,6 +104,7 @@ __all__ = [
     "distributed",
     "divide_gradient",
     "epoch_permutation",
+    "example_keys",
     "eval_sums",
     "gather_state",
     "global_norm",
@@ -117,6 +121,7 @@ __all__ = [
     "per_replica",
     "place_state",
     "process_positions",
+    "randomness",
     "reduce_gradient",
     "reduce_model_state",
     "scaling",
@@ -125,4 +130,5 @@ __all__ = [
     "split_batch",
     "state_specs",
     "train_step",
+    "use_example_ids",
 ]

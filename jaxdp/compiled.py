@@ -50,6 +50,7 @@ from jaxdp.layout import (
     split_along,
 )
 from jaxdp.loss import check_loss_fn
+from jaxdp.randomness import check_example_ids
 from jaxdp.reduction import ReducedGradient, _check_bucket_bytes, axis_names, check_reduction
 from jaxdp.replicas import divergence_over_mesh, replica_divergence
 from jaxdp.step import finish_step, gather_params, gradient_step, train_step
@@ -348,6 +349,7 @@ def make_train_step(
     compute_dtype: Any = None,
     grad_reduce_dtype: Any = None,
     bucket_bytes: int | None = None,
+    example_ids: Any = None,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -417,14 +419,23 @@ def make_train_step(
       leaves; the same sums, equal to the per-leaf step up to float32
       round-off (XLA may compile the backward pass that feeds a flat
       bucket differently; see :func:`jaxdp.reduce_gradient`).
+    example_ids: layout-invariant dropout (see :mod:`jaxdp.randomness`):
+      the key of each row's global id in a dict batch (e.g. ``"id"``) or a
+      callable ``batch -> [b]`` integer ids. ``loss_fn`` then gets
+      ``fold_in(rng, state.step)`` on every replica and micro-batch, and
+      :class:`jaxdp.nnx.Dropout` / :class:`jaxdp.linen.Dropout` draw each
+      row's mask from its id: the same masks on any mesh, split and
+      ``accum_steps``, and as one device's. flax's own ``Dropout`` is
+      refused with it.
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
     (state, metrics)``; with ``rng`` (a PRNG key) ``loss_fn`` is called as
     ``loss_fn(params, batch, key)`` with a key per replica, step and
-    micro-batch.
+    micro-batch (one key for all with ``example_ids``).
   """
   check_modes(reduction, zero_stage)
+  check_example_ids(example_ids)
   check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   check_loss_fn(loss_fn)
   check_optimizer(optimizer)
@@ -458,7 +469,7 @@ def make_train_step(
 
   options = dict(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
-      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes,
+      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
   )
   # Typed on any number of devices, so that a program that fails at scale fails on one device too. Under
   # "none" every replica keeps its own update, which the types would refuse to return as one state.

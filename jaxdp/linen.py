@@ -1,4 +1,4 @@
-"""flax.linen models in jaxdp: an exact synchronised ``BatchNorm`` that drops in for ``nn.BatchNorm``.
+"""flax.linen models in jaxdp: an exact synchronised ``BatchNorm`` and a layout-invariant ``Dropout``.
 
 A linen model needs nothing else from jaxdp: its ``params`` are the
 parameters, its other collections (``batch_stats``) the model state, and its
@@ -25,6 +25,7 @@ variables keep working; its training statistics are
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ from flax import linen
 from flax.linen import dtypes, initializers
 from jax import lax
 
+from jaxdp import randomness
 from jaxdp.batchnorm import (
     STEP_AXIS,
     _canonical_axes,
@@ -42,7 +44,7 @@ from jaxdp.batchnorm import (
     _running_update,
 )
 
-__all__ = ["BatchNorm"]
+__all__ = ["BatchNorm", "Dropout"]
 
 
 class BatchNorm(linen.Module):
@@ -143,3 +145,51 @@ class BatchNorm(linen.Module):
       args.append(bias)
     return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=self.dtype))
 
+
+class Dropout(linen.Dropout):
+  """flax.linen's ``Dropout`` with one mask per example, drawn from the example's id: the same on any layout.
+
+  The same fields, call and rng collection as ``flax.linen.Dropout``. In a
+  step built with ``example_ids`` (see :mod:`jaxdp.randomness`), or inside
+  :func:`jaxdp.use_example_ids`, row ``r`` of the input (axis 0 is the
+  batch) is masked with ``fold_in(make_rng(rng_collection), id_r)``, so an
+  example's mask does not depend on the device count, split or
+  ``accum_steps``. Without ids it computes exactly what linen's
+  ``Dropout`` computes. ``broadcast_dims`` holding axis 0 shares one mask
+  between all rows, as linen's (drawn from the layer's key alone).
+  """
+
+  @linen.compact
+  def __call__(self, inputs, deterministic: bool | None = None, rng: jax.Array | None = None):
+    """Applies a random dropout mask to ``inputs`` (see ``flax.linen.Dropout``)."""
+    deterministic = linen.merge_param("deterministic", self.deterministic, deterministic)
+    if self.rate == 0.0 or deterministic:
+      return inputs
+    if self.rate == 1.0:  # as linen: no NaN gradients
+      return jnp.zeros_like(inputs)
+    if rng is None:
+      rng = self.make_rng(self.rng_collection)
+    return randomness.dropout(inputs, self.rate, self.broadcast_dims, rng, randomness.current_example_ids())
+
+
+def _refuse_flax_dropout(next_fun, args, kwargs, context):
+  """A flax.linen method interceptor: linen's own ``Dropout`` drawing a mask raises, any other call runs."""
+  module = context.module
+  if isinstance(module, linen.Dropout) and not isinstance(module, Dropout) and context.method_name == "__call__":
+    given = kwargs.get("deterministic", args[1] if len(args) > 1 else None)
+    deterministic = module.deterministic if given is None else given
+    if module.rate != 0.0 and not deterministic:
+      raise ValueError(
+          f"flax.linen.Dropout ({module.name or 'unnamed'}) is drawing a mask in a jaxdp step with example_ids, "
+          "where the key is the same on every replica: it would drop the same units on every device (correlated "
+          "dropout). Use jaxdp.linen.Dropout (the same fields), which draws each example's mask from its id, or "
+          "build the step without example_ids (a key per replica)."
+      )
+  return next_fun(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def refusing_flax_dropout():
+  """Entered by a training step with ``example_ids`` while it traces ``loss_fn`` (see :func:`_refuse_flax_dropout`)."""
+  with linen.intercept_methods(_refuse_flax_dropout):
+    yield

@@ -20,7 +20,12 @@ the data axis.
   statistics, counters), or ``None`` if there is none. RNG streams
   (``nnx.Rngs`` held by ``Dropout``) are neither: jaxdp reseeds them in every
   step from the step's per-replica, per-step key, so dropout differs between
-  replicas, steps and micro-batches and the same seed reproduces a run.
+  replicas, steps and micro-batches and the same seed reproduces a run. With
+  ``make_train_step(..., example_ids="id")`` the key is the same on every
+  replica and micro-batch, and :class:`Dropout` (a drop-in for
+  ``nnx.Dropout``) draws each example's mask from its id: the same masks on
+  any layout (see :mod:`jaxdp.randomness`); flax's own ``nnx.Dropout`` is
+  then refused.
 * The loss is called on a Module rebuilt inside the traced step (so
   BatchNorm may update its statistics: no "Cannot mutate BatchStat from a
   different trace level"), in ``model.train()`` mode in the training step and
@@ -45,12 +50,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdp import randomness
 from jaxdp.batchnorm import BatchNorm
 from jaxdp.loss import LossOutput, declared_keywords, scalar_mean_message
 from jaxdp.layout import gather_state
 from jaxdp.state import TrainState
 
-__all__ = ["BatchNorm", "Definition", "loss_fn", "merge", "partition_specs", "split", "update"]
+__all__ = ["BatchNorm", "Definition", "Dropout", "loss_fn", "merge", "partition_specs", "split", "update"]
 
 _USER_KEYWORDS = ("weights", "rngs", "train", "axis_name")
 
@@ -115,6 +121,44 @@ class _ModeWatch:
           "jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, fn), optimizer, mesh). Nothing ran and nothing "
           "was donated."
       )
+
+
+class Dropout(nnx.Dropout):
+  """flax nnx's ``Dropout`` with one mask per example, drawn from the example's id: the same on any layout.
+
+  The same arguments, call and RNG stream as ``nnx.Dropout``. In a step built
+  with ``example_ids`` (see :mod:`jaxdp.randomness`), or inside
+  :func:`jaxdp.use_example_ids`, row ``r`` of the input (axis 0 is the
+  batch) is masked with ``fold_in(key, id_r)``, ``key`` the layer's draw from
+  its stream (the same on every replica there), so an example's mask does
+  not depend on the device count, split or ``accum_steps``. Without ids it
+  is ``nnx.Dropout``. ``broadcast_dims`` holding axis 0 shares one mask
+  between all rows, as flax's (drawn from the layer's key alone).
+  """
+
+  def __call__(self, inputs, *, deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
+    """Applies a random dropout mask to ``inputs`` (see ``nnx.Dropout``)."""
+    ids = randomness.current_example_ids()
+    deterministic = self.deterministic if deterministic is None else deterministic
+    if ids is None or deterministic is None or deterministic or self.rate in (0.0, 1.0):
+      return super().__call__(inputs, deterministic=deterministic, rngs=rngs)  # flax's result, or its error
+    rngs = self.rngs if rngs is None else rngs
+    if isinstance(rngs, nnx.Rngs):
+      key = rngs[self.rng_collection]()
+    elif isinstance(rngs, nnx.RngStream):
+      key = rngs()
+    elif isinstance(rngs, jax.Array):
+      key = rngs
+    else:
+      return super().__call__(inputs, deterministic=deterministic, rngs=rngs)  # flax's error for a missing key
+    return randomness.dropout(inputs, self.rate, self.broadcast_dims, key, ids)
+
+
+def _flax_dropout_layers(model: nnx.Module) -> list[str]:
+  """The paths of flax's own ``nnx.Dropout`` layers of ``model`` that would draw a mask (jaxdp's not listed)."""
+  return ["/".join(map(str, path)) or "<root>" for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.Dropout) and not isinstance(node, Dropout) and node.rate != 0.0
+          and node.deterministic is not True]
 
 
 def _is_flax_batchnorm(node: Any) -> bool:
@@ -327,6 +371,14 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
           setattr(nodes[path], flag, True)
     else:
       model.eval()
+    flax_dropout = _flax_dropout_layers(model) if train and randomness.current_example_ids() is not None else []
+    if flax_dropout:
+      raise ValueError(
+          f"model has flax nnx.Dropout layers ({', '.join(flax_dropout[:4])}) in a jaxdp step with example_ids, "
+          "where the key is the same on every replica: they would drop the same units on every device (correlated "
+          "dropout). Use jaxdp.nnx.Dropout (the same arguments), which draws each example's mask from its id, or "
+          "build the step without example_ids (a key per replica)."
+      )
     if rng is not None and definition.streams:
       keys = jax.random.split(rng, len(definition.streams))
       # 'match_shape': a stream of layers stacked with nnx.vmap + nnx.split_rngs holds a key per layer (shape

@@ -28,6 +28,7 @@ from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.batchnorm import training_batch_guards
 from jaxdp.layout import model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
+from jaxdp.randomness import check_example_ids, per_example
 
 REDUCTIONS = ("mean", "rank_mean", "sum", "none")
 """The reduction modes accepted by :func:`reduce_gradient` and the steps.
@@ -249,6 +250,7 @@ def loss_sums(
     model_state: Any = None,
     axis_name: str | None = None,
     train: bool = True,
+    example_ids: Any = None,
 ) -> LocalGradient:
   """This replica's weighted sums ``Σ w·l``, ``Σ w``, ``Σ w·m`` per metric, and its new model state.
 
@@ -261,14 +263,15 @@ def loss_sums(
   training step then skips the step. That is why jaxdp pads with copies of real rows
   (``pad="copy"`` in :func:`jaxdp.shard_uneven` and the pipelines), never
   rows the model may turn into NaN. Returns a :class:`LocalGradient` with
-  ``grads=None``.
+  ``grads=None``. ``example_ids``: where the rows' ids are in ``batch``
+  (see :mod:`jaxdp.randomness`), set while ``loss_fn`` runs.
   """
   if weights is not None:
     _check_weight_rows(weights, batch)
   row_weights = jnp.ones((_rows(batch),), jnp.float32) if weights is None else weights
   # Training batches may hold padding rows: flax.linen's BatchNorm would count them (nnx's is refused at split),
   # and jaxdp's BatchNorms need the weights as their mask.
-  with training_batch_guards() if train else contextlib.nullcontext():
+  with training_batch_guards() if train else contextlib.nullcontext(), per_example(batch, example_ids, train=train):
     out = call_loss(
         loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
     )
@@ -295,6 +298,7 @@ def local_gradient(
     model_state: Any = None,
     train: bool = True,
     compute_dtype: Any = None,
+    example_ids: Any = None,
 ) -> LocalGradient:
   """Gradient of this replica's weighted loss *sum*, with no communication of its own.
 
@@ -317,7 +321,7 @@ def local_gradient(
       exactly, only the final normalisation divides. The model state flows
       through the micro-batches in order, as K forward passes would update it.
     rng: optional PRNG key for ``loss_fn`` (dropout); micro-batch ``i`` gets
-      ``fold_in(rng, i)``.
+      ``fold_in(rng, i)`` (every micro-batch ``rng`` itself with ``example_ids``).
     model_state: the model state given to ``loss_fn`` (``None`` if the model
       has none).
     train: the ``train`` flag for a ``loss_fn`` that declares it.
@@ -338,6 +342,10 @@ def local_gradient(
       ~16k tokens. There is no dynamic loss scaling. Under ``"rank_mean"`` or
       ``"none"``, where each replica's own mean counts, a replica whose
       weights are tiny next to the others' can still underflow float16.
+    example_ids: layout-invariant randomness (see :mod:`jaxdp.randomness`):
+      the key of the ids in a dict batch (e.g. ``"id"``) or a callable
+      ``batch -> [b]`` integer ids. Each micro-batch's ids are set while
+      ``loss_fn`` runs, and every micro-batch gets ``rng`` itself.
 
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
@@ -345,6 +353,7 @@ def local_gradient(
   """
   check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   check_float_dtype(compute_dtype, "compute_dtype")
+  check_example_ids(example_ids)
   if axis_name is not None:
     check_axis_bound(axis_name)
     params = as_varying(params, axis_name)
@@ -365,7 +374,7 @@ def local_gradient(
     def traced(p):  # as micro_gradient calls it: compute_dtype casts the params and the batch first
       p, b = cast_floating((p, sample[0]), compute_dtype)
       return loss_sums(loss_fn, p, b, sample[1], rng=rng, model_state=model_state, axis_name=axis_name,
-                       train=train).loss_sum
+                       train=train, example_ids=example_ids).loss_sum
 
     sixteen_bit = _computes_in_16_bits(traced, params)
   replicas = 1  # the data-parallel replicas, read only by the 16-bit scale
@@ -380,7 +389,8 @@ def local_gradient(
     def weighted_sum(p):
       p, b = cast_floating((p, micro_batch), compute_dtype)
       sums = loss_sums(
-          loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train
+          loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train,
+          example_ids=example_ids,
       )
       if not sixteen_bit:
         return sums.loss_sum, (sums, None)
@@ -408,7 +418,8 @@ def local_gradient(
   def accumulate(carry, xs):
     total, state = carry
     index, micro_batch, micro_weights = xs
-    micro_rng = None if rng is None else jax.random.fold_in(rng, index)
+    # With example ids, every micro-batch gets the same key: the masks follow the ids, not the micro-batch.
+    micro_rng = rng if rng is None or example_ids is not None else jax.random.fold_in(rng, index)
     part = micro_gradient(micro_batch, micro_weights, micro_rng, state)
     sums = part._replace(model_state=None)
     if axis_name is not None:  # keep the carry's type fixed under check_vma

@@ -182,6 +182,7 @@ def gradient_step(
     params_split: Any = None,
     grads_split: Any = None,
     divide: bool = True,
+    example_ids: Any = None,
 ) -> ReducedGradient:
   """This replica's gradient, loss, metrics and model state, reduced over ``axis_name`` (per replica).
 
@@ -194,18 +195,20 @@ def gradient_step(
   reduced leaf). Specs may also name the model axes a leaf is split over
   (the full spec): the gather and scatter then run per model shard.
   ``divide=False`` leaves the gradient undivided for :func:`finish_step`
-  (see :func:`jaxdp.reduce_gradient`).
+  (see :func:`jaxdp.reduce_gradient`). ``example_ids``: see :func:`train_step`.
   """
   check_reduction(reduction)
   check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
   _check_bucket_bytes(bucket_bytes)
-  if rng is not None:
+  if rng is not None and example_ids is not None:  # the same key on every replica: masks follow the ids
+    rng = jax.random.fold_in(rng, state.step)
+  elif rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
   params = gather_params(state.params, params_split, axis_name, bucket_bytes)
   local = local_gradient(
       loss_fn, params, batch, weights,
       axis_name=axis_name, accum_steps=accum_steps, rng=rng, model_state=state.model_state,
-      compute_dtype=compute_dtype,
+      compute_dtype=compute_dtype, example_ids=example_ids,
   )
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
   return reduce_gradient(
@@ -288,6 +291,7 @@ def train_step(
     compute_dtype: Any = None,
     grad_reduce_dtype: Any = None,
     bucket_bytes: int | None = None,
+    example_ids: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
@@ -320,7 +324,9 @@ def train_step(
       its own key with ``fold_in(fold_in(rng, state.step), axis_index)`` (and
       ``fold_in(·, i)`` for micro-batch ``i``) and ``loss_fn`` is called as
       ``loss_fn(params, batch, key)``. Only gradients and per-replica model
-      state depend on the key, so the replicas stay identical.
+      state depend on the key, so the replicas stay identical. With
+      ``example_ids`` the key is ``fold_in(rng, state.step)`` on every
+      replica and micro-batch instead.
     has_more: optional per-replica count (e.g. 1 if this replica's input
       stream has data after this batch), summed over replicas in the step's
       own all-reduce into ``metrics["has_more"]``.
@@ -331,6 +337,13 @@ def train_step(
       dtype, e.g. ``jnp.bfloat16`` for half the bytes; default float32.
     bucket_bytes: reduce the gradient in buckets of about this many bytes
       (see :func:`jaxdp.reduce_gradient`); ``None``: one all-reduce.
+    example_ids: layout-invariant randomness (:mod:`jaxdp.randomness`): the
+      key of each row's global id in a dict batch (e.g. ``"id"``), or a
+      callable ``batch -> [b]`` integer ids. ``loss_fn`` gets the same key
+      everywhere and :class:`jaxdp.nnx.Dropout` / :class:`jaxdp.linen.Dropout`
+      draw row ``r``'s mask from ``fold_in(layer_key, id_r)``: the same masks
+      on any number of devices, split and ``accum_steps``. flax's own
+      ``Dropout`` is then refused. ``None`` (default): per-replica keys.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
@@ -357,6 +370,7 @@ def train_step(
       loss_fn, state, batch, weights,
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, has_more=has_more,
       compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, divide=False,
+      example_ids=example_ids,
   )
   # Under "none" the replicas' gradients differ: each takes the norm of its own.
   if reduction == "none":

@@ -3,6 +3,8 @@
 A subset of the digits keeps it fast: 100 training images in global batches
 of 32, so every epoch ends with a batch of 4 images over 4 devices (one
 each, 7 padding rows per device), and 6 steps cross that batch twice.
+Dropout is 0.5 with masks drawn from the example ids (``example_ids="id"``),
+so 4 devices draw one device's masks and the runs still agree to round-off.
 """
 
 import json
@@ -14,9 +16,9 @@ import pytest
 from experiments import train_cnn
 
 # Loss values ~2.3 at these steps; float32's ulp there is 2.4e-7. 2e-6 is ~8 ulps: a psum of 4 partial
-# sums against one sum, through two exact BatchNorms, over 6 SGD-momentum steps.
+# sums against one sum, through two exact BatchNorms and two dropouts, over 6 SGD-momentum steps.
 LOSS_ATOL = 2e-6
-TINY = train_cnn.Config(devices=4, steps=6, batch_size=32, progress=False)
+TINY = train_cnn.Config(devices=4, steps=6, batch_size=32, dropout=0.5, progress=False)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -65,6 +67,7 @@ def test_compare_writes_its_outputs(compared):
   for name in ("single", "sync", "local", "single_reversed", "single_shuffled"):
     assert {"eval_accuracy", "eval_loss", "max_abs_loss_diff_vs_single"} <= set(saved[name])
   assert 0 <= saved["stable_steps"] <= TINY.steps and (out / "loss_curves.png").stat().st_size > 0
+  assert saved["dropout"] == 0.5 and saved["sync"]["max_abs_loss_diff_vs_single_first_10"] <= LOSS_ATOL
 
 
 def test_trained_module_runs_in_ordinary_code(compared, data):
