@@ -18,54 +18,39 @@ metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules), :mod:`jaxdp.line
 BatchNorm, exact), :mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm)
 and :mod:`jaxdp.randomness` (dropout masks that follow example ids, the same
 on any layout).
+
+The names are imported on first use (PEP 562), so that ``python -m
+jaxdp.launch``, which imports this package first, starts its workers without
+importing jax, flax or orbax.
 """
 
-from jaxdp import batchnorm, distributed, layout, linen, nnx, randomness, scaling
-from jaxdp.batchnorm import Moments, masked_moments
-from jaxdp.checkpoint import CheckpointManager, Restored
-from jaxdp.compiled import CompiledStep, make_train_step
-from jaxdp.data import (
-    PADS,
-    DataPipeline,
-    StreamingPipeline,
-    addressable_positions,
-    device_indices,
-    epoch_permutation,
-    process_positions,
-    shard_uneven,
-    split_batch,
-)
-from jaxdp.evaluation import EvalStep, eval_sums, make_eval_step, means_from_sums
-from jaxdp.loss import LOSS_KEYWORDS, LossOutput
-from jaxdp.layout import (
-    BACKENDS,
-    ZERO_STAGES,
-    Layout,
-    auto_mesh,
-    data_mesh,
-    gather_state,
-    init_state,
-    place_state,
-    state_specs,
-)
-from jaxdp.randomness import example_keys, use_example_ids
-from jaxdp.reduction import (
-    REDUCTIONS,
-    LocalGradient,
-    ReducedGradient,
-    applied_gradient,
-    as_varying,
-    divide_gradient,
-    global_norm,
-    local_gradient,
-    loss_sums,
-    reduce_gradient,
-    reduce_model_state,
-)
-from jaxdp.replicas import assert_replicas_equal, per_replica, replica_divergence
-from jaxdp.reports import Collective, MemoryReport, collectives_from_hlo, comm_report, memory_report
-from jaxdp.state import TrainState
-from jaxdp.step import apply_update, finish_step, gradient_step, train_step
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+# Where each public name lives; imported on first access by ``__getattr__``.
+_EXPORTS_BY_MODULE = {
+    "batchnorm": ("Moments", "masked_moments"),
+    "checkpoint": ("CheckpointManager", "Restored"),
+    "compiled": ("CompiledStep", "make_train_step"),
+    "data": ("PADS", "DataPipeline", "StreamingPipeline", "addressable_positions", "device_indices",
+             "epoch_permutation", "process_positions", "shard_uneven", "split_batch"),
+    "evaluation": ("EvalStep", "eval_sums", "make_eval_step", "means_from_sums"),
+    "loss": ("LOSS_KEYWORDS", "LossOutput"),
+    "layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "data_mesh", "gather_state", "init_state",
+               "place_state", "state_specs"),
+    "randomness": ("example_keys", "use_example_ids"),
+    "reduction": ("REDUCTIONS", "LocalGradient", "ReducedGradient", "applied_gradient", "as_varying",
+                  "divide_gradient", "global_norm", "local_gradient", "loss_sums", "reduce_gradient",
+                  "reduce_model_state"),
+    "replicas": ("assert_replicas_equal", "per_replica", "replica_divergence"),
+    "reports": ("Collective", "MemoryReport", "collectives_from_hlo", "comm_report", "memory_report"),
+    "state": ("TrainState",),
+    "step": ("apply_update", "finish_step", "gradient_step", "train_step"),
+}
+_EXPORTS = {name: module for module, names in _EXPORTS_BY_MODULE.items() for name in names}
+_MODULES = ("batchnorm", "distributed", "layout", "linen", "nnx", "randomness", "scaling")  # public submodules in __all__
 
 __all__ = [
     "BACKENDS",
@@ -132,3 +117,18 @@ __all__ = [
     "train_step",
     "use_example_ids",
 ]
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(f"jaxdp.{_EXPORTS[name]}"), name)
+  elif name in _MODULES or (not name.startswith("_") and importlib.util.find_spec(f"jaxdp.{name}") is not None):
+    value = importlib.import_module(f"jaxdp.{name}")  # any submodule, as when they were all imported eagerly
+  else:
+    raise AttributeError(f"module 'jaxdp' has no attribute {name!r}")
+  globals()[name] = value  # later accesses skip this function
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

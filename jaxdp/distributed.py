@@ -28,19 +28,17 @@ import jax
 import numpy as np
 
 from jaxdp._checks import check_int
-
-# The environment written by ``python -m jaxdp.launch`` for each worker.
-ENV_COORDINATOR = "JAXDP_COORDINATOR"
-"""``host:port`` the workers connect to."""
-ENV_COORDINATOR_BIND = "JAXDP_COORDINATOR_BIND"
-"""``host:port`` the coordinator (process 0) listens on; default: ``JAXDP_COORDINATOR``."""
-ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAXDP_PROCESS_ID"
-ENV_DEVICES_PER_PROC = "JAXDP_DEVICES_PER_PROC"
-"""Simulated CPU devices per process (``jax_num_cpu_devices``); unset: JAX's default."""
-ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT"
-ENV_INIT_TIMEOUT = "JAXDP_INIT_TIMEOUT"
-ENV_SHUTDOWN_TIMEOUT = "JAXDP_SHUTDOWN_TIMEOUT"
+# The environment written by ``python -m jaxdp.launch`` for each worker (defined there: the launcher imports no jax).
+from jaxdp.launch import (
+    ENV_COORDINATOR,
+    ENV_COORDINATOR_BIND,
+    ENV_DEVICES_PER_PROC,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_INIT_TIMEOUT,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_SHUTDOWN_TIMEOUT,
+)
 
 # Cluster schedulers whose variables JAX's own detection reads. All listed variables must be set.
 _CLUSTER_VARIABLES = {

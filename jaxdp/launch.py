@@ -94,6 +94,19 @@ import threading
 import time
 from typing import IO, Callable, NamedTuple, Sequence
 
+# The environment written for each worker, read by :func:`jaxdp.distributed.initialize` (which re-exports
+# these names). They live here because the launcher imports no jax.
+ENV_COORDINATOR = "JAXDP_COORDINATOR"
+"""``host:port`` the workers connect to."""
+ENV_COORDINATOR_BIND = "JAXDP_COORDINATOR_BIND"
+"""``host:port`` the coordinator (process 0) listens on; default: ``JAXDP_COORDINATOR``."""
+ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXDP_PROCESS_ID"
+ENV_DEVICES_PER_PROC = "JAXDP_DEVICES_PER_PROC"
+"""Simulated CPU devices per process (``jax_num_cpu_devices``); unset: JAX's default."""
+ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT"
+ENV_INIT_TIMEOUT = "JAXDP_INIT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "JAXDP_SHUTDOWN_TIMEOUT"
 ENV_RESTART_COUNT = "JAXDP_RESTART_COUNT"
 """How many times the launcher has restarted the job (0 for the first attempt)."""
 
@@ -174,22 +187,20 @@ def worker_env(
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
   """The environment of worker ``rank``: ``base`` (default ``os.environ``) plus the ``JAXDP_*`` settings."""
-  from jaxdp import distributed  # here, not at the top: the guardian runs this file without jaxdp
-
   env = dict(os.environ if base is None else base)
   env.update({
-      distributed.ENV_COORDINATOR: coordinator,
-      distributed.ENV_COORDINATOR_BIND: bind,
-      distributed.ENV_NUM_PROCESSES: str(nproc),
-      distributed.ENV_PROCESS_ID: str(rank),
+      ENV_COORDINATOR: coordinator,
+      ENV_COORDINATOR_BIND: bind,
+      ENV_NUM_PROCESSES: str(nproc),
+      ENV_PROCESS_ID: str(rank),
       "JAXDP_LOCAL_RANK": str(rank),
       ENV_RESTART_COUNT: str(restart_count),
       "PYTHONUNBUFFERED": "1",
   })
   optional = {
-      distributed.ENV_DEVICES_PER_PROC: devices_per_proc,
-      distributed.ENV_HEARTBEAT_TIMEOUT: heartbeat_timeout,
-      distributed.ENV_SHUTDOWN_TIMEOUT: shutdown_timeout,
+      ENV_DEVICES_PER_PROC: devices_per_proc,
+      ENV_HEARTBEAT_TIMEOUT: heartbeat_timeout,
+      ENV_SHUTDOWN_TIMEOUT: shutdown_timeout,
   }
   for variable, value in optional.items():
     if value is None:
@@ -426,18 +437,21 @@ def run(job: Job, timeout: float | None = None) -> int:
   return supervise(lambda restart: job, timeout=timeout)
 
 
-def supervise(new_job: Callable[[int], Job], *, timeout: float | None = None, max_restarts: int = 0) -> int:
+def supervise(new_job: Callable[[int], Job], *, timeout: float | None = None, max_restarts: int = 0,
+              signals: _Signals | None = None) -> int:
   """Runs a job, and starts it again after a worker fails, up to ``max_restarts`` times.
 
   Args:
     new_job: ``new_job(restart)`` builds attempt ``restart`` (0 is the first), unstarted.
     timeout: seconds each attempt may run.
     max_restarts: how many times a worker's failure restarts the job.
+    signals: the launcher's handlers of SIGINT and SIGTERM, already installed
+      (as ``main`` does first); by default they are installed here.
 
   Returns:
     The launcher's exit code, as :func:`run`: that of the last attempt.
   """
-  with _Signals() as signals:
+  with contextlib.nullcontext(signals) if signals is not None else _Signals() as signals:
     job, restart = new_job(0), 0
     while (failure := _attempt(job, timeout, signals)) is not None:
       if failure.worker_code is None or restart == max_restarts or signals.received is not None:
@@ -465,6 +479,8 @@ def _restart_message(failure: Failure, restart: int, max_restarts: int, previous
 
 def _attempt(job: Job, timeout: float | None, signals: _Signals) -> Failure | None:
   """Runs ``job`` to the end or to its first failure, then stops all of it."""
+  if signals.received is not None:  # came before any worker started: start none
+    return _interrupted(signals.received)
   try:
     job.start()
     return _watch(job, timeout, signals)
@@ -751,6 +767,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  # The handlers come first: a signal from here on stops the job cleanly, even before a worker exists.
+  with _Signals() as signals:
+    return _main(argv, signals)
+
+
+def _main(argv: Sequence[str] | None, signals: _Signals) -> int:
   args = parser().parse_args(argv)
   command = list(args.command)
   if command[:1] == ["--"]:
@@ -766,7 +788,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                devices_per_proc=layout.devices_per_proc, heartbeat_timeout=args.heartbeat_timeout,
                shutdown_timeout=args.shutdown_timeout, grace_period=args.grace_period, restart_count=restart)
 
-  return supervise(new_job, timeout=args.timeout, max_restarts=args.max_restarts)
+  return supervise(new_job, timeout=args.timeout, max_restarts=args.max_restarts, signals=signals)
 
 
 if __name__ == "__main__":

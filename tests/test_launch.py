@@ -204,6 +204,42 @@ def test_restart_layouts():
   assert layouts(4, None, min_nproc=2) == [(4, None), (3, None), (2, None), (2, None)]
 
 
+def test_the_launcher_imports_no_jax(tmp_path):
+  # -X importtime reaches only the launcher (the guardian and the workers are started without it), and
+  # covers its whole life, from before its signal handlers to after its workers have run.
+  result = harness.run([sys.executable, "-X", "importtime", "-m", "jaxdp.launch", "--nproc", "1", *FAST, "--",
+                        PLAIN, "env", tmp_path], timeout=60)
+  harness.assert_no_leftovers(str(tmp_path))
+  assert result.returncode == 0, result
+  assert _records(result.stdout, 0), "the worker ran"
+  imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines()
+              if line.startswith("import time:")}
+  assert "jaxdp" in imported
+  assert not imported & {"jax", "jaxlib", "flax", "orbax", "optax", "numpy"}, sorted(imported)
+
+
+def test_a_signal_before_the_first_start_starts_no_worker():
+  job = launch.Job([sys.executable, "-c", "pass"], 1)
+  with launch._Signals() as signals:
+    signals.received = signal.SIGTERM
+    assert launch.supervise(lambda restart: job, signals=signals) == 128 + signal.SIGTERM
+  assert job.pids == [None]
+
+
+def test_the_package_exports_every_public_name_lazily():
+  import jaxdp
+  from jaxdp import batchnorm, layout
+
+  assert set(jaxdp.__all__) <= set(dir(jaxdp))
+  for name in jaxdp.__all__:
+    assert getattr(jaxdp, name) is not None
+  assert jaxdp.layout is layout and jaxdp.gather_state is layout.gather_state
+  assert jaxdp.masked_moments is batchnorm.masked_moments
+  assert jaxdp.distributed.ENV_COORDINATOR == launch.ENV_COORDINATOR
+  with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+    jaxdp.no_such_name  # noqa: B018
+
+
 def test_module_workers(tmp_path):
   result = harness.launch(["--nproc", "2", *FAST], ["-m", "json.tool", "--help"], timeout=60)
   assert result.returncode == 0, result
