@@ -7,6 +7,7 @@ caller's state usable. Results are cached per input signature by the caller.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any
 
 import jax
@@ -81,6 +82,28 @@ def as_array(x: Any) -> Any:
   return np.asarray(x) if isinstance(x, (list, tuple)) else x
 
 
+# Arrays a donating step was given, by id. Donation does not always delete the buffer: on CPU a live numpy
+# view of it (np.asarray(state.params[...])) makes XLA keep it, so is_deleted() alone would let such a state
+# run again from stale values on one backend and be refused on another.
+_donated: dict[int, weakref.ref] = {}
+
+
+def mark_donated(leaves: list) -> None:
+  """Records the arrays of ``leaves`` as consumed by a donating step, whether or not XLA deleted them."""
+  for leaf in leaves:
+    if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+      key = id(leaf)
+      _donated[key] = weakref.ref(leaf, lambda _, key=key: _donated.pop(key, None))
+
+
+def is_donated(leaf: Any) -> bool:
+  """Whether ``leaf`` is an array an earlier step consumed (deleted, or recorded by :func:`mark_donated`)."""
+  if not isinstance(leaf, jax.Array):
+    return False
+  ref = _donated.get(id(leaf))
+  return (ref is not None and ref() is leaf) or leaf.is_deleted()
+
+
 def check_not_donated(state: Any, leaves: list | None = None, name: str = "state") -> None:
   """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step.
 
@@ -89,14 +112,15 @@ def check_not_donated(state: Any, leaves: list | None = None, name: str = "state
   ``name``: how the caller's argument is called, for the message.
   """
   leaves = jax.tree.leaves(state) if leaves is None else leaves
-  if not any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
+  if not any(is_donated(leaf) for leaf in leaves):
     return
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+    if is_donated(leaf):
       raise ValueError(
-          f"{name}{jax.tree_util.keystr(path)} was donated to an earlier step (its buffer is deleted); a step "
-          "consumes the state it is given. Pass the state that step returned (state, metrics = step(state, ...)), "
-          "or build the step with donate=False to keep inputs alive."
+          f"{name}{jax.tree_util.keystr(path)} was donated to an earlier step (its buffer is consumed, even where "
+          "a live view of it kept XLA from deleting it); a step consumes the state it is given. Pass the state "
+          "that step returned (state, metrics = step(state, ...)), or build the step with donate=False to keep "
+          "inputs alive."
       )
 
 

@@ -252,6 +252,8 @@ class CompiledStep:
     self._check_previous_steps()
     layout_key, prepared = self._prepare(state, batch, weights, rng, has_more)
     state, metrics, flag = self._jitted_for(layout_key)(*prepared)
+    if self.donate:
+      _checks.mark_donated(jax.tree.leaves(prepared[0]))
     if self.max_consecutive_skips is not None:
       self._pending.append(flag)  # its own copy of metrics["nonfinite"]: the user may delete or donate theirs
       self._pending_weights[id(flag)] = prepared[2]

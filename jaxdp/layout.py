@@ -229,8 +229,8 @@ def to_host(x: Any) -> np.ndarray:
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))  # a new array no step can donate
+  return np.array(x)  # a copy: np.asarray of a CPU array is a read-only view of its device buffer
 
 
 # The layout --------------------------------------------------------------------------------------
@@ -603,7 +603,9 @@ def place_state(
 
 
 def gather_state(state: TrainState) -> TrainState:
-  """The whole state as numpy arrays, whatever its layout (stage, mesh, device count).
+  """The whole state as numpy arrays of its own (copies, never views of device buffers), whatever its layout.
+
+  The layout may be any stage, mesh or device count.
 
   In a multi-process run every process receives the whole arrays (call it on
   every process). Use it to export or to compare layouts; checkpoints do not

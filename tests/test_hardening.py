@@ -46,6 +46,31 @@ def test_reusing_a_donated_state_is_a_value_error(backend):
   step(new, *data())  # the returned state goes on
 
 
+@pytest.mark.parametrize("backend", jaxdp.BACKENDS)
+def test_a_donated_state_is_refused_whatever_views_of_it_are_alive(backend):
+  """On CPU a live numpy view of a buffer keeps XLA from deleting it when donated: is_deleted() missed the
+  consumed state, and running it again crashed the process (SIGSEGV). gather_state also returned such views."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, backend=backend)
+  evaluate = jaxdp.make_eval_step(loss_fn, MESH, backend=backend)
+  state = jaxdp.init_state(params(), OPT, MESH)
+  host = jaxdp.gather_state(state)
+  views = [np.asarray(x) for x in jax.tree.leaves(state)]  # the user's own views, alive across the step
+  w = np.asarray(state.params["w"])
+  for leaf in jax.tree.leaves(host):
+    assert leaf.flags.owndata and leaf.flags.writeable  # a real copy, not a view of a device buffer
+  new, _ = step(state, *data())
+  donated = r"donated to an earlier step.*Pass the state that step returned"
+  with pytest.raises(ValueError, match=donated):
+    step(state, *data())
+  with pytest.raises(ValueError, match=donated):
+    evaluate(state, *data())
+  with pytest.raises(ValueError, match=donated):
+    jaxdp.gather_state(state)
+  np.testing.assert_array_equal(host.params["w"], w)
+  step(new, *data())  # the returned state goes on
+  del views
+
+
 def test_a_consumed_state_is_a_value_error_everywhere_it_can_go(tmp_path):
   """Not only the step: a consumed state reaching a compiled eval step crashed the process (SIGSEGV), and the
   host-side helpers gave JAX's bare "Array has been deleted". Each now names the argument and the fix."""
