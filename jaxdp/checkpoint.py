@@ -68,6 +68,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import threading
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -96,6 +99,27 @@ from jaxdp.state import TrainState
 FORMAT, FORMAT_VERSION = record_lib.FORMAT, record_lib.FORMAT_VERSION
 _STATE_ITEM = "state"
 _RECORD_ITEM = "jaxdp"
+_STRAGGLER_SECONDS = 60.0  # the longest a failed save's own threads are awaited
+
+
+def _operation_threads(before: set) -> list[threading.Thread]:
+  """The threads started since ``before`` that run one save's writes (not orbax's long-lived executors).
+
+  orbax runs each write of a save in a ``threading.Thread`` subclass of its own; its executors and event
+  loops, which live on, are plain threads.
+  """
+  return [t for t in threading.enumerate() if t not in before and type(t) is not threading.Thread]
+
+
+def _join(threads: list[threading.Thread]) -> None:
+  """Waits (boundedly) for a save's threads, without raising its failure.
+
+  Also for a failed save: when one write fails orbax leaves the others running, and they would write into
+  (even re-create) the temporary directory of a retry of the same step.
+  """
+  deadline = time.monotonic() + _STRAGGLER_SECONDS
+  for thread in threads:
+    thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class Restored(NamedTuple):
@@ -265,6 +289,7 @@ class CheckpointManager:
     # the directory holds complete steps only once the manager exists (and close() cannot race the thread).
     getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
     self._current: int | None = None  # the step this manager last restored or wrote: the run it is on
+    self._save_threads: list[threading.Thread] = []
 
   def __enter__(self) -> CheckpointManager:
     return self
@@ -273,13 +298,36 @@ class CheckpointManager:
     self.close()
 
   def all_steps(self) -> list[int]:
-    """The steps of the complete checkpoints, oldest first (unfinished saves are not listed).
+    """The steps of the complete checkpoints, oldest first (unfinished or failed saves are never listed).
 
-    Read from the directory, so a step removed by hand is not listed. While
-    an asynchronous save is in flight its step is listed as orbax records it.
+    Read from the directory, so a step removed by hand is not listed. A save
+    in flight is waited for first (for up to a minute; orbax records its
+    step before it is on disk, and a step is listed only once its directory
+    is committed); its failure, if it fails, is left for :meth:`wait`,
+    :meth:`close` or the next :meth:`save` to raise.
     """
+    _join(self._save_threads)
     self._refresh()
-    return sorted(self._manager.all_steps())
+    return sorted(s for s in self._manager.all_steps() if os.path.isdir(self._step_path(s)))
+
+  def _step_path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))  # orbax's default step names (no prefix, no padding)
+
+  def _remove_unfinished(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left (``<step>.orbax-checkpoint-tmp[-...]``), so it can be retried.
+
+    orbax would write the retry into the failed save's files. Runs after :meth:`wait`: no save of this manager
+    is in flight. One process removes them, and the others wait for it (a shared directory).
+    """
+    if jax.process_index() == 0:
+      prefix = f"{step}.orbax-checkpoint-tmp"
+      for name in os.listdir(self.directory):
+        if name == prefix or name.startswith(prefix + "-"):
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices(f"jaxdp.CheckpointManager.save:{step}")
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or ``None`` if there is none (see :meth:`all_steps`)."""
@@ -384,6 +432,7 @@ class CheckpointManager:
     # writing (the all-gather waits for the step in flight); with one process the check returns at once.
     assert_same_across_processes({"step": step, "force": force, "data_step": data_step}, "CheckpointManager.save")
     self.wait()  # orbax would too; here a failed previous save raises with jaxdp's note, before any work
+    self._remove_unfinished(step)
     rng_data, rng_impl = record_lib.key_to_host(rng)
     # A typed PRNG key (e.g. optax.noisy_sgd's) is stored as its raw data, with its implementation recorded.
     key_impls = {c: str(jax.random.key_impl(x)) for c, x in record_lib.named_leaves(state) if record_lib.is_key_leaf(x)}
@@ -405,7 +454,13 @@ class CheckpointManager:
     args = ocp.args.Composite(
         **{_STATE_ITEM: ocp.args.StandardSave(record_lib.nested(named)), _RECORD_ITEM: ocp.args.JsonSave(record)}
     )
-    written = bool(self._manager.save(step, args=args, force=force))
+    before = set(threading.enumerate())
+    try:
+      written = bool(self._manager.save(step, args=args, force=force))
+    except Exception:
+      _join(_operation_threads(before))
+      raise
+    self._save_threads = _operation_threads(before)  # those of an asynchronous save, awaited if it fails
     self._current = step if written else self._current
     return written
 
@@ -604,6 +659,7 @@ class CheckpointManager:
     try:
       self._manager.wait_until_finished()
     except Exception as e:
+      _join(self._save_threads)
       e.add_note(
           f"jaxdp.CheckpointManager: an asynchronous save into {self.directory} failed, so that step was not "
           "written; the earlier checkpoints are intact."

@@ -637,6 +637,54 @@ def test_a_failed_async_save_raises_and_the_process_exits_promptly(tmp_path):
   ], out
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_that_failed_is_retried_for_the_same_step(asynchronous, tmp_path, monkeypatch):
+  """ENOSPC while writing the record: the retry of that step used to meet the failed save's temporary directory,
+  which the failed save's other writes, still running in orbax's threads, kept writing to (even re-creating)."""
+  import errno
+
+  import orbax.checkpoint as ocp
+
+  state = jaxdp.init_state({"w": np.arange(6, dtype=np.float32)}, OPT, mesh_of(1))
+  write = ocp.JsonCheckpointHandler.async_save
+  failures = []
+
+  async def no_space_once(self, *args, **kwargs):
+    if not failures:
+      failures.append(1)
+      raise OSError(errno.ENOSPC, "No space left on device (injected)")
+    return await write(self, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "async_save", no_space_once)
+  with CheckpointManager(tmp_path, enable_async_checkpointing=asynchronous) as ckpt:
+    with pytest.raises(OSError, match="No space left"):
+      ckpt.save(1, state)
+      ckpt.wait()
+    assert ckpt.all_steps() == [] and ckpt.latest_step() is None
+    assert ckpt.save(1, state)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1]
+    restored = ckpt.restore(params={"w": np.zeros(6, np.float32)}, optimizer=OPT, mesh=mesh_of(1))
+  assert_bitwise_equal(restored.state, jaxdp.gather_state(state))
+  assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
+def test_all_steps_never_lists_a_save_in_flight(tmp_path, monkeypatch):
+  """orbax records an asynchronous save's step before it is on disk; all_steps() listed it meanwhile."""
+  rename = os.rename
+
+  def slow_commit(src, dst, *args, **kwargs):
+    if "orbax-checkpoint-tmp" in os.path.basename(os.fspath(src)):
+      time.sleep(0.5)  # the main thread asks meanwhile
+    return rename(src, dst, *args, **kwargs)
+
+  monkeypatch.setattr(os, "rename", slow_commit)
+  state = jaxdp.init_state({"w": np.arange(6, dtype=np.float32)}, OPT, mesh_of(1))
+  with CheckpointManager(tmp_path) as ckpt:
+    assert ckpt.save(1, state)
+    assert ckpt.all_steps() == [1] and (tmp_path / "1").is_dir(), "listed only once committed"
+
+
 # --- Bad checkpoints -------------------------------------------------------------------------------
 
 
