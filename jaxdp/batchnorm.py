@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import math
 from types import MappingProxyType
@@ -248,7 +249,8 @@ def masked_moments(
   Args:
     x: the input, e.g. ``[b, c]`` or ``[b, h, w, c]``; float16/bfloat16 are
       upcast, statistics are computed in float32 at least.
-    weights: ``None`` (every element weighs 1), or bool/numeric values
+    weights: ``None`` (every element weighs 1; refused inside a jaxdp
+      training step, whose batch may hold padding rows), or bool/numeric values
       ``>= 0``, 0 marking padding. Two broadcasting rules: weights of lower
       rank than ``x`` are aligned with ``x``'s *non-feature* axes from the
       first one, trailing size-1 axes being added (``[b]`` for ``x``
@@ -267,6 +269,8 @@ def masked_moments(
   Returns:
     :class:`Moments` of the feature shape (``count``: see there).
   """
+  if weights is None:  # in a training step the batch may hold padding rows, which only the weights exclude
+    _refuse_unmasked_training(None, "jaxdp.masked_moments", "weights")
   x = jnp.asarray(x)
   dtype = jnp.promote_types(x.dtype, jnp.float32)  # float32 at least; float64 stays float64
   x = x.astype(dtype)
@@ -313,15 +317,44 @@ def _check_supported(axis_index_groups: Any, use_fast_variance: bool) -> None:
     raise ValueError("use_fast_variance=False would need a second psum; only E[x²] − E[x]² (one psum) is supported.")
 
 
-def _refuse_unmasked_training(mask: Any, module: str) -> None:
+def _refuse_unmasked_training(mask: Any, module: str, argument: str = "mask") -> None:
   """Raises if a BatchNorm computes training statistics in a jaxdp training step without a mask."""
   if mask is None and _PADDED_STEP.get():
     raise ValueError(
-        f"{module} is computing training statistics without a mask where jaxdp trains (make_train_step, "
+        f"{module} is computing training statistics without {'a mask' if argument == 'mask' else argument} where "
+        "jaxdp trains (make_train_step, "
         "train_step, local_gradient), whose batches may hold zero-weight padding rows that would enter them; pass "
         "the weights loss_fn receives: declare `weights` in loss_fn (or in the function given to jaxdp.nnx.loss_fn) "
-        "and call it with mask=weights."
+        f"and call it with {argument}=weights."
     )
+
+
+def _refuse_flax_nnx_batchnorm(call):
+  """Wraps flax's ``nnx.BatchNorm.__call__``: in training mode inside a jaxdp training step it raises.
+
+  The route that :func:`jaxdp.nnx.split` cannot see: a loss written by hand over flax's own ``nnx.split`` /
+  ``nnx.merge``. nnx has no method interceptor (linen's is used above), so the class's call is wrapped once;
+  outside a jaxdp training step, or on running averages, it runs unchanged.
+  """
+
+  @functools.wraps(call)
+  def checked(self, x, use_running_average=None, *args, **kwargs):
+    if _PADDED_STEP.get() and not (self.use_running_average if use_running_average is None else use_running_average):
+      raise ValueError(
+          "flax's nnx.BatchNorm is computing batch statistics inside a jaxdp training step, where they are not the "
+          "global batch's: without mask= the zero-weight padding rows enter them, and with mask= its pmean weighs "
+          "every device equally (off on uneven splits, NaN on a device without rows). Use jaxdp.nnx.BatchNorm (the "
+          "same arguments and variables) and call it with mask=weights, or compute them with "
+          "jaxdp.masked_moments(x, weights). Evaluation (use_running_average=True) is unaffected."
+      )
+    return call(self, x, use_running_average, *args, **kwargs)
+
+  checked.__jaxdp_checked__ = True
+  return checked
+
+
+if not getattr(nnx.BatchNorm.__call__, "__jaxdp_checked__", False):
+  nnx.BatchNorm.__call__ = _refuse_flax_nnx_batchnorm(nnx.BatchNorm.__call__)
 
 
 def _running_update(running: jax.Array, batch: jax.Array, count: jax.Array, momentum: float) -> jax.Array:

@@ -5,6 +5,8 @@ uneven per-device portions padded with zero-weight rows. Tolerances as in
 test_model_state.py (rtol 1e-5, atol 2e-6: float32 re-association of sums).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,6 +232,51 @@ def test_batchnorm_without_a_mask_is_refused_in_a_hand_written_loss():
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   with pytest.raises(ValueError, match=r"without a mask.*mask=weights"):
     jaxdp.make_train_step(by_hand, OPT, mesh)(state, *jaxdp.shard_uneven(portions((2, 1)), mesh))
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_flax_batchnorm_is_refused_in_a_hand_written_loss(mask):
+  """flax's own nnx.BatchNorm reached through flax's nnx.split / merge (jaxdp.nnx.split never sees it) trained on
+  the padding rows, or with mask= on a pmean that weighs devices equally. Refused in training; evaluation runs."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  graphdef, params, model_state, rest = nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
+
+  def by_hand(params, batch, *, model_state, weights):
+    model = nnx.merge(graphdef, params, model_state, rest)
+    losses = 0.5 * (model(batch["x"], mask=(weights > 0)[:, None] if mask else None) - batch["y"]) ** 2
+    return jaxdp.LossOutput(losses, model_state=nnx.state(model, nnx.BatchStat))
+
+  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
+  data = jaxdp.shard_uneven(portions((2, 1)), mesh)
+  with pytest.raises(ValueError, match=r"flax's nnx\.BatchNorm is computing batch statistics.*jaxdp\.nnx\.BatchNorm"):
+    jaxdp.make_train_step(by_hand, OPT, mesh)(state, *data)
+
+  def frozen(params, batch, *, model_state):
+    model = nnx.merge(graphdef, params, model_state, rest)
+    model.eval()  # running averages: nothing to refuse, in training or evaluation
+    return jaxdp.LossOutput(0.5 * (model(batch["x"]) - batch["y"]) ** 2, model_state=nnx.state(model, nnx.BatchStat))
+
+  assert np.isfinite(float(jaxdp.make_eval_step(frozen, mesh)(state, *data)["loss"]))
+  jaxdp.make_train_step(frozen, OPT, mesh)(state, *data)
+  model = nnx.merge(graphdef, params, model_state, rest)
+  assert model(jnp.ones((3, D))).shape == (3,)  # outside a jaxdp step flax's layer runs as ever
+
+
+def test_masked_moments_without_weights_is_refused_in_a_training_step():
+  """jaxdp.masked_moments(x) in a loss counted the padding rows; with the step's weights it is exact."""
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+
+  def loss(params, batch, *, weights, use_weights):
+    h = batch["x"] * params["w"][None, :]
+    moments = jaxdp.masked_moments(h, weights if use_weights else None)
+    z = (h - moments.mean[None, :]) / jnp.sqrt(moments.var[None, :] + 1e-5)
+    return 0.5 * (z.sum(-1) - batch["y"]) ** 2
+
+  state = jaxdp.init_state({"w": np.ones((D,), np.float32)}, OPT, mesh)
+  data = jaxdp.shard_uneven(portions((2, 1)), mesh)
+  with pytest.raises(ValueError, match=r"jaxdp\.masked_moments is computing training statistics without weights.*weights=weights"):
+    jaxdp.make_train_step(functools.partial(loss, use_weights=False), OPT, mesh, donate=False)(state, *data)
+  jaxdp.make_train_step(functools.partial(loss, use_weights=True), OPT, mesh)(state, *data)
 
 
 def test_a_state_without_the_models_state_is_refused_by_name():
