@@ -57,6 +57,14 @@ def named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
   """``[(path components, leaf)]`` of ``tree`` in flattening order; paths must be distinct."""
   named, stored = [], {}  # the name orbax stores each leaf under -> (its path components, its key path)
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    for entry in path:
+      key = getattr(entry, "key", None)
+      if key is not None and type(key).__str__ is object.__str__ and type(key).__repr__ is object.__repr__:
+        raise ValueError(
+            f"the state's leaf {jax.tree_util.keystr(path)} has a dict key of type {type(key).__name__} whose name "
+            "is its memory address (object's default repr), which another process or run cannot match on restore; "
+            "use str, int or tuple keys, or give the type a __repr__. Nothing was written."
+        )
     components = tuple(_entry_name(e) for e in path)
     # orbax names each array by its path joined with '.': {'x.y': a, 'x': {'y': b}} would be written to one
     # tensorstore array, one value silently overwriting the other (the restore then found the step corrupt).
@@ -370,8 +378,8 @@ def _is_checksum(x: Any) -> bool:
 def _check_leaf_entry(entry: Any, name: str) -> None:
   _require(isinstance(entry, dict), name, entry, "a dict with path, shape, dtype and checksum")
   path, shape, dtype, checksum = (entry.get(k) for k in ("path", "shape", "dtype", "checksum"))
-  ok_path = isinstance(path, list) and path and all(isinstance(c, str) and c for c in path)
-  _require(ok_path, f"{name}.path", path, "a non-empty list of non-empty strings")
+  ok_path = isinstance(path, list) and path and all(isinstance(c, str) for c in path)  # "" is a dict key
+  _require(ok_path, f"{name}.path", path, "a non-empty list of strings")
   _require(isinstance(shape, list) and all(map(_is_count, shape)), f"{name}.shape", shape, "a list of integers >= 0")
   _require(_is_dtype_name(dtype), f"{name}.dtype", dtype, "the name of a numeric numpy dtype, e.g. float32")
   _require(_is_checksum(checksum), f"{name}.checksum", checksum, "16 lowercase hexadecimal digits")

@@ -24,6 +24,7 @@ Format (``jaxdp.checkpoint`` version 2), one orbax step directory per step:
   (tensorstore/OCDBT with JSON metadata), as a nested dict keyed by the leaf
   paths (``params/w``, ``opt_state/0/mu/w``, ``step``,
   ``model_state/batch_stats/mean`` when the state has model state, ``rng``);
+  a zero-size leaf holds no data and is not in it (its record entry restores it);
 * item ``jaxdp``: JSON (``JsonCheckpointHandler``): the format and version,
   the ``data_step`` (the input pipeline's position; ``TrainState.step`` does
   not count steps skipped for zero weight), the PRNG key's implementation,
@@ -206,6 +207,17 @@ def _savable(x: Any) -> Any:
   if isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable):
     return x
   return np.asarray(x)
+
+
+def _is_empty(x: Any) -> bool:
+  """Whether ``x`` has a zero-size shape: orbax refuses to save such an array, and it holds no data to save."""
+  return math.prod(np.shape(x)) == 0
+
+
+def _empty_array(target: jax.ShapeDtypeStruct) -> jax.Array:
+  """The zero-size array of ``target``'s shape and dtype, placed with its sharding (what its checkpoint holds)."""
+  empty = np.zeros(target.shape, target.dtype)
+  return jax.make_array_from_callback(target.shape, target.sharding, lambda index: empty[index])
 
 
 def _target_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -> Any:
@@ -451,8 +463,9 @@ class CheckpointManager:
         data_position=None if pipeline is None else pipeline.position(data_step),
         mesh_shape=_mesh_shape(state),
     )
+    stored = [(c, x) for c, x in named if not _is_empty(x)]  # the record alone restores a zero-size leaf
     args = ocp.args.Composite(
-        **{_STATE_ITEM: ocp.args.StandardSave(record_lib.nested(named)), _RECORD_ITEM: ocp.args.JsonSave(record)}
+        **{_STATE_ITEM: ocp.args.StandardSave(record_lib.nested(stored)), _RECORD_ITEM: ocp.args.JsonSave(record)}
     )
     before = set(threading.enumerate())
     try:
@@ -631,10 +644,12 @@ class CheckpointManager:
 
   def _read_arrays(self, step: int, record: dict, target: list) -> dict[tuple[str, ...], jax.Array]:
     """Every array of the checkpoint, read into the shardings of ``target`` and checked against the record."""
+    stored = [(c, x) for c, x in target if not _is_empty(x)]
     try:
-      args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.StandardRestore(record_lib.nested(target))})
+      args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.StandardRestore(record_lib.nested(stored))})
       tree = self._manager.restore(step, args=args)[_STATE_ITEM]
-      arrays = {c: record_lib.lookup(tree, c) for c, _ in target}
+      arrays = {c: record_lib.lookup(tree, c) for c, _ in stored}
+      arrays.update({c: _empty_array(x) for c, x in target if _is_empty(x)})
     except Exception as e:  # orbax and tensorstore raise many kinds; all mean "unreadable"
       raise ValueError(
           f"{self._where(step)} could not be read ({type(e).__name__}: {e}); it is truncated or corrupt. "

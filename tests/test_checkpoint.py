@@ -157,6 +157,44 @@ def test_a_dotted_key_that_spells_a_nested_path_is_refused_before_anything_is_wr
   assert_bitwise_equal(restored.state, state)
 
 
+def test_awkward_keys_and_zero_size_leaves_round_trip_bitwise(tmp_path):
+  """A "" key was written and every restore called the step corrupt; a zero-size leaf failed orbax's save after
+  the step's directory was created. Both, and keys with '/' and '.', int and tuple keys, now round-trip."""
+  a = np.arange(3, dtype=np.float32)
+  params = {"": a, "s/l": a + 1, "a/b": a + 2, "a": {"b": a + 3, "": a + 4}, "d.o": a + 5,
+            "ints": {1: a + 6, 2: a + 7}, "tuples": {(1, 2): a + 8}, "empty": np.zeros((0, 4), np.float32),
+            "empty_t": np.zeros((4, 0), np.float32)}
+  state = trained_on(params, mesh_of(2))
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    assert ckpt.save(1, state)
+    restored = ckpt.restore(params=params, optimizer=OPT, mesh=mesh_of(1))
+  assert_bitwise_equal(jaxdp.gather_state(restored.state), jaxdp.gather_state(state))
+  assert restored.state.params["empty"].shape == (0, 4)
+
+
+def test_a_key_named_by_its_address_is_refused_before_anything_is_written(tmp_path):
+  class Tag:  # hashable, and alone in its dict so never compared: trains, but str() is its memory address
+    pass
+
+  state = jaxdp.init_state({"w": {Tag(): np.ones(2, np.float32)}}, OPT, mesh_of(1))
+  with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    with pytest.raises(ValueError, match=r"dict key of type Tag whose name is its memory address.*Nothing was written"):
+      ckpt.save(1, state)
+    assert ckpt.all_steps() == []
+  assert os.listdir(tmp_path) == []
+
+
+def trained_on(params, mesh):
+  """A state of ``params`` after one Adam step, every leaf moved (a sum of squares as the loss)."""
+  state = jaxdp.init_state(params, OPT, mesh)
+
+  def loss(p, batch):
+    return sum(jax.numpy.sum(x ** 2) for x in jax.tree.leaves(p)) * batch["x"][:, 0]
+
+  step = jaxdp.make_train_step(loss, OPT, mesh)
+  return step(state, *jaxdp.shard_uneven([{"x": np.ones((1, 1), np.float32)}] * mesh.shape["data"], mesh))[0]
+
+
 def test_an_array_of_keys_as_rng_round_trips(tmp_path):
   """save(rng=jax.random.split(key)) was written, and every restore called the step corrupt (its record's rng
   implementation was checked against one key's shape): found by an edge review."""
