@@ -192,6 +192,13 @@ def call_loss(
     )
     if rng is None and "rng" in f"{type(e).__name__} {e}".lower():  # flax: "Dropout_0 needs PRNG", nnx: "rngs"
       e.add_note(_missing_key_note(loss_fn, train))
+    if "carry input and carry output must have equal types" in str(e):
+      e.add_note(
+          "jaxdp: a loop carry that starts the same on every device becomes per-device in the loop. jaxdp casts "
+          "such an initial carry when the loop body's output varies directly; one that varies only through another "
+          f"carry, an iteration later, needs jaxdp.as_varying(initial_value, {axis_name!r}) (it returns the value "
+          "unchanged outside a step, so the same loss runs on one device)."
+      )
     if model_state is None and "model_state" in keywords and not getattr(loss_fn, "jaxdp_nnx_loss", False):
       # A loss may take None for a stateless model; one that needs state got None because the state has none.
       e.add_note(

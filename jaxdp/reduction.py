@@ -159,8 +159,15 @@ def as_varying(tree: Any, axis_name: str) -> Any:
   (the transpose of the implicit broadcast is a ``psum``). Differentiating
   with respect to a varying copy yields the *local* gradient instead, which is
   what must be normalised before the one reduction. Under ``pmap`` or with
-  ``check_vma=False`` this returns the leaves unchanged.
+  ``check_vma=False`` this returns the leaves unchanged, and so it does
+  where the axis is not bound at all (the same loss called on one device,
+  outside any ``shard_map``).
   """
+  try:
+    for axis in axis_names(axis_name):
+      lax.axis_size(axis)
+  except NameError:  # no enclosing shard_map/pmap over the axis: nothing varies over it
+    return tree
 
   def cast(x):
     missing = tuple(a for a in axis_names(axis_name) if a not in _varying_axes(x))

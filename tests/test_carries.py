@@ -265,8 +265,33 @@ def test_a_loop_typing_error_at_scale_shows_on_one_device_too(n):
   batch, weights = jaxdp.shard_uneven(portions(data(), SPLITS.get(n, [B])), mesh)
   step = jaxdp.make_train_step(delayed_chain_loss, OPTIMIZER, mesh)
   state = jaxdp.init_state(params, OPTIMIZER, mesh)
-  with pytest.raises(TypeError, match="carry input and carry output must have equal types"):
+  with pytest.raises(TypeError, match="carry input and carry output must have equal types") as error:
     step(state, batch, weights)
+  assert any("jaxdp.as_varying(initial_value, 'data')" in note for note in error.value.__notes__)
+
+
+def fixed_delayed_chain_loss(params, batch):
+  x = params["embed"][batch["tokens"]].sum(-1)
+
+  def body(carry, x_t):
+    a, b = carry
+    return (a + x_t, a), None
+
+  zeros = jnp.zeros(x.shape[0])
+  (a, b), _ = lax.scan(body, (zeros, jaxdp.as_varying(zeros, "data")), x.T)
+  return 0.01 * (a + b) ** 2
+
+
+def test_as_varying_fixes_the_chained_carry_and_runs_outside_a_step():
+  _, params = model("lax_scan")
+  reference, _ = one_device(fixed_delayed_chain_loss, params, data(), steps=2)  # the same loss, no shard_map
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  batch, weights = jaxdp.shard_uneven(portions(data(), SPLITS[2]), mesh)
+  step = jaxdp.make_train_step(fixed_delayed_chain_loss, OPTIMIZER, mesh)
+  state = jaxdp.init_state(params, OPTIMIZER, mesh)
+  for _ in range(2):
+    state, _ = step(state, batch, weights)
+  assert_close(state.params, reference)
 
 
 def test_promotion_is_scoped_to_jaxdp_steps():
