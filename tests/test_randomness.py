@@ -29,12 +29,7 @@ OPT = optax.sgd(0.3)
 LAYOUTS = [(1, (12,), 1), (2, (7, 5), 2), (3, (5, 4, 3), 2), (4, (4, 3, 3, 2), 1)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: the tests check agreement, not speed
 
 
 def global_batches():

@@ -21,13 +21,7 @@ LOSS_ATOL = 2e-6
 TINY = train_cnn.Config(devices=4, steps=6, batch_size=32, dropout=0.5, progress=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-  """Skips most XLA optimisation passes (the tests check agreement, not speed), then restores the setting."""
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: the tests check agreement, not speed
 
 
 @pytest.fixture(scope="module")

@@ -26,17 +26,7 @@ TINY = train_lm.Config(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-  """Skips most XLA optimisation passes while these tests run, then restores the setting.
-
-  The tests check the experiment's plumbing and float32 agreement, not speed; compiling
-  the train step is most of their time, and this makes it ~2.5x faster on CPU.
-  """
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: the tests check agreement, not speed
 
 
 @pytest.fixture(scope="module")
