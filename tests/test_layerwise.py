@@ -32,13 +32,13 @@ def data(seed=0):
   return {"x": rng.normal(size=(B, D)).astype(np.float32), "y": rng.normal(size=(B,)).astype(np.float32)}
 
 
-def stacked_params():
+def stacked_params(layers=L):
   keys = jax.random.split(jax.random.key(0), 4)
   return {
       "embed": jax.random.normal(keys[0], (D, D)) * 0.3,
       # 'scale' has a per-layer size (3) no device count divides: it stays whole and is not gathered.
-      "layers": {"w": jax.random.normal(keys[1], (L, D, D)) * 0.3, "b": jax.random.normal(keys[2], (L, D)) * 0.1,
-                 "scale": jnp.ones((L, 3))},
+      "layers": {"w": jax.random.normal(keys[1], (layers, D, D)) * 0.3,
+                 "b": jax.random.normal(keys[2], (layers, D)) * 0.1, "scale": jnp.ones((layers, 3))},
       "head": jax.random.normal(keys[3], (D, 1)) * 0.3,
   }
 
@@ -334,3 +334,22 @@ def test_checkpoints_restore_across_the_layer_wise_and_whole_gather_layouts(tmp_
   after = [jaxdp.gather_state(step(got, batch2, weights2)[0]).params for got in restored.values()]
   for a, b in zip(jax.tree.leaves(after[0]), jax.tree.leaves(after[1])):
     np.testing.assert_array_equal(a, b)
+
+
+def test_evaluation_gathers_a_layer_at_a_time_and_gives_the_same_loss():
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  batch, weights = jaxdp.shard_uneven(portions(SPLITS[4]), mesh, rows=6)
+  state = jaxdp.init_state(stacked_params(), SGD, mesh, zero_stage=3, layers="layers")
+  layerwise = jaxdp.make_eval_step(functional_loss, mesh, layers="layers")
+  whole = jaxdp.make_eval_step(functional_loss, mesh)
+  np.testing.assert_allclose(float(layerwise(state, batch, weights)["loss"]),
+                             float(jnp.mean(functional_loss(stacked_params(), data()))), rtol=1e-6)
+  np.testing.assert_allclose(float(layerwise(state, batch, weights)["loss"]), float(whole(state, batch, weights)["loss"]),
+                             rtol=1e-6)
+  assert in_loops(layerwise.lower(state, batch, weights).compile(), "all-gather") == (2, 0)
+  # 32 layers laid out without layers=: split along the layer axis (the largest), gathered whole by the same step.
+  deep = stacked_params(32)
+  other = jaxdp.init_state(deep, SGD, mesh, zero_stage=3)
+  assert jaxdp.state_specs(other).params["layers"]["w"] == P("data")
+  np.testing.assert_allclose(float(layerwise(other, batch, weights)["loss"]),
+                             float(jnp.mean(functional_loss(deep, data()))), rtol=1e-6)
