@@ -119,6 +119,14 @@ def test_functional_stack_matches_one_device(n, options, reference_clip_adamw):
   assert_close(state.params, reference_clip_adamw)
 
 
+def test_muon_on_the_stacks_matches_one_device():
+  """Muon's Newton-Schulz iterations read each whole [D, D] layer matrix: the update runs on the global arrays."""
+  muon = optax.contrib.muon(1e-2)
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  _, state, _ = train(functional_loss, stacked_params(), muon, mesh, 4)
+  assert_close(state.params, one_device(functional_loss, stacked_params(), muon))
+
+
 def test_layer_axis_is_never_split_and_the_stack_reaches_the_loss_split(reference_clip_adamw):
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   step, state, _ = train(functional_loss, stacked_params(), CLIP_ADAMW, mesh, 4)
