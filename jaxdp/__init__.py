@@ -37,6 +37,7 @@ _EXPORTS_BY_MODULE = {
     "data": ("PADS", "DataPipeline", "StreamingPipeline", "addressable_positions", "device_indices",
              "epoch_permutation", "process_positions", "shard_uneven", "split_batch"),
     "evaluation": ("EvalStep", "eval_sums", "make_eval_step", "means_from_sums"),
+    "layerwise": ("gather", "gather_policy"),
     "loss": ("LOSS_KEYWORDS", "LossOutput"),
     "layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "data_mesh", "gather_state", "init_state",
                "place_state", "state_specs"),
@@ -50,7 +51,7 @@ _EXPORTS_BY_MODULE = {
     "step": ("apply_update", "finish_step", "gradient_step", "train_step"),
 }
 _EXPORTS = {name: module for module, names in _EXPORTS_BY_MODULE.items() for name in names}
-_MODULES = ("batchnorm", "distributed", "layout", "linen", "nnx", "randomness", "scaling")  # public submodules in __all__
+_MODULES = ("batchnorm", "distributed", "layerwise", "layout", "linen", "nnx", "randomness", "scaling")  # public submodules in __all__
 
 __all__ = [
     "BACKENDS",
@@ -79,8 +80,11 @@ __all__ = [
     "assert_replicas_equal",
     "auto_mesh",
     "batchnorm",
+    "layerwise",
     "layout",
     "finish_step",
+    "gather",
+    "gather_policy",
     "gradient_step",
     "collectives_from_hlo",
     "comm_report",

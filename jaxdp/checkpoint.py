@@ -506,6 +506,7 @@ class CheckpointManager:
       model_state: Any = None,
       param_specs: Any = None,
       pipeline: DataPipeline | None = None,
+      layers: Any = None,
   ) -> Restored:
     """Restores checkpoint ``step`` (default: the latest) onto the layout described by the target.
 
@@ -542,6 +543,8 @@ class CheckpointManager:
         another number of data-parallel devices is refused too (read off
         the saved mesh; a record written before the mesh was recorded has
         only the total device count, which is then what is compared).
+      layers: the stacks of layers (layer-wise stage 3), as given to
+        :func:`jaxdp.init_state`; any checkpoint restores with or without it.
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``.
@@ -567,7 +570,7 @@ class CheckpointManager:
     record_lib.check_against(record, expected, self._where(step))
     data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
     mesh = auto_mesh(mesh)  # as init_state places a state
-    shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs).shardings(mesh)
+    shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs, layers).shardings(mesh)
     entries = {tuple(e["path"]): e for e in record["leaves"]}
     layout = dict(zip((c for c, _ in record_lib.named_leaves(expected)), jax.tree.leaves(shardings)))
     # A typed key's raw data is read replicated (its data has one more axis than the key), then wrapped and placed.

@@ -38,6 +38,7 @@ from jaxdp.layout import (
     data_size,
     auto_mesh,
     check_backend,
+    check_layers,
     check_mesh_axis,
     check_zero_stage,
     data_mesh,
@@ -78,9 +79,9 @@ class CompiledStep:
 
   def __init__(
       self, build, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage,
-      max_consecutive_skips, donate=True,
+      max_consecutive_skips, donate=True, layers=None,
   ):
-    self._build, self.donate = build, donate
+    self._build, self.donate, self.layers = build, donate, layers
     self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
@@ -203,7 +204,8 @@ class CompiledStep:
         )
       self._validated.add(key)
     if layout_key not in self._layouts:
-      self._layouts[layout_key] = make_layout(state, self.mesh, self.axis_name, self.zero_stage, model_specs)
+      self._layouts[layout_key] = make_layout(state, self.mesh, self.axis_name, self.zero_stage, model_specs,
+                                              self.layers)
     layout = self._layouts[layout_key]
     if not ours:  # the returned state is placed already: skip the placement of each leaf
       state = place(state, layout.shardings(self.mesh))
@@ -238,7 +240,8 @@ class CompiledStep:
 
   def layout_at(self, state: TrainState, zero_stage: int) -> Layout:
     """The layout of ``state`` on this step's mesh at ``zero_stage``."""
-    return make_layout(state, self.mesh, self.axis_name, zero_stage, model_specs_of(state.params, self.mesh, self.axis_name))
+    return make_layout(state, self.mesh, self.axis_name, zero_stage,
+                       model_specs_of(state.params, self.mesh, self.axis_name), self.layers)
 
   def __call__(
       self,
@@ -352,6 +355,8 @@ def make_train_step(
     grad_reduce_dtype: Any = None,
     bucket_bytes: int | None = None,
     example_ids: Any = None,
+    layers: Any = None,
+    reshard_after_forward: bool = True,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -429,6 +434,19 @@ def make_train_step(
       row's mask from its id: the same masks on any mesh, split and
       ``accum_steps``, and as one device's. flax's own ``Dropout`` is
       refused with it.
+    layers: layer-wise ZeRO-3 (see :mod:`jaxdp.layerwise`): the key path
+      (``"layers"``, ``("decoder", "layers")``) or a list of them naming the
+      stacks of layers in the params (leaves with a leading layer axis). At
+      ``zero_stage=3`` those leaves are split along one layer's dimensions,
+      reach ``loss_fn`` split, and the loop body gathers one layer at a time
+      with :func:`jaxdp.gather`; the rest are gathered whole before the
+      forward pass as without it. Below stage 3 nothing is split and
+      :func:`jaxdp.gather` returns its argument. Give :func:`jaxdp.init_state`
+      the same ``layers`` to place the state so from the start.
+    reshard_after_forward: with ``layers`` (FSDP2's setting): ``True``
+      gathers a layer again in the backward pass; ``False`` keeps it from
+      the forward pass when the body is checkpointed with
+      :func:`jaxdp.gather_policy`.
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -438,6 +456,14 @@ def make_train_step(
   """
   check_modes(reduction, zero_stage)
   check_example_ids(example_ids)
+  check_layers(layers)
+  if not isinstance(reshard_after_forward, (bool, np.bool_)):
+    raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}.")
+  if layers is not None and zero_stage == 3 and reduction == "rank_mean":
+    raise ValueError(
+        "layers= at zero_stage=3 reduce-scatters a stacked layer's gradient inside the backward pass, where "
+        "reduction='rank_mean' would need each replica's own mean first; use reduction='mean'."
+    )
   check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   check_loss_fn(loss_fn)
   check_optimizer(optimizer)
@@ -493,7 +519,8 @@ def make_train_step(
     if zero_stage == 0:
       mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
     else:
-      mapped = _global_update_over(loss_fn, optimizer, mesh, layout, options, check_vma=check_vma)
+      mapped = _global_update_over(loss_fn, optimizer, mesh, layout, dict(options, reshard_after_forward=reshard_after_forward),
+                                   check_vma=check_vma)
     if check_replicas:
       mapped = _with_divergence(mapped, layout, mesh)
     # The outputs keep the layout exactly (model-axis splits included), so the next call needs no placement.
@@ -514,6 +541,7 @@ def make_train_step(
       zero_stage=zero_stage,
       max_consecutive_skips=max_consecutive_skips,
       donate=donate,
+      layers=layers,
   )
 
 
@@ -569,7 +597,7 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
   def per_replica(state, batch, weights, rng, has_more):
     return gradient_step(
         loss_fn, state, batch, weights, rng=rng, has_more=has_more, params_split=params_split,
-        grads_split=grads_split, divide=False, **options,
+        grads_split=grads_split, divide=False, stacked=layout.layers, **options,
     )
 
   gradient = jax.shard_map(

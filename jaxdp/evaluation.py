@@ -11,6 +11,7 @@ by repeating examples.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable
 
 import jax
@@ -18,14 +19,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _checks
+from jaxdp.layerwise import gathering
 from jaxdp.loss import check_loss_fn
 from jaxdp.layout import (
     auto_mesh,
     check_backend,
+    check_layers,
     check_mesh_axis,
     data_mesh,
     data_part,
+    data_dim,
     data_size,
+    layer_mask,
     place,
     split_along,
 )
@@ -44,6 +49,7 @@ def eval_sums(
     params_split: Any = None,
     bucket_bytes: int | None = None,
     compute_dtype: Any = None,
+    stacked: Any = None,
 ) -> dict[str, jax.Array]:
   """Global sums ``{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}`` of one batch, as seen by one replica.
 
@@ -55,13 +61,24 @@ def eval_sums(
   ``"weight"`` gives the exact global weighted means; adding sums over
   batches first gives those of a whole dataset. ``compute_dtype``: the
   forward pass in this floating dtype, as the training step's (the floating
-  params and batch leaves cast; the sums stay float32).
+  params and batch leaves cast; the sums stay float32). ``stacked``: the
+  params' tree of bools marking the stacks of layers (layer-wise stage 3):
+  those leaves stay split and the loss gathers them a layer at a time
+  (:func:`jaxdp.gather`).
   """
+  specs = params_split
+  if stacked is not None and params_split is not None:  # stacks of layers: gathered a layer at a time in the loss
+    # (a stacked leaf placed split along its layer axis, by a layout without layers=, is gathered whole here)
+    stacked = jax.tree.map(lambda spec, is_layer: bool(is_layer and (data_dim(spec, axis_name) or 0) > 0),
+                           params_split, stacked, is_leaf=lambda x: isinstance(x, P))
+    params_split = jax.tree.map(lambda spec, is_layer: P() if is_layer else spec, params_split, stacked,
+                                is_leaf=lambda x: isinstance(x, P))
   params = gather_params(state.params, params_split, axis_name, bucket_bytes)
   params, batch = cast_floating((params, batch), compute_dtype)
-  local = loss_sums(
-      loss_fn, params, batch, weights, model_state=state.model_state, axis_name=axis_name, train=False
-  )
+  with gathering(params, specs, stacked, axis_name) if specs is not None else contextlib.nullcontext():
+    local = loss_sums(
+        loss_fn, params, batch, weights, model_state=state.model_state, axis_name=axis_name, train=False
+    )
   reduced = reduce_gradient(local._replace(model_state=None), axis_name=axis_name, reduction="sum")
   return {"loss": reduced.loss, "weight": reduced.weight, **reduced.metrics}
 
@@ -84,8 +101,9 @@ class EvalStep:
   of it as Python floats, the per-batch float32 sums added in float64.
   """
 
-  def __init__(self, build, *, loss_fn, mesh: Mesh, axis_name: str, gather_split: bool = False):
+  def __init__(self, build, *, loss_fn, mesh: Mesh, axis_name: str, gather_split: bool = False, layers: Any = None):
     self._build, self.loss_fn, self.mesh, self.axis_name = build, loss_fn, mesh, axis_name
+    self.layers = layers
     self._gather_split = gather_split  # pmap takes the state unmapped: split parameters are gathered first
     self._validated: set = set()
     self._jitted: dict = {}  # the params' data-axis splits -> the jitted step
@@ -120,7 +138,7 @@ class EvalStep:
     # The params' structure too: two trees with the same specs in another structure need their own program.
     split_key = (jax.tree.structure(state.params), tuple(jax.tree.leaves(split)))
     if split_key not in self._jitted:
-      self._jitted[split_key] = self._build(split)
+      self._jitted[split_key] = self._build(split, layer_mask(state.params, self.layers))
     batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
     return self._jitted[split_key], (state, batch, weights)
 
@@ -169,7 +187,7 @@ class EvalStep:
 
 def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data",
                    backend: str = "shard_map", bucket_bytes: int | None = None,
-                   compute_dtype: Any = None) -> EvalStep:
+                   compute_dtype: Any = None, layers: Any = None) -> EvalStep:
   """Builds the jitted evaluation step over every device of ``mesh[axis_name]``.
 
   Args:
@@ -193,6 +211,9 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
     compute_dtype: evaluate in this floating dtype (e.g. ``jnp.bfloat16``),
       as a model trained with ``make_train_step(..., compute_dtype=)`` runs
       its forward pass; ``None`` (default): the params' own dtypes.
+    layers: the stacks of layers, as given to :func:`jaxdp.make_train_step`:
+      a stage-3 state's stacked leaves are gathered a layer at a time by
+      :func:`jaxdp.gather` in the loss instead of whole before it.
 
   Returns:
     An :class:`EvalStep`. It takes a :class:`jaxdp.TrainState` of any ZeRO
@@ -206,12 +227,13 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
   check_mesh_axis(mesh, axis_name)
   mesh = auto_mesh(mesh)
   check_backend(backend, mesh, axis_name)
+  check_layers(layers)
   batch_spec = split_along(mesh, axis_name).spec
 
-  def build(params_split):
+  def build(params_split, stacked):
     def replica(s, b, w):
       return eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split, bucket_bytes=bucket_bytes,
-                       compute_dtype=compute_dtype)
+                       compute_dtype=compute_dtype, stacked=stacked)
 
     if backend == "pmap":
       return _pmap_eval(replica, mesh, axis_name)
@@ -222,7 +244,8 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
         axis_names=set(axis_names(axis_name)), check_vma=True,
     ))
 
-  return EvalStep(build, loss_fn=loss_fn, mesh=mesh, axis_name=axis_name, gather_split=backend == "pmap")
+  return EvalStep(build, loss_fn=loss_fn, mesh=mesh, axis_name=axis_name, gather_split=backend == "pmap",
+                  layers=layers)
 
 
 def _pmap_eval(replica, mesh: Mesh, axis_name: str):

@@ -379,58 +379,153 @@ class Layout(NamedTuple):
       params' own specs at stage 3, the slices the update computes before
       stages 1-2 gather them in flat buckets (``bucket_bytes``), and the
       reduced gradient's full specs at stages 2-3.
+    layers: the params' tree of bools, ``True`` for a leaf of a stack of
+      layers named by ``layers=`` (:func:`layer_mask`); ``None`` if none.
   """
 
   specs: TrainState
   grad_specs: Any
   zero_stage: int
   split_specs: Any = None
+  layers: Any = None  # the params' tree of bools: True for a leaf of a stack of layers (see layer_mask)
 
   def shardings(self, mesh: Mesh) -> TrainState:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs)
 
 
-def _opt_model_specs(opt_state: Any, params: Any, model_specs: Any) -> Any:
-  """The model spec of each optimizer-state leaf: its parameter's if its path ends with one and shapes agree."""
+def _per_parameter(opt_state: Any, params: Any, values: Any, default: Any) -> Any:
+  """Each optimizer-state leaf's parameter's entry of ``values`` (a params-shaped tree) if its path ends with
+  that parameter's path and shapes agree (Adam's ``mu['w']`` for ``params['w']``), else ``default``."""
   shapes = {path: np.shape(x) for path, x in jax.tree_util.tree_leaves_with_path(params)}
-  specs = dict(jax.tree_util.tree_leaves_with_path(model_specs))
+  by_path = dict(jax.tree_util.tree_leaves_with_path(values, is_leaf=lambda x: isinstance(x, P)))
   longest_first = sorted(shapes, key=len, reverse=True)
 
-  def spec(path, x):
+  def value(path, x):
     for param_path in longest_first:
       if len(param_path) <= len(path) and tuple(path[len(path) - len(param_path):]) == tuple(param_path) and (
           np.shape(x) == shapes[param_path]
       ):
-        return specs[param_path]
-    return P()
+        return by_path[param_path]
+    return default
 
-  return jax.tree_util.tree_map_with_path(spec, opt_state)
+  return jax.tree_util.tree_map_with_path(value, opt_state)
 
 
-def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: int, model_specs: Any = None) -> Layout:
+def _opt_model_specs(opt_state: Any, params: Any, model_specs: Any) -> Any:
+  """The model spec of each optimizer-state leaf: its parameter's if its path ends with one and shapes agree."""
+  return _per_parameter(opt_state, params, model_specs, P())
+
+
+def key_name(key: Any) -> Any:
+  """A pytree key as the name a user writes: a dict key, an attribute or field name, a sequence index."""
+  for attribute in ("key", "name", "idx"):
+    if hasattr(key, attribute):
+      return getattr(key, attribute)
+  return key
+
+
+def _layer_paths(layers: Any) -> list[tuple]:
+  if isinstance(layers, (str, int)):
+    return [(layers,)]
+  if isinstance(layers, tuple) and layers:
+    return [layers]
+  if isinstance(layers, list) and layers:
+    return [path for entry in layers for path in _layer_paths(entry)]
+  raise TypeError(
+      f"layers must name the stacked layers in params: a key (layers='layers'), a path of keys "
+      f"(layers=('decoder', 'layers')) or a list of them, got {layers!r}."
+  )
+
+
+def one_layer_spec(spec: P | None, ndim: int) -> P:
+  """The spec of one layer of a stacked leaf of ``ndim`` dimensions whose spec is ``spec`` (its layer axis dropped)."""
+  return _spec(_entries(spec, ndim)[1:])
+
+
+def check_layers(layers: Any) -> None:
+  """Raises ``TypeError`` unless ``layers`` is ``None`` or names stacks of layers as :func:`layer_mask` reads."""
+  if layers is not None:
+    _layer_paths(layers)
+
+
+def layer_mask(params: Any, layers: Any) -> Any:
+  """The params' tree of bools: ``True`` for the leaves under the key paths ``layers`` names (stacks of layers).
+
+  ``layers``: ``None`` (no stack), a key (``"layers"``), a path of keys (``("decoder", "layers")``) or a list
+  of them; the leaves under each must share a leading layer axis (``nnx.vmap``, ``nn.scan`` or a stacked
+  pytree). Raises ``ValueError`` naming the fix when a path names nothing or a stack's leaves disagree.
+  """
+  if layers is None:
+    return None
+  paths = _layer_paths(layers)
+  leaves = [(tuple(key_name(k) for k in path), x) for path, x in jax.tree_util.tree_leaves_with_path(params)]
+  mask = [False] * len(leaves)
+  for prefix in paths:
+    members = [i for i, (path, _) in enumerate(leaves) if path[:len(prefix)] == tuple(prefix)]
+    if not members:
+      tops = sorted({str(path[0]) for path, _ in leaves if path})
+      raise ValueError(
+          f"layers={layers!r}: params have no leaf under {prefix!r} (top-level keys: {', '.join(tops)}); name the "
+          "subtree that holds the stacked layers (made with nnx.vmap, nn.scan or a stacked pytree)."
+      )
+    counts = {np.shape(leaves[i][1])[0] if np.ndim(leaves[i][1]) else None for i in members}
+    if len(counts) != 1 or None in counts:
+      detail = ", ".join(f"{'/'.join(map(str, leaves[i][0]))}: {np.shape(leaves[i][1])}" for i in members[:4])
+      raise ValueError(
+          f"layers={layers!r}: the leaves under {prefix!r} do not share a leading layer axis ({detail}); stack the "
+          "layers' parameters on axis 0 (nnx.vmap, nn.scan with variable_axes={'params': 0}, or jnp.stack)."
+      )
+    for i in members:
+      mask[i] = True
+  return jax.tree.unflatten(jax.tree.structure(params), mask)
+
+
+def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: int, model_specs: Any = None,
+                layers: Any = None) -> Layout:
   """The :class:`Layout` of a state shaped like ``abstract`` (arrays or ``ShapeDtypeStruct``s).
 
   ``model_specs`` is the params' tree of model-axis ``PartitionSpec``s
-  (``None``: every parameter replicated over the model axes).
+  (``None``: every parameter replicated over the model axes). ``layers``
+  names the stacks of layers in the params (:func:`layer_mask`): their
+  leaves, and the optimizer state that belongs to them, are split by the
+  dimension rule applied to one layer's shape, never along the layer axis,
+  so that a layer's slice can be gathered inside the loop over layers
+  (:func:`jaxdp.gather`).
   """
   zero = zero_axis(axis_name)
   n = mesh.shape[zero]
   if model_specs is None:
     model_specs = jax.tree.map(lambda _: P(), abstract.params)
+  stacked = layer_mask(abstract.params, layers)
+  if stacked is None:
+    stacked = jax.tree.map(lambda _: False, abstract.params)
+  for path, is_layer, spec in zip(jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(stacked),
+                                  jax.tree.leaves(model_specs, is_leaf=lambda x: isinstance(x, P))):
+    if is_layer and _entries(spec, len(np.shape(path[1])))[0] is not None:
+      raise ValueError(
+          f"layers={layers!r}: {jax.tree_util.keystr(path[0])} is split over a model axis along its layer axis "
+          f"(spec {spec}); each device must hold every layer's slice. Split it over the model axes along another "
+          "dimension."
+      )
 
-  def sharded(x, model_spec):  # the leaf's full spec when it is split over the data axis (where it can be)
-    return _with_data(model_spec, np.ndim(x), zero_dim(np.shape(x), model_spec, n), zero)
+  def sharded(x, model_spec, is_layer=False):  # the leaf's full spec when split over the data axis (where it can be)
+    shape = np.shape(x)
+    if not is_layer:
+      return _with_data(model_spec, len(shape), zero_dim(shape, model_spec, n), zero)
+    dim = zero_dim(shape[1:], one_layer_spec(model_spec, len(shape)), n)
+    return _with_data(model_spec, len(shape), None if dim is None else dim + 1, zero)
 
   opt_specs = _opt_model_specs(abstract.opt_state, abstract.params, model_specs)
-  split_specs = jax.tree.map(sharded, abstract.params, model_specs)
+  opt_stacked = _per_parameter(abstract.opt_state, abstract.params, stacked, False)
+  split_specs = jax.tree.map(sharded, abstract.params, model_specs, stacked)
   specs = TrainState(
       params=split_specs if zero_stage == 3 else model_specs,
-      opt_state=jax.tree.map(sharded, abstract.opt_state, opt_specs) if zero_stage >= 1 else opt_specs,
+      opt_state=jax.tree.map(sharded, abstract.opt_state, opt_specs, opt_stacked) if zero_stage >= 1 else opt_specs,
       step=P(),
       model_state=jax.tree.map(lambda _: P(), abstract.model_state),
   )
   grad_specs = jax.tree.map(lambda s: data_part(s, axis_name) if zero_stage >= 2 else P(), split_specs)
-  return Layout(specs, grad_specs, zero_stage, split_specs)
+  return Layout(specs, grad_specs, zero_stage, split_specs, None if layers is None else stacked)
 
 
 def model_specs_of(params: Any, mesh: Mesh, axis_name: str) -> Any:
@@ -498,6 +593,7 @@ def init_state(
     zero_stage: int = 0,
     model_state: Any = None,
     param_specs: Any = None,
+    layers: Any = None,
 ) -> TrainState:
   """Creates the training state and places it as :func:`make_train_step` expects.
 
@@ -520,6 +616,9 @@ def init_state(
     param_specs: optional params' tree of ``PartitionSpec``s over the model
       axes (e.g. from ``jaxdp.nnx.partition_specs(model)`` or
       ``nnx.get_partition_spec``); default: read off the params' shardings.
+    layers: the stacks of layers, as given to :func:`jaxdp.make_train_step`
+      (layer-wise ZeRO-3): their leaves are split along one layer's
+      dimensions, never the layer axis.
 
   Returns:
     A :class:`TrainState` of fresh buffers: a step that donates it never
@@ -528,6 +627,7 @@ def init_state(
   check_mesh_axis(mesh, axis_name)
   check_zero_stage(zero_stage)
   check_optimizer(optimizer)
+  check_layers(layers)
   params, boxed_specs = _unboxed(params)
   if param_specs is None:
     param_specs = boxed_specs
@@ -538,7 +638,7 @@ def init_state(
   mesh = auto_mesh(mesh)
   # Host values are placed as the layout says (no leaf is ever whole on one device unless replicated there).
   abstract = abstract_state(params, optimizer, model_state)
-  layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs)
+  layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs, layers)
   shardings = layout.shardings(mesh)
   params = place(params, jax.tree.map(
       # Kept only on this mesh's devices in this order (a mesh over the same devices reordered is another layout).

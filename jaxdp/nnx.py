@@ -53,6 +53,7 @@ from flax import nnx
 from jaxdp import randomness
 from jaxdp.batchnorm import BatchNorm
 from jaxdp.loss import LossOutput, declared_keywords, scalar_mean_message
+from jaxdp.layerwise import gather as _gather_leaves
 from jaxdp.layout import gather_state
 from jaxdp.state import TrainState
 
@@ -429,3 +430,16 @@ def update(model: nnx.Module, state: TrainState) -> nnx.Module:
   else:
     nnx.update(model, full.params, full.model_state)
   return model
+
+
+def gather(layer: nnx.Module) -> nnx.Module:
+  """One layer of a stack (``nnx.vmap``) with its whole parameters, inside ``nnx.scan`` over the stack.
+
+  Layer-wise ZeRO-3 (:mod:`jaxdp.layerwise`): call it on the scan body's layer, ``jaxdp.nnx.gather(layer)(x)``.
+  Inside a jaxdp step at stage 3 with ``layers=`` naming the stack, each parameter split over the data axis
+  is all-gathered; elsewhere the layer comes back unchanged. The result is a new Module sharing the layer's
+  other state (RNG streams, statistics); its gathered parameters are not written back to the stack.
+  """
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  return nnx.merge(graphdef, _gather_leaves(params), rest)
+

@@ -861,6 +861,7 @@ def reduce_gradient(
     bucket_bytes: int | None = None,
     reduce_dtype: Any = None,
     divide: bool = True,
+    presummed: Any = None,
 ) -> ReducedGradient:
   """Makes the replicas agree on one gradient, loss, metrics and model state, in one all-reduce.
 
@@ -909,6 +910,11 @@ def reduce_gradient(
       :func:`jaxdp.finish_step`, which divides where it reads the gradient,
       saving a pass over it (``jaxdp.train_step`` does this). The loss and
       metrics are divided either way.
+    presummed: with ``scatter``, a tree of bools like the gradient's:
+      ``True`` for a leaf already reduce-scattered over ZeRO's axis inside
+      the loss (a stacked layer gathered with :func:`jaxdp.gather`, whose
+      transpose is that reduce-scatter); such a leaf is only all-reduced
+      over the other data axes (hybrid sharding) and divided.
 
   Returns:
     A :class:`ReducedGradient`. Every replica holds the same values except
@@ -948,10 +954,16 @@ def reduce_gradient(
   small = (loss_sum, weight_sum, metric_sums, contributions, totals)
   dtypes = jax.tree.map(lambda x: x.dtype, grads)
   if reduce_dtype is not None:  # real leaves only: a complex gradient cast to a real dtype loses its imaginary part
-    grads = jax.tree.map(lambda x: x.astype(reduce_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, grads)
+    # (and not a presummed leaf: it was reduced in its own dtype already, a round trip would only lose bits)
+    done = jax.tree.map(lambda _: False, grads) if presummed is None else presummed
+    grads = jax.tree.map(lambda x, d: x.astype(reduce_dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not d
+                         else x, grads, done)
   if scatter is not False:
     specs = jax.tree.map(lambda _: True, grads) if scatter is True else scatter
-    grads = _psum_scatter(grads, specs, axis_name, bucket_bytes)
+    if presummed is None:
+      grads = _psum_scatter(grads, specs, axis_name, bucket_bytes)
+    else:
+      grads = _scatter_unless_presummed(grads, specs, presummed, axis_name, bucket_bytes)
     loss_sum, weight_sum, metric_sums, contributions, totals = _psum(small, axis_name)
   else:
     grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum_buckets(grads, small, axis_name, bucket_bytes)
@@ -970,6 +982,18 @@ def reduce_gradient(
   denominator = weight_sum if reduction == "mean" else jnp.asarray(lax.axis_size(axis_name), jnp.float32)
   grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), denominator, divide)
   return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
+
+
+def _scatter_unless_presummed(grads: Any, specs: Any, presummed: Any, axis_name: Any, bucket_bytes: int | None) -> Any:
+  """:func:`_psum_scatter` of the leaves not ``presummed``; those are summed over the other data axes only."""
+  leaves, treedef = jax.tree.flatten(grads)
+  spec_leaves = treedef.flatten_up_to(specs)
+  done = treedef.flatten_up_to(presummed)
+  others = axis_names(axis_name)[:-1]
+  rest = _psum_scatter([x for x, d in zip(leaves, done) if not d], [s for s, d in zip(spec_leaves, done) if not d],
+                       axis_name, bucket_bytes)
+  rest = iter(rest)
+  return treedef.unflatten([(lax.psum(x, others) if others else x) if d else next(rest) for x, d in zip(leaves, done)])
 
 
 def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) -> None:

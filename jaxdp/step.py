@@ -9,6 +9,7 @@ optimizer sees whole leaves whatever their sharding: see
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -17,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxdp._checks import check_optimizer, check_reduce_dtype
-from jaxdp.layout import data_dim, per_model_shard, zero_axis
+from jaxdp.layerwise import gathering
+from jaxdp.layout import data_dim, model_part, per_model_shard, zero_axis
 from jaxdp.loss import declared_keywords
 from jaxdp import reduction as _reduction
 from jaxdp.reduction import (
@@ -183,6 +186,8 @@ def gradient_step(
     grads_split: Any = None,
     divide: bool = True,
     example_ids: Any = None,
+    stacked: Any = None,
+    reshard_after_forward: bool = True,
 ) -> ReducedGradient:
   """This replica's gradient, loss, metrics and model state, reduced over ``axis_name`` (per replica).
 
@@ -196,6 +201,11 @@ def gradient_step(
   (the full spec): the gather and scatter then run per model shard.
   ``divide=False`` leaves the gradient undivided for :func:`finish_step`
   (see :func:`jaxdp.reduce_gradient`). ``example_ids``: see :func:`train_step`.
+  ``stacked``: the params' tree of bools marking the leaves of stacks of
+  layers (:func:`jaxdp.layout.layer_mask`); at stage 3 those arrive split
+  and stay so, :func:`jaxdp.gather` gathers one layer at a time inside the
+  loss, and their gradient leaves the loss reduce-scattered already
+  (``reshard_after_forward``: see :mod:`jaxdp.layerwise`).
   """
   check_reduction(reduction)
   check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
@@ -204,16 +214,32 @@ def gradient_step(
     rng = jax.random.fold_in(rng, state.step)
   elif rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
+  presummed = None
+  if stacked is not None and params_split is not None:
+    if reduction == "rank_mean":
+      raise ValueError(
+          "reduction='rank_mean' divides each replica's gradient by its own weight before the reduction, but a "
+          "stacked layer's gradient is reduce-scattered inside the backward pass (layers=); use reduction='mean'."
+      )
+    # The stacked leaves stay split: the loss gathers one layer at a time (jaxdp.gather), and the transpose of
+    # that gather reduce-scatters the layer's gradient inside the backward loop.
+    presummed = jax.tree.map(lambda is_layer, spec: bool(is_layer and data_dim(spec, axis_name) is not None),
+                             stacked, params_split, is_leaf=lambda x: isinstance(x, P))
+    specs = params_split
+    params_split = jax.tree.map(lambda spec, keep: model_part(spec, axis_name) if keep else spec, params_split,
+                                presummed, is_leaf=lambda x: isinstance(x, P))
   params = gather_params(state.params, params_split, axis_name, bucket_bytes)
-  local = local_gradient(
-      loss_fn, params, batch, weights,
-      axis_name=axis_name, accum_steps=accum_steps, rng=rng, model_state=state.model_state,
-      compute_dtype=compute_dtype, example_ids=example_ids,
-  )
+  with gathering(params, specs, stacked, axis_name, reshard_after_forward) if presummed is not None else (
+      contextlib.nullcontext()):
+    local = local_gradient(
+        loss_fn, params, batch, weights,
+        axis_name=axis_name, accum_steps=accum_steps, rng=rng, model_state=state.model_state,
+        compute_dtype=compute_dtype, example_ids=example_ids,
+    )
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
   return reduce_gradient(
       local, axis_name=axis_name, reduction=reduction, scatter=False if grads_split is None else grads_split,
-      totals=totals, bucket_bytes=bucket_bytes, reduce_dtype=grad_reduce_dtype, divide=divide,
+      totals=totals, bucket_bytes=bucket_bytes, reduce_dtype=grad_reduce_dtype, divide=divide, presummed=presummed,
   )
 
 
