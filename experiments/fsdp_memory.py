@@ -5,10 +5,10 @@ Model: a stack of L pre-norm MLP blocks at fixed width, run under
 learned scale, ``w1`` [D, F], ``w2`` [F, D]; a final norm scale and a head
 [D, 1] outside the stack; a per-token squared error on inputs ``x`` [b, T, D].
 Adam, float32. The loop body calls ``jaxdp.gather(layer)`` and is
-checkpointed with ``jax.checkpoint(body, policy=jaxdp.gather_policy)``: the
-same loss for every schedule (outside a layer-wise step ``jaxdp.gather``
-returns its argument and the policy saves nothing, so every schedule
-recomputes the body and saves only each layer's input ``h``).
+checkpointed with ``jax.checkpoint(body, policy=jaxdp.gather_policy(r))``: the
+same loss for every schedule but the last (outside a layer-wise step
+``jaxdp.gather`` returns its argument and the policy saves nothing, so every
+schedule recomputes the body and saves only each layer's input ``h``).
 
 For L in ``--layers`` at N = 8 simulated devices it compiles (never runs) the
 step of each schedule and records the per-device peak of
@@ -18,10 +18,10 @@ donated state's outputs alias its arguments, so they count once):
 * ``stage0``: plain data parallelism (everything replicated);
 * ``stage3``: ZeRO-3 with the whole gather (no ``layers=``: every parameter
   gathered before the forward pass and kept until the backward pass ends);
-* ``layerwise``: ZeRO-3 with ``layers="layers"``, ``reshard_after_forward=True``
+* ``layerwise``: ZeRO-3 with ``layers="layers"``, ``gather_policy(reshard_after_forward=True)``
   (each layer gathered in the forward loop, dropped, gathered again in the
   backward loop, its gradient reduce-scattered there);
-* ``layerwise_no_reshard``: the same with ``reshard_after_forward=False``
+* ``layerwise_no_reshard``: the same with ``gather_policy(reshard_after_forward=False)``
   (each gathered layer kept for its backward pass);
 
 next to the model's whole float32 parameter bytes (``param_bytes``).
@@ -124,10 +124,18 @@ def block(h, layer):
   return h + jax.nn.gelu(rms_norm(h, layer["scale"]) @ layer["w1"]) @ layer["w2"], None
 
 
-def loss_fn(params, batch):
-  """Per-token squared error ``[b, T]``."""
-  h, _ = lax.scan(jax.checkpoint(block, policy=jaxdp.gather_policy), batch["x"], params[STACK])
-  return 0.5 * ((rms_norm(h, params["norm"]) @ params["head"])[..., 0] - batch["y"]) ** 2
+def make_loss(reshard_after_forward=True):
+  """The per-token squared error ``[b, T]``, its loop body checkpointed with ``gather_policy(reshard_after_forward)``."""
+  body = jax.checkpoint(block, policy=jaxdp.gather_policy(reshard_after_forward))
+
+  def loss_fn(params, batch):
+    h, _ = lax.scan(body, batch["x"], params[STACK])
+    return 0.5 * ((rms_norm(h, params["norm"]) @ params["head"])[..., 0] - batch["y"]) ** 2
+
+  return loss_fn
+
+
+loss_fn = make_loss()
 
 
 def model_batch(cfg, n, seed=0):
@@ -149,17 +157,11 @@ def peak_bytes(analysis) -> int:
 
 
 def compile_step(params, optimizer, mesh, batch, options):
-  """The compiled step of one schedule (lowered from a placed state, never run).
-
-  JAX's caches are cleared first: JAX caches the partial evaluation of the checkpointed loop body keyed on its
-  traced jaxpr and the policy object, not on what ``jaxdp.gather_policy`` answers under the step being traced, so
-  without this a ``reshard_after_forward=False`` step built after a ``True`` one of the same loss (same shapes)
-  silently gathers again in the backward pass (and vice versa).
-  """
-  jax.clear_caches()
-  step = jaxdp.make_train_step(loss_fn, optimizer, mesh, **options)
-  init = {k: v for k, v in options.items() if k != "reshard_after_forward"}
-  state = jaxdp.init_state(params, optimizer, mesh, **init)
+  """The compiled step of one schedule (lowered from a placed state, never run)."""
+  options = dict(options)
+  loss = make_loss(options.pop("reshard_after_forward", True))
+  step = jaxdp.make_train_step(loss, optimizer, mesh, **options)
+  state = jaxdp.init_state(params, optimizer, mesh, **options)
   compiled = step.lower(state, batch).compile()
   del state
   return compiled

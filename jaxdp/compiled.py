@@ -356,7 +356,6 @@ def make_train_step(
     bucket_bytes: int | None = None,
     example_ids: Any = None,
     layers: Any = None,
-    reshard_after_forward: bool = True,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -442,11 +441,9 @@ def make_train_step(
       with :func:`jaxdp.gather`; the rest are gathered whole before the
       forward pass as without it. Below stage 3 nothing is split and
       :func:`jaxdp.gather` returns its argument. Give :func:`jaxdp.init_state`
-      the same ``layers`` to place the state so from the start.
-    reshard_after_forward: with ``layers`` (FSDP2's setting): ``True``
-      gathers a layer again in the backward pass; ``False`` keeps it from
-      the forward pass when the body is checkpointed with
-      :func:`jaxdp.gather_policy`.
+      the same ``layers`` to place the state so from the start. Whether a
+      gathered layer is kept for the backward pass is the loop body's
+      checkpoint policy, :func:`jaxdp.gather_policy` (``reshard_after_forward``).
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -457,8 +454,6 @@ def make_train_step(
   check_modes(reduction, zero_stage)
   check_example_ids(example_ids)
   check_layers(layers)
-  if not isinstance(reshard_after_forward, (bool, np.bool_)):
-    raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}.")
   if layers is not None and zero_stage == 3 and reduction == "rank_mean":
     raise ValueError(
         "layers= at zero_stage=3 reduce-scatters a stacked layer's gradient inside the backward pass, where "
@@ -519,8 +514,7 @@ def make_train_step(
     if zero_stage == 0:
       mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
     else:
-      mapped = _global_update_over(loss_fn, optimizer, mesh, layout, dict(options, reshard_after_forward=reshard_after_forward),
-                                   check_vma=check_vma)
+      mapped = _global_update_over(loss_fn, optimizer, mesh, layout, options, check_vma=check_vma)
     if check_replicas:
       mapped = _with_divergence(mapped, layout, mesh)
     # The outputs keep the layout exactly (model-axis splits included), so the next call needs no placement.

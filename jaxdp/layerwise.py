@@ -16,21 +16,25 @@ divides it by the global weight). Outside a jaxdp step, and for leaves that
 are not split, :func:`gather` returns its argument: the same model code runs
 on one device.
 
-Memory: wrap the loop body in ``jax.checkpoint`` with :func:`gather_policy`.
-With ``reshard_after_forward=True`` (the step's default, FSDP2's) the
-gathered layer is dropped after its forward use and gathered again in the
-backward pass; with ``False`` it is kept for the backward pass (less traffic,
-one gathered layer per layer alive). Without ``jax.checkpoint`` autodiff keeps
-every gathered layer as a residual, whatever the setting.
+Memory: wrap the loop body in ``jax.checkpoint`` with
+``policy=jaxdp.gather_policy(reshard_after_forward)``. With ``True`` (the
+default, FSDP2's) the gathered layer is dropped after its forward use and
+gathered again in the backward pass; with ``False`` it is kept for the
+backward pass (less traffic, one gathered layer per layer alive). Without
+``jax.checkpoint`` autodiff keeps every gathered layer as a residual. The
+setting is the model's, in its checkpoint policy, as FSDP2 sets it per
+module: JAX caches a checkpointed body's trace and partial evaluation, so a
+setting read from the step while tracing could be a stale one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
@@ -52,14 +56,13 @@ class _Stacked(NamedTuple):
 class _Gathering(NamedTuple):
   leaves: tuple[_Stacked, ...]
   axis_name: Any
-  reshard_after_forward: bool
 
 
 _ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar("jaxdp_gathering", default=None)
 
 
 @contextlib.contextmanager
-def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any, reshard_after_forward: bool = True):
+def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any):
   """While tracing a step's loss: :func:`gather` gathers the slices of the stacked leaves of ``params``.
 
   ``params``: this device's params as the loss gets them; ``specs``: their full specs; ``stacked``: the
@@ -79,7 +82,7 @@ def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any, reshard_aft
     layer_spec = one_layer_spec(spec, len(x.shape))
     entries.append(_Stacked(_names(path), tuple(x.shape[1:]), x.dtype,
                             None if dim is None else dim - 1, layer_spec))
-  token = _ACTIVE.set(_Gathering(tuple(entries), axis_name, bool(reshard_after_forward)))
+  token = _ACTIVE.set(_Gathering(tuple(entries), axis_name))
   try:
     yield
   finally:
@@ -150,15 +153,21 @@ def gather(layer: Any) -> Any:
   return out
 
 
-def gather_policy(prim: Any, *args: Any, **params: Any) -> bool:
-  """A ``jax.checkpoint`` policy for a loop body that calls :func:`gather`.
+def gather_policy(reshard_after_forward: bool = True, *_misuse: Any, **_misuse_keywords: Any) -> Callable[..., bool]:
+  """The ``jax.checkpoint`` policy for a loop body that calls :func:`gather`: FSDP2's ``reshard_after_forward``.
 
-  Saves nothing but, under the step's ``reshard_after_forward=False``, the gathered parameters (so the
-  backward pass does not gather them again); everything else is recomputed. Use it as
-  ``jax.checkpoint(body, policy=jaxdp.gather_policy)`` (``nn.remat(..., policy=...)``,
-  ``nnx.remat(..., policy=...)``).
+  ``True`` (default): nothing is saved, the gathered layer is dropped after the forward pass and gathered
+  again in the backward pass (3Ψ traffic per step with the gradient's reduce-scatter). ``False``: the
+  gathered parameters (and nothing else) are saved for the backward pass (2Ψ, one gathered layer kept per
+  layer). Use it as ``jax.checkpoint(body, policy=jaxdp.gather_policy())`` (``nn.remat(..., policy=...)``,
+  ``nnx.remat(policy=...)``).
   """
-  active = _ACTIVE.get()
-  if active is None or active.reshard_after_forward:
-    return False
-  return jax.checkpoint_policies.save_only_these_names(GATHERED)(prim, *args, **params)
+  # Passed uncalled (policy=jaxdp.gather_policy), JAX calls it as a policy: (primitive, *avals, **params).
+  if _misuse or _misuse_keywords or not isinstance(reshard_after_forward, (bool, np.bool_)):
+    raise TypeError(
+        f"reshard_after_forward must be True or False, got {type(reshard_after_forward).__name__}; call it: "
+        "jax.checkpoint(body, policy=jaxdp.gather_policy()) (or gather_policy(reshard_after_forward=False))."
+    )
+  if reshard_after_forward:
+    return jax.checkpoint_policies.nothing_saveable
+  return jax.checkpoint_policies.save_only_these_names(GATHERED)

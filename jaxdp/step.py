@@ -187,7 +187,6 @@ def gradient_step(
     divide: bool = True,
     example_ids: Any = None,
     stacked: Any = None,
-    reshard_after_forward: bool = True,
 ) -> ReducedGradient:
   """This replica's gradient, loss, metrics and model state, reduced over ``axis_name`` (per replica).
 
@@ -205,7 +204,7 @@ def gradient_step(
   layers (:func:`jaxdp.layout.layer_mask`); at stage 3 those arrive split
   and stay so, :func:`jaxdp.gather` gathers one layer at a time inside the
   loss, and their gradient leaves the loss reduce-scattered already
-  (``reshard_after_forward``: see :mod:`jaxdp.layerwise`).
+  (see :mod:`jaxdp.layerwise`).
   """
   check_reduction(reduction)
   check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
@@ -229,7 +228,7 @@ def gradient_step(
     params_split = jax.tree.map(lambda spec, keep: model_part(spec, axis_name) if keep else spec, params_split,
                                 presummed, is_leaf=lambda x: isinstance(x, P))
   params = gather_params(state.params, params_split, axis_name, bucket_bytes)
-  with gathering(params, specs, stacked, axis_name, reshard_after_forward) if presummed is not None else (
+  with gathering(params, specs, stacked, axis_name) if presummed is not None else (
       contextlib.nullcontext()):
     local = local_gradient(
         loss_fn, params, batch, weights,

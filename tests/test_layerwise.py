@@ -56,7 +56,7 @@ def functional_loss(params, batch):
 
 
 def with_policy(loss_fn_body_policy):
-  """The functional loss with its body checkpointed under jaxdp.gather_policy (reshard_after_forward applies)."""
+  """The functional loss with its body checkpointed under a policy (jaxdp.gather_policy(reshard_after_forward))."""
 
   def loss_fn(params, batch):
     h = batch["x"] @ params["embed"]
@@ -107,15 +107,16 @@ def reference_clip_adamw():
   return one_device(functional_loss, stacked_params(), CLIP_ADAMW)
 
 
-@pytest.mark.parametrize("n,options", [
-    (4, {}),
-    (4, {"reshard_after_forward": False}),
-    (2, {"accum_steps": 2}),
-    (1, {}),
+@pytest.mark.parametrize("n,reshard,options", [
+    (4, True, {}),
+    (4, False, {}),
+    (2, True, {"accum_steps": 2}),
+    (1, True, {}),
 ])
-def test_functional_stack_matches_one_device(n, options, reference_clip_adamw):
+def test_functional_stack_matches_one_device(n, reshard, options, reference_clip_adamw):
   mesh = jaxdp.data_mesh(jax.devices()[:n])
-  _, state, _ = train(functional_loss, stacked_params(), CLIP_ADAMW, mesh, n, **options)
+  loss_fn = with_policy(jaxdp.gather_policy(reshard_after_forward=reshard))
+  _, state, _ = train(loss_fn, stacked_params(), CLIP_ADAMW, mesh, n, **options)
   assert_close(state.params, reference_clip_adamw)
 
 
@@ -168,8 +169,8 @@ def test_reshard_after_forward_false_keeps_the_gathered_layers():
   batch, weights = jaxdp.shard_uneven(portions(SPLITS[4]), mesh, rows=6)
   gathers = {}
   for reshard in (True, False):
-    step = jaxdp.make_train_step(with_policy(jaxdp.gather_policy), SGD, mesh, zero_stage=3, layers="layers",
-                                 reshard_after_forward=reshard)
+    step = jaxdp.make_train_step(with_policy(jaxdp.gather_policy(reshard)), SGD, mesh, zero_stage=3,
+                                 layers="layers")
     state = jaxdp.init_state(params, SGD, mesh, zero_stage=3, layers="layers")
     gathers[reshard] = in_loops(step.lower(state, batch, weights).compile(), "all-gather")
   assert gathers == {True: (2, 2), False: (2, 0)}  # kept from the forward pass: not gathered again
@@ -223,7 +224,7 @@ class LinenNet(nn.Module):
   def __call__(self, x):
     h = nn.Dense(D)(x)
     block = nn.map_variables(LinenBlock, "params", trans_in_fn=jaxdp.gather, init=True)
-    block = nn.remat(block, policy=jaxdp.gather_policy, prevent_cse=False)
+    block = nn.remat(block, policy=jaxdp.gather_policy(), prevent_cse=False)
     h, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)(name="layers")(h, None)
     return nn.Dense(1)(h)[:, 0]
 
@@ -265,7 +266,7 @@ class NnxNet(nnx.Module):
 
   def __call__(self, x):
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    @nnx.remat(policy=jaxdp.gather_policy)
+    @nnx.remat(policy=jaxdp.gather_policy())
     def forward(h, layer):
       return jaxdp.nnx.gather(layer)(h)
 
@@ -301,6 +302,8 @@ def test_bad_layers_are_refused_before_anything_runs():
     jaxdp.init_state(uneven, SGD, mesh, zero_stage=3, layers="layers")
   with pytest.raises(TypeError, match="layers must name"):
     jaxdp.make_train_step(functional_loss, SGD, mesh, zero_stage=3, layers=3.5)
+  with pytest.raises(TypeError, match=r"call it: jax.checkpoint\(body, policy=jaxdp.gather_policy\(\)\)"):
+    jax.grad(lambda w: jnp.sum(jax.checkpoint(jnp.sin, policy=jaxdp.gather_policy)(w)))(1.0)
   with pytest.raises(ValueError, match="rank_mean"):
     jaxdp.make_train_step(functional_loss, SGD, mesh, zero_stage=3, layers="layers", reduction="rank_mean")
   tp = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
