@@ -34,6 +34,7 @@ import contextvars
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -108,6 +109,65 @@ def _match(path: tuple, x: Any, leaves: tuple[_Stacked, ...]) -> list[_Stacked]:
   return []
 
 
+def _plan(layer: Any, active: _Gathering) -> list:
+  """Per leaf of one layer (arrays or shapes): ``(dim, spec)`` for a slice to gather, ``None`` for a whole leaf."""
+  found = False
+
+  def one(path, x):
+    nonlocal found
+    matches = _match(_names(path), x, active.leaves)
+    if not matches:
+      return None
+    found = True
+    dims = {(m.dim, m.spec) for m in matches}
+    if len(dims) > 1:
+      raise ValueError(
+          f"jaxdp.gather: {jax.tree_util.keystr(path)} of shape {x.shape} matches stacked leaves split along "
+          f"different dimensions ({', '.join('/'.join(map(str, m.path)) for m in matches)}); pass the layer with "
+          "more of its key path (the whole layer's subtree), so that it names one stacked leaf."
+      )
+    dim, spec = dims.pop()
+    return None if dim is None else (dim, spec)
+
+  plan = [one(path, x) for path, x in jax.tree_util.tree_leaves_with_path(layer)]
+  if not found and plan:
+    shapes = ", ".join(f"{'/'.join(map(str, s.path))} {s.shape}" for s in active.leaves[:4])
+    raise ValueError(
+        "jaxdp.gather got no parameter of a stacked layer: pass one layer's parameters as the loop body sees "
+        f"them (a slice of the stacks named by layers=: {shapes}, ...), with their key names."
+    )
+  return plan
+
+
+def _gathered(layer: Any, plan: list, active: _Gathering) -> Any:
+  zero = zero_axis(active.axis_name)
+
+  def one(x, how):
+    if how is None:
+      return x
+    dim, spec = how
+    whole = per_model_shard(lambda y: lax.all_gather(y, zero, axis=dim, tiled=True), spec, active.axis_name)(x)
+    return checkpoint_name(whole, GATHERED)
+
+  leaves, treedef = jax.tree.flatten(layer)
+  return treedef.unflatten([one(x, how) for x, how in zip(leaves, plan)])
+
+
+def _scattered(cotangent: Any, plan: list, active: _Gathering) -> Any:
+  """The transpose of :func:`_gathered`: each gathered leaf's cotangent reduce-scattered back to its slice."""
+  zero = zero_axis(active.axis_name)
+
+  def one(g, how):
+    if how is None:
+      return g
+    dim, spec = how
+    return per_model_shard(lambda y: lax.psum_scatter(y, zero, scatter_dimension=dim, tiled=True), spec,
+                           active.axis_name)(g)
+
+  leaves, treedef = jax.tree.flatten(cotangent)
+  return treedef.unflatten([one(g, how) for g, how in zip(leaves, plan)])
+
+
 def gather(layer: Any) -> Any:
   """One layer's whole parameters from this device's slices, inside the loop over a stack of layers.
 
@@ -121,36 +181,88 @@ def gather(layer: Any) -> Any:
   active = _ACTIVE.get()
   if active is None or not active.leaves:
     return layer
-  zero = zero_axis(active.axis_name)
-  found = False
+  return _gathered(layer, _plan(layer, active), active)
 
-  def one(path, x):
-    nonlocal found
-    matches = _match(_names(path), x, active.leaves)
-    if not matches:
-      return x
-    found = True
-    dims = {(m.dim, m.spec) for m in matches}
-    if len(dims) > 1:
-      raise ValueError(
-          f"jaxdp.gather: {jax.tree_util.keystr(path)} of shape {x.shape} matches stacked leaves split along "
-          f"different dimensions ({', '.join('/'.join(map(str, m.path)) for m in matches)}); pass the layer with "
-          "more of its key path (the whole layer's subtree), so that it names one stacked leaf."
-      )
-    dim, spec = dims.pop()
-    if dim is None:
-      return x
-    whole = per_model_shard(lambda y: lax.all_gather(y, zero, axis=dim, tiled=True), spec, active.axis_name)(x)
-    return checkpoint_name(whole, GATHERED)
 
-  out = jax.tree_util.tree_map_with_path(one, layer)
-  if not found and jax.tree.leaves(layer):
-    shapes = ", ".join(f"{'/'.join(map(str, s.path))} {s.shape}" for s in active.leaves[:4])
-    raise ValueError(
-        "jaxdp.gather got no parameter of a stacked layer: pass one layer's parameters as the loop body sees "
-        f"them (a slice of the stacks named by layers=: {shapes}, ...), with their key names."
-    )
-  return out
+def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
+                reshard_after_forward: bool = True) -> tuple[Any, Any]:
+  """``lax.scan`` of ``f(carry, layer, x) -> (carry, y)`` over a stack of layers, each gathered ahead of its use.
+
+  The functional route's loop with prefetch: inside a layer-wise step, layer ``l + 1``'s all-gather is
+  issued in iteration ``l``, before ``f`` computes layer ``l`` (the loop carries the next layer's gathered
+  parameters), so a GPU or TPU scheduler can overlap the two; the backward pass runs the layers in reverse,
+  gathering layer ``l - 1`` while it recomputes and differentiates layer ``l``, and reduce-scatters each
+  layer's gradient there. Each layer's forward pass is recomputed in the backward pass (only each
+  layer's input carry is kept); ``reshard_after_forward=False`` also keeps each gathered layer, so the
+  backward pass gathers nothing. ``layers``: the stacked params as ``loss_fn`` got them (leading layer
+  axis); ``xs``: per-layer inputs (leading layer axis) or ``None``. Returns ``(carry, ys)`` as
+  ``lax.scan``. Elsewhere (one device, below stage 3, a plain program) it is ``lax.scan`` with the layers
+  as they are, so the same model runs everywhere. ``f`` may read other values than its arguments
+  (closures); their gradients are summed over the layers.
+  """
+  if not isinstance(reshard_after_forward, (bool, np.bool_)):
+    raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}.")
+  active = _ACTIVE.get()
+  count = {np.shape(x)[0] for x in jax.tree.leaves(layers)}
+  if len(count) != 1:
+    raise ValueError(f"scan_layers: the stacked layers must share a leading layer axis, got sizes {sorted(count)}.")
+  length = count.pop()
+  slice_of = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+  plan = None if active is None or not active.leaves else _plan(slice_of(layers, 0), active)
+  if plan is None or all(how is None for how in plan):
+    return lax.scan(lambda carry, lx: f(carry, lx[0], lx[1]), init, (layers, xs), length=length)
+
+  # Closed-over values become arguments, so that custom_vjp can return their gradients (summed over layers).
+  # (Traced on a gathered layer, as f sees it; that gather is dead code outside the custom_vjp below.)
+  x0 = None if xs is None else slice_of(xs, 0)
+  converted, consts = jax.closure_convert(f, init, _gathered(slice_of(layers, 0), plan, active), x0)
+
+  def forward(init, layers, xs, consts):
+    def body(state, inputs):
+      carry, current = state
+      next_slice, x = inputs
+      upcoming = _gathered(next_slice, plan, active)  # issued before this layer's compute
+      new_carry, y = converted(carry, current, x, *consts)
+      return (new_carry, upcoming), (carry, current if not reshard_after_forward else None, y)
+
+    first = _gathered(slice_of(layers, 0), plan, active)
+    (carry, _), (carries, kept, ys) = lax.scan(body, (init, first), (ahead_of(layers), xs), length=length)
+    return (carry, ys), (carries, kept)
+
+  def ahead_of(tree):  # iteration l gathers layer l + 1 (the last one, layer 0 again: one spare gather)
+    return jax.tree.map(lambda a: jnp.roll(a, -1, axis=0), tree)
+
+  @jax.custom_vjp
+  def run(init, layers, xs, consts):
+    return forward(init, layers, xs, consts)[0]
+
+  def run_fwd(init, layers, xs, consts):
+    out, (carries, kept) = forward(init, layers, xs, consts)
+    return out, (carries, kept, layers, xs, consts)
+
+  def run_bwd(residuals, cotangent):
+    carries, kept, layers, xs, consts = residuals
+    ct_carry, ct_ys = cotangent
+    behind_tree = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), layers)  # reverse iteration l gathers layer l - 1
+    zero_consts = jax.tree.map(jnp.zeros_like, consts)
+
+    def body(state, inputs):
+      ct, current, ct_consts = state
+      previous_slice, carry_l, kept_l, x_l, ct_y = inputs
+      layer = current if reshard_after_forward else kept_l
+      upcoming = _gathered(previous_slice, plan, active) if reshard_after_forward else current
+      _, pullback = jax.vjp(lambda c, w, x, k: converted(c, w, x, *k), carry_l, layer, x_l, consts)
+      ct_in, ct_layer, ct_x, ct_k = pullback((ct, ct_y))
+      ct_consts = jax.tree.map(jnp.add, ct_consts, ct_k)
+      return (ct_in, upcoming, ct_consts), (_scattered(ct_layer, plan, active), ct_x)
+
+    last = _gathered(slice_of(layers, length - 1), plan, active) if reshard_after_forward else None
+    (ct_init, _, ct_consts), (ct_layers, ct_xs) = lax.scan(
+        body, (ct_carry, last, zero_consts), (behind_tree, carries, kept, xs, ct_ys), length=length, reverse=True)
+    return ct_init, ct_layers, ct_xs, ct_consts
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(init, layers, xs, consts)
 
 
 def gather_policy(reshard_after_forward: bool = True, *_misuse: Any, **_misuse_keywords: Any) -> Callable[..., bool]:
