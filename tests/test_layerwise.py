@@ -176,11 +176,13 @@ def test_reshard_after_forward_false_keeps_the_gathered_layers():
   assert gathers == {True: (2, 2), False: (2, 0)}  # kept from the forward pass: not gathered again
 
 
-def test_hybrid_and_tensor_parallel_meshes(reference_clip_adamw):
+@pytest.mark.parametrize("route", ["gather", "scan_layers"])
+def test_hybrid_and_tensor_parallel_meshes(route, reference_clip_adamw):
+  loss_fn = functional_loss if route == "gather" else prefetching_loss()
   devices = np.array(jax.devices())
   hybrid = Mesh(devices.reshape(2, 4), ("replica", "data"), axis_types=(AxisType.Explicit,) * 2)
   batch, weights = jaxdp.shard_uneven(portions([2, 2, 2, 2, 1, 1, 1, 1]), hybrid, axis_name=("replica", "data"))
-  step = jaxdp.make_train_step(functional_loss, CLIP_ADAMW, hybrid, axis_name=("replica", "data"), zero_stage=3,
+  step = jaxdp.make_train_step(loss_fn, CLIP_ADAMW, hybrid, axis_name=("replica", "data"), zero_stage=3,
                                layers="layers")
   state = jaxdp.init_state(stacked_params(), CLIP_ADAMW, hybrid, axis_name=("replica", "data"), zero_stage=3,
                            layers="layers")
@@ -192,7 +194,7 @@ def test_hybrid_and_tensor_parallel_meshes(reference_clip_adamw):
   params = stacked_params()
   params["layers"]["w"] = jax.device_put(params["layers"]["w"], NamedSharding(tp, P(None, None, "model")))
   batch, weights = jaxdp.shard_uneven(portions(SPLITS[4]), tp, rows=6)
-  step = jaxdp.make_train_step(functional_loss, CLIP_ADAMW, tp, zero_stage=3, layers="layers")
+  step = jaxdp.make_train_step(loss_fn, CLIP_ADAMW, tp, zero_stage=3, layers="layers")
   state = jaxdp.init_state(params, CLIP_ADAMW, tp, zero_stage=3, layers="layers")
   for _ in range(STEPS):
     state, _ = step(state, batch, weights)
