@@ -25,6 +25,9 @@ backward pass (less traffic, one gathered layer per layer alive). Without
 setting is the model's, in its checkpoint policy, as FSDP2 sets it per
 module: JAX caches a checkpointed body's trace and partial evaluation, so a
 setting read from the step while tracing could be a stale one.
+
+Prefetch: :func:`scan_layers` runs the loop itself, gathering layer l + 1
+while layer l computes (and layer l − 1 in the backward pass).
 """
 
 from __future__ import annotations
