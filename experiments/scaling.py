@@ -44,23 +44,32 @@
 3. **Compare** with the ZeRO paper's memory table (7.5B params, 64 GPUs) and
    with the near-linear 256-GPU scaling of PyTorch DDP (Li et al. 2020).
    Memory: jaxdp's schedule (stage 3 keeps every split parameter gathered
-   through the step) for the predictions, the fit marks and the largest
-   model; the paper's layer-by-layer stage 3 next to it.
+   through the step) for the predictions and the fit marks; the largest
+   model per stage at 80 GB (H100) and 16 GB (v5e) under jaxdp's whole
+   gather, jaxdp's layer-wise stage 3 (``layers=``, counted with two layers
+   gathered at once, room for prefetch; L = 80 stacked layers, a large transformer's, every
+   split parameter counted in the stack) and the paper's layer-by-layer
+   stage 3 (one gathered layer, not counted).
 
 4. Writes ``scaling.png`` and ``scaling.md`` under ``--docs`` (default
    ``docs/``) and ``scaling.json`` under ``--out`` (default ``docs/data/``,
    committed with the docs it produced); ``--quick`` writes all three under
-   ``out/scaling_quick``. Prints a summary.
+   ``out/scaling_quick``. Prints a summary, with the largest-model table.
+   ``--model-only`` measures nothing: it reads section 1's measurements
+   from the ``scaling.json`` already under ``--out``, recomputes sections
+   2-3 (pure arithmetic) and rewrites the three files (a second or two).
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
 
   .venv/bin/python experiments/scaling.py            # 40-90 s on 2 shared cores
   .venv/bin/python experiments/scaling.py --quick    # devices 1, 2, 8; fewer steps; under a minute
+  .venv/bin/python experiments/scaling.py --model-only  # sections 2-3 again, measurements from docs/data
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -91,6 +100,7 @@ MS = 1e3
 SEQ_LEN, SEQS_PER_DEVICE, MFU = 2048, 4, 0.40
 MODELS = {"1.3B": 1.3e9, "7B": 7e9}
 PREDICT_DEVICES = (8, 64, 256, 1024)
+PREDICT_LAYERS = 80  # stacked layers for schedule="layerwise" (a large transformer's depth, e.g. Llama 2 70B's)
 CLUSTERS = {
     "H100 + NDR IB": (scaling.H100_NDR, scaling.H100_SXM),
     "TPU v5e (+DCN)": (scaling.TPU_V5E_SLICES, scaling.TPU_V5E),
@@ -360,11 +370,35 @@ def comm_bound(options, max_devices=65536):
 
 
 def largest_models():
-  """Largest model per device, N and stage: jaxdp's schedule (``params``) and the paper's (``params_paper``)."""
+  """Largest model per device, N and stage: jaxdp's whole gather (``params``), its layer-wise stage 3 with
+  ``PREDICT_LAYERS`` layers (``params_layerwise``) and the paper's schedule (``params_paper``)."""
   return [{"memory_gb": device.memory_bytes / scaling.GB, "device": device.name, "n": n, "stage": stage,
+           "layers": PREDICT_LAYERS,
            "params": scaling.largest_model(device.memory_bytes, n, stage),
+           "params_layerwise": scaling.largest_model(device.memory_bytes, n, stage, schedule="layerwise",
+                                                     layers=PREDICT_LAYERS),
            "params_paper": scaling.largest_model(device.memory_bytes, n, stage, schedule="paper")}
           for _, device in CLUSTERS.values() for n in PREDICT_DEVICES for stage in scaling.ZERO_STAGES]
+
+
+def largest_table(out, device=scaling.H100_SXM):
+  """Markdown rows: the largest model per stage (and stage 3 per schedule) on ``device``, billions of params."""
+  lines = ["| stage (schedule) | bytes/param | " + " | ".join(f"N = {n:,}" for n in PREDICT_DEVICES) + " |",
+           "|---|---|" + "---:|" * len(PREDICT_DEVICES)]
+  cases = [(0, "params", "0", "16"), (1, "params", "1", "4 + 12/N"), (2, "params", "2", "2 + 14/N"),
+           (3, "params", "3, jaxdp (whole gather)", "2 + 16/N"),
+           (3, "params_layerwise", f"3, jaxdp layer-wise (`layers=`, L = {PREDICT_LAYERS})",
+            f"16/N + 2·2/{PREDICT_LAYERS}"),
+           (3, "params_paper", "3, paper (one layer, not counted)", "16/N")]
+  for stage, key, label, formula in cases:
+    rows = [next(r for r in out["largest"] if (r["device"], r["n"], r["stage"]) == (device.name, n, stage))
+            for n in PREDICT_DEVICES]
+    lines.append(f"| {label} | {formula} | " + " | ".join(_billions(r[key]) for r in rows) + " |")
+  return lines
+
+
+def _billions(params):
+  return f"{params / 1e12:,.2f}T" if params >= 1e12 else f"{params / 1e9:,.1f}B"
 
 
 def zero_table():
@@ -435,8 +469,11 @@ def plot(out, path):
     mem_ax.plot(ns, [scaling.memory_per_device(7e9, int(n), stage) / scaling.GB for n in ns], color=color,
                 label=f"stage {stage}" + (" (jaxdp: keeps the gathered params)" if stage == 3 else ""))
     if stage == 3:
+      mem_ax.plot(ns, [scaling.memory_per_device(7e9, int(n), 3, schedule="layerwise", layers=PREDICT_LAYERS)
+                       / scaling.GB for n in ns],
+                  "--", color=color, label=f"stage 3, jaxdp layer-wise (layers=, L = {PREDICT_LAYERS}, 2 gathered)")
       mem_ax.plot(ns, [scaling.memory_per_device(7e9, int(n), 3, schedule="paper") / scaling.GB for n in ns],
-                  ":", color=color, label="stage 3, paper's layer-by-layer gather (not jaxdp)")
+                  ":", color=color, label="stage 3, paper's layer-by-layer gather (one layer, not counted)")
   for (topology, device), style in zip(CLUSTERS.values(), ("-", "--")):
     compute = transformer(1.3e9, device)
     time_ax.axhline((SEQS_PER_DEVICE * compute.seconds_per_example + compute.update_seconds) * MS, color="k",
@@ -617,22 +654,15 @@ def _predict_md(out):
                                 == (cluster, name, alg, s))
       hier = " / ".join(_fmt_n(get("hierarchical", s)) for s in scaling.ZERO_STAGES)
       lines.append(f"| {cluster} | {name} | {_fmt_n(get('ring', 0))} | {_fmt_n(get('tree', 0))} | {hier} |")
-  lines += ["", "Largest model whose state (K=12) fits the device's memory, billions of params, with jaxdp's "
-            "schedule (stage 3 keeps every gathered parameter through the step: (2 + 16/N) bytes per "
-            "param, barely more room than stage 2's 2 + 14/N). The last column is the paper's layer-by-layer "
-            "ZeRO-3 ((16/N) bytes per param, one layer gathered at a time, not counted), **which jaxdp does "
-            "not do**; stages 0–2 are the same under both.", "",
-            "| device | stage | " + " | ".join(f"N={n}" for n in PREDICT_DEVICES)
-            + " | paper's layer-by-layer stage 3 (not jaxdp): " + " / ".join(f"N={n}" for n in PREDICT_DEVICES)
-            + " |",
-            "|---|---:|" + "---:|" * (len(PREDICT_DEVICES) + 1)]
+  lines += ["", "Largest model whose state (mixed-precision Adam, K=12: p = g = 2 bytes) fits the device's "
+            "memory (activations not counted). Stages 0–2 are the same under every schedule. Stage 3: jaxdp's "
+            "whole gather keeps every gathered parameter through the step (barely more room than stage 2); "
+            "jaxdp's layer-wise stage 3 (`layers=`, the stacks gathered one layer at a time) is counted with two "
+            f"layers gathered at once (the current one and the next, prefetched), here L = {PREDICT_LAYERS} "
+            "stacked layers with every parameter in the stack (the embeddings and head, gathered whole, "
+            "neglected); the paper's layer-by-layer stage 3 counts model state only."]
   for _, device in CLUSTERS.values():
-    for stage in scaling.ZERO_STAGES:
-      rows = [next(r for r in out["largest"] if (r["device"], r["n"], r["stage"]) == (device.name, n, stage))
-              for n in PREDICT_DEVICES]
-      paper = " / ".join(f"{r['params_paper'] / 1e9:,.1f}" for r in rows) if stage == 3 else "same"
-      lines.append(f"| {device.name} | {stage} | " + " | ".join(f"{r['params'] / 1e9:,.1f}" for r in rows)
-                   + f" | {paper} |")
+    lines += ["", f"{device.name}:", ""] + largest_table(out, device)
   return lines
 
 
@@ -689,9 +719,11 @@ reduce-scatter in the node, the 1/g shard between nodes by ring or tree,
 whichever is faster, all-gather in the node); buckets each pay the latency; a
 fraction `overlap` of the gradient communication before its last bucket hides
 behind the backward pass. Memory per device: the ZeRO paper's formulas for
-stages 0–2; for stage 3, jaxdp's schedule, which gathers all parameters before
-the forward pass and keeps them through the backward pass: (p+g+K)Ψ/N + pΨ, not
-the paper's layer-by-layer (p+g+K)Ψ/N (shown next to it where it matters).
+stages 0–2; for stage 3, jaxdp's whole gather, which gathers all parameters
+before the forward pass and keeps them through the backward pass: (p+g+K)Ψ/N +
+pΨ; next to it where it matters, jaxdp's layer-wise stage 3 (`layers=`, two of
+the L stacked layers counted gathered at once, room for prefetch): (p+g+K)Ψ/N +
+2pΨ/L, and the paper's layer-by-layer (p+g+K)Ψ/N.
 The run's data: [`docs/data/scaling.json`](data/scaling.json).
 
 ![scaling](scaling.png)
@@ -726,7 +758,9 @@ batch).
 
 
 def markdown(out):
-  footer = [f"_Generated in {out['seconds']:.0f} s on this machine (`{' '.join(out['argv'])}`)._"]
+  footer = [f"_Generated in {out['seconds']:.0f} s on this machine (`{' '.join(out['argv'])}`)"
+            + (f"; sections 2–3 recomputed from the model with `{' '.join(out['model_argv'])}`"
+               if "model_argv" in out else "") + "._"]
   return "\n".join([PROSE] + _check_md(out) + [""] + _predict_md(out) + [""] + _papers_md(out) + [""] + footer) + "\n"
 
 
@@ -742,6 +776,9 @@ def parse_args(argv=None):
   parser.add_argument("--rounds", type=int, help="timed steps per case (default 60: the communication in a step, "
                                                    "a few ms, is the difference of two noisy ~60-100 ms steps; "
                                                    "4 with --quick)")
+  parser.add_argument("--model-only", action="store_true",
+                      help="measure nothing: reuse section 1 from the scaling.json under --out and recompute the "
+                           "model's predictions and tables (sections 2-3), rewriting the three files")
   parser.add_argument("--docs",
                       help="folder for scaling.png and scaling.md (default docs; out/scaling_quick with --quick)")
   parser.add_argument("--out", help="folder for scaling.json (default docs/data, committed with the docs it "
@@ -751,7 +788,9 @@ def parse_args(argv=None):
   args.rounds = args.rounds or (4 if args.quick else 60)
   args.docs = args.docs or ("out/scaling_quick" if args.quick else "docs")
   args.out = args.out or ("out/scaling_quick" if args.quick else os.path.join("docs", "data"))
-  if max(args.devices) < 8:
+  if args.model_only and args.quick:
+    parser.error("--model-only reuses a run's measurements; --quick sets how to measure: pass one of them.")
+  if max(args.devices) < 8 and not args.model_only:
     parser.error(f"needs 8 devices, {jax.device_count()} exist; set JAX_NUM_CPU_DEVICES=8.")
   return args
 
@@ -809,23 +848,39 @@ def summary(out):
   lines.append("ZeRO 7.5B/64 GPUs, GB: " + ", ".join(f"{r['formula_gb']:.3g} (paper {r['paper_gb']})"
                                                       for r in out["zero"])
                + f"; jaxdp's stage 3 {out['zero'][3]['jaxdp_gb']:.4g}")
-  for r in out["largest"]:
-    if r["n"] == 1024 and r["stage"] in (0, 2, 3):
-      lines.append(f"Largest model, {r['device']}, N=1024, stage {r['stage']}: {r['params'] / 1e9:,.1f}B "
-                   f"(paper's schedule {r['params_paper'] / 1e9:,.1f}B)")
+  lines += [f"Largest model, {scaling.H100_SXM.name} (mixed-precision Adam, activations not counted):"]
+  lines += largest_table(out)
   lines += [f"DDP-like 256 V100s, {r['model']}, {r['network']}, overlap {r['overlap']:.0f}: efficiency "
             f"{r['efficiency']:.2f}" for r in out["ddp"]]
   return "\n".join(lines)
 
 
+MEASURED = ("rounds", "load", "timed", "allreduce", "fit", "cpu_model", "check", "bytes", "seconds", "argv")
+
+
+def reuse_measurements(args):
+  """Section 1 of the run under ``--out`` (its measurements, duration and command), for ``--model-only``."""
+  path = os.path.join(args.out, "scaling.json")
+  if not os.path.exists(path):
+    raise SystemExit(f"--model-only reuses {path}, which does not exist: run without --model-only first.")
+  with open(path) as f:
+    saved = json.load(f)
+  return {key: saved[key] for key in MEASURED}
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
   start = time.perf_counter()
-  out = calibrate(args)
+  argv = ["experiments/scaling.py"] + list(sys.argv[1:] if argv is None else argv)
+  if args.model_only:  # the measurements keep their run's duration and command
+    out = reuse_measurements(args)
+    run = {"seconds": out.pop("seconds"), "argv": out.pop("argv"), "model_argv": argv}
+  else:
+    out = calibrate(args)
   options = {"bucket_bytes": scaling.DDP_BUCKET_BYTES}
   out |= {"predictions": predict(options), "comm_bound": comm_bound(options), "largest": largest_models(),
           "zero": zero_table(), "ddp": ddp_comparison()}
-  out |= {"seconds": time.perf_counter() - start, "argv": ["experiments/scaling.py"] + list(argv or sys.argv[1:])}
+  out |= run if args.model_only else {"seconds": time.perf_counter() - start, "argv": argv}
   os.makedirs(args.docs, exist_ok=True)
   plot(out, os.path.join(args.docs, "scaling.png"))
   with open(os.path.join(args.docs, "scaling.md"), "w") as f:

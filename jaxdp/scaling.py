@@ -60,13 +60,26 @@ each device holds a full copy of them during the step on top of its
 
 (measured: ``docs/zero_memory.json``, N = 8, fp32 Adam: model state
 2.52 MiB and temporaries about 6 MiB, among them the 5.05 MiB parameter
-copy). Stages 0-2 are the same under both schedules.
+copy). With ``layers=`` (:mod:`jaxdp.layerwise`) jaxdp gathers the stacks
+of layers one layer at a time inside the loop; ``schedule="layerwise"``
+models that with room for prefetch: two layers' gathered parameters alive
+at once, the current layer's and the next one's, whose gather a
+prefetching schedule issues during the current layer's compute (a double
+buffer: one layer more than a loop that gathers only what it uses). For a
+model of L equal layers (``layers=L``):
+
+  stage 3: (p + g + K) Ψ / N + 2 p Ψ / L   (N > 1, L ≥ 2; p Ψ at L = 1)
+
+Every split parameter is counted in the stack of L layers: the leaves
+outside it (embeddings, head, final norm), which jaxdp still gathers whole,
+are neglected; they add p Ψ_outside. Stages 0-2 are the same under every
+schedule.
 
 Mixed-precision Adam (the paper's notation): p = g = 2 (fp16/bf16), K = 12
 (fp32 master weights, momentum and variance), 16 bytes/param unsharded. fp32
 Adam (what jaxdp measures in ``experiments/zero_memory.py``): p = g = 4,
 K = 8, also 16 bytes/param: 16Ψ, (8 + 8/N)Ψ, (4 + 12/N)Ψ, 16Ψ/N (paper) or
-(4 + 16/N)Ψ (jaxdp). Model state (and, for jaxdp's stage 3, the gathered
+(4 + 16/N)Ψ (jaxdp) or (16/N + 8/L)Ψ (layerwise). Model state (and, for jaxdp's stage 3, the gathered
 parameters) only: activations, other temporary buffers and fragmentation
 are not counted.
 
@@ -111,6 +124,17 @@ gathers the parameters twice (forward and backward): 3(N−1)/N Ψ elements
 sent, against 2(N−1)/N Ψ for jaxdp's stage 3. Both schedules all-reduce
 the unsplit Ψ_u.
 
+``schedule="layerwise"``: stages 0-2 as ``"jaxdp"``; stage 3 as the
+paper's stage 3. jaxdp's layer-wise step with the default policy
+(``jaxdp.gather_policy(reshard_after_forward=True)``) all-gathers each
+layer in the forward pass and again in the backward pass and
+reduce-scatters its gradient: 3(N−1)/N Ψ elements sent, the paper's
+count. It issues them as L calls of Ψ/L each, which the model counts as
+one call per kind (their per-call latencies are not added; ``bucket_bytes``
+splits them similarly); the bytes do not depend on L. With
+``reshard_after_forward=False`` the layer kept for the backward pass is
+gathered once, 2(N−1)/N Ψ: ``schedule="jaxdp"``'s communication.
+
 Not modelled: tensor parallelism (a ``("data", "model")`` mesh, where the
 model axis adds activation all-reduces and XLA's partitioning of the
 data-axis collectives of model-split leaves; see
@@ -125,7 +149,7 @@ import numbers
 from typing import NamedTuple
 
 ALGORITHMS = ("ring", "tree", "hierarchical")
-SCHEDULES = ("jaxdp", "paper")
+SCHEDULES = ("jaxdp", "layerwise", "paper")
 ZERO_STAGES = (0, 1, 2, 3)
 KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -386,6 +410,19 @@ def _choice(value, name: str, choices: tuple) -> None:
     raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}.")
 
 
+def _layers(layers, schedule: str) -> int | None:
+  """``layers``: a positive int with ``schedule="layerwise"`` (the stacked layer count), else ``None``."""
+  if schedule == "layerwise":
+    if isinstance(layers, bool) or not isinstance(layers, numbers.Integral) or layers < 1:
+      raise ValueError(f"layers must be a positive int (the number of stacked layers, e.g. layers=80) with "
+                       f"schedule='layerwise', got layers={layers!r}.")
+    return int(layers)
+  if layers is not None:
+    raise ValueError(f"layers={layers!r} is only used with schedule='layerwise' (got schedule={schedule!r}); "
+                     "leave it None.")
+  return None
+
+
 def _stage(value) -> int:
   """A ZeRO stage: an int in ``ZERO_STAGES`` (``True`` and ``1.0`` refused: ``True == 1`` and ``1.0 == 1``)."""
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in ZERO_STAGES:
@@ -561,8 +598,11 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
     precision: bytes per gradient (all-reduced, reduce-scattered) and per
       parameter (all-gathered) element; ``optimizer_bytes == 0`` (no
       optimizer state) makes stage 1 stage 0.
-    schedule: ``"jaxdp"`` (what jaxdp compiles) or ``"paper"`` (Rajbhandari
-      et al. 2020); see the module docstring.
+    schedule: ``"jaxdp"`` (what jaxdp compiles with the whole gather),
+      ``"layerwise"`` (jaxdp's layer-wise stage 3 with
+      ``reshard_after_forward=True``: stage 3 as the paper's, stages 0-2 as
+      jaxdp's; needs no layer count, the bytes do not depend on it) or
+      ``"paper"`` (Rajbhandari et al. 2020); see the module docstring.
     split_params: Ψ_s, the parameter elements in leaves that ZeRO splits
       over the N devices (see :func:`split_params_of`); they are
       reduce-scattered and all-gathered. The other Ψ − Ψ_s are all-reduced
@@ -597,10 +637,11 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
   all_reduce = CollectiveOp("all-reduce", psi * g + scalar_bytes, True)
   if zero_stage == 0:
     return (all_reduce,) + ((CollectiveOp("all-reduce", norm_bytes, False),) if norm_bytes else ())
-  if zero_stage == 1 and schedule == "jaxdp" and precision.optimizer_bytes == 0:
+  jaxdp_stages_1_2 = schedule in ("jaxdp", "layerwise")  # layerwise differs from jaxdp at stage 3 only
+  if zero_stage == 1 and jaxdp_stages_1_2 and precision.optimizer_bytes == 0:
     return (all_reduce,)
   gather = (CollectiveOp("all-gather", split * p, False),) if split else ()
-  if zero_stage == 1 and schedule == "jaxdp":
+  if zero_stage == 1 and jaxdp_stages_1_2:
     return (all_reduce,) + gather
   scalars = (CollectiveOp("all-reduce", scalar_bytes, False),) if scalar_bytes else ()
   scatter = (CollectiveOp("reduce-scatter", split * g, True),) if split else ()
@@ -608,7 +649,8 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
   unsplit = (CollectiveOp("all-reduce", rest, False),) if rest else ()
   if zero_stage in (1, 2):
     return scalars + scatter + unsplit + gather
-  gathers = gather * (2 if schedule == "paper" else 1)  # the paper gathers again for the backward pass
+  # The paper and jaxdp's layer-wise stage 3 (reshard_after_forward=True) gather again for the backward pass.
+  gathers = gather * (2 if schedule in ("paper", "layerwise") else 1)
   return gathers + scalars + scatter + unsplit
 
 
@@ -656,7 +698,8 @@ def communication_volume(psi: int, n_devices: int, zero_stage: int, precision: P
 
   With every leaf split (``split_params`` = Ψ, the default): stage 0
   2(N−1)/N · Ψ · g; jaxdp stage 1 2(N−1)/N · Ψ · g + (N−1)/N · Ψ · p;
-  stages 2 and 3 (N−1)/N · Ψ · (g + p); the paper's stage 3 gathers twice.
+  stages 2 and 3 (N−1)/N · Ψ · (g + p); the paper's and the layer-wise
+  stage 3 gather twice.
   Unsplit elements add 2(N−1)/N · g each at stages 2-3 (all-reduced)
   instead of (N−1)/N · (g + p).
   """
@@ -696,7 +739,7 @@ def step_time(model: ModelCost, n_devices: int, topology: Topology, *, batch_per
     overlap: fraction in [0, 1] of the gradient communication *before its last
       bucket* that runs during the backward pass (DDP's overlap: the last
       bucket can only start when the backward pass ends). 0: no overlap.
-    schedule: ``"jaxdp"`` or ``"paper"`` (see :func:`collectives`).
+    schedule: ``"jaxdp"``, ``"layerwise"`` or ``"paper"`` (see :func:`collectives`).
     split_params: Ψ_s, parameters in leaves ZeRO splits (see :func:`collectives`).
     scalar_bytes: scalars reduced with the gradient (see :func:`collectives`).
     norm_bytes: partial gradient norms all-reduced at stages 2-3 (see :func:`collectives`).
@@ -766,13 +809,23 @@ def _state_bytes(zero_stage: int, precision: Precision) -> tuple[int, int]:
   return {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[zero_stage]
 
 
-def _gathered_bytes(zero_stage: int, n: int, schedule: str, precision: Precision) -> int:
-  """Bytes per split parameter that jaxdp's stage 3 holds gathered through the step (its full copy): p."""
-  return precision.param_bytes if zero_stage == 3 and schedule == "jaxdp" and n > 1 else 0
+def _gathered_layers(zero_stage: int, n: int, schedule: str, layers: int | None) -> tuple[int, int]:
+  """``(a, b)``: stage 3 holds ``a / b`` of the split parameters gathered, ``p`` bytes each.
+
+  ``"jaxdp"``: all of them (1/1); ``"layerwise"``: two of the L layers (the
+  current one and the prefetched next one), 2/L, one at L = 1; ``"paper"``:
+  none counted (0/1). Stages 0-2 and one device: 0/1.
+  """
+  if zero_stage != 3 or n == 1 or schedule == "paper":
+    return 0, 1
+  if schedule == "layerwise":
+    return min(2, layers), layers
+  return 1, 1
 
 
 def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
-                      split_params: float | None = None, schedule: str = "jaxdp") -> float:
+                      split_params: float | None = None, schedule: str = "jaxdp",
+                      layers: int | None = None) -> float:
   """Bytes per device of model state (params, gradients, optimizer state), plus stage 3's gathered params.
 
   Args:
@@ -788,28 +841,38 @@ def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Pr
       all split parameters before the forward pass and keeps them through
       the backward pass, so it adds ``p·Ψ_s`` per device (N > 1). ``"paper"``:
       the ZeRO paper's layer-by-layer gathering, counted as model state only
-      (one layer's gathered parameters are not counted). Stages 0-2 do not
-      depend on it.
+      (one layer's gathered parameters are not counted). ``"layerwise"``:
+      jaxdp's layer-wise stage 3 (``layers=`` of :func:`jaxdp.make_train_step`)
+      counted with prefetch, two layers gathered at once: it adds ``2·p·Ψ_s/L``
+      (``p·Ψ_s`` at L = 1), every split parameter counted in the stack of
+      ``layers`` equal layers (the leaves outside the stack, which jaxdp
+      gathers whole, are neglected: they add ``p`` bytes each). Stages 0-2
+      do not depend on it.
+    layers: L, the number of stacked layers: a positive int, required with
+      ``schedule="layerwise"`` and refused with the others.
 
   Returns:
     ``(p+g+K)Ψ``, ``(p+g)Ψ + KΨ/N``, ``pΨ + (g+K)Ψ/N``, and at stage 3
-    ``(p+g+K)Ψ/N + pΨ`` (jaxdp) or ``(p+g+K)Ψ/N`` (paper) (with Ψ_s < Ψ:
-    the formula for Ψ_s plus ``(p+g+K)(Ψ − Ψ_s)``). Activations and other
-    temporary buffers are not included.
+    ``(p+g+K)Ψ/N + pΨ`` (jaxdp), ``(p+g+K)Ψ/N + 2pΨ/L`` (layerwise) or
+    ``(p+g+K)Ψ/N`` (paper) (with Ψ_s < Ψ: the formula for Ψ_s plus
+    ``(p+g+K)(Ψ − Ψ_s)``). Activations and other temporary buffers are not
+    included.
   """
   psi = _real(psi, "psi")
   n = _int(n_devices, "n_devices", 1)
   zero_stage = _stage(zero_stage)
   _choice(schedule, "schedule", SCHEDULES)
+  layers = _layers(layers, schedule)
   precision = _check_precision(precision)
   split = psi if split_params is None else _real(split_params, "split_params", 0.0, psi)
   replicated, sharded = _state_bytes(zero_stage, precision)
-  gathered = _gathered_bytes(zero_stage, n, schedule, precision)
+  held, of = _gathered_layers(zero_stage, n, schedule, layers)
+  gathered = precision.param_bytes * held / of
   return split * (replicated + sharded / n + gathered) + (psi - split) * (replicated + sharded)
 
 
 def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
-                  reserved_bytes: float = 0.0, schedule: str = "jaxdp") -> int:
+                  reserved_bytes: float = 0.0, schedule: str = "jaxdp", layers: int | None = None) -> int:
   """The most parameters whose model state (and jaxdp's stage-3 gathered params) fits ``memory_bytes`` per device.
 
   Args:
@@ -820,8 +883,11 @@ def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precisio
     reserved_bytes: memory kept for activations, workspace and the runtime.
     schedule: as in :func:`memory_per_device`: ``"jaxdp"`` (default; stage 3
       holds every split parameter gathered, ``p`` bytes each, so it fits
-      little more than stage 2) or ``"paper"`` (layer-by-layer gathering,
-      which jaxdp does not do).
+      little more than stage 2), ``"layerwise"`` (jaxdp's layer-wise stage 3
+      counted with prefetch: two of the ``layers`` layers gathered at once) or
+      ``"paper"`` (layer-by-layer gathering, one layer's gathered parameters
+      not counted).
+    layers: L, as in :func:`memory_per_device` (``schedule="layerwise"`` only).
 
   Returns:
     The largest integer Ψ with ``memory_per_device(Ψ, ...) <= memory_bytes - reserved_bytes``, every
@@ -832,13 +898,15 @@ def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precisio
   n = _int(n_devices, "n_devices", 1)
   zero_stage = _stage(zero_stage)
   _choice(schedule, "schedule", SCHEDULES)
+  layers = _layers(layers, schedule)
   precision = _check_precision(precision)
   replicated, sharded = _state_bytes(zero_stage, precision)
-  replicated += _gathered_bytes(zero_stage, n, schedule, precision)
-  per_n_devices = replicated * n + sharded  # bytes per parameter, times N: keeps the division exact
+  held, of = _gathered_layers(zero_stage, n, schedule, layers)
+  # Bytes per parameter (replicated + held/of · p + sharded/N), times N·of: integers, the division exact.
+  per_n_devices = (replicated * of + held * precision.param_bytes) * n + sharded * of
   if per_n_devices == 0:
     raise ValueError(f"precision={precision!r} stores 0 bytes per parameter: every model fits.")
-  return math.floor((memory - reserved) * n / per_n_devices)
+  return math.floor((memory - reserved) * n * of / per_n_devices)
 
 
 def seconds_per_example(flops_per_example: float, peak_flops: float, utilization: float) -> float:

@@ -25,6 +25,8 @@ FAST = scaling.Link("fast", 1e9, 1e-6)
 SLOW = scaling.Link("slow", 1e8, 1e-5)
 TOY = scaling.Topology("toy", FAST, 4, SLOW, launch_latency=5e-6)
 MODEL = scaling.ModelCost(params=10_000_000, seconds_per_example=1e-3, update_seconds=2e-3)
+# The layer count each schedule needs (only "layerwise" takes one).
+LAYERS = {"jaxdp": None, "layerwise": 80, "paper": None}
 
 
 def test_ring_all_reduce_volume_is_2_n_minus_1_over_n_psi_bytes():
@@ -74,6 +76,8 @@ def test_stage_volumes_relative_to_stage_0():
     assert volume(3) == pytest.approx(base, rel=ROUND_OFF)
     assert volume(1, "paper") == pytest.approx(base, rel=ROUND_OFF)
     assert volume(3, "paper") == pytest.approx(1.5 * base, rel=ROUND_OFF)
+    assert volume(3, "layerwise") == pytest.approx(1.5 * base, rel=ROUND_OFF)
+    assert volume(1, "layerwise") == pytest.approx(1.5 * base, rel=ROUND_OFF)  # stages 0-2: jaxdp's
 
 
 @pytest.mark.parametrize("algorithm", scaling.ALGORITHMS)
@@ -141,8 +145,8 @@ def test_largest_model_at_stage_3_by_hand():
 def test_stage_3_is_stage_0_over_n_and_all_stages_agree_on_one_device():
   for precision in (scaling.MIXED_ADAM, scaling.FP32_ADAM):
     for schedule in scaling.SCHEDULES:
-      full = scaling.memory_per_device(7e9, 1, 0, precision, schedule=schedule)
-      assert all(scaling.memory_per_device(7e9, 1, s, precision, schedule=schedule) == full
+      full = scaling.memory_per_device(7e9, 1, 0, precision, schedule=schedule, layers=LAYERS[schedule])
+      assert all(scaling.memory_per_device(7e9, 1, s, precision, schedule=schedule, layers=LAYERS[schedule]) == full
                  for s in scaling.ZERO_STAGES)
     assert scaling.memory_per_device(7e9, 256, 3, precision, schedule="paper") == pytest.approx(
         full / 256, rel=ROUND_OFF)
@@ -150,13 +154,83 @@ def test_stage_3_is_stage_0_over_n_and_all_stages_agree_on_one_device():
         full / 256 + precision.param_bytes * 7e9, rel=ROUND_OFF)
 
 
+def test_layerwise_stage_3_memory_holds_two_gathered_layers():
+  """(p+g+K)Ψ/N + 2pΨ/L at stage 3 (the current layer and the prefetched next one), pΨ at L = 1; unsplit
+  leaves whole as at every stage; stages 0-2 and one device as the other schedules."""
+  for precision in (scaling.MIXED_ADAM, scaling.FP32_ADAM):
+    p, g, k = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
+    for n in (2, 8, 1024):
+      for layers in (2, 3, 80):
+        for psi in (10**6, 7e9):
+          got = scaling.memory_per_device(psi, n, 3, precision, schedule="layerwise", layers=layers)
+          assert got == pytest.approx((p + g + k) * psi / n + 2 * p * psi / layers, rel=ROUND_OFF)
+      one = scaling.memory_per_device(10**6, n, 3, precision, schedule="layerwise", layers=1)
+      assert one == pytest.approx((p + g + k) * 10**6 / n + p * 10**6, rel=ROUND_OFF)  # the one layer
+      assert one == scaling.memory_per_device(10**6, n, 3, precision)  # = the whole gather
+      # Ψ_s split, Ψ - Ψ_s whole: the formula for Ψ_s plus (p+g+K)(Ψ - Ψ_s).
+      psi, split = 1_000_000, 999_000
+      got = scaling.memory_per_device(psi, n, 3, precision, split_params=split, schedule="layerwise", layers=80)
+      assert got == pytest.approx((p + g + k) * split / n + 2 * p * split / 80 + (p + g + k) * (psi - split),
+                                  rel=ROUND_OFF)
+      for stage in (0, 1, 2):
+        assert (scaling.memory_per_device(7e9, n, stage, precision, schedule="layerwise", layers=80)
+                == scaling.memory_per_device(7e9, n, stage, precision)
+                == scaling.memory_per_device(7e9, n, stage, precision, schedule="paper"))
+    # One device: nothing is split or gathered.
+    assert (scaling.memory_per_device(7e9, 1, 3, precision, schedule="layerwise", layers=80)
+            == (p + g + k) * 7e9)
+
+
+def test_layerwise_largest_model_by_hand_and_between_the_other_schedules():
+  """80 GB, N = 1,024, mixed-precision Adam, L = 80: 16/1024 + 2·2/80 = 0.065625 bytes per param,
+  80e9 / 0.065625 = 1,219,047,619,047.6 -> 1.22T; between jaxdp's 39.7B and the paper's 5.12T."""
+  assert scaling.largest_model(80e9, 1024, 3, schedule="layerwise", layers=80) == 1_219_047_619_047
+  assert scaling.largest_model(80e9, 8, 3, schedule="layerwise", layers=80) == math.floor(80e9 / (16 / 8 + 4 / 80))
+  for n in (2, 8, 64, 256, 1024):
+    jaxdp_ = scaling.largest_model(80e9, n, 3)
+    paper = scaling.largest_model(80e9, n, 3, schedule="paper")
+    by_layers = [scaling.largest_model(80e9, n, 3, schedule="layerwise", layers=layers)
+                 for layers in (1, 2, 4, 8, 16, 80, 1000)]
+    assert by_layers[0] == jaxdp_  # L = 1: the one layer is the whole model
+    assert jaxdp_ <= by_layers[1]  # L = 2: both layers gathered, as much as the whole gather
+    assert by_layers == sorted(by_layers) and by_layers[-1] <= paper  # more layers, a smaller gathered share
+    for stage in (0, 1, 2):
+      assert (scaling.largest_model(80e9, n, stage, schedule="layerwise", layers=80)
+              == scaling.largest_model(80e9, n, stage) == scaling.largest_model(80e9, n, stage, schedule="paper"))
+  # More devices never fit a smaller model; at most N·M/16 (the paper's) and at least stage 0's.
+  sizes = [scaling.largest_model(80e9, n, 3, schedule="layerwise", layers=80) for n in (1, 2, 8, 64, 256, 1024)]
+  assert sizes == sorted(sizes) and sizes[0] == scaling.largest_model(80e9, 1, 0)
+
+
+def test_layerwise_collectives_are_the_papers_stage_3_and_jaxdps_stages_0_to_2():
+  """reshard_after_forward=True: all-gather forward and backward, reduce-scatter the gradient: 3(N-1)/N·Ψ
+  elements; 1.5x jaxdp's whole-gather stage 3 (p = g). Stages 0-2 compile as with the whole gather."""
+  for n in (2, 8, 1024):
+    for split in (None, 999_000):
+      options = dict(split_params=split, scalar_bytes=8, norm_bytes=12)
+      assert (scaling.collectives(10**6, n, 3, scaling.FP32_ADAM, schedule="layerwise", **options)
+              == scaling.collectives(10**6, n, 3, scaling.FP32_ADAM, schedule="paper", **options))
+      for stage in (0, 1, 2):
+        assert (scaling.collectives(10**6, n, stage, scaling.FP32_ADAM, schedule="layerwise", **options)
+                == scaling.collectives(10**6, n, stage, scaling.FP32_ADAM, **options))
+    volume = scaling.communication_volume(10**6, n, 3, scaling.FP32_ADAM, schedule="layerwise")
+    assert volume == pytest.approx(3 * (n - 1) / n * 10**6 * 4, rel=ROUND_OFF)
+    assert volume == pytest.approx(1.5 * scaling.communication_volume(10**6, n, 3, scaling.FP32_ADAM),
+                                   rel=ROUND_OFF)
+  # step_time takes the schedule without a layer count: the bytes do not depend on it.
+  layerwise = scaling.step_time(MODEL, 8, TOY, batch_per_device=2, zero_stage=3, schedule="layerwise")
+  assert layerwise == scaling.step_time(MODEL, 8, TOY, batch_per_device=2, zero_stage=3, schedule="paper")
+  assert layerwise.communication > scaling.step_time(MODEL, 8, TOY, batch_per_device=2, zero_stage=3).communication
+
+
 def test_largest_model_is_the_inverse_of_memory():
   for n in (1, 8, 64, 1000):
     for stage in scaling.ZERO_STAGES:
       for schedule in scaling.SCHEDULES:
-        psi = scaling.largest_model(80e9, n, stage, reserved_bytes=10e9, schedule=schedule)
-        memory = lambda p: scaling.memory_per_device(p, n, stage, schedule=schedule)
-        assert memory(psi) <= 70e9 < memory(psi + 1)
+        for layers in ((1, 2, 3, 80, 96) if schedule == "layerwise" else (None,)):
+          psi = scaling.largest_model(80e9, n, stage, reserved_bytes=10e9, schedule=schedule, layers=layers)
+          memory = lambda p: scaling.memory_per_device(p, n, stage, schedule=schedule, layers=layers)
+          assert memory(psi) <= 70e9 < memory(psi + 1)
   assert scaling.largest_model(80e9, 8, 0) == 5_000_000_000  # 16 bytes per param, unsharded
 
 
@@ -297,7 +371,19 @@ def test_presets_are_consistent():
         (lambda: scaling.memory_per_device(1e9, 8, 0, precision="bf16"), "precision"),
         (lambda: scaling.largest_model(80e9, 8, 3, reserved_bytes=90e9), "reserved_bytes"),
         (lambda: scaling.largest_model(80e9, 8, 3, schedule="deepspeed"), "schedule"),
-        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="layerwise"), "schedule"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="fsdp"), "schedule"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="layerwise"), "layers"),
+        (lambda: scaling.memory_per_device(80e9, 8, 0, schedule="layerwise"), "layers"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="layerwise", layers=0), "layers"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="layerwise", layers=-2), "layers"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="layerwise", layers=2.0), "layers"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="layerwise", layers=True), "layers"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="layerwise", layers="80"), "layers"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, layers=80), "layers"),
+        (lambda: scaling.memory_per_device(80e9, 8, 3, schedule="paper", layers=80), "layers"),
+        (lambda: scaling.largest_model(80e9, 8, 3, schedule="layerwise"), "layers"),
+        (lambda: scaling.largest_model(80e9, 8, 3, schedule="layerwise", layers=0), "layers"),
+        (lambda: scaling.largest_model(80e9, 8, 3, layers=80), "layers"),
         (lambda: scaling.collectives(10, 4, 2, split_params=11), "split_params"),
         (lambda: scaling.collectives(10, 4, 2, split_params=-1), "split_params"),
         (lambda: scaling.collectives(10, 4, 2, norm_bytes=-4), "norm_bytes"),
