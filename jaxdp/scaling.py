@@ -63,8 +63,8 @@ each device holds a full copy of them during the step on top of its
 copy). With ``layers=`` (:mod:`jaxdp.layerwise`) jaxdp gathers the stacks
 of layers one layer at a time inside the loop; ``schedule="layerwise"``
 models that with room for prefetch: two layers' gathered parameters alive
-at once, the current layer's and the next one's, whose gather a
-prefetching schedule issues during the current layer's compute (a double
+at once, the current layer's and the next one's, whose gather
+:func:`jaxdp.scan_layers` issues during the current layer's compute (a double
 buffer: one layer more than a loop that gathers only what it uses). For a
 model of L equal layers (``layers=L``):
 
