@@ -20,13 +20,18 @@ simulates as many devices as the mesh has)::
 
   python experiments/train_lm.py --mesh data=4,model=2 --zero-stage 3   # tensor x data parallel
   python experiments/train_lm.py --mesh replica=2,data=4 --zero-stage 3 # hybrid: ZeRO within a group, replicas across
+  python experiments/train_lm.py --mesh data=8 --zero-stage 3 --scan-layers --layers 8   # layer-wise ZeRO-3
 
 With a ``model`` axis the transformer is split Megatron-style (its
 ``nnx.with_partitioning`` metadata, read by ``jaxdp.nnx.partition_specs``;
 see ``experiments/lm/model.py``) and the batch is replicated over ``model``.
 With a ``replica`` axis the data axes are ``("replica", "data")``: the batch
 is split over both. ``--zero-stage`` (0-3) shards the optimizer state (1, 2)
-and the params (3) over ``data``.
+and the params (3) over ``data``. ``--scan-layers`` stacks the blocks
+(``nnx.vmap``) and runs them with ``nnx.scan``; at ``--zero-stage 3`` the
+step then gathers one layer at a time inside the loop (``layers="blocks"``,
+jaxdp's layer-wise stage 3; the ``rank_mean`` run of ``--compare`` keeps the
+whole gather, which that reduction needs).
 
 Outputs (``--out``, default ``out/lm``): ``metrics.jsonl`` (one line per step:
 step, loss, tokens, grad_norm, time) and ``summary.json``; with ``--compare``
@@ -69,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--scan-layers", action="store_true", help="stack the blocks (nnx.vmap) and run them with nnx.scan; "
+                 "with --zero-stage 3 each layer is gathered inside the loop (layer-wise stage 3)")
   p.add_argument("--d-model", type=int, default=64)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--d-ff", type=int, default=256)
@@ -157,6 +164,7 @@ class Config:
   lr: float = 3e-3
   seed: int = 0
   layers: int = 2
+  scan_layers: bool = False
   d_model: int = 64
   heads: int = 4
   d_ff: int = 256
@@ -226,7 +234,7 @@ def build_dataset(config: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
 def make_model(config: Config):
   """``(definition, params)`` of the transformer (``jaxdp.nnx.split``), initialised from ``config.seed``."""
   sizes = {k: getattr(config, k) for k in ("seq_len", "layers", "d_model", "heads", "d_ff", "dropout")}
-  return lm.make_model(seed=config.seed, **sizes)
+  return lm.make_model(seed=config.seed, scan_layers=config.scan_layers, **sizes)
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -236,7 +244,18 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
   return optax.adamw(schedule, weight_decay=0.01)
 
 
-def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis_name="data") -> dict | None:
+def layerwise_stack(config: Config, reduction: str | None = None) -> str | None:
+  """``layers=`` of the run: the blocks' stack with ``--scan-layers --zero-stage 3``, else ``None`` (whole gather).
+
+  ``"rank_mean"`` takes each replica's own mean before the reduce-scatter, which the layer-wise schedule runs
+  inside the backward pass (jaxdp refuses the two together): that run keeps stage 3's whole gather.
+  """
+  reduction = reduction or config.reduction
+  return lm.STACK if config.scan_layers and config.zero_stage == 3 and reduction != "rank_mean" else None
+
+
+def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis_name="data",
+             layers=None) -> dict | None:
   """Per-token weighted mean loss and accuracy over one pass of ``dataset`` (``None`` if it is empty).
 
   Data-parallel like training, with the training loss's own definition
@@ -247,7 +266,7 @@ def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis
     return None
   pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0, axis_name=axis_name)
   batches = (data for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch))
-  return jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name).evaluate(state, batches)
+  return jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers).evaluate(state, batches)
 
 
 def _check_batch(config: Config, n: int) -> None:
@@ -313,7 +332,8 @@ def _throughput(records: list[dict]) -> float:
   return sum(r["tokens"] for r in steady) / max(sum(r["time"] for r in steady), 1e-9)
 
 
-def train(config: Config, *, devices=None, reduction: str | None = None, data=None, out: str | None = None, desc: str = "train") -> dict:
+def train(config: Config, *, devices=None, reduction: str | None = None, data=None, out: str | None = None, desc: str = "train",
+          params=None) -> dict:
   """Trains one model; returns its records, validation loss, throughput and final params.
 
   Args:
@@ -323,6 +343,8 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
     reduction: overrides ``config.reduction``.
     data: ``(train_chunks, val_chunks)``, default ``build_dataset(config)``.
     out: folder for ``metrics.jsonl`` and ``summary.json`` (``None``: write nothing).
+    params: initial params of the model's layout (default: drawn from ``config.seed``), e.g. the list
+      model's weights stacked with ``lm.stack_blocks`` for ``--scan-layers``.
   """
   mesh = build_mesh(config, devices)
   devices = list(mesh.devices.flat)
@@ -331,7 +353,9 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   _check_batch(config, n)
   train_set, val_set = build_dataset(config) if data is None else data
   collate = corpus.make_collate(config.seq_len)
-  definition, params = make_model(config)
+  definition, drawn = make_model(config)
+  params = drawn if params is None else params
+  layers = layerwise_stack(config, reduction)
   specs = param_specs(params, mesh)
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
   step_fn = jaxdp.make_train_step(
@@ -339,26 +363,32 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
       accum_steps=config.accum_steps,
       compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
       grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
-      bucket_bytes=config.bucket_bytes,
+      bucket_bytes=config.bucket_bytes, layers=layers,
   )
   per_device = config.batch_size // n
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
   layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
   with _checkpoints(config) as ckpt:
-    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, **layout), 0, 0
+    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers, **layout), 0, 0
     if ckpt is not None and ckpt.latest_step() is not None:
-      restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, **layout)
+      if layers is None:
+        restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, **layout)
+      else:  # straight into the layer-wise layout (place_state knows only the whole-gather one)
+        restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, param_specs=specs,
+                                layers=layers, **layout)
       state, start, done = restored.state, restored.data_step, restored.step
-      if specs is not None:  # restore places the params replicated over "model"; split them again
+      if specs is not None and layers is None:  # restore places the params replicated over "model"; split them again
         state = jaxdp.place_state(state, optimizer, mesh, param_specs=specs, **layout)
       print(f"resuming from {config.ckpt_dir} at step {start}")
     with _metrics_file(out, append=start > 0) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
-  val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
+  val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name,
+                 layers=layers)
   val_loss = None if val is None else val["loss"]
   summary = {
       "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": config.zero_stage,
+      "scan_layers": config.scan_layers, "layerwise": layers is not None,
       "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
       "train_sequences": len(train_set), "val_sequences": len(val_set), "start_step": start, "steps": len(records),
       "final_loss": records[-1]["loss"] if records else None, "val_loss": val_loss,
@@ -398,6 +428,9 @@ def compare(config: Config) -> dict:
 
   With ``config.mesh`` the two N-device runs use that mesh (and
   ``config.zero_stage``); the single device has no mesh of its own.
+  With ``--scan-layers --zero-stage 3`` the "mean" run is layer-wise stage 3 and
+  the "rank_mean" run stage 3 with the whole gather; the single device runs
+  the same stacked model.
   Dropout is set to 0: the per-replica dropout keys depend on the layout, so
   with dropout on the runs would differ by their masks, not their reduction.
   Returns (and, with ``config.out``, saves) for each N-device run against the
@@ -478,7 +511,9 @@ def config_from_args(argv: list[str] | None = None) -> Config:
 def _report_train(summary: dict) -> str:
   val = summary["val_loss"]
   mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
-  return (f"{summary['devices']} {summary['platform']} device(s) (mesh {mesh}, ZeRO stage {summary['zero_stage']}), "
+  stage = f"ZeRO stage {summary['zero_stage']}{' layer-wise' if summary.get('layerwise') else ''}"
+  scanned = ", scanned layers" if summary.get("scan_layers") else ""
+  return (f"{summary['devices']} {summary['platform']} device(s) (mesh {mesh}, {stage}{scanned}), "
           f"reduction={summary['reduction']!r}, "
           f"dropout={summary['dropout']}: {_train_figures(summary)}, "
           f"val loss {'n/a' if val is None else f'{val:.4f}'} nats/byte")

@@ -164,3 +164,43 @@ def test_mesh_flag_parsing_and_simulated_device_count(monkeypatch):
   assert train_lm.data_parallel_size(mesh) == 4 and train_lm.data_axes(train_lm.build_mesh(TINY)) == "data"
   with pytest.raises(ValueError, match="--devices 4 but --mesh"):
     train_lm.build_mesh(train_lm.config_from_args(["--mesh", "data=4,model=2", "--devices", "4"]))
+
+
+# --scan-layers: the blocks stacked with nnx.vmap and run with nnx.scan; at --zero-stage 3 layer-wise (layers="blocks").
+# The stacked model draws its own weights (nnx.split_rngs keys), so for a like-for-like check it starts from the list
+# model's weights stacked (lm.stack_blocks): then it is the same function, and must train like the list model.
+
+
+def test_stacked_blocks_are_the_list_model_with_and_without_dropout():
+  sizes = dict(seq_len=TINY.seq_len, layers=2, d_model=16, heads=2, d_ff=32, dropout=0.5)
+  listed, params = lm.make_model(seed=0, **sizes)
+  stacked, drawn = lm.make_model(seed=0, scan_layers=True, **sizes)
+  params_stacked = lm.stack_blocks(params)
+  assert jax.tree.structure(params_stacked) == jax.tree.structure(drawn)
+  specs = jaxdp.nnx.partition_specs(params_stacked)
+  assert specs == jaxdp.nnx.partition_specs(drawn)  # the layer axis added, unsplit, to every tensor-parallel spec
+  assert tuple(specs["blocks"]["qkv"]["kernel"]) == (None, None, None, "model", None)
+  batch, _ = corpus.make_collate(TINY.seq_len)(corpus.chunk_documents([bytes(range(70))], TINY.seq_len))
+  f_list, f_stack = jax.jit(lm.make_loss_fn(listed)), jax.jit(lm.make_loss_fn(stacked))
+  for keys in ((), (jax.random.key(1),)):  # dropout keys split per layer as the list splits them: the same masks
+    np.testing.assert_allclose(f_stack(params_stacked, batch, *keys).losses, f_list(params, batch, *keys).losses,
+                               rtol=1e-6, atol=1e-6)
+  assert not np.array_equal(f_stack(params_stacked, batch, jax.random.key(1)).losses, f_stack(params_stacked, batch).losses)
+
+
+def test_layerwise_stage3_on_scanned_layers_matches_the_list_model_on_one_device(paragraphs, one_device_run):
+  """Tensor x data parallel (data=4, model=2), layer-wise stage 3, against the list model's one-device stage-0 run."""
+  base = MESH_ARGS + ["--corpus", paragraphs]
+  _, params = train_lm.make_model(train_lm.config_from_args(base))
+  config = train_lm.config_from_args(base + ["--mesh", "data=4,model=2", "--zero-stage", "3", "--scan-layers"])
+  assert train_lm.layerwise_stack(config) == "blocks" and train_lm.layerwise_stack(config, "rank_mean") is None
+  run = train_lm.train(config, out=None, params=lm.stack_blocks(params))
+  assert run["summary"]["layerwise"] and run["summary"]["scan_layers"]
+  want = [r["loss"] for r in one_device_run["records"]]
+  np.testing.assert_allclose([r["loss"] for r in run["records"]], want, rtol=MESH_RTOL, atol=0)
+  np.testing.assert_allclose(run["summary"]["val_loss"], one_device_run["summary"]["val_loss"], rtol=MESH_RTOL)
+  specs = {jax.tree_util.keystr(p): x.sharding.spec for p, x in jax.tree_util.tree_leaves_with_path(run["params"])}
+  qkv, down = tuple(specs["['blocks']['qkv']['kernel'].value"]), tuple(specs["['blocks']['down']['kernel'].value"])
+  # The layer axis is never split; one layer's heads over "model", and "data" on another dimension of one layer.
+  assert qkv[0] is None and "model" in str(qkv[3]) and "data" in str(qkv[1:]), specs
+  assert down[0] is None and "model" in str(down[1]) and "data" in str(down[1:]), specs

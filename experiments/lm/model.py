@@ -15,6 +15,17 @@ reads these off as ``init_state``'s ``param_specs``; on a mesh without a
 ``"model"`` axis they are simply not passed, and the model is the same.
 The annotations change no value: the initial params are the same with or
 without them.
+
+``scan_layers=True`` stacks the blocks on a leading layer axis (``nnx.vmap``
+over ``nnx.split_rngs``, so each layer draws its own weights; the stack's
+axis is added to the partitioning metadata unsplit) and runs them with
+``nnx.scan``; the loop body is rematerialised under
+``jaxdp.gather_policy()`` and calls ``jaxdp.nnx.gather`` on its layer, so at
+ZeRO stage 3 with ``layers=STACK`` a layer's parameters are all-gathered
+inside the loop and dropped after use (layer-wise stage 3). Dropout keys are
+split per layer and scanned with the stack, as the list of blocks splits
+them: with the same weights (:func:`stack_blocks`) the two models compute
+the same function.
 """
 
 from __future__ import annotations
@@ -74,26 +85,68 @@ class Block(nnx.Module):
     return x_BxTxD + self.drop(mlp, deterministic=off, rngs=keys[1])
 
 
-class Transformer(nnx.Module):
-  """Byte tokens ``[B, T]`` to next-byte logits ``[B, T, 256]``."""
+STACK = "blocks"
+"""The key of the blocks in the params: with ``scan_layers`` the stack that ``layers=`` names."""
 
-  def __init__(self, *, seq_len: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float, rngs: nnx.Rngs):
+
+def _scan_blocks(x_BxTxD: jax.Array, stack: Block, keys: jax.Array | None) -> jax.Array:
+  """``x`` through every layer of ``stack`` (an ``nnx.vmap``-made :class:`Block`), one ``nnx.scan`` iteration each.
+
+  The body is rematerialised with ``jaxdp.gather_policy()`` (FSDP2's ``reshard_after_forward=True``): at
+  layer-wise stage 3 the gathered layer is dropped after its forward use and gathered again for the backward.
+  """
+  if keys is None:
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat(policy=jaxdp.gather_policy())
+    def run(x, block):
+      return jaxdp.nnx.gather(block)(x, None)
+
+    return run(x_BxTxD, stack)
+
+  @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+  @nnx.remat(policy=jaxdp.gather_policy())
+  def run_keyed(x, block, key):
+    return jaxdp.nnx.gather(block)(x, key)
+
+  return run_keyed(x_BxTxD, stack, keys)
+
+
+class Transformer(nnx.Module):
+  """Byte tokens ``[B, T]`` to next-byte logits ``[B, T, 256]``; ``scan_layers``: the blocks stacked and scanned."""
+
+  def __init__(self, *, seq_len: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float, rngs: nnx.Rngs,
+               scan_layers: bool = False):
     self.embed = nnx.Embed(VOCAB, d_model, embedding_init=_split(linear.default_embed_init, _M, None), rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
-    self.blocks = nnx.List([Block(d_model, heads, d_ff, dropout, rngs=rngs) for _ in range(layers)])
+    self.scan_layers = scan_layers
+    if scan_layers:
+      # One Block per layer on a leading axis, each from its own split of the params stream; the partitioning
+      # metadata gets the layer axis, unsplit (None), so the tensor-parallel specs keep naming one layer's dims.
+      @nnx.split_rngs(splits=layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+      def stack(rngs: nnx.Rngs) -> Block:
+        return Block(d_model, heads, d_ff, dropout, rngs=rngs)
+
+      self.blocks = stack(rngs)
+    else:
+      self.blocks = nnx.List([Block(d_model, heads, d_ff, dropout, rngs=rngs) for _ in range(layers)])
+    self.layers = layers
     self.ln = nnx.LayerNorm(d_model, rngs=rngs)
     self.head = nnx.Linear(d_model, VOCAB, kernel_init=_split(_kernel, None, _M), bias_init=_split(_zeros, _M), rngs=rngs)
 
   def __call__(self, tokens_BxT: jax.Array, rng: jax.Array | None = None) -> jax.Array:
     t = tokens_BxT.shape[1]
     x_BxTxD = self.embed(tokens_BxT) + self.pos[None, :t]
+    if self.scan_layers:
+      x_BxTxD = _scan_blocks(x_BxTxD, self.blocks, None if rng is None else jax.random.split(rng, self.layers))
+      return self.head(self.ln(x_BxTxD))
     keys = [None] * len(self.blocks) if rng is None else list(jax.random.split(rng, len(self.blocks)))
     for block, key in zip(self.blocks, keys):
       x_BxTxD = block(x_BxTxD, key)
     return self.head(self.ln(x_BxTxD))
 
 
-def make_model(*, seed: int, **sizes) -> tuple[jaxdp.nnx.Definition, nnx.State]:
+def make_model(*, seed: int, scan_layers: bool = False, **sizes) -> tuple[jaxdp.nnx.Definition, nnx.State]:
   """``(definition, params)`` of a :class:`Transformer` initialised from ``seed``, split by ``jaxdp.nnx``.
 
   The params are ordinary (unsharded) arrays that keep their partitioning
@@ -104,10 +157,29 @@ def make_model(*, seed: int, **sizes) -> tuple[jaxdp.nnx.Definition, nnx.State]:
   so ``params`` is all there is.
   """
   with nnx.use_eager_sharding(False):
-    model = Transformer(**sizes, rngs=nnx.Rngs(seed))
+    model = Transformer(**sizes, rngs=nnx.Rngs(seed), scan_layers=scan_layers)
   definition, params, model_state = jaxdp.nnx.split(model)
   assert model_state is None, "the transformer has no model state"
   return definition, params
+
+
+def stack_blocks(params: nnx.State) -> nnx.State:
+  """The params of the list-of-blocks model laid out for ``scan_layers=True``: each block leaf stacked over the layers.
+
+  The stacked model built from the same seed draws other weights (``nnx.split_rngs`` keys); with these it is
+  the same function as the list model (the layer axis is added to the partitioning metadata, unsplit).
+  """
+  raw = params.raw_mapping
+  layers = [raw[STACK][i] for i in sorted(raw[STACK])]
+
+  def stack(*variables):
+    first = variables[0]
+    sharding = first.get_metadata().get("out_sharding")  # nnx.with_partitioning's spec: gets the layer axis
+    extra = {} if sharding is None else {"out_sharding": (None, *sharding)}
+    return first.replace(jnp.stack([v.get_value() for v in variables]), **extra)
+
+  stacked = jax.tree.map(stack, *layers, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.State({**raw, STACK: stacked})
 
 
 def next_byte_loss(model: Transformer, batch: dict, *, rngs: nnx.Rngs | None, train: bool):
