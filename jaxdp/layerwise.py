@@ -142,33 +142,29 @@ def _plan(layer: Any, active: _Gathering) -> list:
   return plan
 
 
-def _gathered(layer: Any, plan: list, active: _Gathering) -> Any:
+def _each_planned(tree: Any, plan: list, active: _Gathering, collective: Callable) -> Any:
+  """``collective(leaf, axis, dim)`` over ZeRO's axis, per model shard, on the leaves ``plan`` splits."""
   zero = zero_axis(active.axis_name)
 
   def one(x, how):
     if how is None:
       return x
     dim, spec = how
-    whole = per_model_shard(lambda y: lax.all_gather(y, zero, axis=dim, tiled=True), spec, active.axis_name)(x)
-    return checkpoint_name(whole, GATHERED)
+    return per_model_shard(lambda y: collective(y, zero, dim), spec, active.axis_name)(x)
 
-  leaves, treedef = jax.tree.flatten(layer)
+  leaves, treedef = jax.tree.flatten(tree)
   return treedef.unflatten([one(x, how) for x, how in zip(leaves, plan)])
+
+
+def _gathered(layer: Any, plan: list, active: _Gathering) -> Any:
+  return _each_planned(layer, plan, active, lambda y, axis, dim: checkpoint_name(
+      lax.all_gather(y, axis, axis=dim, tiled=True), GATHERED))
 
 
 def _scattered(cotangent: Any, plan: list, active: _Gathering) -> Any:
   """The transpose of :func:`_gathered`: each gathered leaf's cotangent reduce-scattered back to its slice."""
-  zero = zero_axis(active.axis_name)
-
-  def one(g, how):
-    if how is None:
-      return g
-    dim, spec = how
-    return per_model_shard(lambda y: lax.psum_scatter(y, zero, scatter_dimension=dim, tiled=True), spec,
-                           active.axis_name)(g)
-
-  leaves, treedef = jax.tree.flatten(cotangent)
-  return treedef.unflatten([one(g, how) for g, how in zip(leaves, plan)])
+  return _each_planned(cotangent, plan, active,
+                       lambda y, axis, dim: lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True))
 
 
 def gather(layer: Any) -> Any:
