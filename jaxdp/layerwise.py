@@ -83,6 +83,8 @@ def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any):
     if not is_layer:
       continue
     dim = data_dim(spec, zero)
+    if dim == 0:  # split along the layer axis (a layout made without layers=): not a layer's slice to gather
+      continue
     layer_spec = one_layer_spec(spec, len(x.shape))
     entries.append(_Stacked(_names(path), tuple(x.shape[1:]), x.dtype,
                             None if dim is None else dim - 1, layer_spec))
@@ -103,7 +105,7 @@ def _match(path: tuple, x: Any, leaves: tuple[_Stacked, ...]) -> list[_Stacked]:
   # A layer's leaf is named relative to its stack (the loop body sees one layer, under names of its own such as
   # linen's collection 'params'): the longest end of its key path that ends stacked leaves' paths, among those
   # of one layer's shape and dtype.
-  candidates = [s for s in leaves if s.shape == tuple(x.shape) and s.dtype == x.dtype]
+  candidates = [s for s in leaves if s.shape == tuple(x.shape)]  # any dtype: compute_dtype casts the slices
   for start in range(len(path)):
     tail = path[start:]
     found = [s for s in candidates if s.path[len(s.path) - len(tail):] == tail]
@@ -122,15 +124,15 @@ def _plan(layer: Any, active: _Gathering) -> list:
     if not matches:
       return None
     found = True
-    dims = {(m.dim, m.spec) for m in matches}
+    dims = {(m.dim, m.spec, m.dtype) for m in matches}
     if len(dims) > 1:
       raise ValueError(
           f"jaxdp.gather: {jax.tree_util.keystr(path)} of shape {x.shape} matches stacked leaves split along "
           f"different dimensions ({', '.join('/'.join(map(str, m.path)) for m in matches)}); pass the layer with "
           "more of its key path (the whole layer's subtree), so that it names one stacked leaf."
       )
-    dim, spec = dims.pop()
-    return None if dim is None else (dim, spec)
+    dim, spec, dtype = dims.pop()
+    return None if dim is None else (dim, spec, dtype)
 
   plan = [one(path, x) for path, x in jax.tree_util.tree_leaves_with_path(layer)]
   if not found and plan:
@@ -143,14 +145,19 @@ def _plan(layer: Any, active: _Gathering) -> list:
 
 
 def _each_planned(tree: Any, plan: list, active: _Gathering, collective: Callable) -> Any:
-  """``collective(leaf, axis, dim)`` over ZeRO's axis, per model shard, on the leaves ``plan`` splits."""
+  """``collective(leaf, axis, dim)`` over ZeRO's axis, per model shard, on the leaves ``plan`` splits.
+
+  In the stacked leaf's own dtype (float32 master weights under ``compute_dtype``): the gradient's
+  reduce-scatter, the gather's transpose, then sums in float32 as every reduction of the step does.
+  """
   zero = zero_axis(active.axis_name)
 
   def one(x, how):
     if how is None:
       return x
-    dim, spec = how
-    return per_model_shard(lambda y: collective(y, zero, dim), spec, active.axis_name)(x)
+    dim, spec, dtype = how
+    return per_model_shard(lambda y: collective(y.astype(dtype), zero, dim).astype(y.dtype), spec,
+                           active.axis_name)(x)
 
   leaves, treedef = jax.tree.flatten(tree)
   return treedef.unflatten([one(x, how) for x, how in zip(leaves, plan)])
@@ -196,8 +203,8 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   backward pass gathers nothing. ``layers``: the stacked params as ``loss_fn`` got them (leading layer
   axis); ``xs``: per-layer inputs (leading layer axis) or ``None``. Returns ``(carry, ys)`` as
   ``lax.scan``. Elsewhere (one device, below stage 3, a plain program) it is ``lax.scan`` with the layers
-  as they are, so the same model runs everywhere. ``f`` may read other values than its arguments
-  (closures); their gradients are summed over the layers.
+  as they are, so the same model runs everywhere. The gradients of values ``f`` closes over (floating
+  values being differentiated, which ``jax.closure_convert`` hoists) are summed over the layers.
   """
   if not isinstance(reshard_after_forward, (bool, np.bool_)):
     raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}.")

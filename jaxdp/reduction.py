@@ -929,6 +929,11 @@ def reduce_gradient(
   check_reduction(reduction)
   check_reduce_dtype(reduce_dtype, "reduce_dtype")
   _check_bucket_bytes(bucket_bytes)
+  if presummed is not None and (scatter is False or reduction not in ("mean", "sum")):
+    raise ValueError(
+        "presummed leaves were reduce-scattered inside the loss already: reduce them with scatter= (their "
+        f"slices' specs) and reduction='mean' or 'sum', not scatter={scatter!r}, reduction={reduction!r}."
+    )
   if reduction != "none":
     check_axis_bound(axis_name)
   grads, loss_sum, weight_sum, metric_sums, model_state = local

@@ -215,6 +215,12 @@ def gradient_step(
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
   presummed = None
   if stacked is not None and params_split is not None:
+    if grads_split is None:
+      raise ValueError(
+          "stacked layers arriving split (params_split) have their gradient reduce-scattered inside the backward "
+          "pass: pass grads_split too (the stage-3 layout's split specs), so that reduce_gradient does not "
+          "all-reduce those slices as whole leaves."
+      )
     if reduction == "rank_mean":
       raise ValueError(
           "reduction='rank_mean' divides each replica's gradient by its own weight before the reduction, but a "
@@ -222,7 +228,8 @@ def gradient_step(
       )
     # The stacked leaves stay split: the loss gathers one layer at a time (jaxdp.gather), and the transpose of
     # that gather reduce-scatters the layer's gradient inside the backward loop.
-    presummed = jax.tree.map(lambda is_layer, spec: bool(is_layer and data_dim(spec, axis_name) is not None),
+    # (Not a leaf split along its layer axis, as a layout made without layers= may split it: gathered whole.)
+    presummed = jax.tree.map(lambda is_layer, spec: bool(is_layer and (data_dim(spec, axis_name) or 0) > 0),
                              stacked, params_split, is_leaf=lambda x: isinstance(x, P))
     specs = params_split
     params_split = jax.tree.map(lambda spec, keep: model_part(spec, axis_name) if keep else spec, params_split,
