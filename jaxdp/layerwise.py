@@ -214,6 +214,9 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
     raise ValueError(f"scan_layers: the stacked layers must share a leading layer axis, got sizes {sorted(count)}.")
   length = count.pop()
   slice_of = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+  # Row l of rolled(tree, -1) is layer l + 1 (the forward's prefetch; the last row, layer 0: one spare gather);
+  # of rolled(tree, 1), layer l - 1 (the backward's).
+  rolled = lambda tree, shift: jax.tree.map(lambda a: jnp.roll(a, shift, axis=0), tree)  # noqa: E731
   plan = None if active is None or not active.leaves else _plan(slice_of(layers, 0), active)
   if plan is None or all(how is None for how in plan):
     return lax.scan(lambda carry, lx: f(carry, lx[0], lx[1]), init, (layers, xs), length=length)
@@ -232,11 +235,8 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
       return (new_carry, upcoming), (carry, current if not reshard_after_forward else None, y)
 
     first = _gathered(slice_of(layers, 0), plan, active)
-    (carry, _), (carries, kept, ys) = lax.scan(body, (init, first), (ahead_of(layers), xs), length=length)
+    (carry, _), (carries, kept, ys) = lax.scan(body, (init, first), (rolled(layers, -1), xs), length=length)
     return (carry, ys), (carries, kept)
-
-  def ahead_of(tree):  # iteration l gathers layer l + 1 (the last one, layer 0 again: one spare gather)
-    return jax.tree.map(lambda a: jnp.roll(a, -1, axis=0), tree)
 
   @jax.custom_vjp
   def run(init, layers, xs, consts):
@@ -249,7 +249,6 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   def run_bwd(residuals, cotangent):
     carries, kept, layers, xs, consts = residuals
     ct_carry, ct_ys = cotangent
-    behind_tree = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), layers)  # reverse iteration l gathers layer l - 1
     zero_consts = jax.tree.map(jnp.zeros_like, consts)
 
     def body(state, inputs):
@@ -264,7 +263,7 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
 
     last = _gathered(slice_of(layers, length - 1), plan, active) if reshard_after_forward else None
     (ct_init, _, ct_consts), (ct_layers, ct_xs) = lax.scan(
-        body, (ct_carry, last, zero_consts), (behind_tree, carries, kept, xs, ct_ys), length=length, reverse=True)
+        body, (ct_carry, last, zero_consts), (rolled(layers, 1), carries, kept, xs, ct_ys), length=length, reverse=True)
     return ct_init, ct_layers, ct_xs, ct_consts
 
   run.defvjp(run_fwd, run_bwd)
