@@ -136,7 +136,7 @@ class Failure(NamedTuple):
   worker_code: int | None = None
 
 
-class Layout(NamedTuple):
+class ProcessLayout(NamedTuple):
   """The processes of one attempt, and simulated devices per process (``None``: the backend's default)."""
 
   nproc: int
@@ -144,7 +144,7 @@ class Layout(NamedTuple):
 
 
 def restart_layout(restart: int, nproc: int, devices_per_proc: int | None = None,
-                   min_nproc: int | None = None) -> Layout:
+                   min_nproc: int | None = None) -> ProcessLayout:
   """The layout of attempt ``restart`` (0 is the first) of a ``nproc x devices_per_proc`` job.
 
   ``max(nproc - restart, min_nproc)`` processes; the first attempt's device
@@ -153,8 +153,8 @@ def restart_layout(restart: int, nproc: int, devices_per_proc: int | None = None
   """
   count = max(nproc - restart, nproc if min_nproc is None else min_nproc)
   if devices_per_proc is None or (nproc * devices_per_proc) % count:
-    return Layout(count, devices_per_proc)
-  return Layout(count, nproc * devices_per_proc // count)
+    return ProcessLayout(count, devices_per_proc)
+  return ProcessLayout(count, nproc * devices_per_proc // count)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -202,6 +202,7 @@ def test_restart_layouts():
   assert layouts(3, 2, min_nproc=1) == [(3, 2), (2, 3), (1, 6), (1, 6)]
   assert layouts(3, 1, min_nproc=1) == [(3, 1), (2, 1), (1, 3), (1, 3)]  # 3 devices do not split over 2
   assert layouts(4, None, min_nproc=2) == [(4, None), (3, None), (2, None), (2, None)]
+  assert launch.restart_layout(1, 2, 2, min_nproc=1) == launch.ProcessLayout(nproc=1, devices_per_proc=4)
 
 
 def test_the_launcher_imports_no_jax(tmp_path):
