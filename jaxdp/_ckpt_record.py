@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxdp.data import _steps_per_epoch
+from jaxdp.data import steps_per_epoch
 from jaxdp.layout import abstract_state, to_host
 from jaxdp.state import TrainState
 
@@ -409,9 +409,9 @@ def _consistent_position(p: dict, data_step: int) -> bool:
   """Whether ``p`` is what ``DataPipeline.position(data_step)`` gives for some pipeline."""
   if p["devices"] < 1 or p["global_batch"] < 1 or p["num_examples"] < 1:
     return False
-  steps_per_epoch = _steps_per_epoch(p["num_examples"], p["global_batch"])
+  epoch_steps = steps_per_epoch(p["num_examples"], p["global_batch"])
   return (p["example"] < p["num_examples"] and p["example"] % p["global_batch"] == 0
-          and data_step == p["epoch"] * steps_per_epoch + p["example"] // p["global_batch"])
+          and data_step == p["epoch"] * epoch_steps + p["example"] // p["global_batch"])
 
 
 def check_record(record: dict) -> None:

@@ -339,7 +339,8 @@ def _split_batch(order: np.ndarray, n_devices: int, global_batch: int, index: in
   return np.split(batch, np.cumsum(_portion_sizes(len(batch), n_devices))[:-1])
 
 
-def _steps_per_epoch(num_examples: int, global_batch: int) -> int:
+def steps_per_epoch(num_examples: int, global_batch: int) -> int:
+  """Steps that visit ``num_examples`` examples once, ``global_batch`` a step (the last step may take fewer)."""
   return -(-num_examples // global_batch)
 
 
@@ -389,7 +390,7 @@ def device_indices(
   n_devices = check_int(n_devices, "n_devices", 1, "pass the size of the mesh's data axis.")
   _, total = _batch_sizes(n_devices, per_device_batch, global_batch_size)
   step = check_int(step, "step", 0, "steps count from 0.")
-  epoch, index = divmod(step, _steps_per_epoch(num_examples, total))
+  epoch, index = divmod(step, steps_per_epoch(num_examples, total))
   return _split_batch(epoch_permutation(num_examples, seed, epoch), n_devices, total, index)
 
 
@@ -558,7 +559,7 @@ class DataPipeline:
     self.seed = check_int(seed, "seed", 0, "use a non-negative integer seed.")
     if self.seed >= 2**64:
       raise ValueError(f"seed must be < 2**64 (the shuffle's key is 64 bits), got {self.seed}.")
-    self.steps_per_epoch = _steps_per_epoch(self.num_examples, self.global_batch)
+    self.steps_per_epoch = steps_per_epoch(self.num_examples, self.global_batch)
     self.local_positions = addressable_positions(mesh, axis_name)
     if not self.local_positions:
       raise ValueError("mesh has no device of this process; build the pipeline on a mesh that includes local devices.")
