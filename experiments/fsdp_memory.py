@@ -77,7 +77,7 @@ from jax import lax
 
 import jaxdp
 from experiments import common
-from jaxdp.reports import _collective, _shape_bytes
+from jaxdp.reports import hlo_collectives
 
 MIB = 2**20
 N_DEVICES = 8
@@ -171,20 +171,18 @@ def loop_collectives(hlo: str) -> dict:
   """The collectives of optimized HLO text by place: ``{place: {kind: [result bytes, ...]}}``.
 
   ``place``: "forward" (op_name contains "/while/body/" and no "transpose("), "backward" (both), or
-  "outside" (no "/while/body/"). An async op counts once, sized by its ``-done`` result (as ``comm_report``).
+  "outside" (no "/while/body/"). An async op counts once, sized by its ``-done`` result
+  (``jaxdp.reports.hlo_collectives``).
   """
   found = {place: {"all-gather": [], "reduce-scatter": []} for place in ("forward", "backward", "outside")}
-  ops = [(op, line) for line in hlo.splitlines() if (op := _collective(line))]
-  done_shapes = {op["operand"]: op["shape"] for op, _ in ops if op["phase"] == "done"}
-  for op, line in ops:
-    if op["kind"] not in ("all-gather", "reduce-scatter") or op["phase"] == "done":
+  for op in hlo_collectives(hlo):
+    if op.kind not in ("all-gather", "reduce-scatter"):
       continue
-    if "/while/body/" not in line:
+    if "/while/body/" not in op.line:
       place = "outside"
     else:
-      place = "backward" if "transpose(" in line else "forward"
-    shape = done_shapes.get(op["name"], op["shape"]) if op["phase"] == "start" else op["shape"]
-    found[place][op["kind"]].append(_shape_bytes(shape))
+      place = "backward" if "transpose(" in op.line else "forward"
+    found[place][op.kind].append(op.nbytes)
   return found
 
 

@@ -95,17 +95,35 @@ def _collective(line: str) -> dict | None:
   }
 
 
-def _collective_ops(hlo: str) -> list[tuple[str, int, int | None]]:
-  """``(kind, result bytes, group size)`` of every collective; an async op counts once, sized by its
-  ``-done`` result."""
-  found = [op for op in map(_collective, hlo.splitlines()) if op]
-  done_shapes = {op["operand"]: op["shape"] for op in found if op["phase"] == "done"}
+class HloCollective(NamedTuple):
+  """One collective op of optimized HLO text.
+
+  Attributes:
+    kind: ``"all-reduce"``, ``"reduce-scatter"`` or ``"all-gather"``.
+    nbytes: bytes of its per-device result (of the ``-done`` op for an async pair).
+    group: how many devices it spans (its ``replica_groups``), ``None`` where the HLO does not say.
+    line: the HLO line that starts it (the sync op, or the ``-start`` of an async pair), with its metadata.
+  """
+
+  kind: str
+  nbytes: int
+  group: int | None
+  line: str
+
+
+def hlo_collectives(hlo: str) -> list[HloCollective]:
+  """Every all-reduce, reduce-scatter and all-gather of optimized HLO text, in program order.
+
+  An async ``-start``/``-done`` pair counts once. Counts are static: an op in a loop body appears once.
+  """
+  found = [(op, line) for line in hlo.splitlines() if (op := _collective(line))]
+  done_shapes = {op["operand"]: op["shape"] for op, _ in found if op["phase"] == "done"}
   ops = []
-  for op in found:
+  for op, line in found:
     if op["phase"] == "done":
       continue
     shape = done_shapes.get(op["name"], op["shape"]) if op["phase"] == "start" else op["shape"]
-    ops.append((op["kind"], _shape_bytes(shape), op["group"]))
+    ops.append(HloCollective(op["kind"], _shape_bytes(shape), op["group"], line))
   return ops
 
 
@@ -136,7 +154,7 @@ def collectives_from_hlo(hlo: str, n_devices: int) -> dict[str, Collective]:
   counts = {kind: 0 for kind in COLLECTIVES}
   sizes = {kind: 0 for kind in COLLECTIVES}
   traffic = {kind: 0.0 for kind in COLLECTIVES}
-  for kind, size, group in _collective_ops(hlo):
+  for kind, size, group, _ in hlo_collectives(hlo):
     group = group or n_devices
     full = size * group if kind == "reduce-scatter" else size  # a reduce-scatter's result is one chunk
     counts[kind] += 1

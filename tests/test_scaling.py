@@ -65,6 +65,17 @@ def test_each_collective_is_counted_over_its_own_device_group():
   assert counted["reduce-scatter"].traffic_bytes == pytest.approx(4000 * 3 / 4, rel=ROUND_OFF)
 
 
+def test_an_async_collective_counts_once_sized_by_its_done_result():
+  start = "%ag = (f32[250]{0}, f32[1000]{0}) all-gather-start(%z), replica_groups=[2,4]<=[8], dimensions={0}"
+  sync = "%r = f32[8]{0} all-reduce(%x)"
+  hlo = "\n".join([start, "%ag.1 = f32[1000]{0} all-gather-done(%ag)", sync])
+  assert jaxdp.reports.hlo_collectives(hlo) == [
+      jaxdp.reports.HloCollective("all-gather", 4000, 4, start),
+      jaxdp.reports.HloCollective("all-reduce", 32, None, sync),
+  ]
+  assert jaxdp.collectives_from_hlo(hlo, 8)["all-gather"] == jaxdp.Collective(1, 4000, 4000 * 3 / 4)
+
+
 def test_stage_volumes_relative_to_stage_0():
   """jaxdp: stage 1 moves 1.5x stage 0, stages 2-3 the same (p = g); the paper's stage 3 1.5x."""
   for n in (2, 8, 64):
