@@ -9,6 +9,8 @@ model's collective bytes equal those counted in their HLO.
 """
 
 import math
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -28,6 +30,19 @@ MODEL = scaling.ModelCost(params=10_000_000, seconds_per_example=1e-3, update_se
 # The layer count each schedule needs (only "layerwise" takes one).
 LAYERS = {"jaxdp": None, "layerwise": 80, "paper": None}
 
+
+
+def test_the_cost_model_is_imported_on_first_access_only():
+  """No library path needs the model: ``import jaxdp`` and the training, data, checkpoint and report names leave it
+  unimported, ``jaxdp.scaling`` imports it."""
+  code = "\n".join([
+      "import sys, jaxdp",
+      "jaxdp.make_train_step, jaxdp.DataPipeline, jaxdp.CheckpointManager, jaxdp.comm_report, jaxdp.distributed",
+      "assert 'jaxdp.scaling' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jaxdp'))",
+      "assert jaxdp.scaling.FP32_ADAM and 'jaxdp.scaling' in sys.modules",
+  ])
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
 
 def test_ring_all_reduce_volume_is_2_n_minus_1_over_n_psi_bytes():
   for precision in (scaling.MIXED_ADAM, scaling.FP32_ADAM):
