@@ -183,7 +183,7 @@ def _mesh_shape(state: TrainState) -> dict | None:
 
 def _saved_data_size(record: dict, axis_name: Any) -> int:
   """The data-parallel device count a checkpoint was saved from, for ``axis_name``; its total device count for a
-  record without its mesh (saved before the mesh was recorded) or whose mesh lacks those axes."""
+  record without its mesh or whose mesh lacks those axes."""
   saved = record["saved_from"]
   mesh = saved.get("mesh")
   names = _names(axis_name)
@@ -541,8 +541,8 @@ class CheckpointManager:
         ``per_device_batch`` changed to match, which nothing here can see).
         A checkpoint saved without ``pipeline=`` restored with it onto
         another number of data-parallel devices is refused too (read off
-        the saved mesh; a record written before the mesh was recorded has
-        only the total device count, which is then what is compared).
+        the saved mesh; for a record without one, the total device count is
+        what is compared).
       layers: the stacks of layers (layer-wise stage 3), as given to
         :func:`jaxdp.init_state`; any checkpoint restores with or without it.
 

@@ -58,10 +58,9 @@ each device holds a full copy of them during the step on top of its
 
   stage 3: (p + g + K) Ψ / N + p Ψ   (N > 1)
 
-(measured: ``docs/zero_memory.json``, N = 8, fp32 Adam: model state
-2.52 MiB and temporaries about 6 MiB, among them the 5.05 MiB parameter
-copy). With ``layers=`` (:mod:`jaxdp.layerwise`) jaxdp gathers the stacks
-of layers one layer at a time inside the loop; ``schedule="layerwise"``
+(``experiments/zero_memory.py`` measures it). With ``layers=``
+(:mod:`jaxdp.layerwise`) jaxdp gathers the stacks of layers one layer at
+a time inside the loop; ``schedule="layerwise"``
 models that with room for prefetch: two layers' gathered parameters alive
 at once, the current layer's and the next one's, whose gather
 :func:`jaxdp.scan_layers` issues during the current layer's compute (a double
