@@ -97,6 +97,7 @@ def nested(named: list[tuple[tuple[str, ...], Any]]) -> dict:
 
 
 def lookup(tree: dict, components: tuple[str, ...]) -> Any:
+  """The entry of nested dict ``tree`` at path ``components`` (the inverse of :func:`nested`)."""
   for c in components:
     tree = tree[c]
   return tree
@@ -133,6 +134,7 @@ def stored_struct(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
 
 
 def signature(tree: Any) -> dict:
+  """``{"a/b": (shape, dtype name)}`` of each leaf as a checkpoint stores it (see :func:`stored_struct`)."""
   stored = {"/".join(c): stored_struct(x) for c, x in named_leaves(tree)}
   return {name: (s.shape, np.dtype(s.dtype).name) for name, s in stored.items()}
 
@@ -275,6 +277,7 @@ def checksums(leaves: list[Any]) -> list[int]:
 
 
 def checksum_text(value: int) -> str:
+  """A checksum as the record spells it: 16 lowercase hex digits."""
   return f"{value:016x}"
 
 
@@ -282,6 +285,7 @@ def checksum_text(value: int) -> str:
 
 
 def check_metadata(metadata: Any) -> None:
+  """Raises ``ValueError`` unless ``metadata`` is JSON with finite numbers, as the record stores it."""
   try:
     json.dumps(metadata, allow_nan=False)
   except (TypeError, ValueError) as e:
@@ -456,6 +460,7 @@ def _differences(found: dict, expected: dict, found_name: str, expected_name: st
 
 
 def listing(lines: list[str]) -> str:
+  """``lines`` indented for an error message, the first :data:`MAX_LISTED` of them."""
   more = [f"... and {len(lines) - MAX_LISTED} more"] if len(lines) > MAX_LISTED else []
   return "\n  " + "\n  ".join(lines[:MAX_LISTED] + more)
 

@@ -694,6 +694,7 @@ class _Lookahead:
     self._head: list = []  # the next example, once read
 
   def more(self) -> bool:
+    """Whether the stream holds another example (reads it ahead, once)."""
     if not self._head and self._it is not None:
       try:
         self._head.append(next(self._it))

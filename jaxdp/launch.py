@@ -740,6 +740,7 @@ def _positive_float(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+  """The command line of ``python -m jaxdp.launch``."""
   p = argparse.ArgumentParser(
       prog="python -m jaxdp.launch",
       description="Start NPROC local worker processes of one JAX job (call jaxdp.distributed.initialize() in the script).",
@@ -767,6 +768,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs ``python -m jaxdp.launch`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
   # The handlers come first: a signal from here on stops the job cleanly, even before a worker exists.
   with _Signals() as signals:
     return _main(argv, signals)
