@@ -6,6 +6,8 @@ and a cost model's latencies, which real collectives reach only in part. Use
 the model to compare configurations and to see which term dominates where,
 and check its absolute numbers against a measurement on the hardware itself
 (``experiments/scaling.py`` does that on the simulated CPU devices here).
+No training path uses it: ``import jaxdp`` leaves it unimported, and the
+first ``jaxdp.scaling`` (or ``from jaxdp import scaling``) imports it.
 
 The step (one device's view, weak scaling: the per-device batch is fixed)::
 
