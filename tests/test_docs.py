@@ -23,3 +23,13 @@ def test_every_local_link_of_the_readme_names_a_file():
   assert links
   missing = sorted({link for link in links if not (ROOT / link).exists()})
   assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_the_api_reference_lists_every_public_name():
+  """docs/api.md names each entry of jaxdp.__all__ (mkdocstrings renders it from its docstring), so a new public
+  name cannot go undocumented."""
+  import jaxdp
+
+  listed = set(re.findall(r"^::: jaxdp\.(\w+)", (ROOT / "docs" / "api.md").read_text(), re.MULTILINE))
+  missing = sorted(set(jaxdp.__all__) - listed)
+  assert not missing, f"docs/api.md lacks ::: jaxdp.NAME for {missing}"
