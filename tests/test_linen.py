@@ -231,12 +231,12 @@ def test_a_scalar_mean_is_named_where_per_example_losses_belong():
     jaxdp.make_eval_step(mean, mesh)(state, batch, weights)
 
 
-def test_the_readmes_per_example_metrics_block_runs_as_written():
-  """The README's port of per-example training metrics (accuracy from logits through LossOutput.metrics) runs as
-  written, on every device of this session, and reports the exact mean of the per-example values."""
+def test_the_docs_per_example_metrics_block_runs_as_written():
+  """docs/porting-linen.md's port of per-example training metrics (accuracy from logits through LossOutput.metrics)
+  runs as written, on every device of this session, and reports the exact mean of the per-example values."""
   import pathlib
 
-  text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  text = (pathlib.Path(__file__).parents[1] / "docs" / "porting-linen.md").read_text()
   start = text.index("import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax, jaxdp")
   scope: dict = {}
   exec(text[start:text.index("```", start)], scope)  # noqa: S102
