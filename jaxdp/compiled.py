@@ -35,6 +35,7 @@ from jaxdp import _checks
 from jaxdp._checks import check_float_dtype, check_int, check_optimizer, check_reduce_dtype
 from jaxdp.layout import (
     Layout,
+    axis_names,
     data_size,
     auto_mesh,
     check_backend,
@@ -52,7 +53,7 @@ from jaxdp.layout import (
 )
 from jaxdp.loss import check_loss_fn
 from jaxdp.randomness import check_example_ids
-from jaxdp.reduction import ReducedGradient, _check_bucket_bytes, axis_names, check_reduction
+from jaxdp.reduction import ReducedGradient, check_bucket_bytes, check_reduction
 from jaxdp.replicas import divergence_over_mesh, replica_divergence
 from jaxdp.step import finish_step, gather_params, gradient_step, train_step
 from jaxdp.state import TrainState
@@ -488,7 +489,7 @@ def make_train_step(
         "the compiler (reproduced in plain JAX, jax 0.10.2). On CPU keep the float32 reduction (the default), or "
         "use a mesh of data axes only."
     )
-  _check_bucket_bytes(bucket_bytes)
+  check_bucket_bytes(bucket_bytes)
 
   options = dict(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,

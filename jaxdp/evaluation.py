@@ -23,6 +23,7 @@ from jaxdp.layerwise import gathering
 from jaxdp.loss import check_loss_fn
 from jaxdp.layout import (
     auto_mesh,
+    axis_names,
     check_backend,
     check_layers,
     check_mesh_axis,
@@ -34,7 +35,7 @@ from jaxdp.layout import (
     place,
     split_along,
 )
-from jaxdp.reduction import _safe_divide, axis_names, cast_floating, loss_sums, reduce_gradient
+from jaxdp.reduction import safe_divide, cast_floating, loss_sums, reduce_gradient
 from jaxdp.state import TrainState
 from jaxdp.step import gather_params
 
@@ -86,7 +87,7 @@ def eval_sums(
 def means_from_sums(sums: dict[str, Any]) -> dict[str, Any]:
   """``{"loss": Σ w·l / Σ w, name: Σ w·m / Σ w, "weight": Σ w}`` (0, not NaN, when ``Σ w`` is 0)."""
   weight = sums["weight"]
-  means = _safe_divide({k: v for k, v in sums.items() if k != "weight"}, weight)
+  means = safe_divide({k: v for k, v in sums.items() if k != "weight"}, weight)
   return {**means, "weight": weight}
 
 

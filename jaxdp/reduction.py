@@ -26,7 +26,7 @@ from jax.extend import core as jax_core
 
 from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.batchnorm import training_batch_guards
-from jaxdp.layout import model_part, per_model_shard
+from jaxdp.layout import axis_names, model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
 from jaxdp.randomness import check_example_ids, per_example
 
@@ -120,17 +120,12 @@ def check_reduction(reduction: str) -> None:
     )
 
 
-def _varying_axes(x: Any) -> frozenset:
+def varying_axes(x: Any) -> frozenset:
   aval = jax.typeof(x)
   manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
   if manual is not None:
     return frozenset(manual.varying)
   return frozenset(getattr(aval, "vma", ()))  # JAX 0.11 spelling
-
-
-def axis_names(axis_name: Any) -> tuple[str, ...]:
-  """The data axes named by ``axis_name``: one mesh axis (a str) or several (a tuple, e.g. ``("replica", "data")``)."""
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def check_axis_bound(axis_name: Any, name: str = "axis_name") -> None:
@@ -148,7 +143,7 @@ def check_axis_bound(axis_name: Any, name: str = "axis_name") -> None:
 
 def varies(x: Any, axis_name: Any) -> bool:
   """Whether ``x`` is typed (inside ``shard_map``) as varying over any of the axes of ``axis_name``."""
-  return bool(set(axis_names(axis_name)) & _varying_axes(x))
+  return bool(set(axis_names(axis_name)) & varying_axes(x))
 
 
 def as_varying(tree: Any, axis_name: str) -> Any:
@@ -170,7 +165,7 @@ def as_varying(tree: Any, axis_name: str) -> Any:
     return tree
 
   def cast(x):
-    missing = tuple(a for a in axis_names(axis_name) if a not in _varying_axes(x))
+    missing = tuple(a for a in axis_names(axis_name) if a not in varying_axes(x))
     if not missing:
       return x
     return lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
@@ -244,7 +239,7 @@ def _abstract_vma(x: Any) -> frozenset:
   if isinstance(x, jax.ShapeDtypeStruct):
     manual = getattr(x, "manual_axis_type", None)  # JAX 0.10
     return frozenset(manual.varying) if manual is not None else frozenset(getattr(x, "vma", ()) or ())
-  return _varying_axes(x)
+  return varying_axes(x)
 
 
 def loss_sums(
@@ -444,7 +439,7 @@ def local_gradient(
 
 def _varying_like(x: jax.Array, like: Any) -> jax.Array:
   """``x`` typed as varying over every axis ``like`` (an array or ``ShapeDtypeStruct``) varies over too."""
-  missing = tuple(sorted(_abstract_vma(like) - _varying_axes(x)))
+  missing = tuple(sorted(_abstract_vma(like) - varying_axes(x)))
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -523,10 +518,10 @@ def _psum(tree: Any, axis_name: str) -> Any:
     if x.size * x.dtype.itemsize <= PACK_BYTES and _splittable(x):
       # By type too: a leaf replicated over a manual model axis packed with one split over it would come
       # back typed as varying there (and differ from the parameter it updates).
-      groups.setdefault((jnp.dtype(x.dtype), _varying_axes(x)), []).append(i)
+      groups.setdefault((jnp.dtype(x.dtype), varying_axes(x)), []).append(i)
   packs = [group for group in groups.values() if len(group) > 1]
   packed = {i for group in packs for i in group}
-  rows = [_to_row([leaves[i] for i in group]) for group in packs]
+  rows = [to_row([leaves[i] for i in group]) for group in packs]
   rows, whole = lax.psum((rows, [x for i, x in enumerate(leaves) if i not in packed]), axis_name)
   out = iter(whole)
   summed = [None if i in packed else next(out) for i in range(len(leaves))]
@@ -536,7 +531,7 @@ def _psum(tree: Any, axis_name: str) -> Any:
   return jax.tree.unflatten(treedef, summed)
 
 
-def _to_row(leaves: list, rows: int = 1) -> jax.Array:
+def to_row(leaves: list, rows: int = 1) -> jax.Array:
   """The leaves flattened into ``[rows, Σ size / rows]``: row ``i`` holds row ``i`` of each leaf seen as ``rows`` rows.
 
   Rows, not a vector: XLA CPU concatenates rows with copies, where a rank-1 concatenation went element by
@@ -546,7 +541,7 @@ def _to_row(leaves: list, rows: int = 1) -> jax.Array:
 
 
 def _from_row(row: jax.Array, like: list) -> list:
-  """The leaves of a one-row ``[1, Σ size]`` array made by :func:`_to_row`, shaped as ``like``."""
+  """The leaves of a one-row ``[1, Σ size]`` array made by :func:`to_row`, shaped as ``like``."""
   offsets = np.cumsum([0] + [x.size for x in like])
   return [row[0, start:stop].reshape(x.shape) for x, start, stop in zip(like, offsets[:-1], offsets[1:])]
 
@@ -584,13 +579,13 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | Non
   if bucket_bytes is None:
     # Leaves of up to PACK_BYTES split over the data axis only share one reduce-scatter (per dtype), as
     # _psum packs the all-reduced ones; the larger ones keep a collective each.
-    return _with_flat_buckets(tree, specs, axis_name, reduce, lambda leaves, dims: _scatter_buckets(
+    return with_flat_buckets(tree, specs, axis_name, reduce, lambda leaves, dims: _scatter_buckets(
         leaves, dims, axis_name, math.inf), small_bytes=PACK_BYTES)
-  return _with_flat_buckets(tree, specs, axis_name, reduce,
+  return with_flat_buckets(tree, specs, axis_name, reduce,
                             lambda leaves, dims: _scatter_buckets(leaves, dims, axis_name, bucket_bytes))
 
 
-def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable, bucketed: Callable,
+def with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable, bucketed: Callable,
                        small_bytes: int | None = None) -> Any:
   """``tree`` with ``bucketed(leaves, dims)`` applied to the leaves flat buckets take, ``per_leaf(x, spec)`` to the rest.
 
@@ -646,11 +641,11 @@ def _scatter_buckets(leaves: list, dims: list[int], axis_name: Any, bucket_bytes
   zero, others = names[-1], names[:-1]
   n = lax.axis_size(zero)
   out, previous = [None] * len(leaves), None
-  for bucket in _buckets(leaves, bucket_bytes):
+  for bucket in buckets(leaves, bucket_bytes):
     for i in bucket:
       _check_scatter(leaves[i], dims[i], zero)
     moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
-    flat = _after(_to_row(moved, rows=n), previous)
+    flat = _after(to_row(moved, rows=n), previous)
     previous = lax.psum_scatter(as_varying(flat, axis_name), zero, scatter_dimension=0, tiled=True)
     previous = lax.psum(previous, others) if others else previous
     slices = [jax.ShapeDtypeStruct((m.shape[0] // n, *m.shape[1:]), m.dtype) for m in moved]
@@ -659,7 +654,7 @@ def _scatter_buckets(leaves: list, dims: list[int], axis_name: Any, bucket_bytes
   return out
 
 
-def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
+def safe_divide(tree: Any, denominator: jax.Array) -> Any:
   return divide_gradient(tree, _safe_denominator(denominator))
 
 
@@ -673,7 +668,7 @@ def _safe_denominator(denominator: jax.Array) -> jax.Array:
 def _tracks_replication(axis_name: str) -> bool:
   # Inside shard_map with check_vma, JAX types every value as replicated or varying over the axis; under
   # pmap (or check_vma=False) it does not, and then every model-state leaf must be assumed to vary.
-  return set(axis_names(axis_name)) <= _varying_axes(lax.axis_index(axis_name))
+  return set(axis_names(axis_name)) <= varying_axes(lax.axis_index(axis_name))
 
 
 def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str,
@@ -746,9 +741,9 @@ def _rebuild_state(leaves: list, how: list, sums: list, weight: jax.Array, treed
     elif mode == "mean":
       if fallback:
         weighted, first = next(sums), next(sums)
-        value = jnp.where(weight > 0, _safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype))
+        value = jnp.where(weight > 0, safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype))
       else:
-        value = _safe_divide(next(sums), weight).astype(x.dtype)
+        value = safe_divide(next(sums), weight).astype(x.dtype)
       out.append(value if agreed is None else jnp.where(agreed, x, value))
     else:
       out.append(next(sums).astype(x.dtype))
@@ -782,7 +777,7 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   return _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight, treedef, fallback=True)
 
 
-def _buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] | None = None) -> list[list[int]]:
+def buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] | None = None) -> list[list[int]]:
   """Leaf indices grouped, in reverse order (the order backprop produces them), into buckets of ~``bucket_bytes``.
 
   A bucket holds one dtype and one varying type (it is reduced as one flat vector: a leaf replicated over a
@@ -790,18 +785,18 @@ def _buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] 
   ``scale``: each leaf counts as that many times its bytes (a slice counted as the whole leaf it gathers to).
   ``alone``: leaves left out as well (the caller reduces them on their own).
   """
-  buckets, current, size = [], [], 0
+  groups, current, size = [], [], 0
   for i in reversed(range(len(leaves))):
     if not leaves[i].size or (alone is not None and alone[i]):
       continue
     nbytes = leaves[i].size * leaves[i].dtype.itemsize * scale
     if current and (size + nbytes > bucket_bytes or leaves[i].dtype != leaves[current[0]].dtype
                     or _abstract_vma(leaves[i]) != _abstract_vma(leaves[current[0]])):
-      buckets.append(current)
+      groups.append(current)
       current, size = [], 0
     current.append(i)
     size += nbytes
-  return buckets + ([current] if current else [])
+  return groups + ([current] if current else [])
 
 
 def _after(tree: Any, previous: jax.Array | None) -> Any:
@@ -822,7 +817,7 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
   tie = -(jnp.zeros((), real) * jnp.abs(jnp.where(jnp.isfinite(element), element, 0)).astype(real))
 
   def tied(x):
-    if _varying_axes(tie) - _varying_axes(x):  # the tie would retype x (a model-split bucket before it): untied
+    if varying_axes(tie) - varying_axes(x):  # the tie would retype x (a model-split bucket before it): untied
       return x
     if jnp.issubdtype(x.dtype, jnp.complexfloating):  # -0.0 in both parts: a cast would add +0.0 to the imaginary
       part = tie.astype(jnp.real(x).dtype)
@@ -842,9 +837,9 @@ def _psum_buckets(grads: Any, small: Any, axis_name: str, bucket_bytes: int | No
   alone = [not x.size or _split_by_compiler(x) for x in leaves]
   reduced = [_psum(x, axis_name) if own else x for x, own in zip(leaves, alone)]
   previous = None
-  for bucket in _buckets(leaves, bucket_bytes, alone=alone):
+  for bucket in buckets(leaves, bucket_bytes, alone=alone):
     # One flat row per bucket, as DDP's buckets: one all-reduce whatever XLA's combiner would do.
-    previous = _psum(_after(_to_row([leaves[i] for i in bucket]), previous), axis_name)
+    previous = _psum(_after(to_row([leaves[i] for i in bucket]), previous), axis_name)
     for i, x in zip(bucket, _from_row(previous, [leaves[i] for i in bucket])):
       reduced[i] = x
   # The small values ride with the last bucket, the one the backward pass finishes last.
@@ -928,7 +923,7 @@ def reduce_gradient(
   """
   check_reduction(reduction)
   check_reduce_dtype(reduce_dtype, "reduce_dtype")
-  _check_bucket_bytes(bucket_bytes)
+  check_bucket_bytes(bucket_bytes)
   if presummed is not None and (scatter is False or reduction not in ("mean", "sum")):
     raise ValueError(
         "presummed leaves were reduce-scattered inside the loss already: reduce them with scatter= (their "
@@ -951,10 +946,10 @@ def reduce_gradient(
   _check_local(grads, loss_sum, axis_name, scatter)
   # Axes the local sums vary over that the reduction does not cover (read before the packed all-reduce, which
   # types the sums as its gradient leaves are: a model-axis split there is not the loss's).
-  leftover = (_varying_axes(loss_sum) | _varying_axes(weight_sum)) - set(axis_names(axis_name))
+  leftover = (varying_axes(loss_sum) | varying_axes(weight_sum)) - set(axis_names(axis_name))
   local_weight = weight_sum
   if reduction == "rank_mean":  # each replica's local mean first, as DDP does
-    grads, loss_sum, metric_sums = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
+    grads, loss_sum, metric_sums = safe_divide((grads, loss_sum, metric_sums), weight_sum)
   how, contributions, treedef = _state_contributions(model_state, local_weight, axis_name)
   small = (loss_sum, weight_sum, metric_sums, contributions, totals)
   dtypes = jax.tree.map(lambda x: x.dtype, grads)
@@ -1003,7 +998,7 @@ def _scatter_unless_presummed(grads: Any, specs: Any, presummed: Any, axis_name:
 
 def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) -> None:
   """Refuses what reduce_gradient would reduce wrongly, without a sign in the values."""
-  typed = _typed(axis_name)
+  typed = checks_vma(axis_name)
   if typed and not varies(loss_sum, axis_name):
     # The local loss sum reads this replica's rows and weights: one typed as the same everywhere was reduced already.
     raise ValueError(
@@ -1033,7 +1028,7 @@ def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) 
     )
 
 
-def _check_bucket_bytes(bucket_bytes: Any) -> None:
+def check_bucket_bytes(bucket_bytes: Any) -> None:
   if bucket_bytes is not None:
     check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
 
@@ -1087,10 +1082,10 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   partial: dict = {}  # added over the data axes (and the key's)
   shared: dict = {}  # added over the key's axes only
   # One device: nothing to split or add. Otherwise split agreed leaves only where they are known to be agreed.
-  parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or _typed(axis_name))
+  parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or checks_vma(axis_name))
   for leaf in jax.tree.leaves(tree):
     # Without axis_name nothing says which axes hold parts and which hold replicas (reduction="none"): none added.
-    extra = frozenset() if data is None else _varying_axes(leaf) - data
+    extra = frozenset() if data is None else varying_axes(leaf) - data
     if axis_name is not None and varies(leaf, axis_name):
       squares = _squares(leaf, divisor)
       # A chunk that is the same over some of the axes (ZeRO's, over "replica" of ("replica", "data")) is summed
@@ -1111,14 +1106,14 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   return jnp.sqrt(total)
 
 
-def _typed(axis_name: Any) -> bool:
+def checks_vma(axis_name: Any) -> bool:
   """Whether values are typed as varying or not over ``axis_name`` here (``shard_map`` with ``check_vma=True``).
 
   A value cast to varying carries the axis in its type only then; under ``pmap`` or ``check_vma=False`` it
   does not, and a leaf not typed as varying may still differ between devices. (The probe is dead code.)
   """
   probe = lax.pcast(jnp.zeros((), jnp.float32), axis_names(axis_name)[0], to="varying")
-  return bool(set(axis_names(axis_name)) & _varying_axes(probe))
+  return bool(set(axis_names(axis_name)) & varying_axes(probe))
 
 
 def _squares(x: jax.Array, divisor: jax.Array | None) -> jax.Array:

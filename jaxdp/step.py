@@ -27,13 +27,13 @@ from jaxdp.loss import declared_keywords
 from jaxdp import reduction as _reduction
 from jaxdp.reduction import (
     ReducedGradient,
-    _buckets,
-    _check_bucket_bytes,
-    _typed,
-    _to_row,
+    buckets,
+    check_bucket_bytes,
+    checks_vma,
+    to_row,
     check_axis_bound,
-    _varying_axes,
-    _with_flat_buckets,
+    varying_axes,
+    with_flat_buckets,
     check_reduction,
     divide_gradient,
     global_norm,
@@ -108,7 +108,7 @@ def _check_update_types(params: Any, new_params: Any) -> None:
   its branches' types differ): the optimizer read values that differ between those devices."""
   paths = jax.tree_util.tree_flatten_with_path(params)[0]
   for (path, old), new in zip(paths, jax.tree.leaves(new_params)):
-    extra = _varying_axes(new) - _varying_axes(old)
+    extra = varying_axes(new) - varying_axes(old)
     if extra:
       raise ValueError(
           f"the optimizer's update of params{jax.tree_util.keystr(path)} varies over the manual mesh axes "
@@ -145,11 +145,11 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
   def gather_buckets(leaves, dims):
     out = [None] * len(leaves)
     # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does;
-    # without bucket_bytes, the small leaves (what _with_flat_buckets passes, grouped) in one bucket per dtype.
-    for bucket in _buckets(leaves, math.inf if bucket_bytes is None else bucket_bytes, scale=n):
+    # without bucket_bytes, the small leaves (what with_flat_buckets passes, grouped) in one bucket per dtype.
+    for bucket in buckets(leaves, math.inf if bucket_bytes is None else bucket_bytes, scale=n):
       moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
       # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
-      rows = _all_gather_invariant(_to_row(moved), zero, 0)
+      rows = _all_gather_invariant(to_row(moved), zero, 0)
       offsets = np.cumsum([0] + [m.size for m in moved])
       for i, m, start, stop in zip(bucket, moved, offsets[:-1], offsets[1:]):
         out[i] = jnp.moveaxis(rows[:, start:stop].reshape((-1, *m.shape[1:])), 0, dims[i])
@@ -157,7 +157,7 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
 
   # Without bucket_bytes, the leaves whose gathered value has up to PACK_BYTES share one all-gather.
   small = _reduction.PACK_BYTES // n if bucket_bytes is None else None
-  return _with_flat_buckets(params, split, axis_name, gather, gather_buckets, small_bytes=small)
+  return with_flat_buckets(params, split, axis_name, gather, gather_buckets, small_bytes=small)
 
 
 def _all_gather_invariant(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
@@ -208,7 +208,7 @@ def gradient_step(
   """
   check_reduction(reduction)
   check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
-  _check_bucket_bytes(bucket_bytes)
+  check_bucket_bytes(bucket_bytes)
   if rng is not None and example_ids is not None:  # the same key on every replica: masks follow the ids
     rng = jax.random.fold_in(rng, state.step)
   elif rng is not None:
@@ -305,7 +305,7 @@ def finish_step(
 
 def _bound_and_typed(axis_name: str) -> bool:
   check_axis_bound(axis_name)
-  return _typed(axis_name)
+  return checks_vma(axis_name)
 
 
 def train_step(
