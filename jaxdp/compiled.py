@@ -432,8 +432,8 @@ def make_train_step(
       ``fold_in(rng, state.step)`` on every replica and micro-batch, and
       :class:`jaxdp.nnx.Dropout` / :class:`jaxdp.linen.Dropout` draw each
       row's mask from its id: the same masks on any mesh, split and
-      ``accum_steps``, and as one device's. flax's own ``Dropout`` is
-      refused with it.
+      ``accum_steps``, and as one device's. A library's own ``Dropout``
+      (linen's, nnx's) is refused with it.
     layers: layer-wise ZeRO-3 (see :mod:`jaxdp.layerwise`): the key path
       (``"layers"``, ``("decoder", "layers")``) or a list of them naming the
       stacks of layers in the params (leaves with a leading layer axis). At

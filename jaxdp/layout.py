@@ -39,6 +39,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp._checks import check_not_donated, check_optimizer, check_params_dtypes
+from jaxdp.loss import model_support
 from jaxdp.state import TrainState
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -573,16 +574,13 @@ def _model_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -> A
 
 
 def _unboxed(params: Any) -> tuple[Any, Any]:
-  """``(params, specs)``: flax partitioning boxes (``nn.with_partitioning``'s ``Partitioned``) removed, and
-  the specs they carried (``None`` when there are no boxes)."""
-  try:
-    from flax.core import meta
-  except ImportError:  # flax is optional for the core
-    return params, None
-  is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
-  if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
-    return params, None
-  return meta.unbox(params), meta.get_partition_spec(params)
+  """``(params, specs)``: a model library's metadata boxes removed and the specs they carried (``None`` if none)."""
+  for support in model_support():
+    if support.unbox is not None:
+      unboxed, specs = support.unbox(params)
+      if specs is not None:
+        return unboxed, specs
+  return params, None
 
 
 def init_state(
@@ -601,8 +599,9 @@ def init_state(
   Args:
     params: the initial parameters (a pytree of arrays, the same on every
       process). Leaves that are ``NamedSharding`` arrays on ``mesh`` keep
-      their split over the mesh's other (model) axes; flax linen
-      ``nn.with_partitioning`` boxes are unboxed and their specs used.
+      their split over the mesh's other (model) axes; a model library's
+      partitioning boxes (linen's ``nn.with_partitioning``) are unboxed and
+      their specs used.
     optimizer: an optax ``GradientTransformation``.
     mesh: the mesh to place the state on; it may have model axes besides
       ``axis_name`` (tensor parallelism).

@@ -13,7 +13,6 @@ reduce-scatter):
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -25,7 +24,6 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
-from jaxdp.batchnorm import training_batch_guards
 from jaxdp.layout import axis_names, model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
 from jaxdp.randomness import check_example_ids, per_example
@@ -271,9 +269,7 @@ def loss_sums(
   if weights is not None:
     _check_weight_rows(weights, batch)
   row_weights = jnp.ones((_rows(batch),), jnp.float32) if weights is None else weights
-  # Training batches may hold padding rows: flax.linen's BatchNorm would count them (nnx's is refused at split),
-  # and jaxdp's BatchNorms need the weights as their mask.
-  with training_batch_guards() if train else contextlib.nullcontext(), per_example(batch, example_ids, train=train):
+  with per_example(batch, example_ids, train=train):
     out = call_loss(
         loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
     )
@@ -369,7 +365,7 @@ def local_gradient(
   # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the count of
   # loss elements, the same on every replica without communication.
   sixteen_bit, given = _sixteen_bit(params, compute_dtype), None
-  if not sixteen_bit:  # a model that computes in 16 bits by its own dtype (flax's dtype=jnp.float16)
+  if not sixteen_bit:  # a model that computes in 16 bits by its own dtype (a layer's dtype=jnp.float16)
     sample = (batch, weights) if accum_steps == 1 else jax.tree.map(lambda x: x[0], _split_micro((batch, weights),
                                                                                                  accum_steps))
 

@@ -374,8 +374,9 @@ def train_step(
       callable ``batch -> [b]`` integer ids. ``loss_fn`` gets the same key
       everywhere and :class:`jaxdp.nnx.Dropout` / :class:`jaxdp.linen.Dropout`
       draw row ``r``'s mask from ``fold_in(layer_key, id_r)``: the same masks
-      on any number of devices, split and ``accum_steps``. flax's own
-      ``Dropout`` is then refused. ``None`` (default): per-replica keys.
+      on any number of devices, split and ``accum_steps``. A library's own
+      ``Dropout`` (linen's, nnx's) is then refused. ``None`` (default):
+      per-replica keys.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
