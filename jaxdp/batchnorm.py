@@ -52,8 +52,7 @@ rows is the order of the float32 additions (per device, then across
 devices). Re-associating a sum of n terms moves it by about log2(n)·eps of
 the sum of the terms' magnitudes (eps = 1.2e-7), so mean and var agree with
 a float64 reference to a few eps of E[|x|] and E[x²] respectively (the
-tests allow 2e-6 of those scales and measure at most 3.5e-7 on up to 8
-devices). As with flax's fast variance, var loses about log2(E[x²]/var)
+tests check 2e-6 of those scales on up to 8 devices). As with flax's fast variance, var loses about log2(E[x²]/var)
 bits to cancellation, and the backward pass, which divides by σ, amplifies
 that for nearly constant features. On one device with no padding and no
 mask, :class:`BatchNorm` runs the same float32 operations as flax's

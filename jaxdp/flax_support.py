@@ -10,7 +10,7 @@ get flax-specific notes, and :func:`jaxdp.init_state` unboxes linen's
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 from flax.core import meta
@@ -21,24 +21,24 @@ from jaxdp.loss import ModelSupport, register_model_support
 NNX_LOSS_ATTRIBUTE = "jaxdp_nnx_loss"
 """Set on the losses :func:`jaxdp.nnx.loss` makes: their missing model state is reported by ``merge``."""
 
+BEFORE_STEP_ATTRIBUTE = "jaxdp_before_train_step"
+"""Set on the losses :func:`jaxdp.nnx.loss` makes: the check that their Module has not changed mode."""
+
 
 def tracing(train: bool) -> contextlib.AbstractContextManager:
   """The BatchNorm guards while a training step traces ``loss_fn`` (its batch may hold padding rows)."""
   return training_batch_guards() if train else contextlib.nullcontext()
 
 
-def notes(error: BaseException, loss_fn: Callable, called: Mapping) -> list[str]:
-  """The notes for an error raised in a ``loss_fn`` of a flax model."""
-  # A loss may take None for a stateless model; one that needs state got None because the state has none.
-  if called["model_state"] is None and "model_state" in called["keywords"] and not getattr(
-      loss_fn, NNX_LOSS_ATTRIBUTE, False):
-    return [
-        "jaxdp: loss_fn was called with model_state=None: the state was built without model state. If the "
-        "model has some (BatchNorm statistics), pass it where the state is made: jaxdp.init_state(params, "
-        "optimizer, mesh, model_state=variables['batch_stats']) for flax linen (from jaxdp.nnx.split for nnx), "
-        "and CheckpointManager.restore(..., model_state=...) when resuming."
-    ]
-  return []
+def notes(error: BaseException, loss_fn: Callable, core_notes: list) -> list[str]:
+  """The core's notes for an error raised in ``loss_fn``, with flax's advice on a missing model state."""
+  if getattr(loss_fn, NNX_LOSS_ATTRIBUTE, False):  # jaxdp.nnx's merge reports a missing model state itself
+    return [note for note in core_notes if "model_state=None" not in note]
+  return [
+      note + (" For flax linen: model_state=variables['batch_stats']; for nnx, the state from jaxdp.nnx.split."
+              if "model_state=None" in note else "")
+      for note in core_notes
+  ]
 
 
 def unbox(params: Any) -> tuple[Any, Any]:
@@ -50,4 +50,9 @@ def unbox(params: Any) -> tuple[Any, Any]:
   return meta.unbox(params), meta.get_partition_spec(params)
 
 
-register_model_support(ModelSupport(tracing=tracing, notes=notes, unbox=unbox))
+def before_step(loss_fn: Callable) -> Callable[[], None] | None:
+  """The check a loss made by :func:`jaxdp.nnx.loss` carries, run before every compiled step."""
+  return getattr(loss_fn, BEFORE_STEP_ATTRIBUTE, None)
+
+
+register_model_support(ModelSupport(tracing=tracing, notes=notes, unbox=unbox, before_step=before_step))

@@ -74,17 +74,22 @@ class ModelSupport(NamedTuple):
     tracing: ``tracing(train) -> context manager``, entered around every
       ``loss_fn`` call the steps trace (e.g. guards that refuse statistics
       over padding rows while ``train``).
-    notes: ``notes(error, loss_fn, called) -> [str]``: notes added to an
-      error raised inside ``loss_fn``; ``called`` holds the ``model_state``
-      and ``keywords`` it was called with.
+    notes: ``notes(error, loss_fn, notes) -> [str]``: the notes to add to an
+      error raised inside ``loss_fn``, given the core's ``notes`` (a list of
+      str) for it: the library may add its own advice or drop a note that
+      its own ``loss_fn`` makes redundant.
     unbox: ``unbox(params) -> (params, specs)``: the library's metadata boxes
       removed from ``params`` and the partition specs they carried
       (``specs=None`` when there are no boxes).
+    before_step: ``before_step(loss_fn) -> check``: a check that
+      :func:`jaxdp.make_train_step`'s step calls with no arguments on every
+      call, before anything runs, or ``None`` for none.
   """
 
   tracing: Callable[[bool], ContextManager] | None = None
-  notes: Callable[[BaseException, Callable, Mapping], Iterable[str]] | None = None
+  notes: Callable[[BaseException, Callable, list], Iterable[str]] | None = None
   unbox: Callable[[Any], tuple[Any, Any]] | None = None
+  before_step: Callable[[Callable], Callable[[], None] | None] | None = None
 
 
 _SUPPORT: list[ModelSupport] = []
@@ -252,9 +257,19 @@ def call_loss(
           f"carry, an iteration later, needs jaxdp.as_varying(initial_value, {axis_name!r}) (it returns the value "
           "unchanged outside a step, so the same loss runs on one device)."
       )
+    notes = []
+    if model_state is None and "model_state" in keywords:
+      # A loss may take None for a stateless model; one that needs state got None because the state has none.
+      notes.append(
+          "jaxdp: loss_fn was called with model_state=None: the state was built without model state. If the "
+          "model has some (BatchNorm statistics), pass it where the state is made: jaxdp.init_state(params, "
+          "optimizer, mesh, model_state=...), and CheckpointManager.restore(..., model_state=...) when resuming."
+      )
     for support in model_support():
-      for note in support.notes(e, loss_fn, {"model_state": model_state, "keywords": keywords}) if support.notes else ():
-        e.add_note(note)
+      if support.notes is not None:
+        notes = list(support.notes(e, loss_fn, notes))
+    for note in notes:
+      e.add_note(note)
     raise
   if isinstance(out, LossOutput):
     losses, new_state, metrics = out

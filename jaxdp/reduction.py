@@ -13,6 +13,7 @@ reduce-scatter):
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -23,25 +24,10 @@ import optax
 from jax import lax
 from jax.extend import core as jax_core
 
-from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.layout import axis_names, model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
-from jaxdp.randomness import check_example_ids, per_example
-
-REDUCTIONS = ("mean", "rank_mean", "sum", "none")
-"""The reduction modes accepted by :func:`reduce_gradient` and the steps.
-
-* ``"mean"``: gradient of the global weighted mean ``Σ w·l / Σ w`` over every
-  device's examples: exactly the one-big-batch gradient for any uneven split.
-* ``"rank_mean"``: mean over replicas of each replica's local weighted mean,
-  what PyTorch DDP computes; a replica with zero weight contributes zero but
-  still counts in the denominator.
-* ``"sum"``: all-reduced sum of the local weighted sums.
-* ``"none"``: no communication of the gradient; each replica steps on its own
-  local mean (a 16-bit backward pass still sums the weights once, 4 bytes, for
-  its scale: see :func:`local_gradient`).
-"""
-
+from jaxdp.randomness import per_example
+from jaxdp.settings import REDUCTIONS, StepSettings, check_reduction, step_settings  # noqa: F401 (REDUCTIONS, check_reduction: also read from here)
 
 class LocalGradient(NamedTuple):
   """What one replica knows before any communication.
@@ -108,14 +94,6 @@ def divide_gradient(grads: Any, divisor: jax.Array | None) -> Any:
     return grads
   reciprocal = 1 / jnp.asarray(divisor)
   return jax.tree.map(lambda g: g * reciprocal.astype(g.dtype), grads)
-
-
-def check_reduction(reduction: str) -> None:
-  """Raises ``ValueError`` unless ``reduction`` is one of :data:`REDUCTIONS`."""
-  if reduction not in REDUCTIONS:
-    raise ValueError(
-        f"reduction={reduction!r} is not supported; use one of {', '.join(map(repr, REDUCTIONS))}."
-    )
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -349,61 +327,120 @@ def local_gradient(
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
     ``Σ w``, the metric sums and the new model state.
   """
-  check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
-  check_float_dtype(compute_dtype, "compute_dtype")
-  check_example_ids(example_ids)
-  if axis_name is not None:
-    check_axis_bound(axis_name)
-    params = as_varying(params, axis_name)
+  settings = step_settings(axis_name=axis_name, accum_steps=accum_steps, compute_dtype=compute_dtype,
+                           example_ids=example_ids)
+  return compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state,
+                                train=train)
 
-  # A 16-bit backward pass differentiates the weighted sum over one scale (_sixteen_bit_scale: a power of two
-  # that makes each element's cotangent about 1/√n), and the float32 gradient is scaled back: the sum itself
-  # overflows float16 (65,504) on large batches and flushes to 0 under small weights; the mean underflows it on
-  # many tokens. The scale is the same
-  # on every replica (one 4-byte psum of the weights, before the forward pass and outside the micro-batch
-  # loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets every
-  # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the count of
-  # loss elements, the same on every replica without communication.
-  sixteen_bit, given = _sixteen_bit(params, compute_dtype), None
-  if not sixteen_bit:  # a model that computes in 16 bits by its own dtype (a layer's dtype=jnp.float16)
+
+def compute_local_gradient(
+    settings: StepSettings,
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    rng: jax.Array | None = None,
+    model_state: Any = None,
+    train: bool = True,
+) -> LocalGradient:
+  """:func:`local_gradient` under settings already checked (its ``axis_name``, ``accum_steps``,
+  ``compute_dtype`` and ``example_ids``); the other arguments as there.
+
+  The 16-bit plan first (:func:`_sixteen_bit_plan`), then one micro-batch's
+  gradient (:func:`_micro_gradient`), or the accumulation of ``accum_steps``
+  of them (:func:`_accumulated`).
+  """
+  if settings.axis_name is not None:
+    check_axis_bound(settings.axis_name)
+    params = as_varying(params, settings.axis_name)
+  plan = _sixteen_bit_plan(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state, train=train)
+  micro_gradient = functools.partial(_micro_gradient, settings, loss_fn, plan, params, train=train)
+  if settings.accum_steps == 1:
+    return micro_gradient(batch, weights, rng, model_state)
+  return _accumulated(settings, micro_gradient, batch, weights, rng, model_state)
+
+
+class _SixteenBitPlan(NamedTuple):
+  """How a backward pass divides the weighted sum (see :func:`_sixteen_bit_scale`).
+
+  Attributes:
+    active: whether the backward pass runs in 16 bits (and so divides by a scale).
+    replicas: the data-parallel replicas, read by the scale only.
+    scale: the scale of every micro-batch, from the given weights' global sum; ``None``: each
+      micro-batch's own, from its count of loss elements (no weights: all ones).
+  """
+
+  active: bool
+  replicas: int = 1
+  scale: jax.Array | None = None
+
+
+def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], params: Any, batch: Any, weights: Any, *,
+                      rng: Any, model_state: Any, train: bool) -> _SixteenBitPlan:
+  """Whether the backward pass runs in 16 bits and, if so, the scale it divides the weighted sum by.
+
+  A 16-bit backward pass differentiates the weighted sum over one scale (a power of two that makes each
+  element's cotangent about 1/√n), and the float32 gradient is scaled back: the sum itself overflows float16
+  (65,504) on large batches and flushes to 0 under small weights; the mean underflows it on many tokens. The
+  scale is the same on every replica (one 4-byte psum of the weights, before the forward pass and outside the
+  micro-batch loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets
+  every replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the
+  count of loss elements, the same on every replica without communication.
+  """
+  axis_name, accum_steps, compute_dtype = settings.axis_name, settings.accum_steps, settings.compute_dtype
+  active = _sixteen_bit(params, compute_dtype)
+  if not active:  # a model that computes in 16 bits by its own dtype (a layer's dtype=jnp.float16)
     sample = (batch, weights) if accum_steps == 1 else jax.tree.map(lambda x: x[0], _split_micro((batch, weights),
                                                                                                  accum_steps))
 
-    def traced(p):  # as micro_gradient calls it: compute_dtype casts the params and the batch first
+    def traced(p):  # as _micro_gradient calls it: compute_dtype casts the params and the batch first
       p, b = cast_floating((p, sample[0]), compute_dtype)
       return loss_sums(loss_fn, p, b, sample[1], rng=rng, model_state=model_state, axis_name=axis_name,
-                       train=train, example_ids=example_ids).loss_sum
+                       train=train, example_ids=settings.example_ids).loss_sum
 
-    sixteen_bit = _computes_in_16_bits(traced, params)
-  replicas = 1  # the data-parallel replicas, read only by the 16-bit scale
-  if sixteen_bit and axis_name is not None:
-    replicas = math.prod(lax.axis_size(a) for a in axis_names(axis_name))
-  if sixteen_bit and weights is not None:
-    total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
-    total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
-    given = _sixteen_bit_scale(total / accum_steps, replicas, np.size(weights) / accum_steps)
+    active = _computes_in_16_bits(traced, params)
+  if not active:
+    return _SixteenBitPlan(False)
+  replicas = 1 if axis_name is None else math.prod(lax.axis_size(a) for a in axis_names(axis_name))
+  if weights is None:
+    return _SixteenBitPlan(True, replicas)
+  total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
+  total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
+  return _SixteenBitPlan(True, replicas, _sixteen_bit_scale(total / accum_steps, replicas,
+                                                            np.size(weights) / accum_steps))
 
-  def micro_gradient(micro_batch, micro_weights, micro_rng, state):
-    def weighted_sum(p):
-      p, b = cast_floating((p, micro_batch), compute_dtype)
-      sums = loss_sums(
-          loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train,
-          example_ids=example_ids,
-      )
-      if not sixteen_bit:
-        return sums.loss_sum, (sums, None)
-      # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
-      scale = given if given is not None else _sixteen_bit_scale(replicas * sums.weight_sum, replicas, sums.weight_sum)
-      return sums.loss_sum / scale, (sums, scale)
 
-    with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
-      (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
-    widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
-    return sums._replace(grads=jax.tree.map(widen, grads))
+def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _SixteenBitPlan, params: Any,
+                    micro_batch: Any, micro_weights: Any, micro_rng: Any, state: Any, *, train: bool) -> LocalGradient:
+  """One micro-batch's :class:`LocalGradient`: its sums and the gradient of ``Σ w·l``, float32 at least."""
 
-  if accum_steps == 1:
-    return micro_gradient(batch, weights, rng, model_state)
+  def weighted_sum(p):
+    p, b = cast_floating((p, micro_batch), settings.compute_dtype)
+    sums = loss_sums(
+        loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=settings.axis_name, train=train,
+        example_ids=settings.example_ids,
+    )
+    if not plan.active:
+      return sums.loss_sum, (sums, None)
+    # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
+    scale = plan.scale if plan.scale is not None else _sixteen_bit_scale(plan.replicas * sums.weight_sum,
+                                                                         plan.replicas, sums.weight_sum)
+    return sums.loss_sum / scale, (sums, scale)
 
+  with in_step(settings.axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
+    (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+  widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
+  return sums._replace(grads=jax.tree.map(widen, grads))
+
+
+def _accumulated(settings: StepSettings, micro_gradient: Callable[..., LocalGradient], batch: Any, weights: Any,
+                 rng: Any, model_state: Any) -> LocalGradient:
+  """The sums of ``accum_steps`` contiguous micro-batches, scanned; the model state flows through them in order.
+
+  ``micro_gradient(micro_batch, micro_weights, micro_rng, state)``: one micro-batch's :class:`LocalGradient`.
+  """
+  axis_name, accum_steps, example_ids = settings.axis_name, settings.accum_steps, settings.example_ids
   micro = _split_micro((batch, weights), accum_steps)
   first = jax.eval_shape(micro_gradient, *jax.tree.map(lambda x: x[0], micro), rng, model_state)
   if axis_name is not None:
@@ -501,9 +538,8 @@ def _psum(tree: Any, axis_name: str) -> Any:
   """One all-reduce of every leaf of ``tree``, the small leaves packed into one flat operand per dtype (and
   varying type).
 
-  XLA CPU's all-reduce pays a fixed cost per operand (measured at 8 devices: 28 operands of 64 to 16,384
-  floats took 5.4 ms, the same values as one flat operand 1.2 ms); packing leaves of up to
-  :data:`PACK_BYTES` costs a copy of them. Each element is summed as before: the same values, bit for bit.
+  XLA CPU's all-reduce pays a fixed cost per operand, so many small operands cost more than one flat
+  operand of the same values; packing leaves of up to :data:`PACK_BYTES` costs a copy of them. Each element is summed as before: the same values, bit for bit.
   Leaves the compiler may split over another mesh axis stay whole (packing would gather them).
   """
   if _is_trivial(tree, axis_name):
@@ -530,8 +566,8 @@ def _psum(tree: Any, axis_name: str) -> Any:
 def to_row(leaves: list, rows: int = 1) -> jax.Array:
   """The leaves flattened into ``[rows, Σ size / rows]``: row ``i`` holds row ``i`` of each leaf seen as ``rows`` rows.
 
-  Rows, not a vector: XLA CPU concatenates rows with copies, where a rank-1 concatenation went element by
-  element (measured on the benchmark's MLP at 8 devices, bucketed: 225-450 ms a step against 64).
+  Rows, not a vector: XLA CPU concatenates rows with copies, where it concatenates a rank-1 vector element
+  by element.
   """
   return jnp.concatenate([x.reshape(rows, -1) for x in leaves], axis=1)
 
@@ -917,9 +953,24 @@ def reduce_gradient(
     sending replica 0's value too would double the state's share of every
     all-reduce).
   """
-  check_reduction(reduction)
-  check_reduce_dtype(reduce_dtype, "reduce_dtype")
-  check_bucket_bytes(bucket_bytes)
+  settings = step_settings(axis_name=axis_name, reduction=reduction, grad_reduce_dtype=reduce_dtype,
+                           bucket_bytes=bucket_bytes, reduce_dtype_name="reduce_dtype")
+  return compute_reduced_gradient(settings, local, scatter=scatter, totals=totals, divide=divide, presummed=presummed)
+
+
+def compute_reduced_gradient(
+    settings: StepSettings,
+    local: LocalGradient,
+    *,
+    scatter: Any = False,
+    totals: Any = None,
+    divide: bool = True,
+    presummed: Any = None,
+) -> ReducedGradient:
+  """:func:`reduce_gradient` under settings already checked (its ``axis_name``, ``reduction``,
+  ``bucket_bytes`` and ``reduce_dtype``, which is ``settings.grad_reduce_dtype``); the rest as there."""
+  axis_name, reduction, bucket_bytes = settings.axis_name, settings.reduction, settings.bucket_bytes
+  reduce_dtype = settings.grad_reduce_dtype
   if presummed is not None and (scatter is False or reduction not in ("mean", "sum")):
     raise ValueError(
         "presummed leaves were reduce-scattered inside the loss already: reduce them with scatter= (their "
@@ -1022,11 +1073,6 @@ def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) 
         "their types, and under pmap or check_vma=False the gradient norm and the non-finite skip would be each "
         "device's own (replicas would diverge). Use shard_map(..., check_vma=True), or scatter=False."
     )
-
-
-def check_bucket_bytes(bucket_bytes: Any) -> None:
-  if bucket_bytes is not None:
-    check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
 
 
 def _normalised(sums: tuple, denominator: jax.Array, divide: bool) -> tuple:

@@ -20,7 +20,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._checks import check_optimizer, check_reduce_dtype
+from jaxdp._checks import check_optimizer
 from jaxdp.layerwise import gathering
 from jaxdp.layout import data_dim, model_part, per_model_shard, zero_axis
 from jaxdp.loss import declared_keywords
@@ -28,19 +28,18 @@ from jaxdp import reduction as _reduction
 from jaxdp.reduction import (
     ReducedGradient,
     buckets,
-    check_bucket_bytes,
-    checks_vma,
-    to_row,
     check_axis_bound,
-    varying_axes,
-    with_flat_buckets,
-    check_reduction,
+    checks_vma,
+    compute_local_gradient,
+    compute_reduced_gradient,
     divide_gradient,
     global_norm,
-    local_gradient,
-    reduce_gradient,
+    to_row,
     varies,
+    varying_axes,
+    with_flat_buckets,
 )
+from jaxdp.settings import StepSettings, step_settings
 from jaxdp.state import TrainState
 
 
@@ -206,10 +205,32 @@ def gradient_step(
   loss, and their gradient leaves the loss reduce-scattered already
   (see :mod:`jaxdp.layerwise`).
   """
-  check_reduction(reduction)
-  check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
-  check_bucket_bytes(bucket_bytes)
-  if rng is not None and example_ids is not None:  # the same key on every replica: masks follow the ids
+  settings = step_settings(
+      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
+      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
+  )
+  return run_gradient_step(settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more,
+                           params_split=params_split, grads_split=grads_split, divide=divide, stacked=stacked)
+
+
+def run_gradient_step(
+    settings: StepSettings,
+    loss_fn: Callable[..., Any],
+    state: TrainState,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    rng: jax.Array | None = None,
+    has_more: jax.Array | None = None,
+    params_split: Any = None,
+    grads_split: Any = None,
+    divide: bool = True,
+    stacked: Any = None,
+) -> ReducedGradient:
+  """:func:`gradient_step` under settings already checked (:func:`jaxdp.settings.step_settings`); the other
+  arguments as there."""
+  axis_name, reduction = settings.axis_name, settings.reduction
+  if rng is not None and settings.example_ids is not None:  # the same key on every replica: masks follow the ids
     rng = jax.random.fold_in(rng, state.step)
   elif rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
@@ -234,19 +255,13 @@ def gradient_step(
     specs = params_split
     params_split = jax.tree.map(lambda spec, keep: model_part(spec, axis_name) if keep else spec, params_split,
                                 presummed, is_leaf=lambda x: isinstance(x, P))
-  params = gather_params(state.params, params_split, axis_name, bucket_bytes)
+  params = gather_params(state.params, params_split, axis_name, settings.bucket_bytes)
   with gathering(params, specs, stacked, axis_name) if presummed is not None else (
       contextlib.nullcontext()):
-    local = local_gradient(
-        loss_fn, params, batch, weights,
-        axis_name=axis_name, accum_steps=accum_steps, rng=rng, model_state=state.model_state,
-        compute_dtype=compute_dtype, example_ids=example_ids,
-    )
+    local = compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=state.model_state)
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
-  return reduce_gradient(
-      local, axis_name=axis_name, reduction=reduction, scatter=False if grads_split is None else grads_split,
-      totals=totals, bucket_bytes=bucket_bytes, reduce_dtype=grad_reduce_dtype, divide=divide, presummed=presummed,
-  )
+  return compute_reduced_gradient(settings, local, scatter=False if grads_split is None else grads_split,
+                                  totals=totals, divide=divide, presummed=presummed)
 
 
 def finish_step(
@@ -391,20 +406,34 @@ def train_step(
     replica) and ``has_more`` when given. The new model state is identical
     on every replica (see :func:`jaxdp.reduce_model_state`).
   """
-  check_reduction(reduction)
+  settings = step_settings(
+      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
+      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
+  )
   check_optimizer(optimizer)  # before the forward and backward passes are traced
+  return run_train_step(settings, loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more)
+
+
+def run_train_step(
+    settings: StepSettings,
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    state: TrainState,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    rng: jax.Array | None = None,
+    has_more: jax.Array | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """:func:`train_step` under settings and an optimizer already checked; the other arguments as there."""
+  axis_name, reduction = settings.axis_name, settings.reduction
   if reduction == "none" and _bound_and_typed(axis_name) and not all(varies(p, axis_name) for p in jax.tree.leaves(state.params)):
     raise ValueError(
         "reduction='none' inside shard_map with check_vma=True: each replica's update makes the state per-replica, "
         "which its replicated type cannot hold. Pass jaxdp.as_varying(state, axis_name) (and out_specs that keep "
         "the replicas), or use shard_map(..., check_vma=False) as make_train_step does."
     )
-  reduced = gradient_step(
-      loss_fn, state, batch, weights,
-      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, has_more=has_more,
-      compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, divide=False,
-      example_ids=example_ids,
-  )
+  reduced = run_gradient_step(settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more, divide=False)
   # Under "none" the replicas' gradients differ: each takes the norm of its own.
   if reduction == "none":
     return finish_step(optimizer, state, reduced)
