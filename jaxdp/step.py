@@ -155,7 +155,7 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
     return out
 
   # Without bucket_bytes, the leaves whose gathered value has up to PACK_BYTES share one all-gather.
-  small = _reduction.PACK_BYTES // n if bucket_bytes is None else None
+  small = _reduction.PACK_BYTES // n if bucket_bytes is None else None  # read at trace time: settable
   return with_flat_buckets(params, split, axis_name, gather, gather_buckets, small_bytes=small)
 
 
