@@ -202,13 +202,6 @@ def signature(*trees: Any) -> tuple:
   return treedef, tuple(_abstract(x) for x in leaves)
 
 
-def _struct(x: Any, leading: int | None = None) -> jax.ShapeDtypeStruct:
-  shape = np.shape(x)
-  if leading is not None:
-    shape = (leading, *shape[1:])
-  return jax.ShapeDtypeStruct(shape, jax.dtypes.result_type(x) if not hasattr(x, "dtype") else x.dtype)
-
-
 def batch_size(batch: Any, name: str = "batch") -> int:
   """The common leading size of every leaf of ``batch``."""
   leaves = jax.tree_util.tree_leaves_with_path(batch)

@@ -52,8 +52,7 @@ rows is the order of the float32 additions (per device, then across
 devices). Re-associating a sum of n terms moves it by about log2(n)·eps of
 the sum of the terms' magnitudes (eps = 1.2e-7), so mean and var agree with
 a float64 reference to a few eps of E[|x|] and E[x²] respectively (the
-tests allow 2e-6 of those scales and measure at most 3.5e-7 on up to 8
-devices). As with flax's fast variance, var loses about log2(E[x²]/var)
+tests check 2e-6 of those scales on up to 8 devices). As with flax's fast variance, var loses about log2(E[x²]/var)
 bits to cancellation, and the backward pass, which divides by σ, amplifies
 that for nearly constant features. On one device with no padding and no
 mask, :class:`BatchNorm` runs the same float32 operations as flax's
@@ -76,7 +75,7 @@ from flax import linen, nnx
 from flax.nnx.nn import dtypes
 from jax import lax
 
-from jaxdp.layout import _names
+from jaxdp.layout import axis_names
 from jaxdp.loss import step_axis
 
 __all__ = ["BatchNorm", "Moments", "masked_moments"]
@@ -106,7 +105,7 @@ def _statistics_axis(axis_name: Any) -> Any:
         "statistics would silently cover each device's own rows only. Leave axis_name at its default (the step's "
         f"data axis), pass axis_name={step!r}, or axis_name=None for per-device statistics."
     )
-  if step is not None and axis_name is not None and not set(_names(step)) <= set(_names(axis_name)):
+  if step is not None and axis_name is not None and not set(axis_names(step)) <= set(axis_names(axis_name)):
     raise ValueError(
         f"BatchNorm axis_name={axis_name!r} covers only part of this jaxdp step's data axes {step!r}: the "
         "statistics would silently cover the devices of that axis only, not the global batch. Leave axis_name at "
@@ -168,7 +167,7 @@ class Moments(NamedTuple):
   count: jax.Array
 
 
-def _canonical_axes(ndim: int, axes: int | Sequence[int]) -> tuple[int, ...]:
+def canonical_axes(ndim: int, axes: int | Sequence[int]) -> tuple[int, ...]:
   axes = tuple(axes) if isinstance(axes, Sequence) else (int(axes),)
   for axis in axes:
     if not -ndim <= axis < ndim:
@@ -270,11 +269,11 @@ def masked_moments(
     :class:`Moments` of the feature shape (``count``: see there).
   """
   if weights is None:  # in a training step the batch may hold padding rows, which only the weights exclude
-    _refuse_unmasked_training(None, "jaxdp.masked_moments", "weights")
+    refuse_unmasked_training(None, "jaxdp.masked_moments", "weights")
   x = jnp.asarray(x)
   dtype = jnp.promote_types(x.dtype, jnp.float32)  # float32 at least; float64 stays float64
   x = x.astype(dtype)
-  features = _canonical_axes(x.ndim, feature_axes)
+  features = canonical_axes(x.ndim, feature_axes)
   reduce_axes = tuple(i for i in range(x.ndim) if i not in features)
   w = None if weights is None else _full_weights(weights, x.shape, features, dtype)
   sums = _local_sums(x, w, reduce_axes, features)
@@ -309,7 +308,7 @@ def _normalize(x, mean, var, scale, bias, feature_axes, dtype, epsilon):
   return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=dtype))
 
 
-def _check_supported(axis_index_groups: Any, use_fast_variance: bool) -> None:
+def check_supported(axis_index_groups: Any, use_fast_variance: bool) -> None:
   """The flax BatchNorm options that jaxdp's BatchNorms refuse (they would need other collectives)."""
   if axis_index_groups is not None:
     raise ValueError("axis_index_groups is not supported: statistics are summed over the whole axis_name.")
@@ -317,7 +316,7 @@ def _check_supported(axis_index_groups: Any, use_fast_variance: bool) -> None:
     raise ValueError("use_fast_variance=False would need a second psum; only E[x²] − E[x]² (one psum) is supported.")
 
 
-def _refuse_unmasked_training(mask: Any, module: str, argument: str = "mask") -> None:
+def refuse_unmasked_training(mask: Any, module: str, argument: str = "mask") -> None:
   """Raises if a BatchNorm computes training statistics in a jaxdp training step without a mask."""
   if mask is None and _PADDED_STEP.get():
     raise ValueError(
@@ -357,7 +356,7 @@ if not getattr(nnx.BatchNorm.__call__, "__jaxdp_checked__", False):
   nnx.BatchNorm.__call__ = _refuse_flax_nnx_batchnorm(nnx.BatchNorm.__call__)
 
 
-def _running_update(running: jax.Array, batch: jax.Array, count: jax.Array, momentum: float) -> jax.Array:
+def running_update(running: jax.Array, batch: jax.Array, count: jax.Array, momentum: float) -> jax.Array:
   """flax's ``momentum·running + (1 − momentum)·batch``; a batch without real rows (``count`` 0) leaves it as is."""
   batch = batch.reshape(running.shape) if batch.size == running.size else batch
   count = count.reshape(running.shape) if count.ndim else count
@@ -431,7 +430,7 @@ class BatchNorm(nnx.Module):
       bias_metadata: Mapping[str, Any] = MappingProxyType({}),
       scale_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
-    _check_supported(axis_index_groups, use_fast_variance)
+    check_supported(axis_index_groups, use_fast_variance)
     feature_shape = (num_features,)
     self.mean = nnx.BatchStat(jnp.zeros(feature_shape, jnp.float32))
     self.var = nnx.BatchStat(jnp.ones(feature_shape, jnp.float32))
@@ -476,15 +475,15 @@ class BatchNorm(nnx.Module):
           "BatchNorm needs use_running_average: pass it to the constructor or the call, or use "
           "model.train() / model.eval() / nnx.view(model, use_running_average=...)."
       )
-    feature_axes = _canonical_axes(jnp.ndim(x), self.axis)
+    feature_axes = canonical_axes(jnp.ndim(x), self.axis)
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, mean, var, scale, bias = self.promote_dtype((x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype)
     if not use_running_average:
-      _refuse_unmasked_training(mask, "jaxdp.nnx.BatchNorm")
+      refuse_unmasked_training(mask, "jaxdp.nnx.BatchNorm")
       mean, var, count = masked_moments(x, mask, axis_name=self.axis_name, feature_axes=feature_axes)
-      self.mean[...] = _running_update(self.mean[...], mean, count, self.momentum)
-      self.var[...] = _running_update(self.var[...], var, count, self.momentum)
+      self.mean[...] = running_update(self.mean[...], mean, count, self.momentum)
+      self.var[...] = running_update(self.var[...], var, count, self.momentum)
     return _normalize(x, mean, var, scale, bias, feature_axes, self.dtype, self.epsilon)
 
   def set_view(self, use_running_average: bool | None = None):

@@ -86,7 +86,7 @@ from jaxdp._ckpt_record import RNG
 from jaxdp.data import DataPipeline
 from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import (
-    _names,
+    axis_names,
     auto_mesh,
     check_mesh_axis,
     check_param_specs,
@@ -186,7 +186,7 @@ def _saved_data_size(record: dict, axis_name: Any) -> int:
   record without its mesh or whose mesh lacks those axes."""
   saved = record["saved_from"]
   mesh = saved.get("mesh")
-  names = _names(axis_name)
+  names = axis_names(axis_name)
   if isinstance(mesh, dict) and all(isinstance(mesh.get(n), int) for n in names):
     return math.prod(mesh[n] for n in names)
   return saved["devices"]

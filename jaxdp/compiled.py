@@ -32,15 +32,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _checks
-from jaxdp._checks import check_float_dtype, check_int, check_optimizer, check_reduce_dtype
+from jaxdp._checks import check_int, check_optimizer
 from jaxdp.layout import (
     Layout,
+    axis_names,
     data_size,
     auto_mesh,
     check_backend,
     check_layers,
     check_mesh_axis,
-    check_zero_stage,
     data_mesh,
     data_dim,
     data_part,
@@ -50,21 +50,14 @@ from jaxdp.layout import (
     replicated,
     split_along,
 )
-from jaxdp.loss import check_loss_fn
-from jaxdp.randomness import check_example_ids
-from jaxdp.reduction import ReducedGradient, _check_bucket_bytes, axis_names, check_reduction
+from jaxdp.loss import check_loss_fn, model_support
+from jaxdp.reduction import ReducedGradient
 from jaxdp.replicas import divergence_over_mesh, replica_divergence
-from jaxdp.step import finish_step, gather_params, gradient_step, train_step
+from jaxdp.settings import StepSettings, step_settings
+from jaxdp.step import finish_step, gather_params, run_gradient_step, run_train_step
 from jaxdp.state import TrainState
 
 _MAX_UNREAD_FLAGS = 2  # non-finite flags of earlier steps read at the latest two calls later
-
-
-def check_modes(reduction: str, zero_stage: int) -> None:
-  check_reduction(reduction)
-  check_zero_stage(zero_stage)
-  if zero_stage and reduction == "none":
-    raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot hold; use zero_stage=0.")
 
 
 class CompiledStep:
@@ -85,7 +78,8 @@ class CompiledStep:
     self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
-    self._before_step = getattr(loss_fn, "jaxdp_before_train_step", None)
+    checks = [support.before_step(loss_fn) for support in model_support() if support.before_step is not None]
+    self._before_step = [check for check in checks if check is not None]
     self.mesh, self.axis_name = mesh, axis_name
     self.reduction, self.backend = reduction, backend
     self.accum_steps, self.zero_stage = accum_steps, zero_stage
@@ -162,8 +156,8 @@ class CompiledStep:
             and all(ref() is x for ref, x in zip(self._returned, leaves)))
 
   def _prepare(self, state, batch, weights, rng, has_more=None, count_weights=True):
-    if self._before_step is not None:  # jaxdp.nnx: the Module given to split must not have changed mode since
-      self._before_step()
+    for check in self._before_step:  # a model library's (e.g. the model's mode must not have changed)
+      check()
     weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
     _checks.check_state(state)
     leaves, treedef = jax.tree.flatten(state)
@@ -431,8 +425,8 @@ def make_train_step(
       ``fold_in(rng, state.step)`` on every replica and micro-batch, and
       :class:`jaxdp.nnx.Dropout` / :class:`jaxdp.linen.Dropout` draw each
       row's mask from its id: the same masks on any mesh, split and
-      ``accum_steps``, and as one device's. flax's own ``Dropout`` is
-      refused with it.
+      ``accum_steps``, and as one device's. A library's own ``Dropout``
+      (linen's, nnx's) is refused with it.
     layers: layer-wise ZeRO-3 (see :mod:`jaxdp.layerwise`): the key path
       (``"layers"``, ``("decoder", "layers")``) or a list of them naming the
       stacks of layers in the params (leaves with a leading layer axis). At
@@ -451,22 +445,34 @@ def make_train_step(
     ``loss_fn(params, batch, key)`` with a key per replica, step and
     micro-batch (one key for all with ``example_ids``).
   """
-  check_modes(reduction, zero_stage)
-  check_example_ids(example_ids)
+  settings = step_settings(
+      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, zero_stage=zero_stage,
+      compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes,
+      example_ids=example_ids,
+  )
+  mesh = _checked_mesh(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
+                       check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers)
+  return _built_train_step(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
+                           check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers)
+
+
+def _checked_mesh(settings: StepSettings, loss_fn, optimizer, mesh: Mesh | None, *, backend: str, donate: Any,
+                  check_replicas: Any, max_consecutive_skips: Any, layers: Any) -> Mesh:
+  """Checks :func:`make_train_step`'s arguments beyond ``settings`` and returns the mesh the step runs on."""
+  axis_name = settings.axis_name
   check_layers(layers)
-  if layers is not None and zero_stage == 3 and reduction == "rank_mean":
+  if layers is not None and settings.zero_stage == 3 and settings.reduction == "rank_mean":
     raise ValueError(
         "layers= at zero_stage=3 reduce-scatters a stacked layer's gradient inside the backward pass, where "
         "reduction='rank_mean' would need each replica's own mean first; use reduction='mean'."
     )
-  check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
   check_loss_fn(loss_fn)
   check_optimizer(optimizer)
   mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
   check_mesh_axis(mesh, axis_name)
   mesh = auto_mesh(mesh)
   check_backend(backend, mesh, axis_name)
-  if backend == "pmap" and zero_stage:
+  if backend == "pmap" and settings.zero_stage:
     raise ValueError(
         "backend='pmap' passes the state unmapped (replicated), so it cannot hold a ZeRO-sharded state; "
         "use backend='shard_map' with zero_stage > 0."
@@ -476,9 +482,7 @@ def make_train_step(
   for name, flag in (("donate", donate), ("check_replicas", check_replicas)):
     if not isinstance(flag, (bool, np.bool_)):  # donate="no" would donate
       raise TypeError(f"{name} must be True or False, got {flag!r}.")
-
-  compute_dtype = check_float_dtype(compute_dtype, "compute_dtype")
-  grad_reduce_dtype = check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")
+  grad_reduce_dtype = settings.grad_reduce_dtype
   other_axes = [a for a in mesh.axis_names if a not in axis_names(axis_name)]
   if (grad_reduce_dtype is not None and grad_reduce_dtype.itemsize < 4 and other_axes
       and data_size(mesh, axis_name) > 1 and mesh.devices.flat[0].platform == "cpu"):
@@ -488,18 +492,20 @@ def make_train_step(
         "the compiler (reproduced in plain JAX, jax 0.10.2). On CPU keep the float32 reduction (the default), or "
         "use a mesh of data axes only."
     )
-  _check_bucket_bytes(bucket_bytes)
+  return mesh
 
-  options = dict(
-      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
-      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
-  )
+
+def _built_train_step(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, *, backend: str, donate: bool,
+                      check_replicas: bool, max_consecutive_skips: int | None, layers: Any) -> CompiledStep:
+  """The :class:`CompiledStep` of checked arguments: it builds one jitted step per state layout."""
+  axis_name, reduction = settings.axis_name, settings.reduction
   # Typed on any number of devices, so that a program that fails at scale fails on one device too. Under
   # "none" every replica keeps its own update, which the types would refuse to return as one state.
   check_vma = reduction != "none"
 
   def replica_step(state, batch, weights, rng, has_more):
-    new_state, metrics = train_step(loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more, **options)
+    new_state, metrics = run_train_step(settings, loss_fn, optimizer, state, batch, weights, rng=rng,
+                                        has_more=has_more)
     if reduction == "none":
       # Each replica's metrics are its own, and the host reads device 0's: the non-finite guard must see a NaN
       # on any replica (one 4-byte all-reduce), else a replica stuck on non-finite steps goes unnoticed.
@@ -511,10 +517,10 @@ def make_train_step(
   def build(layout: Layout):
     if backend == "pmap":
       return jax.jit(_with_guard_flag(_pmap_over(replica_step, mesh, axis_name)), donate_argnums=(0,) if donate else ())
-    if zero_stage == 0:
+    if settings.zero_stage == 0:
       mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
     else:
-      mapped = _global_update_over(loss_fn, optimizer, mesh, layout, options, check_vma=check_vma)
+      mapped = _global_update_over(settings, loss_fn, optimizer, mesh, layout, check_vma=check_vma)
     if check_replicas:
       mapped = _with_divergence(mapped, layout, mesh)
     # The outputs keep the layout exactly (model-axis splits included), so the next call needs no placement.
@@ -531,8 +537,8 @@ def make_train_step(
       axis_name=axis_name,
       reduction=reduction,
       backend=backend,
-      accum_steps=accum_steps,
-      zero_stage=zero_stage,
+      accum_steps=settings.accum_steps,
+      zero_stage=settings.zero_stage,
       max_consecutive_skips=max_consecutive_skips,
       donate=donate,
       layers=layers,
@@ -579,9 +585,9 @@ def _with_divergence(step, layout: Layout, mesh: Mesh):
   return checked
 
 
-def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options: dict, *, check_vma: bool):
+def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, layout: Layout, *, check_vma: bool):
   """ZeRO stages 1-3: the reduced gradient per replica, then the update on the global (sharded) arrays."""
-  axis_name, stage = options["axis_name"], layout.zero_stage
+  axis_name, stage = settings.axis_name, layout.zero_stage
   specs = _manual_specs(layout, axis_name)
   batch_spec = split_along(mesh, axis_name).spec
   # Full specs (model axes too): the data-axis gather and scatter then run per model shard.
@@ -589,9 +595,9 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
   grads_split = layout.split_specs if stage >= 2 else None
 
   def per_replica(state, batch, weights, rng, has_more):
-    return gradient_step(
-        loss_fn, state, batch, weights, rng=rng, has_more=has_more, params_split=params_split,
-        grads_split=grads_split, divide=False, stacked=layout.layers, **options,
+    return run_gradient_step(
+        settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more, params_split=params_split,
+        grads_split=grads_split, divide=False, stacked=layout.layers,
     )
 
   gradient = jax.shard_map(
@@ -613,7 +619,7 @@ def _global_update_over(loss_fn, optimizer, mesh: Mesh, layout: Layout, options:
     # the small leaves in one all-gather): XLA would place one all-gather per leaf.
     split_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.split_specs)
     gather = jax.shard_map(
-        lambda p: gather_params(p, layout.split_specs, axis_name, options["bucket_bytes"]),
+        lambda p: gather_params(p, layout.split_specs, axis_name, settings.bucket_bytes),
         mesh=mesh, in_specs=(jax.tree.map(lambda s: data_part(s, axis_name), layout.split_specs),),
         out_specs=specs.params, axis_names=set(axis_names(axis_name)), check_vma=check_vma,
     )

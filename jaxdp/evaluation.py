@@ -23,6 +23,7 @@ from jaxdp.layerwise import gathering
 from jaxdp.loss import check_loss_fn
 from jaxdp.layout import (
     auto_mesh,
+    axis_names,
     check_backend,
     check_layers,
     check_mesh_axis,
@@ -34,7 +35,8 @@ from jaxdp.layout import (
     place,
     split_along,
 )
-from jaxdp.reduction import _safe_divide, axis_names, cast_floating, loss_sums, reduce_gradient
+from jaxdp.reduction import cast_floating, compute_reduced_gradient, loss_sums, safe_divide
+from jaxdp.settings import StepSettings
 from jaxdp.state import TrainState
 from jaxdp.step import gather_params
 
@@ -79,14 +81,15 @@ def eval_sums(
     local = loss_sums(
         loss_fn, params, batch, weights, model_state=state.model_state, axis_name=axis_name, train=False
     )
-  reduced = reduce_gradient(local._replace(model_state=None), axis_name=axis_name, reduction="sum")
+  # A fixed reduction without dtype or buckets: nothing to check.
+  reduced = compute_reduced_gradient(StepSettings(axis_name, "sum"), local._replace(model_state=None))
   return {"loss": reduced.loss, "weight": reduced.weight, **reduced.metrics}
 
 
 def means_from_sums(sums: dict[str, Any]) -> dict[str, Any]:
   """``{"loss": Σ w·l / Σ w, name: Σ w·m / Σ w, "weight": Σ w}`` (0, not NaN, when ``Σ w`` is 0)."""
   weight = sums["weight"]
-  means = _safe_divide({k: v for k, v in sums.items() if k != "weight"}, weight)
+  means = safe_divide({k: v for k, v in sums.items() if k != "weight"}, weight)
   return {**means, "weight": weight}
 
 

@@ -37,11 +37,11 @@ from jax import lax
 from jaxdp import randomness
 from jaxdp.batchnorm import (
     STEP_AXIS,
-    _canonical_axes,
-    _check_supported,
+    canonical_axes,
+    check_supported,
     masked_moments,
-    _refuse_unmasked_training,
-    _running_update,
+    refuse_unmasked_training,
+    running_update,
 )
 
 __all__ = ["BatchNorm", "Dropout"]
@@ -104,27 +104,27 @@ class BatchNorm(linen.Module):
     Returns:
       The normalised input, of ``x``'s shape.
     """
-    _check_supported(self.axis_index_groups, self.use_fast_variance)
+    check_supported(self.axis_index_groups, self.use_fast_variance)
     if not self.force_float32_reductions:
       raise ValueError("force_float32_reductions=False is not supported: statistics are computed in float32 at least.")
     use_running_average = linen.merge_param("use_running_average", self.use_running_average, use_running_average)
     x = jnp.asarray(x)
-    feature_axes = _canonical_axes(x.ndim, self.axis)
+    feature_axes = canonical_axes(x.ndim, self.axis)
     feature_shape = tuple(x.shape[i] for i in feature_axes)
     ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), feature_shape)
     ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), feature_shape)
     if use_running_average:
       mean, var = ra_mean.value, ra_var.value
     else:
-      _refuse_unmasked_training(mask, "jaxdp.linen.BatchNorm")
+      refuse_unmasked_training(mask, "jaxdp.linen.BatchNorm")
       # At init linen computes the statistics without synchronising and leaves the running ones as created.
       axis_name = None if self.is_initializing() else self.axis_name
       stats_x = x if self.dtype is None else x.astype(jnp.promote_types(self.dtype, x.dtype))
       mean, var, count = masked_moments(stats_x, mask, axis_name=axis_name, feature_axes=feature_axes)
       mean, var = mean.reshape(feature_shape), var.reshape(feature_shape)
       if not self.is_initializing():
-        ra_mean.value = _running_update(ra_mean.value, mean, count, self.momentum)
-        ra_var.value = _running_update(ra_var.value, var, count, self.momentum)
+        ra_mean.value = running_update(ra_mean.value, mean, count, self.momentum)
+        ra_var.value = running_update(ra_var.value, var, count, self.momentum)
     return self._normalize(x, mean, var, feature_axes)
 
   def _normalize(self, x: jax.Array, mean: jax.Array, var: jax.Array, feature_axes: tuple[int, ...]) -> jax.Array:

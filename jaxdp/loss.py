@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import inspect
-from typing import Any, Callable, Mapping, NamedTuple
+import sys
+from typing import Any, Callable, ContextManager, Iterable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdp.carries import promoting_carries
+from jaxdp.integrations import LIBRARIES
 
 LOSS_KEYWORDS = ("model_state", "weights", "axis_name", "train")
 """The keyword arguments jaxdp passes to a ``loss_fn`` that declares them."""
@@ -62,6 +65,61 @@ class LossOutput(NamedTuple):
   losses: jax.Array
   model_state: Any = None
   metrics: Mapping[str, Any] | None = None
+
+
+class ModelSupport(NamedTuple):
+  """What a model library's integration adds to the core, registered with :func:`register_model_support`.
+
+  Attributes:
+    tracing: ``tracing(train) -> context manager``, entered around every
+      ``loss_fn`` call the steps trace (e.g. guards that refuse statistics
+      over padding rows while ``train``).
+    notes: ``notes(error, loss_fn, notes) -> [str]``: the notes to add to an
+      error raised inside ``loss_fn``, given the core's ``notes`` (a list of
+      str) for it: the library may add its own advice or drop a note that
+      its own ``loss_fn`` makes redundant.
+    unbox: ``unbox(params) -> (params, specs)``: the library's metadata boxes
+      removed from ``params`` and the partition specs they carried
+      (``specs=None`` when there are no boxes).
+    before_step: ``before_step(loss_fn) -> check``: a check that
+      :func:`jaxdp.make_train_step`'s step calls with no arguments on every
+      call, before anything runs, or ``None`` for none.
+  """
+
+  tracing: Callable[[bool], ContextManager] | None = None
+  notes: Callable[[BaseException, Callable, list], Iterable[str]] | None = None
+  unbox: Callable[[Any], tuple[Any, Any]] | None = None
+  before_step: Callable[[Callable], Callable[[], None] | None] | None = None
+
+
+_SUPPORT: list[ModelSupport] = []
+
+
+def register_model_support(support: ModelSupport) -> None:
+  """Adds ``support`` to what every later :func:`model_support` returns (once per integration module)."""
+  _SUPPORT.append(support)
+
+
+def model_support() -> tuple[ModelSupport, ...]:
+  """The registered :class:`ModelSupport`, after importing the integration of every loaded library.
+
+  A library in :data:`jaxdp.integrations.LIBRARIES` that the program has
+  imported gets its integration imported here, so that its guards hold even
+  in a program that never imports that integration itself.
+  """
+  for library, module in LIBRARIES.items():
+    if library in sys.modules and module not in sys.modules:
+      importlib.import_module(module)
+  return tuple(_SUPPORT)
+
+
+@contextlib.contextmanager
+def _supported_call(train: bool):
+  with contextlib.ExitStack() as stack:
+    for support in model_support():
+      if support.tracing is not None:
+        stack.enter_context(support.tracing(train))
+    yield
 
 
 # The data axis of the jaxdp step whose loss_fn is being traced (None outside one, or on one device):
@@ -181,7 +239,7 @@ def call_loss(
         "its own key), or call the step without rng=. Nothing ran and nothing was donated."
     )
   try:
-    with in_step(axis_name):
+    with in_step(axis_name), _supported_call(train):
       out = loss_fn(*args, **keywords)
   except Exception as e:  # the user's own error, unchanged: only say where it happened
     where = ("the training step was traced on one device's slice of the batch (or one micro-batch of it under "
@@ -190,7 +248,7 @@ def call_loss(
         f"jaxdp: raised inside loss_fn while {where}{np.shape(weights)[0]} rows), called with params of structure "
         f"{_structure(params)}; nothing ran and nothing was donated."
     )
-    if rng is None and "rng" in f"{type(e).__name__} {e}".lower():  # flax: "Dropout_0 needs PRNG", nnx: "rngs"
+    if rng is None and "rng" in f"{type(e).__name__} {e}".lower():  # "Dropout_0 needs PRNG", "rngs"
       e.add_note(_missing_key_note(loss_fn, train))
     if "carry input and carry output must have equal types" in str(e):
       e.add_note(
@@ -199,14 +257,19 @@ def call_loss(
           f"carry, an iteration later, needs jaxdp.as_varying(initial_value, {axis_name!r}) (it returns the value "
           "unchanged outside a step, so the same loss runs on one device)."
       )
-    if model_state is None and "model_state" in keywords and not getattr(loss_fn, "jaxdp_nnx_loss", False):
+    notes = []
+    if model_state is None and "model_state" in keywords:
       # A loss may take None for a stateless model; one that needs state got None because the state has none.
-      e.add_note(
+      notes.append(
           "jaxdp: loss_fn was called with model_state=None: the state was built without model state. If the "
           "model has some (BatchNorm statistics), pass it where the state is made: jaxdp.init_state(params, "
-          "optimizer, mesh, model_state=variables['batch_stats']) for flax linen (from jaxdp.nnx.split for nnx), "
-          "and CheckpointManager.restore(..., model_state=...) when resuming."
+          "optimizer, mesh, model_state=...), and CheckpointManager.restore(..., model_state=...) when resuming."
       )
+    for support in model_support():
+      if support.notes is not None:
+        notes = list(support.notes(e, loss_fn, notes))
+    for note in notes:
+      e.add_note(note)
     raise
   if isinstance(out, LossOutput):
     losses, new_state, metrics = out

@@ -52,6 +52,7 @@ from flax import nnx
 
 from jaxdp import randomness
 from jaxdp.batchnorm import BatchNorm
+from jaxdp.flax_support import BEFORE_STEP_ATTRIBUTE, NNX_LOSS_ATTRIBUTE
 from jaxdp.loss import LossOutput, declared_keywords, scalar_mean_message
 from jaxdp.layerwise import gather as _gather_leaves
 from jaxdp.layout import gather_state
@@ -409,8 +410,8 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
     if definition.modes is not None:
       definition.modes.check()
 
-  loss.jaxdp_before_train_step = check_modes  # called by make_train_step's step on every call, before anything
-  loss.jaxdp_nnx_loss = True  # a missing model state is reported by merge above, not by call_loss's generic note
+  setattr(loss, BEFORE_STEP_ATTRIBUTE, check_modes)  # called by make_train_step's step on every call, before anything
+  setattr(loss, NNX_LOSS_ATTRIBUTE, True)  # a missing model state is reported by merge above, not by a generic note
   return loss
 
 

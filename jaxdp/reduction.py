@@ -13,7 +13,7 @@ reduce-scatter):
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -24,26 +24,10 @@ import optax
 from jax import lax
 from jax.extend import core as jax_core
 
-from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
-from jaxdp.batchnorm import training_batch_guards
-from jaxdp.layout import model_part, per_model_shard
+from jaxdp.layout import axis_names, model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
-from jaxdp.randomness import check_example_ids, per_example
-
-REDUCTIONS = ("mean", "rank_mean", "sum", "none")
-"""The reduction modes accepted by :func:`reduce_gradient` and the steps.
-
-* ``"mean"``: gradient of the global weighted mean ``Σ w·l / Σ w`` over every
-  device's examples: exactly the one-big-batch gradient for any uneven split.
-* ``"rank_mean"``: mean over replicas of each replica's local weighted mean,
-  what PyTorch DDP computes; a replica with zero weight contributes zero but
-  still counts in the denominator.
-* ``"sum"``: all-reduced sum of the local weighted sums.
-* ``"none"``: no communication of the gradient; each replica steps on its own
-  local mean (a 16-bit backward pass still sums the weights once, 4 bytes, for
-  its scale: see :func:`local_gradient`).
-"""
-
+from jaxdp.randomness import per_example
+from jaxdp.settings import REDUCTIONS, StepSettings, check_reduction, step_settings  # noqa: F401 (REDUCTIONS, check_reduction: also read from here)
 
 class LocalGradient(NamedTuple):
   """What one replica knows before any communication.
@@ -112,25 +96,12 @@ def divide_gradient(grads: Any, divisor: jax.Array | None) -> Any:
   return jax.tree.map(lambda g: g * reciprocal.astype(g.dtype), grads)
 
 
-def check_reduction(reduction: str) -> None:
-  """Raises ``ValueError`` unless ``reduction`` is one of :data:`REDUCTIONS`."""
-  if reduction not in REDUCTIONS:
-    raise ValueError(
-        f"reduction={reduction!r} is not supported; use one of {', '.join(map(repr, REDUCTIONS))}."
-    )
-
-
-def _varying_axes(x: Any) -> frozenset:
+def varying_axes(x: Any) -> frozenset:
   aval = jax.typeof(x)
   manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
   if manual is not None:
     return frozenset(manual.varying)
   return frozenset(getattr(aval, "vma", ()))  # JAX 0.11 spelling
-
-
-def axis_names(axis_name: Any) -> tuple[str, ...]:
-  """The data axes named by ``axis_name``: one mesh axis (a str) or several (a tuple, e.g. ``("replica", "data")``)."""
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def check_axis_bound(axis_name: Any, name: str = "axis_name") -> None:
@@ -148,7 +119,7 @@ def check_axis_bound(axis_name: Any, name: str = "axis_name") -> None:
 
 def varies(x: Any, axis_name: Any) -> bool:
   """Whether ``x`` is typed (inside ``shard_map``) as varying over any of the axes of ``axis_name``."""
-  return bool(set(axis_names(axis_name)) & _varying_axes(x))
+  return bool(set(axis_names(axis_name)) & varying_axes(x))
 
 
 def as_varying(tree: Any, axis_name: str) -> Any:
@@ -170,7 +141,7 @@ def as_varying(tree: Any, axis_name: str) -> Any:
     return tree
 
   def cast(x):
-    missing = tuple(a for a in axis_names(axis_name) if a not in _varying_axes(x))
+    missing = tuple(a for a in axis_names(axis_name) if a not in varying_axes(x))
     if not missing:
       return x
     return lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
@@ -244,7 +215,7 @@ def _abstract_vma(x: Any) -> frozenset:
   if isinstance(x, jax.ShapeDtypeStruct):
     manual = getattr(x, "manual_axis_type", None)  # JAX 0.10
     return frozenset(manual.varying) if manual is not None else frozenset(getattr(x, "vma", ()) or ())
-  return _varying_axes(x)
+  return varying_axes(x)
 
 
 def loss_sums(
@@ -276,9 +247,7 @@ def loss_sums(
   if weights is not None:
     _check_weight_rows(weights, batch)
   row_weights = jnp.ones((_rows(batch),), jnp.float32) if weights is None else weights
-  # Training batches may hold padding rows: flax.linen's BatchNorm would count them (nnx's is refused at split),
-  # and jaxdp's BatchNorms need the weights as their mask.
-  with training_batch_guards() if train else contextlib.nullcontext(), per_example(batch, example_ids, train=train):
+  with per_example(batch, example_ids, train=train):
     out = call_loss(
         loss_fn, params, batch, rng, model_state=model_state, weights=row_weights, axis_name=axis_name, train=train
     )
@@ -358,61 +327,120 @@ def local_gradient(
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
     ``Σ w``, the metric sums and the new model state.
   """
-  check_int(accum_steps, "accum_steps", 1, "split each device's batch into that many micro-batches.")
-  check_float_dtype(compute_dtype, "compute_dtype")
-  check_example_ids(example_ids)
-  if axis_name is not None:
-    check_axis_bound(axis_name)
-    params = as_varying(params, axis_name)
+  settings = step_settings(axis_name=axis_name, accum_steps=accum_steps, compute_dtype=compute_dtype,
+                           example_ids=example_ids)
+  return compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state,
+                                train=train)
 
-  # A 16-bit backward pass differentiates the weighted sum over one scale (_sixteen_bit_scale: a power of two
-  # that makes each element's cotangent about 1/√n), and the float32 gradient is scaled back: the sum itself
-  # overflows float16 (65,504) on large batches and flushes to 0 under small weights; the mean underflows it on
-  # many tokens. The scale is the same
-  # on every replica (one 4-byte psum of the weights, before the forward pass and outside the micro-batch
-  # loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets every
-  # replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the count of
-  # loss elements, the same on every replica without communication.
-  sixteen_bit, given = _sixteen_bit(params, compute_dtype), None
-  if not sixteen_bit:  # a model that computes in 16 bits by its own dtype (flax's dtype=jnp.float16)
+
+def compute_local_gradient(
+    settings: StepSettings,
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    rng: jax.Array | None = None,
+    model_state: Any = None,
+    train: bool = True,
+) -> LocalGradient:
+  """:func:`local_gradient` under settings already checked (its ``axis_name``, ``accum_steps``,
+  ``compute_dtype`` and ``example_ids``); the other arguments as there.
+
+  The 16-bit plan first (:func:`_sixteen_bit_plan`), then one micro-batch's
+  gradient (:func:`_micro_gradient`), or the accumulation of ``accum_steps``
+  of them (:func:`_accumulated`).
+  """
+  if settings.axis_name is not None:
+    check_axis_bound(settings.axis_name)
+    params = as_varying(params, settings.axis_name)
+  plan = _sixteen_bit_plan(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state, train=train)
+  micro_gradient = functools.partial(_micro_gradient, settings, loss_fn, plan, params, train=train)
+  if settings.accum_steps == 1:
+    return micro_gradient(batch, weights, rng, model_state)
+  return _accumulated(settings, micro_gradient, batch, weights, rng, model_state)
+
+
+class _SixteenBitPlan(NamedTuple):
+  """How a backward pass divides the weighted sum (see :func:`_sixteen_bit_scale`).
+
+  Attributes:
+    active: whether the backward pass runs in 16 bits (and so divides by a scale).
+    replicas: the data-parallel replicas, read by the scale only.
+    scale: the scale of every micro-batch, from the given weights' global sum; ``None``: each
+      micro-batch's own, from its count of loss elements (no weights: all ones).
+  """
+
+  active: bool
+  replicas: int = 1
+  scale: jax.Array | None = None
+
+
+def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], params: Any, batch: Any, weights: Any, *,
+                      rng: Any, model_state: Any, train: bool) -> _SixteenBitPlan:
+  """Whether the backward pass runs in 16 bits and, if so, the scale it divides the weighted sum by.
+
+  A 16-bit backward pass differentiates the weighted sum over one scale (a power of two that makes each
+  element's cotangent about 1/√n), and the float32 gradient is scaled back: the sum itself overflows float16
+  (65,504) on large batches and flushes to 0 under small weights; the mean underflows it on many tokens. The
+  scale is the same on every replica (one 4-byte psum of the weights, before the forward pass and outside the
+  micro-batch loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets
+  every replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the
+  count of loss elements, the same on every replica without communication.
+  """
+  axis_name, accum_steps, compute_dtype = settings.axis_name, settings.accum_steps, settings.compute_dtype
+  active = _sixteen_bit(params, compute_dtype)
+  if not active:  # a model that computes in 16 bits by its own dtype (a layer's dtype=jnp.float16)
     sample = (batch, weights) if accum_steps == 1 else jax.tree.map(lambda x: x[0], _split_micro((batch, weights),
                                                                                                  accum_steps))
 
-    def traced(p):  # as micro_gradient calls it: compute_dtype casts the params and the batch first
+    def traced(p):  # as _micro_gradient calls it: compute_dtype casts the params and the batch first
       p, b = cast_floating((p, sample[0]), compute_dtype)
       return loss_sums(loss_fn, p, b, sample[1], rng=rng, model_state=model_state, axis_name=axis_name,
-                       train=train, example_ids=example_ids).loss_sum
+                       train=train, example_ids=settings.example_ids).loss_sum
 
-    sixteen_bit = _computes_in_16_bits(traced, params)
-  replicas = 1  # the data-parallel replicas, read only by the 16-bit scale
-  if sixteen_bit and axis_name is not None:
-    replicas = math.prod(lax.axis_size(a) for a in axis_names(axis_name))
-  if sixteen_bit and weights is not None:
-    total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
-    total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
-    given = _sixteen_bit_scale(total / accum_steps, replicas, np.size(weights) / accum_steps)
+    active = _computes_in_16_bits(traced, params)
+  if not active:
+    return _SixteenBitPlan(False)
+  replicas = 1 if axis_name is None else math.prod(lax.axis_size(a) for a in axis_names(axis_name))
+  if weights is None:
+    return _SixteenBitPlan(True, replicas)
+  total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
+  total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
+  return _SixteenBitPlan(True, replicas, _sixteen_bit_scale(total / accum_steps, replicas,
+                                                            np.size(weights) / accum_steps))
 
-  def micro_gradient(micro_batch, micro_weights, micro_rng, state):
-    def weighted_sum(p):
-      p, b = cast_floating((p, micro_batch), compute_dtype)
-      sums = loss_sums(
-          loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=axis_name, train=train,
-          example_ids=example_ids,
-      )
-      if not sixteen_bit:
-        return sums.loss_sum, (sums, None)
-      # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
-      scale = given if given is not None else _sixteen_bit_scale(replicas * sums.weight_sum, replicas, sums.weight_sum)
-      return sums.loss_sum / scale, (sums, scale)
 
-    with in_step(axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
-      (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
-    widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
-    return sums._replace(grads=jax.tree.map(widen, grads))
+def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _SixteenBitPlan, params: Any,
+                    micro_batch: Any, micro_weights: Any, micro_rng: Any, state: Any, *, train: bool) -> LocalGradient:
+  """One micro-batch's :class:`LocalGradient`: its sums and the gradient of ``Σ w·l``, float32 at least."""
 
-  if accum_steps == 1:
-    return micro_gradient(batch, weights, rng, model_state)
+  def weighted_sum(p):
+    p, b = cast_floating((p, micro_batch), settings.compute_dtype)
+    sums = loss_sums(
+        loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=settings.axis_name, train=train,
+        example_ids=settings.example_ids,
+    )
+    if not plan.active:
+      return sums.loss_sum, (sums, None)
+    # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
+    scale = plan.scale if plan.scale is not None else _sixteen_bit_scale(plan.replicas * sums.weight_sum,
+                                                                         plan.replicas, sums.weight_sum)
+    return sums.loss_sum / scale, (sums, scale)
 
+  with in_step(settings.axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
+    (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+  widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
+  return sums._replace(grads=jax.tree.map(widen, grads))
+
+
+def _accumulated(settings: StepSettings, micro_gradient: Callable[..., LocalGradient], batch: Any, weights: Any,
+                 rng: Any, model_state: Any) -> LocalGradient:
+  """The sums of ``accum_steps`` contiguous micro-batches, scanned; the model state flows through them in order.
+
+  ``micro_gradient(micro_batch, micro_weights, micro_rng, state)``: one micro-batch's :class:`LocalGradient`.
+  """
+  axis_name, accum_steps, example_ids = settings.axis_name, settings.accum_steps, settings.example_ids
   micro = _split_micro((batch, weights), accum_steps)
   first = jax.eval_shape(micro_gradient, *jax.tree.map(lambda x: x[0], micro), rng, model_state)
   if axis_name is not None:
@@ -444,7 +472,7 @@ def local_gradient(
 
 def _varying_like(x: jax.Array, like: Any) -> jax.Array:
   """``x`` typed as varying over every axis ``like`` (an array or ``ShapeDtypeStruct``) varies over too."""
-  missing = tuple(sorted(_abstract_vma(like) - _varying_axes(x)))
+  missing = tuple(sorted(_abstract_vma(like) - varying_axes(x)))
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -510,9 +538,8 @@ def _psum(tree: Any, axis_name: str) -> Any:
   """One all-reduce of every leaf of ``tree``, the small leaves packed into one flat operand per dtype (and
   varying type).
 
-  XLA CPU's all-reduce pays a fixed cost per operand (measured at 8 devices: 28 operands of 64 to 16,384
-  floats took 5.4 ms, the same values as one flat operand 1.2 ms); packing leaves of up to
-  :data:`PACK_BYTES` costs a copy of them. Each element is summed as before: the same values, bit for bit.
+  XLA CPU's all-reduce pays a fixed cost per operand, so many small operands cost more than one flat
+  operand of the same values; packing leaves of up to :data:`PACK_BYTES` costs a copy of them. Each element is summed as before: the same values, bit for bit.
   Leaves the compiler may split over another mesh axis stay whole (packing would gather them).
   """
   if _is_trivial(tree, axis_name):
@@ -523,10 +550,10 @@ def _psum(tree: Any, axis_name: str) -> Any:
     if x.size * x.dtype.itemsize <= PACK_BYTES and _splittable(x):
       # By type too: a leaf replicated over a manual model axis packed with one split over it would come
       # back typed as varying there (and differ from the parameter it updates).
-      groups.setdefault((jnp.dtype(x.dtype), _varying_axes(x)), []).append(i)
+      groups.setdefault((jnp.dtype(x.dtype), varying_axes(x)), []).append(i)
   packs = [group for group in groups.values() if len(group) > 1]
   packed = {i for group in packs for i in group}
-  rows = [_to_row([leaves[i] for i in group]) for group in packs]
+  rows = [to_row([leaves[i] for i in group]) for group in packs]
   rows, whole = lax.psum((rows, [x for i, x in enumerate(leaves) if i not in packed]), axis_name)
   out = iter(whole)
   summed = [None if i in packed else next(out) for i in range(len(leaves))]
@@ -536,17 +563,17 @@ def _psum(tree: Any, axis_name: str) -> Any:
   return jax.tree.unflatten(treedef, summed)
 
 
-def _to_row(leaves: list, rows: int = 1) -> jax.Array:
+def to_row(leaves: list, rows: int = 1) -> jax.Array:
   """The leaves flattened into ``[rows, Σ size / rows]``: row ``i`` holds row ``i`` of each leaf seen as ``rows`` rows.
 
-  Rows, not a vector: XLA CPU concatenates rows with copies, where a rank-1 concatenation went element by
-  element (measured on the benchmark's MLP at 8 devices, bucketed: 225-450 ms a step against 64).
+  Rows, not a vector: XLA CPU concatenates rows with copies, where it concatenates a rank-1 vector element
+  by element.
   """
   return jnp.concatenate([x.reshape(rows, -1) for x in leaves], axis=1)
 
 
 def _from_row(row: jax.Array, like: list) -> list:
-  """The leaves of a one-row ``[1, Σ size]`` array made by :func:`_to_row`, shaped as ``like``."""
+  """The leaves of a one-row ``[1, Σ size]`` array made by :func:`to_row`, shaped as ``like``."""
   offsets = np.cumsum([0] + [x.size for x in like])
   return [row[0, start:stop].reshape(x.shape) for x, start, stop in zip(like, offsets[:-1], offsets[1:])]
 
@@ -584,13 +611,13 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | Non
   if bucket_bytes is None:
     # Leaves of up to PACK_BYTES split over the data axis only share one reduce-scatter (per dtype), as
     # _psum packs the all-reduced ones; the larger ones keep a collective each.
-    return _with_flat_buckets(tree, specs, axis_name, reduce, lambda leaves, dims: _scatter_buckets(
+    return with_flat_buckets(tree, specs, axis_name, reduce, lambda leaves, dims: _scatter_buckets(
         leaves, dims, axis_name, math.inf), small_bytes=PACK_BYTES)
-  return _with_flat_buckets(tree, specs, axis_name, reduce,
+  return with_flat_buckets(tree, specs, axis_name, reduce,
                             lambda leaves, dims: _scatter_buckets(leaves, dims, axis_name, bucket_bytes))
 
 
-def _with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable, bucketed: Callable,
+def with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable, bucketed: Callable,
                        small_bytes: int | None = None) -> Any:
   """``tree`` with ``bucketed(leaves, dims)`` applied to the leaves flat buckets take, ``per_leaf(x, spec)`` to the rest.
 
@@ -646,11 +673,11 @@ def _scatter_buckets(leaves: list, dims: list[int], axis_name: Any, bucket_bytes
   zero, others = names[-1], names[:-1]
   n = lax.axis_size(zero)
   out, previous = [None] * len(leaves), None
-  for bucket in _buckets(leaves, bucket_bytes):
+  for bucket in buckets(leaves, bucket_bytes):
     for i in bucket:
       _check_scatter(leaves[i], dims[i], zero)
     moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
-    flat = _after(_to_row(moved, rows=n), previous)
+    flat = _after(to_row(moved, rows=n), previous)
     previous = lax.psum_scatter(as_varying(flat, axis_name), zero, scatter_dimension=0, tiled=True)
     previous = lax.psum(previous, others) if others else previous
     slices = [jax.ShapeDtypeStruct((m.shape[0] // n, *m.shape[1:]), m.dtype) for m in moved]
@@ -659,7 +686,7 @@ def _scatter_buckets(leaves: list, dims: list[int], axis_name: Any, bucket_bytes
   return out
 
 
-def _safe_divide(tree: Any, denominator: jax.Array) -> Any:
+def safe_divide(tree: Any, denominator: jax.Array) -> Any:
   return divide_gradient(tree, _safe_denominator(denominator))
 
 
@@ -673,7 +700,7 @@ def _safe_denominator(denominator: jax.Array) -> jax.Array:
 def _tracks_replication(axis_name: str) -> bool:
   # Inside shard_map with check_vma, JAX types every value as replicated or varying over the axis; under
   # pmap (or check_vma=False) it does not, and then every model-state leaf must be assumed to vary.
-  return set(axis_names(axis_name)) <= _varying_axes(lax.axis_index(axis_name))
+  return set(axis_names(axis_name)) <= varying_axes(lax.axis_index(axis_name))
 
 
 def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str,
@@ -746,9 +773,9 @@ def _rebuild_state(leaves: list, how: list, sums: list, weight: jax.Array, treed
     elif mode == "mean":
       if fallback:
         weighted, first = next(sums), next(sums)
-        value = jnp.where(weight > 0, _safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype))
+        value = jnp.where(weight > 0, safe_divide(weighted, weight).astype(x.dtype), first.astype(x.dtype))
       else:
-        value = _safe_divide(next(sums), weight).astype(x.dtype)
+        value = safe_divide(next(sums), weight).astype(x.dtype)
       out.append(value if agreed is None else jnp.where(agreed, x, value))
     else:
       out.append(next(sums).astype(x.dtype))
@@ -782,7 +809,7 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   return _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight, treedef, fallback=True)
 
 
-def _buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] | None = None) -> list[list[int]]:
+def buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] | None = None) -> list[list[int]]:
   """Leaf indices grouped, in reverse order (the order backprop produces them), into buckets of ~``bucket_bytes``.
 
   A bucket holds one dtype and one varying type (it is reduced as one flat vector: a leaf replicated over a
@@ -790,18 +817,18 @@ def _buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] 
   ``scale``: each leaf counts as that many times its bytes (a slice counted as the whole leaf it gathers to).
   ``alone``: leaves left out as well (the caller reduces them on their own).
   """
-  buckets, current, size = [], [], 0
+  groups, current, size = [], [], 0
   for i in reversed(range(len(leaves))):
     if not leaves[i].size or (alone is not None and alone[i]):
       continue
     nbytes = leaves[i].size * leaves[i].dtype.itemsize * scale
     if current and (size + nbytes > bucket_bytes or leaves[i].dtype != leaves[current[0]].dtype
                     or _abstract_vma(leaves[i]) != _abstract_vma(leaves[current[0]])):
-      buckets.append(current)
+      groups.append(current)
       current, size = [], 0
     current.append(i)
     size += nbytes
-  return buckets + ([current] if current else [])
+  return groups + ([current] if current else [])
 
 
 def _after(tree: Any, previous: jax.Array | None) -> Any:
@@ -822,7 +849,7 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
   tie = -(jnp.zeros((), real) * jnp.abs(jnp.where(jnp.isfinite(element), element, 0)).astype(real))
 
   def tied(x):
-    if _varying_axes(tie) - _varying_axes(x):  # the tie would retype x (a model-split bucket before it): untied
+    if varying_axes(tie) - varying_axes(x):  # the tie would retype x (a model-split bucket before it): untied
       return x
     if jnp.issubdtype(x.dtype, jnp.complexfloating):  # -0.0 in both parts: a cast would add +0.0 to the imaginary
       part = tie.astype(jnp.real(x).dtype)
@@ -842,9 +869,9 @@ def _psum_buckets(grads: Any, small: Any, axis_name: str, bucket_bytes: int | No
   alone = [not x.size or _split_by_compiler(x) for x in leaves]
   reduced = [_psum(x, axis_name) if own else x for x, own in zip(leaves, alone)]
   previous = None
-  for bucket in _buckets(leaves, bucket_bytes, alone=alone):
+  for bucket in buckets(leaves, bucket_bytes, alone=alone):
     # One flat row per bucket, as DDP's buckets: one all-reduce whatever XLA's combiner would do.
-    previous = _psum(_after(_to_row([leaves[i] for i in bucket]), previous), axis_name)
+    previous = _psum(_after(to_row([leaves[i] for i in bucket]), previous), axis_name)
     for i, x in zip(bucket, _from_row(previous, [leaves[i] for i in bucket])):
       reduced[i] = x
   # The small values ride with the last bucket, the one the backward pass finishes last.
@@ -926,9 +953,24 @@ def reduce_gradient(
     sending replica 0's value too would double the state's share of every
     all-reduce).
   """
-  check_reduction(reduction)
-  check_reduce_dtype(reduce_dtype, "reduce_dtype")
-  _check_bucket_bytes(bucket_bytes)
+  settings = step_settings(axis_name=axis_name, reduction=reduction, grad_reduce_dtype=reduce_dtype,
+                           bucket_bytes=bucket_bytes, reduce_dtype_name="reduce_dtype")
+  return compute_reduced_gradient(settings, local, scatter=scatter, totals=totals, divide=divide, presummed=presummed)
+
+
+def compute_reduced_gradient(
+    settings: StepSettings,
+    local: LocalGradient,
+    *,
+    scatter: Any = False,
+    totals: Any = None,
+    divide: bool = True,
+    presummed: Any = None,
+) -> ReducedGradient:
+  """:func:`reduce_gradient` under settings already checked (its ``axis_name``, ``reduction``,
+  ``bucket_bytes`` and ``reduce_dtype``, which is ``settings.grad_reduce_dtype``); the rest as there."""
+  axis_name, reduction, bucket_bytes = settings.axis_name, settings.reduction, settings.bucket_bytes
+  reduce_dtype = settings.grad_reduce_dtype
   if presummed is not None and (scatter is False or reduction not in ("mean", "sum")):
     raise ValueError(
         "presummed leaves were reduce-scattered inside the loss already: reduce them with scatter= (their "
@@ -951,10 +993,10 @@ def reduce_gradient(
   _check_local(grads, loss_sum, axis_name, scatter)
   # Axes the local sums vary over that the reduction does not cover (read before the packed all-reduce, which
   # types the sums as its gradient leaves are: a model-axis split there is not the loss's).
-  leftover = (_varying_axes(loss_sum) | _varying_axes(weight_sum)) - set(axis_names(axis_name))
+  leftover = (varying_axes(loss_sum) | varying_axes(weight_sum)) - set(axis_names(axis_name))
   local_weight = weight_sum
   if reduction == "rank_mean":  # each replica's local mean first, as DDP does
-    grads, loss_sum, metric_sums = _safe_divide((grads, loss_sum, metric_sums), weight_sum)
+    grads, loss_sum, metric_sums = safe_divide((grads, loss_sum, metric_sums), weight_sum)
   how, contributions, treedef = _state_contributions(model_state, local_weight, axis_name)
   small = (loss_sum, weight_sum, metric_sums, contributions, totals)
   dtypes = jax.tree.map(lambda x: x.dtype, grads)
@@ -1003,7 +1045,7 @@ def _scatter_unless_presummed(grads: Any, specs: Any, presummed: Any, axis_name:
 
 def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) -> None:
   """Refuses what reduce_gradient would reduce wrongly, without a sign in the values."""
-  typed = _typed(axis_name)
+  typed = checks_vma(axis_name)
   if typed and not varies(loss_sum, axis_name):
     # The local loss sum reads this replica's rows and weights: one typed as the same everywhere was reduced already.
     raise ValueError(
@@ -1031,11 +1073,6 @@ def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) 
         "their types, and under pmap or check_vma=False the gradient norm and the non-finite skip would be each "
         "device's own (replicas would diverge). Use shard_map(..., check_vma=True), or scatter=False."
     )
-
-
-def _check_bucket_bytes(bucket_bytes: Any) -> None:
-  if bucket_bytes is not None:
-    check_int(bucket_bytes, "bucket_bytes", 0, "or None to reduce the gradient in one all-reduce.")
 
 
 def _normalised(sums: tuple, denominator: jax.Array, divide: bool) -> tuple:
@@ -1087,10 +1124,10 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   partial: dict = {}  # added over the data axes (and the key's)
   shared: dict = {}  # added over the key's axes only
   # One device: nothing to split or add. Otherwise split agreed leaves only where they are known to be agreed.
-  parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or _typed(axis_name))
+  parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or checks_vma(axis_name))
   for leaf in jax.tree.leaves(tree):
     # Without axis_name nothing says which axes hold parts and which hold replicas (reduction="none"): none added.
-    extra = frozenset() if data is None else _varying_axes(leaf) - data
+    extra = frozenset() if data is None else varying_axes(leaf) - data
     if axis_name is not None and varies(leaf, axis_name):
       squares = _squares(leaf, divisor)
       # A chunk that is the same over some of the axes (ZeRO's, over "replica" of ("replica", "data")) is summed
@@ -1111,14 +1148,14 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   return jnp.sqrt(total)
 
 
-def _typed(axis_name: Any) -> bool:
+def checks_vma(axis_name: Any) -> bool:
   """Whether values are typed as varying or not over ``axis_name`` here (``shard_map`` with ``check_vma=True``).
 
   A value cast to varying carries the axis in its type only then; under ``pmap`` or ``check_vma=False`` it
   does not, and a leaf not typed as varying may still differ between devices. (The probe is dead code.)
   """
   probe = lax.pcast(jnp.zeros((), jnp.float32), axis_names(axis_name)[0], to="varying")
-  return bool(set(axis_names(axis_name)) & _varying_axes(probe))
+  return bool(set(axis_names(axis_name)) & varying_axes(probe))
 
 
 def _squares(x: jax.Array, divisor: jax.Array | None) -> jax.Array:

@@ -20,27 +20,26 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._checks import check_optimizer, check_reduce_dtype
+from jaxdp._checks import check_optimizer
 from jaxdp.layerwise import gathering
 from jaxdp.layout import data_dim, model_part, per_model_shard, zero_axis
 from jaxdp.loss import declared_keywords
 from jaxdp import reduction as _reduction
 from jaxdp.reduction import (
     ReducedGradient,
-    _buckets,
-    _check_bucket_bytes,
-    _typed,
-    _to_row,
+    buckets,
     check_axis_bound,
-    _varying_axes,
-    _with_flat_buckets,
-    check_reduction,
+    checks_vma,
+    compute_local_gradient,
+    compute_reduced_gradient,
     divide_gradient,
     global_norm,
-    local_gradient,
-    reduce_gradient,
+    to_row,
     varies,
+    varying_axes,
+    with_flat_buckets,
 )
+from jaxdp.settings import StepSettings, step_settings
 from jaxdp.state import TrainState
 
 
@@ -108,7 +107,7 @@ def _check_update_types(params: Any, new_params: Any) -> None:
   its branches' types differ): the optimizer read values that differ between those devices."""
   paths = jax.tree_util.tree_flatten_with_path(params)[0]
   for (path, old), new in zip(paths, jax.tree.leaves(new_params)):
-    extra = _varying_axes(new) - _varying_axes(old)
+    extra = varying_axes(new) - varying_axes(old)
     if extra:
       raise ValueError(
           f"the optimizer's update of params{jax.tree_util.keystr(path)} varies over the manual mesh axes "
@@ -145,19 +144,19 @@ def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | N
   def gather_buckets(leaves, dims):
     out = [None] * len(leaves)
     # Buckets by the gathered (whole) leaves' bytes, so they group as the gradient's reduce-scatter does;
-    # without bucket_bytes, the small leaves (what _with_flat_buckets passes, grouped) in one bucket per dtype.
-    for bucket in _buckets(leaves, math.inf if bucket_bytes is None else bucket_bytes, scale=n):
+    # without bucket_bytes, the small leaves (what with_flat_buckets passes, grouped) in one bucket per dtype.
+    for bucket in buckets(leaves, math.inf if bucket_bytes is None else bucket_bytes, scale=n):
       moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
       # Each device's slices as one row; the tiled gather stacks the devices' rows in order.
-      rows = _all_gather_invariant(_to_row(moved), zero, 0)
+      rows = _all_gather_invariant(to_row(moved), zero, 0)
       offsets = np.cumsum([0] + [m.size for m in moved])
       for i, m, start, stop in zip(bucket, moved, offsets[:-1], offsets[1:]):
         out[i] = jnp.moveaxis(rows[:, start:stop].reshape((-1, *m.shape[1:])), 0, dims[i])
     return out
 
   # Without bucket_bytes, the leaves whose gathered value has up to PACK_BYTES share one all-gather.
-  small = _reduction.PACK_BYTES // n if bucket_bytes is None else None
-  return _with_flat_buckets(params, split, axis_name, gather, gather_buckets, small_bytes=small)
+  small = _reduction.PACK_BYTES // n if bucket_bytes is None else None  # read at trace time: settable
+  return with_flat_buckets(params, split, axis_name, gather, gather_buckets, small_bytes=small)
 
 
 def _all_gather_invariant(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
@@ -206,10 +205,32 @@ def gradient_step(
   loss, and their gradient leaves the loss reduce-scattered already
   (see :mod:`jaxdp.layerwise`).
   """
-  check_reduction(reduction)
-  check_reduce_dtype(grad_reduce_dtype, "grad_reduce_dtype")  # before reduce_gradient, under the caller's name
-  _check_bucket_bytes(bucket_bytes)
-  if rng is not None and example_ids is not None:  # the same key on every replica: masks follow the ids
+  settings = step_settings(
+      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
+      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
+  )
+  return run_gradient_step(settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more,
+                           params_split=params_split, grads_split=grads_split, divide=divide, stacked=stacked)
+
+
+def run_gradient_step(
+    settings: StepSettings,
+    loss_fn: Callable[..., Any],
+    state: TrainState,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    rng: jax.Array | None = None,
+    has_more: jax.Array | None = None,
+    params_split: Any = None,
+    grads_split: Any = None,
+    divide: bool = True,
+    stacked: Any = None,
+) -> ReducedGradient:
+  """:func:`gradient_step` under settings already checked (:func:`jaxdp.settings.step_settings`); the other
+  arguments as there."""
+  axis_name, reduction = settings.axis_name, settings.reduction
+  if rng is not None and settings.example_ids is not None:  # the same key on every replica: masks follow the ids
     rng = jax.random.fold_in(rng, state.step)
   elif rng is not None:
     rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), lax.axis_index(axis_name))
@@ -234,19 +255,13 @@ def gradient_step(
     specs = params_split
     params_split = jax.tree.map(lambda spec, keep: model_part(spec, axis_name) if keep else spec, params_split,
                                 presummed, is_leaf=lambda x: isinstance(x, P))
-  params = gather_params(state.params, params_split, axis_name, bucket_bytes)
+  params = gather_params(state.params, params_split, axis_name, settings.bucket_bytes)
   with gathering(params, specs, stacked, axis_name) if presummed is not None else (
       contextlib.nullcontext()):
-    local = local_gradient(
-        loss_fn, params, batch, weights,
-        axis_name=axis_name, accum_steps=accum_steps, rng=rng, model_state=state.model_state,
-        compute_dtype=compute_dtype, example_ids=example_ids,
-    )
+    local = compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=state.model_state)
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
-  return reduce_gradient(
-      local, axis_name=axis_name, reduction=reduction, scatter=False if grads_split is None else grads_split,
-      totals=totals, bucket_bytes=bucket_bytes, reduce_dtype=grad_reduce_dtype, divide=divide, presummed=presummed,
-  )
+  return compute_reduced_gradient(settings, local, scatter=False if grads_split is None else grads_split,
+                                  totals=totals, divide=divide, presummed=presummed)
 
 
 def finish_step(
@@ -305,7 +320,7 @@ def finish_step(
 
 def _bound_and_typed(axis_name: str) -> bool:
   check_axis_bound(axis_name)
-  return _typed(axis_name)
+  return checks_vma(axis_name)
 
 
 def train_step(
@@ -374,8 +389,9 @@ def train_step(
       callable ``batch -> [b]`` integer ids. ``loss_fn`` gets the same key
       everywhere and :class:`jaxdp.nnx.Dropout` / :class:`jaxdp.linen.Dropout`
       draw row ``r``'s mask from ``fold_in(layer_key, id_r)``: the same masks
-      on any number of devices, split and ``accum_steps``. flax's own
-      ``Dropout`` is then refused. ``None`` (default): per-replica keys.
+      on any number of devices, split and ``accum_steps``. A library's own
+      ``Dropout`` (linen's, nnx's) is then refused. ``None`` (default):
+      per-replica keys.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
@@ -390,20 +406,34 @@ def train_step(
     replica) and ``has_more`` when given. The new model state is identical
     on every replica (see :func:`jaxdp.reduce_model_state`).
   """
-  check_reduction(reduction)
+  settings = step_settings(
+      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
+      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
+  )
   check_optimizer(optimizer)  # before the forward and backward passes are traced
+  return run_train_step(settings, loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more)
+
+
+def run_train_step(
+    settings: StepSettings,
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    state: TrainState,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    rng: jax.Array | None = None,
+    has_more: jax.Array | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """:func:`train_step` under settings and an optimizer already checked; the other arguments as there."""
+  axis_name, reduction = settings.axis_name, settings.reduction
   if reduction == "none" and _bound_and_typed(axis_name) and not all(varies(p, axis_name) for p in jax.tree.leaves(state.params)):
     raise ValueError(
         "reduction='none' inside shard_map with check_vma=True: each replica's update makes the state per-replica, "
         "which its replicated type cannot hold. Pass jaxdp.as_varying(state, axis_name) (and out_specs that keep "
         "the replicas), or use shard_map(..., check_vma=False) as make_train_step does."
     )
-  reduced = gradient_step(
-      loss_fn, state, batch, weights,
-      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, rng=rng, has_more=has_more,
-      compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, divide=False,
-      example_ids=example_ids,
-  )
+  reduced = run_gradient_step(settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more, divide=False)
   # Under "none" the replicas' gradients differ: each takes the norm of its own.
   if reduction == "none":
     return finish_step(optimizer, state, reduced)

@@ -151,11 +151,11 @@ def test_the_tie_between_buckets_changes_no_bit_of_a_complex_zero():
 
 def test_buckets_follow_reverse_leaf_order():
   leaves = [jnp.zeros(n, jnp.float32) for n in (80, 16, 256, 16, 48, 3)]  # 320, 64, 1024, 64, 192, 12 bytes
-  from jaxdp.reduction import _buckets
+  from jaxdp.reduction import buckets
 
-  assert _buckets(leaves, 300) == [[5, 4, 3], [2], [1], [0]]  # 12 + 192 + 64; 1024; 64 (+ 320 > 300); 320
-  assert _buckets(leaves, 0) == [[5], [4], [3], [2], [1], [0]]
-  assert _buckets(leaves[:2] + [jnp.zeros(4, jnp.bfloat16)], 10**6) == [[2], [1, 0]]  # one dtype per bucket
+  assert buckets(leaves, 300) == [[5, 4, 3], [2], [1], [0]]  # 12 + 192 + 64; 1024; 64 (+ 320 > 300); 320
+  assert buckets(leaves, 0) == [[5], [4], [3], [2], [1], [0]]
+  assert buckets(leaves[:2] + [jnp.zeros(4, jnp.bfloat16)], 10**6) == [[2], [1, 0]]  # one dtype per bucket
 
 
 def test_bfloat16_reduction_halves_the_gradient_bytes_and_stays_close():
