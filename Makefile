@@ -18,6 +18,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# Writes under out/ only; add PUBLISH=--publish to refresh the committed files in docs/.
 bench: $(VENV)/.installed
-	$(PY) experiments/benchmark.py
-	$(PY) experiments/zero_memory.py
+	$(PY) experiments/benchmark.py $(PUBLISH)
+	$(PY) experiments/zero_memory.py $(PUBLISH)
