@@ -74,7 +74,10 @@ if __name__ == "__main__":  # must happen before JAX initialises its backend
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("", "cpu"):
     devices = _parser().parse_known_args(sys.argv[1:])[0].devices
-    os.environ["JAX_NUM_CPU_DEVICES"] = str(devices or DEFAULT_CPU_DEVICES)
+    # The parser imported JAX (experiments.common), which has read the environment already: set its flag.
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", devices or DEFAULT_CPU_DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
