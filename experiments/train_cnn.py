@@ -74,7 +74,8 @@ if __name__ == "__main__":  # must happen before JAX initialises its backend
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("", "cpu"):
     devices = _parser().parse_known_args(sys.argv[1:])[0].devices
-    # The parser imported JAX (experiments.common), which has read the environment already: set its flag.
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(devices or DEFAULT_CPU_DEVICES)
+    # The parser imported JAX (experiments.common), which read the environment then: set its flag too.
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices or DEFAULT_CPU_DEVICES)

@@ -133,12 +133,14 @@ def _simulate_cpu_devices(argv: list[str]) -> None:
     devices = args.devices if args.mesh is None else math.prod(parse_mesh(args.mesh).values())
   except ValueError as e:
     parser.error(str(e))
-  if devices is None and "JAX_NUM_CPU_DEVICES" in os.environ:
-    return
-  # The parser imported JAX (experiments.common), which has read the environment already: set its flag.
+  if devices is not None:
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(devices)
+  else:
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(DEFAULT_CPU_DEVICES))
+  # The parser imported JAX (experiments.common), which read the environment then: set its flag too.
   import jax
 
-  jax.config.update("jax_num_cpu_devices", devices or DEFAULT_CPU_DEVICES)
+  jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
 
 if __name__ == "__main__":  # must happen before JAX initialises its backend
