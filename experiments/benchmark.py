@@ -983,6 +983,8 @@ def run(args) -> dict:
         print(f"[{name}] skipping N={n}: the global batch does not split evenly", file=sys.stderr)
         continue
       start = time.perf_counter()
+      print(f"[{name}] N={n}: compiling and timing {args.warmup} + {args.steps} steps per method", file=sys.stderr,
+            flush=True)
       rows.append(measure(w, n, args, version is not None))
       print(f"[{name}] N={n} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
   print(f"[numerics] one Adam step on {args.ranks} uneven ranks", file=sys.stderr, flush=True)

@@ -17,7 +17,9 @@ within 10% of K = 1.
   python experiments/benchmark_lm.py --quick      # smoke run
   python experiments/benchmark_lm.py --publish    # full run, and copy benchmark_lm.json to docs/data/
 
-Writes ``benchmark_lm.json`` under ``--out`` (default ``out/benchmark_lm``; ``out/benchmark_lm_quick`` with ``--quick``).
+Writes ``benchmark_lm.json`` under ``--out`` (default ``out/benchmark_lm``;
+``out/benchmark_lm_quick`` with ``--quick``).
+
 --quick: about TIME? s on an idle 2-core CPU machine.
 """
 
@@ -52,7 +54,8 @@ def _setup(config: train_lm.Config, devices, accum_steps: int, data):
 
 def time_steps(config: train_lm.Config, devices, accum_steps: int, steps: int, data) -> dict:
   """Median seconds per step and real tokens per step, over ``steps`` steps after one warm-up step."""
-  print(f"[{len(devices)} device(s), accum_steps {accum_steps}] compiling and timing {steps} steps", file=sys.stderr, flush=True)
+  print(f"[{len(devices)} device(s), accum_steps {accum_steps}] compiling and timing {steps} steps", file=sys.stderr,
+        flush=True)
   step, state, pipeline = _setup(config, devices, accum_steps, data)
   rng = jax.random.key(config.seed)
   batches = [pipeline.batch_at(i) for i in range(steps + 1)]  # loaded up front: time the step, not the host

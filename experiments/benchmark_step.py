@@ -24,7 +24,9 @@ already set; writes JSON under ``out/``):
   .venv/bin/python experiments/benchmark_step.py --quick      # smoke run
   .venv/bin/python experiments/benchmark_step.py --publish    # full run, and copy benchmark_step.json to docs/data/
 
-Writes ``benchmark_step.json`` under ``--out`` (default ``out/benchmark_step``; ``out/benchmark_step_quick`` with ``--quick``).
+Writes ``benchmark_step.json`` under ``--out`` (default ``out/benchmark_step``;
+``out/benchmark_step_quick`` with ``--quick``).
+
 --quick: about TIME? s on an idle 2-core CPU machine.
   .venv/bin/python experiments/benchmark_step.py --devices 2,8 --steps 50 --out out/b.json
 """

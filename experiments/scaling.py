@@ -862,12 +862,13 @@ MEASURED = ("rounds", "load", "timed", "allreduce", "fit", "cpu_model", "check",
 
 
 def reuse_measurements(args):
-  """Section 1 of the run under ``--out``, else the published one (measurements, duration, command), for ``--model-only``."""
+  """Section 1 (measurements, duration, command) of the run under ``--out``, else the published one, for ``--model-only``."""
   path = os.path.join(args.out, "scaling.json")
   if not os.path.exists(path):
     path = os.path.join(common.DOCS, "data", "scaling.json")
   if not os.path.exists(path):
-    raise SystemExit(f"--model-only reuses {args.out}/scaling.json, which does not exist: run without --model-only first.")
+    raise SystemExit(f"--model-only reuses {args.out}/scaling.json, which does not exist: run without --model-only "
+                     "first.")
   with open(path) as f:
     saved = json.load(f)
   return {key: saved[key] for key in MEASURED}

@@ -26,7 +26,9 @@ one run. Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
   .venv/bin/python experiments/step_cost.py --quick         # smoke run
   .venv/bin/python experiments/step_cost.py --publish    # full run, and copy step_cost.json to docs/data/
 
-Writes ``step_cost.json`` under ``--out`` (default ``out/step_cost``; ``out/step_cost_quick`` with ``--quick``).
+Writes ``step_cost.json`` under ``--out`` (default ``out/step_cost``;
+``out/step_cost_quick`` with ``--quick``).
+
 --quick: about TIME? s on an idle 2-core CPU machine.
 """
 

@@ -27,7 +27,9 @@ Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself)::
   .venv/bin/python experiments/step_profile.py --quick              # smoke run
   .venv/bin/python experiments/step_profile.py --publish    # full run, and copy step_profile.json to docs/data/
 
-Writes ``step_profile.json`` under ``--out`` (default ``out/step_profile``; ``out/step_profile_quick`` with ``--quick``).
+Writes ``step_profile.json`` under ``--out`` (default ``out/step_profile``;
+``out/step_profile_quick`` with ``--quick``).
+
 --quick: about TIME? s on an idle 2-core CPU machine.
 """
 
