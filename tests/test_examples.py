@@ -26,14 +26,16 @@ def numbers(pattern: str, text: str) -> list[float]:
 
 
 def check_nnx_cnn(out: str) -> None:
-  (first, last), (one_first, one_last) = re.findall(r"loss ([\d.]+) -> ([\d.]+)", out)
-  assert float(last) < float(first) and (one_first, one_last) == (first, last)  # 4 places: the same run
-  assert numbers(r"4 devices vs 1: ([\d.e+-]+)", out)[0] < 1e-4  # float32 round-off over 3 steps
+  (first, last), (one_first, one_last) = (map(float, pair) for pair in re.findall(r"loss ([\d.]+) -> ([\d.]+)", out))
+  assert last < first and one_last < one_first
+  assert numbers(r"4 devices vs 1: ([\d.e+-]+)", out)[0] < 1e-5  # float32 round-off (5e-7 after 10 steps)
 
 
 def check_linen_mlp(out: str) -> None:
   mean, rank_mean = numbers(r"difference to 1 device: ([\d.e+-]+)", out)
-  assert mean < 1e-5 < 1e-3 < rank_mean  # exact weighted mean vs DDP's mean of means, uneven batches
+  # The exact weighted mean is one device's step up to round-off (6e-8 after 5 steps); DDP's mean of per-device
+  # means weights the 2-example device like the 11-example one (3e-2 after 5 steps).
+  assert mean < 1e-5 and rank_mean > 1e-3
 
 
 def check_zero3_lm(out: str) -> None:
@@ -45,7 +47,7 @@ def check_zero3_lm(out: str) -> None:
 def check_multiprocess(out: str) -> None:
   first, last = numbers(r"\[rank 0\] step \d+: loss ([\d.]+)", out)
   assert last < first and "2 process(es), 4 devices" in out
-  assert numbers(r"gradient descent ([\d.e+-]+)", out)[0] < 1e-5
+  assert numbers(r"gradient descent ([\d.e+-]+)", out)[0] < 1e-5  # float32 against float32 numpy: 4e-9 after 5 steps
 
 
 CHECKS = {"nnx_cnn.py": check_nnx_cnn, "linen_mlp.py": check_linen_mlp, "zero3_lm.py": check_zero3_lm,
