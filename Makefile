@@ -35,6 +35,7 @@ test-fast: $(VENV)/.installed
 docs: $(VENV)/.docs-installed
 	$(PY) -m mkdocs build --strict
 
+# Writes under out/ only; add PUBLISH=--publish to refresh the committed files in docs/.
 bench: $(VENV)/.installed
-	$(PY) experiments/benchmark.py
-	$(PY) experiments/zero_memory.py
+	$(PY) experiments/benchmark.py $(PUBLISH)
+	$(PY) experiments/zero_memory.py $(PUBLISH)

@@ -55,11 +55,15 @@ and PyTorch on the concatenated batch in one process against jaxdp
 ``"mean"``; with JAX-only references of both rules.
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself; writes
-``results.json``, ``benchmarks.md`` and the plots under ``--out``; a full run
-also writes ``docs/benchmarks.md`` and ``docs/benchmark_*.png``):
+``results.json``, ``benchmarks.md`` and the plots under ``--out``;
+``--publish`` also copies them to ``docs/benchmarks.md``,
+``docs/benchmark_*.png`` and ``docs/data/benchmark/results.json``):
 
   .venv/bin/python experiments/benchmark.py            # full: 1,2,4,8 devices, 30 steps
-  .venv/bin/python experiments/benchmark.py --quick    # smoke: 2 devices, 5 steps, numerics on 2 ranks (< 3 min)
+  .venv/bin/python experiments/benchmark.py --quick    # smoke: 2 devices, 5 steps, numerics on 2 ranks
+  .venv/bin/python experiments/benchmark.py --publish  # full, and refresh the committed docs
+
+--quick: about TIME? s on an idle 2-core CPU machine.
   .venv/bin/python experiments/benchmark.py --models mlp --devices 2,8 --no-torch
 """
 
@@ -108,8 +112,8 @@ RATIOS = ("bare", "auto_jit", "ddp", "single")  # jaxdp ÷ each of these
 UNEVEN = (3, 5, 1, 7)  # examples per rank in the numerics comparison
 MIB = 2**20
 
-FULL = {"devices": "1,2,4,8", "steps": 30, "warmup": 3, "docs": "docs", "ranks": len(UNEVEN), "out": "out/benchmark"}
-QUICK = {"devices": "2", "steps": 5, "warmup": 1, "docs": "", "ranks": 2, "out": "out/benchmark_quick"}
+FULL = {"devices": "1,2,4,8", "steps": 30, "warmup": 3, "ranks": len(UNEVEN)}
+QUICK = {"devices": "2", "steps": 5, "warmup": 1, "ranks": 2}
 
 
 # --------------------------------------------------------------------------
@@ -832,8 +836,8 @@ def markdown(result: dict) -> str:
   parts = [
       "# Benchmarks: jaxdp against the bare step, automatic partitioning and PyTorch DDP",
       "",
-      "Written by `python experiments/benchmark.py` from one run; rerun it to refresh every number here",
-      "(`--quick` is a smoke run of under 3 minutes that writes under `out/benchmark_quick/` only).",
+      "Written by `python experiments/benchmark.py --publish` from one run; rerun it to refresh every number here",
+      "(without `--publish` it writes under `out/benchmark/` only; `--quick` is a smoke run).",
       "",
       f"**Machine:** {machine_line(m)}.",
       f"Median (p10–p90) of {cfg['steps']} timed steps per method after {cfg['warmup']} warm-up step{'s' if cfg['warmup'] != 1 else ''}.",
@@ -943,12 +947,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--ranks", type=int,
                  help=f"ranks of the numerics comparison, batches {UNEVEN} (default {FULL['ranks']})")
   p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
-  p.add_argument("--out", help="folder for results.json, benchmarks.md and the plots (default out/benchmark; "
-                 "out/benchmark_quick with --quick, so a smoke run keeps the full run's results)")
-  p.add_argument("--docs", help="also write benchmarks.md and the plots here (default: docs for a full run, "
-                 "nothing for --quick; '' for nothing)")
+  common.add_output_args(p, "out/benchmark", quick="out/benchmark_quick")
   p.add_argument("--render", metavar="RESULTS_JSON", help="measure nothing: write the report of an earlier run")
   args = p.parse_args(argv)
+  common.check_publish(p, args)
   chosen = args.devices is not None
   args = common.fill_defaults(args, FULL, QUICK)
   counts = [int(d) for d in args.devices.split(",")]
@@ -981,8 +983,11 @@ def run(args) -> dict:
         print(f"[{name}] skipping N={n}: the global batch does not split evenly", file=sys.stderr)
         continue
       start = time.perf_counter()
+      print(f"[{name}] N={n}: compiling and timing {args.warmup} + {args.steps} steps per method", file=sys.stderr,
+            flush=True)
       rows.append(measure(w, n, args, version is not None))
       print(f"[{name}] N={n} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+  print(f"[numerics] one Adam step on {args.ranks} uneven ranks", file=sys.stderr, flush=True)
   result["numerics"] = numerics(args, version is not None)
   result["machine"]["load_average_end"] = os.getloadavg()[0]
   return result
@@ -992,14 +997,14 @@ def report(result: dict, args) -> None:
   """Prints the tables and writes results.json, benchmarks.md and the plots."""
   text = markdown(result)
   print(text)
-  folders = [args.out] + ([args.docs] if args.docs else [])
-  for folder in folders:
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "benchmarks.md"), "w") as f:
-      f.write(text)
-    plot(result, folder)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "benchmarks.md"), "w") as f:
+    f.write(text)
+  plots = plot(result, args.out)
   path = common.write_json(os.path.join(args.out, "results.json"), result)
-  print(f"wrote {path} and benchmarks.md + plots in {', '.join(folders)}", file=sys.stderr)
+  print(f"wrote {path}, benchmarks.md and the plots in {args.out}", file=sys.stderr)
+  common.publish(args, {"benchmarks.md": "benchmarks.md", "results.json": "data/benchmark/results.json",
+                        **{os.path.basename(p): os.path.basename(p) for p in plots}})
 
 
 def main(argv=None) -> dict:

@@ -15,6 +15,12 @@ within 10% of K = 1.
 
   python experiments/benchmark_lm.py              # sets JAX_NUM_CPU_DEVICES=8 itself
   python experiments/benchmark_lm.py --quick      # smoke run
+  python experiments/benchmark_lm.py --publish    # full run, and copy benchmark_lm.json to docs/data/
+
+Writes ``benchmark_lm.json`` under ``--out`` (default ``out/benchmark_lm``;
+``out/benchmark_lm_quick`` with ``--quick``).
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ def _setup(config: train_lm.Config, devices, accum_steps: int, data):
 
 def time_steps(config: train_lm.Config, devices, accum_steps: int, steps: int, data) -> dict:
   """Median seconds per step and real tokens per step, over ``steps`` steps after one warm-up step."""
+  print(f"[{len(devices)} device(s), accum_steps {accum_steps}] compiling and timing {steps} steps", file=sys.stderr,
+        flush=True)
   step, state, pipeline = _setup(config, devices, accum_steps, data)
   rng = jax.random.key(config.seed)
   batches = [pipeline.batch_at(i) for i in range(steps + 1)]  # loaded up front: time the step, not the host
@@ -78,9 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
   p.add_argument("--batch-size", type=int, default=32, help="global batch of the throughput table")
   p.add_argument("--accum-batch-size", type=int, default=128, help="global batch of the accumulation table")
-  p.add_argument("--out", default="out/benchmark_lm.json")
+  common.add_output_args(p, "out/benchmark_lm", quick="out/benchmark_lm_quick")
   p.add_argument("--quick", action="store_true", help="devices 1,2; accum 1,2; 3 steps")
   args = p.parse_args(argv)
+  common.check_publish(p, args)
   if args.quick:
     args.devices, args.accum, args.steps, args.accum_devices, args.accum_batch_size = "1,2", "1,2", 3, 2, 32
   return args
@@ -111,8 +120,9 @@ def main(argv=None) -> dict:
   print(f"\ngoal: all-reduce count flat in K: {'yes' if flat else 'NO'}; time per token within 10% of K=1: "
         f"{'yes' if within else 'NO'}")
   result = {"throughput": throughput, "accumulation": accum, "goals": {"flat_all_reduce": flat, "within_10pct": within}}
-  common.write_json(args.out, result)
-  print(f"wrote {args.out}")
+  path = common.write_json(os.path.join(args.out, "benchmark_lm.json"), result)
+  print(f"wrote {path}")
+  common.publish(args, {"benchmark_lm.json": "data/benchmark_lm.json"})
   return result
 
 

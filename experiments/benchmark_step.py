@@ -22,6 +22,12 @@ already set; writes JSON under ``out/``):
 
   .venv/bin/python experiments/benchmark_step.py              # 1,2,4,8 devices, 20 steps
   .venv/bin/python experiments/benchmark_step.py --quick      # smoke run
+  .venv/bin/python experiments/benchmark_step.py --publish    # full run, and copy benchmark_step.json to docs/data/
+
+Writes ``benchmark_step.json`` under ``--out`` (default ``out/benchmark_step``;
+``out/benchmark_step_quick`` with ``--quick``).
+
+--quick: about TIME? s on an idle 2-core CPU machine.
   .venv/bin/python experiments/benchmark_step.py --devices 2,8 --steps 50 --out out/b.json
 """
 
@@ -216,9 +222,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--warmup", type=int, help=f"untimed steps per method, the first compiles (default {FULL['warmup']})")
   parser.add_argument("--batch", type=int, help=f"global batch size (default {FULL['batch']})")
   parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
-  parser.add_argument("--out", default="out/benchmark_step.json", help="JSON output path")
+  common.add_output_args(parser, "out/benchmark_step", quick="out/benchmark_step_quick")
   parser.add_argument("--quick", action="store_true", help=f"smoke run; defaults become {QUICK}")
-  args = common.fill_defaults(parser.parse_args(argv), FULL, QUICK)
+  args = parser.parse_args(argv)
+  common.check_publish(parser, args)
+  args = common.fill_defaults(args, FULL, QUICK)
   args.device_counts = common.device_counts(args.devices)
   return args
 
@@ -254,8 +262,9 @@ def main(argv=None) -> dict:
       "rows": rows,
       "goals": goals,
   }
-  common.write_json(args.out, result)
-  print(f"wrote {args.out}", file=sys.stderr)
+  path = common.write_json(os.path.join(args.out, "benchmark_step.json"), result)
+  print(f"wrote {path}", file=sys.stderr)
+  common.publish(args, {"benchmark_step.json": "data/benchmark_step.json"})
   return result
 
 

@@ -49,6 +49,9 @@ Run from the repository root (about 40 s with one process, 60 s with 2 or 4)::
   .venv/bin/python experiments/checkpoint_memory.py
   .venv/bin/python experiments/checkpoint_memory.py --processes 2
   .venv/bin/python experiments/checkpoint_memory.py --width 1024
+  .venv/bin/python experiments/checkpoint_memory.py --quick    # width 512 (4 MiB of params)
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -200,6 +203,7 @@ def measure(width: int = 2048, layers: int = 4, processes: int = 1) -> list[dict
 
 def _run_children(operation: str, directory: str, args, env) -> dict:
   """``operation`` in fresh processes (one, or a ``jax.distributed`` job of ``--processes``); the worst process."""
+  print(f"[checkpoint {operation}] {args.processes} fresh process(es)", file=sys.stderr, flush=True)
   if operation.startswith("save"):
     shutil.rmtree(os.path.join(directory, "ckpt"), ignore_errors=True)
   command = [sys.executable, os.path.abspath(__file__), "--child", operation, "--dir", directory,
@@ -227,7 +231,8 @@ def _run_children(operation: str, directory: str, args, env) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--width", type=int, default=2048)
+  parser.add_argument("--quick", action="store_true", help="smoke run: --width 512 unless given")
+  parser.add_argument("--width", type=int, default=None, help="width of each square layer (default 2048; 512 with --quick)")
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--processes", type=int, default=1, choices=(1, 2, 4, 8),
                       help="a jax.distributed job of this many processes on localhost, 8/P devices each")
@@ -236,6 +241,7 @@ def main() -> None:
   parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--job", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
+  args.width = args.width or (512 if args.quick else 2048)
   if args.child is not None:
     job = None
     if args.job:

@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import time
 from typing import Any, Callable
 
@@ -195,6 +196,56 @@ def machine() -> dict:
       "jax": jax.__version__,
       "optax": optax.__version__,
   }
+
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+"""Where ``--publish`` copies an experiment's committed outputs: reports and figures here, data in ``data/``."""
+
+
+def add_output_args(parser: argparse.ArgumentParser, out: str, quick: str | None = None) -> None:
+  """Adds ``--out DIR`` and ``--publish``, the same two options in every experiment.
+
+  With ``quick``, ``--out`` defaults to ``None`` and :func:`check_publish`
+  fills it in (``quick`` under ``--quick``, so a smoke run keeps the full
+  run's outputs).
+  """
+  default = f"{out}; {quick} with --quick" if quick else out
+  parser.add_argument("--out", default=None if quick else out, help=f"folder for every output (default {default})")
+  parser.add_argument("--publish", action="store_true",
+                      help=f"also copy the committed outputs into {DOCS.name}/ and {DOCS.name}/data/, "
+                           "overwriting the tracked files there (not with --quick)")
+  parser.set_defaults(_out_defaults=(out, quick or out))
+
+
+def check_publish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Fills in ``--out``'s default; refuses ``--publish --quick`` before anything runs.
+
+  (A smoke run's numbers must not replace the committed ones.)
+  """
+  quick = bool(getattr(args, "quick", False))
+  if args.publish and quick:
+    parser.error("--publish writes the committed files under docs/: run without --quick.")
+  defaults = vars(args).pop("_out_defaults")
+  if args.out is None:
+    args.out = defaults[quick]
+
+
+def publish(args: argparse.Namespace, files: dict[str, str]) -> list[pathlib.Path]:
+  """Under ``--publish``, copies ``{file under args.out: path under docs/}``; returns the paths written.
+
+  The experiment always writes into ``--out`` first, so what is published is
+  byte for byte what the run left there.
+  """
+  if not args.publish:
+    return []
+  written = []
+  for name, target in files.items():
+    dest = DOCS / target
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(pathlib.Path(args.out) / name, dest)
+    written.append(dest)
+  print("published " + ", ".join(str(p.relative_to(DOCS.parent)) for p in written), flush=True)
+  return written
 
 
 def write_json(path, obj) -> pathlib.Path:

@@ -52,10 +52,14 @@ Goals, printed PASS/FAIL (``--check``: exit 1 on a FAIL):
     stacked gradient's bytes per device (stacked parameter bytes / N).
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself unless
-already set; writes ``fsdp_memory.json`` and ``fsdp_memory.png`` under --out):
+already set; writes ``fsdp_memory.json`` and ``fsdp_memory.png`` under --out,
+default ``out/fsdp``; ``--publish`` also copies them to ``docs/fsdp_memory.png``
+and ``docs/data/fsdp_memory.json``):
 
   .venv/bin/python experiments/fsdp_memory.py
-  .venv/bin/python experiments/fsdp_memory.py --quick --out out/fsdp --check
+  .venv/bin/python experiments/fsdp_memory.py --quick --check
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -326,7 +330,7 @@ def markdown(rows) -> str:
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="out/fsdp", help="output folder for fsdp_memory.json and fsdp_memory.png")
+  common.add_output_args(parser, "out/fsdp", quick="out/fsdp_quick")
   parser.add_argument("--quick", action="store_true",
                       help=f"small width, short sequences ({QUICK}): per-layer activations small next to a layer")
   parser.add_argument("--layers", help=f"comma-separated layer counts (default {','.join(map(str, LAYERS))})")
@@ -338,6 +342,7 @@ def parse_args(argv=None):
   parser.add_argument("--devices", type=int, default=N_DEVICES, help=f"data-parallel devices N (default {N_DEVICES})")
   parser.add_argument("--check", action="store_true", help="exit with status 1 if a goal fails")
   args = parser.parse_args(argv)
+  common.check_publish(parser, args)
   common.fill_defaults(args, FULL, QUICK)
   args.layers = sorted({int(x) for x in (args.layers or ",".join(map(str, LAYERS))).split(",")})
   if len(args.layers) < 2:
@@ -385,6 +390,7 @@ def main(argv=None) -> dict:
          "machine": common.machine(), "seconds": seconds}
   common.write_json(os.path.join(args.out, "fsdp_memory.json"), out)
   print(f"wrote {args.out}/fsdp_memory.json and {args.out}/fsdp_memory.png in {seconds:.0f} s")
+  common.publish(args, {"fsdp_memory.png": "fsdp_memory.png", "fsdp_memory.json": "data/fsdp_memory.json"})
   if args.check and not all(g["pass"] for g in goals.values()):
     raise SystemExit(1)
   return out

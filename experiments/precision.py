@@ -5,10 +5,14 @@ Three runs of ``experiments/train_lm.py`` from one init on one data order
 throughout; bfloat16 forward/backward with float32 master params and a
 float32 all-reduce; bfloat16 forward/backward *and* a bfloat16 all-reduce of
 the gradient (half the bytes). The loss, weights and the weighted-mean
-division stay float32 in every run. Writes ``OUT/precision.json`` and
-``docs/precision.png``-style curves to ``OUT/precision.png``.
+division stay float32 in every run. Writes ``precision.json`` and
+``precision.png`` under ``--out`` (default ``out/precision``); ``--publish``
+also copies them to ``docs/precision.png`` and ``docs/data/precision.json``.
 
   python experiments/precision.py [--steps 150] [--out out/precision]
+  python experiments/precision.py --quick   # 20 steps on a 200 kB corpus
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ if __name__ == "__main__":  # before JAX initialises its backend
 
 import numpy as np  # noqa: E402
 
-from experiments import train_lm  # noqa: E402
+from experiments import common, train_lm  # noqa: E402
+
+FULL = {"steps": 150, "max_bytes": 1_000_000}
+QUICK = {"steps": 20, "max_bytes": 200_000}
 
 RUNS = (
     ("float32", "float32", "float32"),
@@ -76,11 +83,16 @@ def plot(runs: dict, path) -> None:
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--steps", type=int, default=150)
+  p.add_argument("--quick", action="store_true", help=f"smoke run; defaults become {QUICK}")
+  p.add_argument("--steps", type=int, help=f"training steps per run (default {FULL['steps']})")
+  p.add_argument("--max-bytes", type=int, help=f"corpus budget in bytes (default {FULL['max_bytes']})")
   p.add_argument("--devices", type=int, default=4)
-  p.add_argument("--out", default="out/precision")
+  p.add_argument("--no-progress", dest="progress", action="store_false")
+  common.add_output_args(p, "out/precision", quick="out/precision_quick")
   args = p.parse_args(argv)
-  config = train_lm.Config(devices=args.devices, steps=args.steps, progress=False)
+  common.check_publish(p, args)
+  common.fill_defaults(args, FULL, QUICK)
+  config = train_lm.Config(devices=args.devices, steps=args.steps, max_bytes=args.max_bytes, progress=args.progress)
   runs = compare(config)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -89,6 +101,7 @@ def main(argv=None) -> dict:
   for name, run in runs.items():
     print(f"{name:>32}: final train loss {run['loss'][-1]:.4f}, val loss {run['val_loss']:.4f}, "
           f"max |Δ loss| vs float32 {run['max_abs_loss_diff_vs_float32']:.2e}, {run['tokens_per_s']:.0f} tokens/s")
+  common.publish(args, {"precision.png": "precision.png", "precision.json": "data/precision.json"})
   return runs
 
 

@@ -51,19 +51,22 @@
    split parameter counted in the stack) and the paper's layer-by-layer
    stage 3 (one gathered layer, not counted).
 
-4. Writes ``scaling.png`` and ``scaling.md`` under ``--docs`` (default
-   ``docs/``) and ``scaling.json`` under ``--out`` (default ``docs/data/``,
-   committed with the docs it produced); ``--quick`` writes all three under
-   ``out/scaling_quick``. Prints a summary, with the largest-model table.
-   ``--model-only`` measures nothing: it reads section 1's measurements
-   from the ``scaling.json`` already under ``--out``, recomputes sections
-   2-3 (pure arithmetic) and rewrites the three files (a second or two).
+4. Writes ``scaling.png``, ``scaling.md`` and ``scaling.json`` under
+   ``--out`` (default ``out/scaling``; ``out/scaling_quick`` with
+   ``--quick``); ``--publish`` also copies them to ``docs/scaling.png``,
+   ``docs/scaling.md`` and ``docs/data/scaling.json``. Prints a summary,
+   with the largest-model table. ``--model-only`` measures nothing: it reads
+   section 1's measurements from the ``scaling.json`` under ``--out`` (or,
+   when there is none, the published ``docs/data/scaling.json``), recomputes
+   sections 2-3 (pure arithmetic) and rewrites the three files (a second or two).
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
 
   .venv/bin/python experiments/scaling.py            # 40-90 s on 2 shared cores
-  .venv/bin/python experiments/scaling.py --quick    # devices 1, 2, 8; fewer steps; under a minute
-  .venv/bin/python experiments/scaling.py --model-only  # sections 2-3 again, measurements from docs/data
+  .venv/bin/python experiments/scaling.py --quick    # devices 1, 2, 8; fewer steps
+  .venv/bin/python experiments/scaling.py --model-only  # sections 2-3 again from the last run's measurements
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -779,15 +782,11 @@ def parse_args(argv=None):
   parser.add_argument("--model-only", action="store_true",
                       help="measure nothing: reuse section 1 from the scaling.json under --out and recompute the "
                            "model's predictions and tables (sections 2-3), rewriting the three files")
-  parser.add_argument("--docs",
-                      help="folder for scaling.png and scaling.md (default docs; out/scaling_quick with --quick)")
-  parser.add_argument("--out", help="folder for scaling.json (default docs/data, committed with the docs it "
-                                    "produced; out/scaling_quick with --quick)")
+  common.add_output_args(parser, "out/scaling", quick="out/scaling_quick")
   args = parser.parse_args(argv)
+  common.check_publish(parser, args)
   args.devices = [d for d in ((1, 2, 8) if args.quick else (1, 2, 4, 8)) if d <= jax.device_count()]
   args.rounds = args.rounds or (4 if args.quick else 60)
-  args.docs = args.docs or ("out/scaling_quick" if args.quick else "docs")
-  args.out = args.out or ("out/scaling_quick" if args.quick else os.path.join("docs", "data"))
   if args.model_only and args.quick:
     parser.error("--model-only reuses a run's measurements; --quick sets how to measure: pass one of them.")
   if max(args.devices) < 8 and not args.model_only:
@@ -802,11 +801,15 @@ def _topology_dict(topology):
 
 def calibrate(args):
   start, load = time.perf_counter(), [os.getloadavg()[0]]
+  print(f"[1/3] timing steps on devices {args.devices}, {args.rounds} rounds", flush=True)
   timed, comm, counted = measure_steps(args.devices, args.rounds)
   load.append(os.getloadavg()[0])
+  if not args.quick:
+    print("[2/3] counting the collectives of stages 1-3", flush=True)
   stage_counts = {} if args.quick else count_stages(max(args.devices))
   grad_bytes = param_count() * 4
   sizes = (MICRO_BYTES[::2] if args.quick else MICRO_BYTES) + (grad_bytes,)
+  print(f"[3/3] timing psum of {len(sizes)} sizes", flush=True)
   samples = measure_allreduce(args.devices, sizes, reps=3 if args.quick else 10)
   fits = {shared: fit_link(samples, shared) for shared in (False, True)}
   shared = fits[True][1] <= fits[False][1]
@@ -859,10 +862,13 @@ MEASURED = ("rounds", "load", "timed", "allreduce", "fit", "cpu_model", "check",
 
 
 def reuse_measurements(args):
-  """Section 1 of the run under ``--out`` (its measurements, duration and command), for ``--model-only``."""
+  """Section 1 (measurements, duration, command) of the run under ``--out``, else the published one, for ``--model-only``."""
   path = os.path.join(args.out, "scaling.json")
   if not os.path.exists(path):
-    raise SystemExit(f"--model-only reuses {path}, which does not exist: run without --model-only first.")
+    path = os.path.join(common.DOCS, "data", "scaling.json")
+  if not os.path.exists(path):
+    raise SystemExit(f"--model-only reuses {args.out}/scaling.json, which does not exist: run without --model-only "
+                     "first.")
   with open(path) as f:
     saved = json.load(f)
   return {key: saved[key] for key in MEASURED}
@@ -881,14 +887,14 @@ def main(argv=None) -> dict:
   out |= {"predictions": predict(options), "comm_bound": comm_bound(options), "largest": largest_models(),
           "zero": zero_table(), "ddp": ddp_comparison()}
   out |= run if args.model_only else {"seconds": time.perf_counter() - start, "argv": argv}
-  os.makedirs(args.docs, exist_ok=True)
-  plot(out, os.path.join(args.docs, "scaling.png"))
-  with open(os.path.join(args.docs, "scaling.md"), "w") as f:
+  os.makedirs(args.out, exist_ok=True)
+  plot(out, os.path.join(args.out, "scaling.png"))
+  with open(os.path.join(args.out, "scaling.md"), "w") as f:
     f.write(markdown(out))
   common.write_json(os.path.join(args.out, "scaling.json"), out)
   print(summary(out))
-  print(f"wrote {args.docs}/scaling.png, {args.docs}/scaling.md, {args.out}/scaling.json "
-        f"in {time.perf_counter() - start:.0f} s")
+  print(f"wrote {args.out}/scaling.png, scaling.md and scaling.json in {time.perf_counter() - start:.0f} s")
+  common.publish(args, {"scaling.png": "scaling.png", "scaling.md": "scaling.md", "scaling.json": "data/scaling.json"})
   return out
 
 

@@ -4,6 +4,9 @@ w = 1, loss = ½(w − y)², SGD with lr 0.1, three replicas with targets 0, 2, 
 Every number printed is computed by jaxdp; nothing is typed in.
 
   python experiments/seed_example.py
+
+--quick: about TIME? s on an idle 2-core CPU machine (the same run: it is
+already a few seconds; the flag exists so that every experiment takes it).
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ def report(out: dict, backends=jaxdp.BACKENDS) -> str:
 def main(argv: list[str] | None = None) -> None:
   import argparse
 
-  argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options; --help says so
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="accepted for uniformity: the run is already seconds long")
+  parser.parse_args(argv)
   print(report(run()))
 
 

@@ -24,6 +24,12 @@ one run. Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
 
   .venv/bin/python experiments/step_cost.py                 # MLP and LM, 2 and 8 devices, 40 steps
   .venv/bin/python experiments/step_cost.py --quick         # smoke run
+  .venv/bin/python experiments/step_cost.py --publish    # full run, and copy step_cost.json to docs/data/
+
+Writes ``step_cost.json`` under ``--out`` (default ``out/step_cost``;
+``out/step_cost_quick`` with ``--quick``).
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ def hand_case(w: benchmark.Workload, mesh, replica) -> benchmark.Case:
 
 def measure(w: benchmark.Workload, n: int, steps: int, warmup: int) -> dict:
   """Every variant on ``n`` devices, interleaved; median times and ratios to ``bare``."""
+  print(f"[{w.short}, {n} device(s)] compiling and timing {warmup} + {steps} rounds", flush=True)
   devices = jax.devices()[:n]
   mesh = jaxdp.data_mesh(devices)
   auto = benchmark.auto_mesh(devices)
@@ -129,8 +136,10 @@ def main(argv=None) -> dict:
   p.add_argument("--models", help=f"workloads: mlp, lm or both (default {FULL['models']})")
   p.add_argument("--steps", type=int, help=f"timed rounds (default {FULL['steps']})")
   p.add_argument("--warmup", type=int, help=f"untimed rounds, the first compiles (default {FULL['warmup']})")
-  p.add_argument("--out", default="out/step_cost.json", help="where to write the JSON results")
-  args = common.fill_defaults(p.parse_args(argv), FULL, QUICK)
+  common.add_output_args(p, "out/step_cost", quick="out/step_cost_quick")
+  args = p.parse_args(argv)
+  common.check_publish(p, args)
+  args = common.fill_defaults(args, FULL, QUICK)
   start = time.perf_counter()
   workloads = {"mlp": benchmark.mlp_workload, "lm": benchmark.lm_workload}
   results = {"machine": common.machine(), "args": vars(args), "models": {}}
@@ -139,8 +148,9 @@ def main(argv=None) -> dict:
     rows = [measure(w, n, args.steps, args.warmup) for n in common.device_counts(args.devices)]
     results["models"][name] = {"title": w.title, "rows": rows}
     print(table(w.title, rows) + "\n", flush=True)
-  common.write_json(args.out, results)
-  print(f"wrote {args.out}; total {time.perf_counter() - start:.0f} s")
+  path = common.write_json(os.path.join(args.out, "step_cost.json"), results)
+  print(f"wrote {path}; total {time.perf_counter() - start:.0f} s")
+  common.publish(args, {"step_cost.json": "data/step_cost.json"})
   return results
 
 

@@ -25,6 +25,12 @@ Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself)::
   .venv/bin/python experiments/step_profile.py                      # MLP, 8 devices
   .venv/bin/python experiments/step_profile.py --model lm --devices 2
   .venv/bin/python experiments/step_profile.py --quick              # smoke run
+  .venv/bin/python experiments/step_profile.py --publish    # full run, and copy step_profile.json to docs/data/
+
+Writes ``step_profile.json`` under ``--out`` (default ``out/step_profile``;
+``out/step_profile_quick`` with ``--quick``).
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -121,6 +127,7 @@ def measure(model: str, n: int, steps: int, warmup: int) -> dict:
   devices = jax.devices()[:n]
   mesh = benchmark.auto_mesh(devices)
   cases = {"jaxdp": benchmark.jaxdp_case(w, devices), "bare": benchmark.plain_case(w, mesh, benchmark.bare_step(w, mesh))}
+  print(f"[{w.short}, {n} device(s)] compiling, then profiling {steps} steps", flush=True)
   common.time_interleaved(cases, 0, warmup)  # compile and warm up
   compiled = {name: cases[name].lower(cases[name].state).compile() for name in METHODS}
   summary = {name: compiled_summary(compiled[name]) for name in METHODS}
@@ -159,13 +166,16 @@ def main(argv=None) -> dict:
   p.add_argument("--model", choices=("mlp", "lm"), help=f"workload (default {FULL['model']})")
   p.add_argument("--steps", type=int, help=f"profiled steps (default {FULL['steps']})")
   p.add_argument("--warmup", type=int, help=f"untimed steps, the first compiles (default {FULL['warmup']})")
-  p.add_argument("--out", default="out/step_profile.json", help="where to write the JSON results")
-  args = common.fill_defaults(p.parse_args(argv), FULL, QUICK)
+  common.add_output_args(p, "out/step_profile", quick="out/step_profile_quick")
+  args = p.parse_args(argv)
+  common.check_publish(p, args)
+  args = common.fill_defaults(args, FULL, QUICK)
   result = {"machine": common.machine(), "args": vars(args),
             **measure(args.model, args.devices, args.steps, args.warmup)}
   print(markdown(result), flush=True)
-  common.write_json(args.out, result)
-  print(f"wrote {args.out}")
+  path = common.write_json(os.path.join(args.out, "step_profile.json"), result)
+  print(f"wrote {path}")
+  common.publish(args, {"step_profile.json": "data/step_profile.json"})
   return result
 
 

@@ -12,6 +12,10 @@ statistics.
   python experiments/train_cnn.py --bn local            # per-device BatchNorm (DDP without SyncBatchNorm)
   python experiments/train_cnn.py --compare             # 1 device vs N sync vs N local, dropout off
   python experiments/train_cnn.py --compare --dropout 0.5   # the same with dropout: masks follow example ids
+  python experiments/train_cnn.py --quick               # 30 steps
+  python experiments/train_cnn.py --compare --publish   # also copy loss_curves.png to docs/cnn_loss_curves.png
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 
 Dropout is layout-invariant: the step is built with ``example_ids="id"``
 (each batch carries the examples' indices in the training set) and the CNN
@@ -22,7 +26,8 @@ device or N, whatever the split (see ``jaxdp.randomness``).
 global batch; N devices with sync BatchNorm; N devices with local BatchNorm;
 and, as the yardstick of float32 round-off, one device with the rows of every
 batch reversed or shuffled (the same mathematics, other summation orders). It
-writes ``OUT/compare.json`` and ``OUT/loss_curves.png``.
+writes ``compare.json`` and ``loss_curves.png`` under ``--out`` (default
+``out/cnn``; ``out/cnn_quick`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import sys
 import time
 
 DEFAULT_CPU_DEVICES = 4
+STEPS, QUICK_STEPS = 300, 30
 
 
 def _positive(text: str) -> int:
@@ -49,23 +55,30 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--devices", type=int, default=None, help=f"data-parallel devices (CPU: simulated, default {DEFAULT_CPU_DEVICES}; else all)")
   p.add_argument("--bn", default="sync", choices=("sync", "local"), help="BatchNorm statistics over all devices or per device")
-  p.add_argument("--steps", type=_positive, default=300)
+  p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK_STEPS} steps unless --steps")
+  p.add_argument("--steps", type=_positive, default=None, help=f"training steps ({STEPS}; {QUICK_STEPS} with --quick)")
   p.add_argument("--batch-size", type=int, default=64, help="global batch (the training set of 1,437 does not divide by it)")
   p.add_argument("--lr", type=float, default=0.05)
   p.add_argument("--momentum", type=float, default=0.9)
   p.add_argument("--dropout", type=float, default=None, help="dropout rate (default 0.1; 0 under --compare)")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="out/cnn", help="where --compare writes compare.json and loss_curves.png")
+  from experiments import common  # here, not above: the parser runs before JAX is imported, to set the device count
+
+  common.add_output_args(p, "out/cnn", quick="out/cnn_quick")
   p.add_argument("--compare", action="store_true", help="1 device vs N devices (sync BN) vs N devices (local BN)")
   p.add_argument("--no-progress", dest="progress", action="store_false")
   return p
 
 
 if __name__ == "__main__":  # must happen before JAX initialises its backend
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("", "cpu"):
     devices = _parser().parse_known_args(sys.argv[1:])[0].devices
     os.environ["JAX_NUM_CPU_DEVICES"] = str(devices or DEFAULT_CPU_DEVICES)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # The parser imported JAX (experiments.common), which read the environment then: set its flag too.
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", devices or DEFAULT_CPU_DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -75,6 +88,7 @@ import tqdm  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxdp  # noqa: E402
+from experiments import common  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +97,7 @@ class Config:
 
   devices: int | None = None
   bn: str = "sync"
-  steps: int = 300
+  steps: int = STEPS
   batch_size: int = 64
   lr: float = 0.05
   momentum: float = 0.9
@@ -293,7 +307,13 @@ def plot_curves(loss: dict, result: dict, path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-  config = Config(**vars(_parser().parse_args(argv)))
+  parser = _parser()
+  args = parser.parse_args(argv)
+  common.check_publish(parser, args)
+  if args.publish and not args.compare:
+    parser.error("--publish copies --compare's loss_curves.png: add --compare.")
+  args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+  config = Config(**{k: v for k, v in vars(args).items() if k not in ("quick", "publish")})
   start = time.perf_counter()
   if config.compare:
     result = compare(config)
@@ -305,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"eval loss {r['eval_loss']:.4f}, max |Δ train loss| vs single {r['max_abs_loss_diff_vs_single']:.2e} "
             f"({r['max_abs_loss_diff_vs_single_while_stable']:.2e} while stable, "
             f"{r['max_abs_loss_diff_vs_single_first_10']:.2e} in the first 10 steps)")
+    common.publish(args, {"loss_curves.png": "cnn_loss_curves.png"})
   else:
     result = train(config)
     print(f"{result['devices']} device(s), {result['bn']} BatchNorm: final train loss {result['records'][-1]['loss']:.4f}, "

@@ -11,6 +11,10 @@ with the same weighted mean.
 
   python experiments/train_lm.py                    # N devices, --reduction mean
   python experiments/train_lm.py --compare          # 1 device vs N "mean" vs N "rank_mean"
+  python experiments/train_lm.py --quick            # 20 steps on a 200 kB corpus
+  python experiments/train_lm.py --compare --publish   # also copy loss_curves.png to docs/loss_curves.png
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 
 On CPU, ``--devices N`` simulates N devices (default 4); on GPU/TPU every
 visible device is used unless ``--devices`` says fewer.
@@ -33,7 +37,7 @@ step then gathers one layer at a time inside the loop (``layers="blocks"``,
 jaxdp's layer-wise stage 3; the ``rank_mean`` run of ``--compare`` keeps the
 whole gather, which that reduction needs).
 
-Outputs (``--out``, default ``out/lm``): ``metrics.jsonl`` (one line per step:
+Outputs (``--out``, default ``out/lm``; ``out/lm_quick`` with ``--quick``): ``metrics.jsonl`` (one line per step:
 step, loss, tokens, grad_norm, time) and ``summary.json``; with ``--compare``
 one sub-folder per run, ``compare.json`` and ``loss_curves.png``. With
 ``--ckpt-dir DIR`` the run checkpoints every ``--ckpt-every`` steps and, started
@@ -55,6 +59,8 @@ import sys
 import time
 
 DEFAULT_CPU_DEVICES = 4
+FULL = {"steps": 150, "max_bytes": 1_000_000}
+QUICK = {"steps": 20, "max_bytes": 200_000}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="forward/backward dtype (params stay float32)")
   p.add_argument("--grad-reduce-dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the gradient all-reduce")
   p.add_argument("--bucket-bytes", type=int, default=None, help="reduce the gradient in buckets of this size (default: one all-reduce)")
-  p.add_argument("--steps", type=int, default=150)
+  p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given")
+  p.add_argument("--steps", type=int, default=None, help=f"training steps ({FULL['steps']}; {QUICK['steps']} with --quick)")
   p.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
   p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (the last chunk of a document is shorter)")
   p.add_argument("--lr", type=float, default=3e-3)
@@ -81,9 +88,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--d-ff", type=int, default=256)
   p.add_argument("--dropout", type=float, default=0.1, help="set to 0 under --compare")
   p.add_argument("--corpus", default=None, help="text file or directory (default: the Python standard library's *.py)")
-  p.add_argument("--max-bytes", type=int, default=1_000_000, help="corpus budget in bytes (0: no limit)")
+  p.add_argument("--max-bytes", type=int, default=None,
+                 help=f"corpus budget in bytes, 0: no limit ({FULL['max_bytes']:,}; {QUICK['max_bytes']:,} with --quick)")
   p.add_argument("--val-every", type=int, default=10, help="hold out every k-th document for validation")
-  p.add_argument("--out", default="out/lm")
+  from experiments import common  # here, not above: the parser runs before JAX is imported, to set the device count
+
+  common.add_output_args(p, "out/lm", quick="out/lm_quick")
   p.add_argument("--compare", action="store_true", help="1 device vs N devices with mean vs N with rank_mean")
   p.add_argument("--ckpt-dir", default=None, help="checkpoint here every --ckpt-every steps and resume from the latest")
   p.add_argument("--ckpt-every", type=int, default=50)
@@ -127,11 +137,15 @@ def _simulate_cpu_devices(argv: list[str]) -> None:
     os.environ["JAX_NUM_CPU_DEVICES"] = str(devices)
   else:
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(DEFAULT_CPU_DEVICES))
+  # The parser imported JAX (experiments.common), which read the environment then: set its flag too.
+  import jax
+
+  jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
 
 if __name__ == "__main__":  # must happen before JAX initialises its backend
-  _simulate_cpu_devices(sys.argv[1:])
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  _simulate_cpu_devices(sys.argv[1:])
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -140,6 +154,7 @@ import optax  # noqa: E402
 import tqdm  # noqa: E402
 
 import jaxdp  # noqa: E402
+from experiments import common  # noqa: E402
 from experiments.lm import corpus  # noqa: E402
 from experiments.lm import model as lm  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
@@ -503,9 +518,19 @@ def plot_curves(runs: dict, result: dict, path) -> None:
   plt.close(fig)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line with ``--quick``'s defaults filled in; ``--publish`` needs ``--compare``."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  common.check_publish(parser, args)
+  if args.publish and not args.compare:
+    parser.error("--publish copies --compare's loss_curves.png: add --compare.")
+  return common.fill_defaults(args, FULL, QUICK)
+
+
 def config_from_args(argv: list[str] | None = None) -> Config:
-  args = vars(_parser().parse_args(argv))
-  return Config(**args)
+  args = vars(parse_args(argv))
+  return Config(**{k: v for k, v in args.items() if k not in ("quick", "publish")})
 
 
 def _report_train(summary: dict) -> str:
@@ -539,6 +564,7 @@ def _report_compare(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+  args = parse_args(argv)
   config = config_from_args(argv)
   # Under `python -m jaxdp.launch` (or SLURM, Open MPI, a TPU slice) this joins the job; alone it does nothing.
   info = jaxdp.distributed.initialize()
@@ -550,6 +576,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, _ in RUNS:
       print(f"[{name}] " + _report_train(result["runs"][name]["summary"]))
     print(_report_compare(result))
+    if config.out is not None:  # process 0
+      common.publish(args, {"loss_curves.png": "loss_curves.png"})
   else:
     result = train(config, out=config.out)
     print(_report_train(result["summary"]))

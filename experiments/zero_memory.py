@@ -51,11 +51,14 @@ holds <= 1/7 of stage 0's model state; stage 2 sends stage 0's bytes within
 5%; stage 3 sends <= 1.6x stage 0's.
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself unless
-already set; writes ``zero_memory.json`` and ``zero_memory.png`` under --out):
+already set; writes ``zero_memory.json`` and ``zero_memory.png`` under --out,
+default ``out/zero``; ``--publish`` also copies both to ``docs/``):
 
   .venv/bin/python experiments/zero_memory.py
   .venv/bin/python experiments/zero_memory.py --quick
   .venv/bin/python experiments/zero_memory.py --devices 2,8 --budget-mb 32 --out out/zero
+
+--quick: about TIME? s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -412,7 +415,7 @@ def checkpoint_markdown(checkpoints) -> str:
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", help="comma-separated device counts (default 1,2,4,8; 2,8 with --quick)")
-  parser.add_argument("--out", default="out/zero", help="output folder for zero_memory.json and zero_memory.png")
+  common.add_output_args(parser, "out/zero", quick="out/zero_quick")
   parser.add_argument("--budget-mb", type=float, default=64, help="per-device model-state budget in MiB (default 64)")
   parser.add_argument("--steps", type=int, default=10, help="timed steps per stage (median reported)")
   parser.add_argument("--quick", action="store_true", help=f"smoke run: MLP {QUICK_LAYERS}, devices 2,8, 3 timed steps, budget/8")
@@ -420,6 +423,7 @@ def parse_args(argv=None):
                       help="process counts for the checkpoint host-memory table (experiments/checkpoint_memory.py; "
                            "default 1,2; none with --quick; '' to skip)")
   args = parser.parse_args(argv)
+  common.check_publish(parser, args)
   if args.checkpoint_processes is None:
     args.checkpoint_processes = "" if args.quick else "1,2"
   args.checkpoint_processes = [int(p) for p in args.checkpoint_processes.split(",") if p]
@@ -452,6 +456,7 @@ def main(argv=None) -> dict:
           flush=True,
       )
   n_max = max(args.devices)
+  print(f"timing {args.steps} steps per stage on N={n_max}", flush=True)
   times = {stage: time_steps(*compiled[stage, n_max], args.steps) for stage in jaxdp.ZERO_STAGES}
   compiled.clear()
   for stage, t in times.items():
@@ -493,6 +498,7 @@ def main(argv=None) -> dict:
          "passed": passed, "checkpoints": checkpoints, "markdown": table, "seconds": seconds}
   common.write_json(os.path.join(args.out, "zero_memory.json"), out)
   print(f"wrote {args.out}/zero_memory.json and {args.out}/zero_memory.png in {seconds:.0f} s")
+  common.publish(args, {"zero_memory.json": "zero_memory.json", "zero_memory.png": "zero_memory.png"})
   return out
 
 

@@ -77,7 +77,8 @@ def test_step_profile_reads_the_compiled_steps_and_their_trace(tmp_path):
   """
   from experiments import step_profile
 
-  result = step_profile.main(["--quick", "--out", str(tmp_path / "profile.json")])
+  result = step_profile.main(["--quick", "--out", str(tmp_path)])
+  assert (tmp_path / "step_profile.json").is_file()
   compiled, profile = result["compiled"], result["profile_ms"]
   assert compiled["jaxdp"]["flops"] > 0 and compiled["bare"]["flops"] > 0
   assert compiled["jaxdp"]["instructions"]["conditional"] == 1 and "conditional" not in compiled["bare"]["instructions"]
