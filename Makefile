@@ -33,7 +33,7 @@ test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q $(FAST_TESTS)
 
 docs: $(VENV)/.docs-installed
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Writes under out/ only; add PUBLISH=--publish to refresh the committed files in docs/.
 bench: $(VENV)/.installed

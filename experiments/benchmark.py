@@ -56,8 +56,10 @@ and PyTorch on the concatenated batch in one process against jaxdp
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself; writes
 ``results.json``, ``benchmarks.md`` and the plots under ``--out``;
-``--publish`` also copies them to ``docs/benchmarks.md``,
-``docs/benchmark_*.png`` and ``docs/data/benchmark/results.json``):
+``--publish`` also copies them to ``docs/data/benchmark/report.md``,
+``docs/benchmark_*.png`` and ``docs/data/benchmark/results.json``; the
+hand-written guide ``docs/benchmarks.md`` quotes that data and is not
+rewritten):
 
   .venv/bin/python experiments/benchmark.py            # full: 1,2,4,8 devices, 30 steps
   .venv/bin/python experiments/benchmark.py --quick    # smoke: 2 devices, 5 steps, numerics on 2 ranks
@@ -831,7 +833,7 @@ How the comparison is kept fair:
 
 
 def markdown(result: dict) -> str:
-  """docs/benchmarks.md, written from ``result``."""
+  """The run's report (``benchmarks.md`` under ``--out``), written from ``result``."""
   m, cfg = result["machine"], result["config"]
   parts = [
       "# Benchmarks: jaxdp against the bare step, automatic partitioning and PyTorch DDP",
@@ -1003,7 +1005,7 @@ def report(result: dict, args) -> None:
   plots = plot(result, args.out)
   path = common.write_json(os.path.join(args.out, "results.json"), result)
   print(f"wrote {path}, benchmarks.md and the plots in {args.out}", file=sys.stderr)
-  common.publish(args, {"benchmarks.md": "benchmarks.md", "results.json": "data/benchmark/results.json",
+  common.publish(args, {"benchmarks.md": "data/benchmark/report.md", "results.json": "data/benchmark/results.json",
                         **{os.path.basename(p): os.path.basename(p) for p in plots}})
 
 

@@ -54,7 +54,8 @@
 4. Writes ``scaling.png``, ``scaling.md`` and ``scaling.json`` under
    ``--out`` (default ``out/scaling``; ``out/scaling_quick`` with
    ``--quick``); ``--publish`` also copies them to ``docs/scaling.png``,
-   ``docs/scaling.md`` and ``docs/data/scaling.json``. Prints a summary,
+   ``docs/data/scaling_report.md`` and ``docs/data/scaling.json`` (the
+   guide ``docs/scaling.md`` quotes that data and is not rewritten). Prints a summary,
    with the largest-model table. ``--model-only`` measures nothing: it reads
    section 1's measurements from the ``scaling.json`` under ``--out`` (or,
    when there is none, the published ``docs/data/scaling.json``), recomputes
@@ -894,7 +895,7 @@ def main(argv=None) -> dict:
   common.write_json(os.path.join(args.out, "scaling.json"), out)
   print(summary(out))
   print(f"wrote {args.out}/scaling.png, scaling.md and scaling.json in {time.perf_counter() - start:.0f} s")
-  common.publish(args, {"scaling.png": "scaling.png", "scaling.md": "scaling.md", "scaling.json": "data/scaling.json"})
+  common.publish(args, {"scaling.png": "scaling.png", "scaling.md": "data/scaling_report.md", "scaling.json": "data/scaling.json"})
   return out
 
 
