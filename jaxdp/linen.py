@@ -2,7 +2,7 @@
 
 A linen model needs nothing else from jaxdp: its ``params`` are the
 parameters, its other collections (``batch_stats``) the model state, and its
-``loss_fn`` calls ``model.apply`` (see the README). Only linen's own
+``loss_fn`` calls ``model.apply`` (see docs/porting-linen.md). Only linen's own
 ``nn.BatchNorm`` is refused while it trains inside a jaxdp step: it would put
 the zero-weight padding rows into its statistics, and with ``mask=`` its
 ``pmean`` weighs every device equally. :class:`BatchNorm` here has the same

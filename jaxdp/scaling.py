@@ -94,7 +94,7 @@ per-device memory is the formula above for Ψ_s plus (p + g + K) Ψ_u (jaxdp's
 stage 3 gathers only the Ψ_s: it adds p Ψ_s).
 
 Communication per ZeRO stage (``schedule="jaxdp"``, what jaxdp compiles:
-read off the compiled HLO with :func:`jaxdp.comm_report`, see README "ZeRO").
+read off the compiled HLO with :func:`jaxdp.comm_report`, see docs/zero.md).
 Stage 0 runs the whole step per replica; stages 1-3 compute the reduced
 gradient per replica and run the optimizer on the global, sharded arrays,
 where XLA partitions the update and inserts the collectives it needs:

@@ -424,7 +424,7 @@ def test_state_the_same_on_every_replica_is_kept_exactly_under_pmap():
 def test_the_refusals_advice_for_state_computed_from_params_and_for_a_maximum_works():
   """A pruning mask |w| > 0.5 is the same on every replica but typed per-replica (the step differentiates each
   replica's copy of the params): refused, and the message's lax.pmax(lax.stop_gradient(x)) makes it replicated.
-  The README's advice for a running maximum was lax.pmax alone, which has no derivative (NotImplementedError
+  The docs' advice for a running maximum was lax.pmax alone, which has no derivative (NotImplementedError
   inside the differentiated loss); with stop_gradient it gives the one-device maximum over the real rows."""
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   rng = np.random.default_rng(1)
@@ -482,7 +482,7 @@ class EmaState(NamedTuple):
 
 
 def ema_of_params(decay):
-  """The README's recipe, as written there: an EMA of the parameters kept in the optimizer state."""
+  """The docs' recipe (docs/porting-linen.md), as written there: an EMA of the parameters kept in the optimizer state."""
 
   def init(params):
     return EmaState(jax.tree.map(lambda p: p.astype(jnp.float32), params))
@@ -496,7 +496,7 @@ def ema_of_params(decay):
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_the_readmes_ema_of_params_in_the_optimizer_state_is_one_devices(zero_stage):
-  """The README keeps an EMA of the parameters in opt_state (a port review found the model_state route one step
+  """The docs keep an EMA of the parameters in opt_state (a port review found the model_state route one step
   behind, K updates a step under accum_steps): after 3 uneven steps (one of global weight 0, skipped) it is the
   one-device EMA ``0.9 * ema + 0.1 * new_params`` of the plain program's parameters, at stage 0 and 3."""
   opt = optax.chain(OPT, ema_of_params(0.9))

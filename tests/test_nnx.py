@@ -536,13 +536,13 @@ class _Tuned(nnx.Module):
 
 
 def test_the_readmes_wrt_recipe_trains_only_the_subset():
-  """nnx.Optimizer(model, tx, wrt=subset) has no counterpart in split; the README freezes the rest with
+  """nnx.Optimizer(model, tx, wrt=subset) has no counterpart in split; the docs (porting-nnx.md) freeze the rest with
   optax.multi_transform over the same filter. Reference: one device, nnx.Optimizer(wrt=subset)."""
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   rng = np.random.default_rng(0)
   batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=(8,)).astype(np.float32)}
   objective = lambda model, b: (model(b["x"]) - b["y"]) ** 2  # noqa: E731
-  WRT = nnx.All(nnx.Param, nnx.PathContains("head"))  # the README's lines, as written there
+  WRT = nnx.All(nnx.Param, nnx.PathContains("head"))  # the docs' lines, as written there
   labels = lambda params: nnx.from_flat_state(  # noqa: E731
       [(path, v.replace("train" if WRT(path, v) else "frozen")) for path, v in nnx.to_flat_state(params)])
   tx = optax.multi_transform({"train": optax.adam(0.1), "frozen": optax.set_to_zero()}, labels)
