@@ -52,3 +52,23 @@ def pytest_collect_file(file_path, parent):
   """
   collected = yield
   return [node for node in collected if not isinstance(node, MarkdownDocstringCodeModule)]
+
+
+@pytest.fixture(autouse=True)
+def _markdown_blocks_as_users_run_them(request):
+  """A README or docs block runs under JAX's default rank promotion, as in a user's program.
+
+  The strict setting above is for the suite's own code. The blocks also skip most XLA optimisation passes
+  (``jax_disable_most_optimizations``, as the ``fast_compiles`` fixture does): their tiny models are compiled,
+  not run, for most of their time, and they check float32 agreement, not speed.
+  """
+  if request.node.path.suffix != ".md":
+    yield
+    return
+  before = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    with jax.numpy_rank_promotion("allow"):
+      yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
