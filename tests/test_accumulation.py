@@ -17,6 +17,9 @@ from hypothesis import given, settings, strategies as st
 
 import jaxdp
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 ROWS = 12  # the largest per-device portion: divisible by every accum_steps drawn (1..4)
 FEATURES = 3
 # float32 sums over at most 8 * 12 rows, reordered by device and micro-batch split:

@@ -20,6 +20,9 @@ from jax import lax
 
 import jaxdp
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 B, T, V, H, CLASSES = 12, 5, 11, 6, 3
 SPLITS = {2: [7, 5], 3: [6, 4, 2], 4: [5, 4, 2, 1]}
 STEPS = 5

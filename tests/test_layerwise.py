@@ -20,6 +20,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 L, D, B = 4, 16, 12
 SPLITS = {1: [12], 2: [7, 5], 4: [5, 4, 2, 1]}
 STEPS = 5

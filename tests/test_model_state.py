@@ -34,6 +34,9 @@ from hypothesis import example, given, settings, strategies as st
 
 import jaxdp
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 D, H, MAX_ROWS = 3, 4, 4
 RTOL, ATOL = 1e-5, 2e-6
 EPS, MOMENTUM = 1e-3, 0.9

@@ -17,6 +17,9 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import jaxdp
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 D, H = 3, 5
 RTOL, ATOL = 1e-5, 2e-6
 OPT = optax.sgd(0.1, momentum=0.9)

@@ -18,6 +18,9 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxdp
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 K = 4
 MESH = jaxdp.data_mesh(jax.devices()[:K])
 OPT = optax.adam(1e-2)

@@ -41,6 +41,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 D, T, MAX_ROWS = 3, 3, 4  # features, tokens per example, rows of the fullest device
 RTOL, ATOL = 1e-5, 2e-6
 

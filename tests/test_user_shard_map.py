@@ -16,6 +16,9 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import jaxdp
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 D, H, K = 3, 4, 4  # features, hidden units, devices on the data axis
 COUNTS = (3, 0, 4, 1)  # uneven rows per device, one device empty
 OPT = optax.adam(0.01, eps=1e-3)

@@ -29,6 +29,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import jaxdp
 from jaxdp.layout import zero_dim
 
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 FEATURES, HIDDEN, TOKENS = 6, 8, 4
 ROWS = 6  # the largest per-device portion: divisible by every accum_steps drawn (1, 3)
 CLIP = 1e-3  # below any gradient norm of the data drawn here (checked), so clipping is always active
