@@ -65,7 +65,7 @@ rewritten):
   .venv/bin/python experiments/benchmark.py --quick    # smoke: 2 devices, 5 steps, numerics on 2 ranks
   .venv/bin/python experiments/benchmark.py --publish  # full, and refresh the committed docs
 
---quick: about TIME? s on an idle 2-core CPU machine.
+--quick: about 59 s on an idle 2-core CPU machine.
   .venv/bin/python experiments/benchmark.py --models mlp --devices 2,8 --no-torch
 """
 

@@ -27,7 +27,7 @@ already set; writes JSON under ``out/``):
 Writes ``benchmark_step.json`` under ``--out`` (default ``out/benchmark_step``;
 ``out/benchmark_step_quick`` with ``--quick``).
 
---quick: about TIME? s on an idle 2-core CPU machine.
+--quick: about 9 s on an idle 2-core CPU machine.
   .venv/bin/python experiments/benchmark_step.py --devices 2,8 --steps 50 --out out/b.json
 """
 

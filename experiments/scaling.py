@@ -67,7 +67,7 @@ Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
   .venv/bin/python experiments/scaling.py --quick    # devices 1, 2, 8; fewer steps
   .venv/bin/python experiments/scaling.py --model-only  # sections 2-3 again from the last run's measurements
 
---quick: about TIME? s on an idle 2-core CPU machine.
+--quick: about 12 s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Every number printed is computed by jaxdp; nothing is typed in.
 
   python experiments/seed_example.py
 
---quick: about TIME? s on an idle 2-core CPU machine (the same run: it is
+--quick: about 5 s on an idle 2-core CPU machine (the same run: it is
 already a few seconds; the flag exists so that every experiment takes it).
 """
 

@@ -30,7 +30,7 @@ Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself)::
 Writes ``step_profile.json`` under ``--out`` (default ``out/step_profile``;
 ``out/step_profile_quick`` with ``--quick``).
 
---quick: about TIME? s on an idle 2-core CPU machine.
+--quick: about 5 s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ with the same weighted mean.
   python experiments/train_lm.py --quick            # 20 steps on a 200 kB corpus
   python experiments/train_lm.py --compare --publish   # also copy loss_curves.png to docs/loss_curves.png
 
---quick: about TIME? s on an idle 2-core CPU machine.
+--quick: about 10 s on an idle 2-core CPU machine.
 
 On CPU, ``--devices N`` simulates N devices (default 4); on GPU/TPU every
 visible device is used unless ``--devices`` says fewer.

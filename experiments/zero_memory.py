@@ -58,7 +58,7 @@ default ``out/zero``; ``--publish`` also copies both to ``docs/``):
   .venv/bin/python experiments/zero_memory.py --quick
   .venv/bin/python experiments/zero_memory.py --devices 2,8 --budget-mb 32 --out out/zero
 
---quick: about TIME? s on an idle 2-core CPU machine.
+--quick: about 22 s on an idle 2-core CPU machine.
 """
 
 from __future__ import annotations
