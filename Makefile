@@ -26,8 +26,12 @@ $(VENV)/.docs-installed: $(VENV)/.installed requirements-docs.txt
 demo: $(VENV)/.installed
 	$(PY) experiments/seed_example.py
 
+# Two pytest workers, a test module each at a time (module-scoped compiled steps stay shared): on 2 cores the
+# suite's compiles and its launched processes overlap. More workers than cores only slows it down.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q $(FAST_TESTS)
