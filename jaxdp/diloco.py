@@ -263,24 +263,35 @@ class DiLoCoStep:
     shardings, prepared = self._prepare(state, batch, weights, rng)
     return self._program(True, shardings).lower(*prepared)
 
-  def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool) -> dict[str, Collective]:
-    """The collectives of the compiled inner program (``sync=False``) or sync program, as
-    :func:`jaxdp.comm_report` counts them (per device)."""
+  def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool, compiled: bool = True
+                  ) -> dict[str, Collective]:
+    """The collectives of the inner program (``sync=False``) or of the sync program, per device, as
+    :func:`jaxdp.comm_report` counts them: ``compiled=True`` reads the compiled HLO (on CPU, XLA widens a
+    bfloat16 all-reduce to float32), ``compiled=False`` the HLO before optimisation (the dtypes jaxdp
+    writes: the bytes GPU and TPU backends move)."""
     lowered = (self.lower_sync if sync else self.lower_inner)(state, batch, weights, rng)
-    return collectives_from_hlo(lowered.compile().as_text(), self.n_groups * self.group_size)
+    hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
+    return collectives_from_hlo(hlo, self.n_groups * self.group_size)
 
-  def bytes_per_step(self, state, batch, weights=None, rng=None, *, field: str = "bytes") -> float:
+  def bytes_per_step(self, state, batch, weights=None, rng=None, *, field: str = "bytes", compiled: bool = True,
+                     outer_only: bool = False) -> float:
     """Per-device collective bytes per call, averaged over an outer period: ``((H - 1) * inner + sync) / H``.
 
     ``field``: ``"bytes"`` (the buffers reduced or gathered, as
     :class:`jaxdp.Collective` counts them) or ``"traffic_bytes"`` (ring
-    traffic per device).
+    traffic per device). ``compiled``: as in :meth:`comm_report`.
+    ``outer_only``: only the collectives over the outer axis, ``(sync -
+    inner) / H`` (the sync program is the inner one plus those), the bytes
+    that cross between groups; the rest stay within a group.
     """
     if field not in ("bytes", "traffic_bytes"):
       raise ValueError(f"field must be 'bytes' or 'traffic_bytes', got {field!r}.")
-    totals = [sum(getattr(c, field) for c in self.comm_report(state, batch, weights, rng, sync=s).values())
-              for s in (False, True)]
-    return ((self.inner_steps - 1) * totals[0] + totals[1]) / self.inner_steps
+    inner, sync = [sum(getattr(c, field) for c in self.comm_report(state, batch, weights, rng, sync=s,
+                                                                   compiled=compiled).values())
+                   for s in (False, True)]
+    if outer_only:
+      return (sync - inner) / self.inner_steps
+    return ((self.inner_steps - 1) * inner + sync) / self.inner_steps
 
   # Device side -----------------------------------------------------------------------------------
 

@@ -153,13 +153,17 @@ def test_groups_agree_after_each_sync_and_differ_between():
 
 def test_bf16_delta_is_close_to_float32():
   mesh, h = mesh_of(2, 2), 2
-  results = []
+  results, outer_bytes = [], []
   for delta_dtype in (None, jnp.bfloat16):
     state = jaxdp.init_diloco_state(make_params(), optax.adam(0.05), mesh)
     step = jaxdp.make_diloco_step(loss_fn, optax.adam(0.05), mesh, inner_steps=h, delta_dtype=delta_dtype)
     for batch, weights in make_batches(h, seed=5):
       state, _ = step(state, batch, weights)
     results.append(state.outer_params)
+    # Before optimisation (XLA's CPU backend widens a bfloat16 all-reduce to float32 when it compiles).
+    outer_bytes.append(h * step.bytes_per_step(state, batch, weights, compiled=False, outer_only=True))
+  param_bytes = sum(x.size * 4 for x in jax.tree.leaves(results[0]))
+  assert outer_bytes == [param_bytes + 4, param_bytes // 2 + 4]  # the delta and the period's weights
   # bfloat16 keeps 8 bits of each delta (of order lr): the outer parameters move by 0.7 x 1.9 x delta.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-3), *results)
   assert any(not np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, results)))
@@ -182,6 +186,7 @@ def test_hlo_inner_stays_in_the_group_and_sync_all_reduces_the_delta():
   period = step.bytes_per_step(state, batch, weights)
   inner_bytes = sum(op.nbytes for op in inner)
   np.testing.assert_allclose(period, (5 * inner_bytes + param_bytes + 4) / 5)
+  np.testing.assert_allclose(step.bytes_per_step(state, batch, weights, outer_only=True), (param_bytes + 4) / 5)
 
 
 def _leaves_alive_and_equal(state, copy):
