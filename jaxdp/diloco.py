@@ -178,7 +178,7 @@ class DiLoCoStep:
     self.inner_steps, self.delta_dtype, self.donate = inner_steps, delta_dtype, donate
     self.n_groups = mesh.shape[outer_axis]
     self.group_size = int(np.prod([mesh.shape[a] for a in axis_names(self.axis_name)]))
-    self._programs: dict = {}  # (sync, rng given) -> jitted program
+    self._programs: dict = {}  # (sync, the state's structure) -> jitted program
     self._validated: set = set()
     self._last = (None, 0)  # (weak reference to the inner_step array last returned, its host value)
 
