@@ -342,18 +342,24 @@ def compute_local_gradient(
     rng: jax.Array | None = None,
     model_state: Any = None,
     train: bool = True,
+    loss_scale: jax.Array | None = None,
 ) -> LocalGradient:
   """:func:`local_gradient` under settings already checked (its ``axis_name``, ``accum_steps``,
   ``compute_dtype`` and ``example_ids``); the other arguments as there.
 
   The 16-bit plan first (:func:`_sixteen_bit_plan`), then one micro-batch's
   gradient (:func:`_micro_gradient`), or the accumulation of ``accum_steps``
-  of them (:func:`_accumulated`).
+  of them (:func:`_accumulated`). ``loss_scale``: a float32 scalar (dynamic
+  loss scaling, :mod:`jaxdp.loss_scaling`) that multiplies the differentiated
+  value, after the 16-bit plan's division; each micro-batch's float32
+  gradient is divided by it again before it is accumulated or reduced.
   """
   if settings.axis_name is not None:
     check_axis_bound(settings.axis_name)
     params = as_varying(params, settings.axis_name)
   plan = _sixteen_bit_plan(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state, train=train)
+  if loss_scale is not None:
+    plan = plan._replace(loss_scale=lax.stop_gradient(jnp.asarray(loss_scale, jnp.float32)))
   micro_gradient = functools.partial(_micro_gradient, settings, loss_fn, plan, params, train=train)
   if settings.accum_steps == 1:
     return micro_gradient(batch, weights, rng, model_state)
@@ -368,11 +374,13 @@ class _SixteenBitPlan(NamedTuple):
     replicas: the data-parallel replicas, read by the scale only.
     scale: the scale of every micro-batch, from the given weights' global sum; ``None``: each
       micro-batch's own, from its count of loss elements (no weights: all ones).
+    loss_scale: the dynamic loss scale (float32 scalar) the divided sum is multiplied by, or ``None``.
   """
 
   active: bool
   replicas: int = 1
   scale: jax.Array | None = None
+  loss_scale: jax.Array | None = None
 
 
 def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], params: Any, batch: Any, weights: Any, *,
@@ -421,14 +429,20 @@ def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _
         example_ids=settings.example_ids,
     )
     if not plan.active:
-      return sums.loss_sum, (sums, None)
-    # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
-    scale = plan.scale if plan.scale is not None else _sixteen_bit_scale(plan.replicas * sums.weight_sum,
-                                                                         plan.replicas, sums.weight_sum)
-    return sums.loss_sum / scale, (sums, scale)
+      scale = None
+    else:
+      # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
+      scale = plan.scale if plan.scale is not None else _sixteen_bit_scale(plan.replicas * sums.weight_sum,
+                                                                           plan.replicas, sums.weight_sum)
+    value = sums.loss_sum if scale is None else sums.loss_sum / scale
+    if plan.loss_scale is not None:  # dynamic loss scaling: the gradient comes out multiplied by it
+      value = value * plan.loss_scale
+      scale = (1.0 if scale is None else scale) / plan.loss_scale
+    return value, (sums, scale)
 
   with in_step(settings.axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
     (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+  # Unscaled in float32 (a power of two over a power of two: exact), before any accumulation or reduction.
   widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
   return sums._replace(grads=jax.tree.map(widen, grads))
 
