@@ -314,7 +314,8 @@ def local_gradient(
       float32 gradient scaled back exactly: the sum itself overflows
       float16's 65,504 on large batches and flushes to 0 under small
       weights, and one device's mean-loss scale underflows float16 past
-      ~16k tokens. There is no dynamic loss scaling. Under ``"rank_mean"`` or
+      ~16k tokens. Dynamic loss scaling on top of this is the steps'
+      ``loss_scaling=`` (:mod:`jaxdp.loss_scaling`). Under ``"rank_mean"`` or
       ``"none"``, where each replica's own mean counts, a replica whose
       weights are tiny next to the others' can still underflow float16.
     example_ids: layout-invariant randomness (see :mod:`jaxdp.randomness`):
@@ -351,13 +352,16 @@ def compute_local_gradient(
   gradient (:func:`_micro_gradient`), or the accumulation of ``accum_steps``
   of them (:func:`_accumulated`). ``loss_scale``: a float32 scalar (dynamic
   loss scaling, :mod:`jaxdp.loss_scaling`) that multiplies the differentiated
-  value, after the 16-bit plan's division; each micro-batch's float32
-  gradient is divided by it again before it is accumulated or reduced.
+  value; a 16-bit plan then divides the sum by a power of two near the global
+  ``Σ w`` per replica (a device's mean loss, as torch's ``GradScaler``
+  scales it) instead of the ``√n`` normalisation. Each micro-batch's float32
+  gradient is divided by both again before it is accumulated or reduced.
   """
   if settings.axis_name is not None:
     check_axis_bound(settings.axis_name)
     params = as_varying(params, settings.axis_name)
-  plan = _sixteen_bit_plan(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state, train=train)
+  plan = _sixteen_bit_plan(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state, train=train,
+                           scaled=loss_scale is not None)
   if loss_scale is not None:
     plan = plan._replace(loss_scale=lax.stop_gradient(jnp.asarray(loss_scale, jnp.float32)))
   micro_gradient = functools.partial(_micro_gradient, settings, loss_fn, plan, params, train=train)
@@ -384,7 +388,7 @@ class _SixteenBitPlan(NamedTuple):
 
 
 def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], params: Any, batch: Any, weights: Any, *,
-                      rng: Any, model_state: Any, train: bool) -> _SixteenBitPlan:
+                      rng: Any, model_state: Any, train: bool, scaled: bool = False) -> _SixteenBitPlan:
   """Whether the backward pass runs in 16 bits and, if so, the scale it divides the weighted sum by.
 
   A 16-bit backward pass differentiates the weighted sum over one scale (a power of two that makes each
@@ -394,6 +398,9 @@ def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], param
   micro-batch loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets
   every replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the
   count of loss elements, the same on every replica without communication.
+
+  ``scaled`` (dynamic loss scaling): the power of two nearest the global Σ w per replica instead, so that the
+  loss scale multiplies a device's mean loss (each element's cotangent about scale/n), as in torch.
   """
   axis_name, accum_steps, compute_dtype = settings.axis_name, settings.accum_steps, settings.compute_dtype
   active = _sixteen_bit(params, compute_dtype)
@@ -415,7 +422,7 @@ def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], param
   total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
   total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
   return _SixteenBitPlan(True, replicas, _sixteen_bit_scale(total / accum_steps, replicas,
-                                                            np.size(weights) / accum_steps))
+                                                            1 if scaled else np.size(weights) / accum_steps))
 
 
 def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _SixteenBitPlan, params: Any,
@@ -432,8 +439,10 @@ def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _
       scale = None
     else:
       # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
+      # Under dynamic loss scaling the divisor is that count itself (a device's mean, see _sixteen_bit_plan).
+      elements = 1 if plan.loss_scale is not None else sums.weight_sum
       scale = plan.scale if plan.scale is not None else _sixteen_bit_scale(plan.replicas * sums.weight_sum,
-                                                                           plan.replicas, sums.weight_sum)
+                                                                           plan.replicas, elements)
     value = sums.loss_sum if scale is None else sums.loss_sum / scale
     if plan.loss_scale is not None:  # dynamic loss scaling: the gradient comes out multiplied by it
       value = value * plan.loss_scale
