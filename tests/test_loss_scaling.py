@@ -80,21 +80,21 @@ def run_script(step, state, script):
   return state, history
 
 
-def test_scale_follows_gradscaler_and_skipped_steps_change_nothing_else():
-  scaling = jaxdp.dynamic_loss_scale(init_scale=2.0**6, growth_interval=3)
-  mesh = mesh_of(4)
-  state = jaxdp.init_state(init_params(), OPT, mesh, loss_scale=scaling.init())
-  step = jaxdp.make_train_step(loss_fn, OPT, mesh, compute_dtype=jnp.float16, loss_scaling=scaling)
-  state, history = run_script(step, state, SCRIPT)
-
-  scale, good = 2.0**6, 0
+def check_against_reference(history, state, init_scale, interval, overflows=False):
+  """The scale against GradScaler's rule, skipped steps against the state before them (bitwise), applied ones
+  against SGD with momentum on the float64 gradient. ``overflows``: an "ok" step may overflow float16 by itself
+  (its flag then decides). Returns the flags of the "ok" steps."""
+  scale, good, flags = init_scale, 0, []
   params, velocity = init_params(), {k: np.zeros_like(v, np.float64) for k, v in init_params().items()}
   for i, (kind, before, metrics) in enumerate(history):
     after = jaxdp.gather_state(state) if i + 1 == len(history) else history[i + 1][1]
     assert metrics["loss_scale"] == scale, (i, kind, metrics["loss_scale"], scale)
-    bad, applied = kind in ("inf", "nan"), kind == "ok"
+    if kind == "ok":
+      flags.append(metrics["nonfinite"])
+    bad = kind in ("inf", "nan") or (overflows and kind == "ok" and metrics["nonfinite"] == 1)
+    applied = kind == "ok" and not bad
     assert (metrics["nonfinite"], metrics["skipped"]) == (float(bad), float(not applied)), (i, kind, metrics)
-    scale, good = gradscaler(scale, good, bad, applied)
+    scale, good = gradscaler(scale, good, bad, applied, interval=interval)
     assert (float(after.loss_scale.scale), int(after.loss_scale.good_steps)) == (scale, good), (i, kind)
     if not applied:  # skipped: params, optimizer state and step as they were, bit for bit
       for a, b in zip(jax.tree.leaves((after.params, after.opt_state, after.step)),
@@ -107,9 +107,31 @@ def test_scale_follows_gradscaler_and_skipped_steps_change_nothing_else():
     # float16 forward and backward (ulp 4.9e-4 at 0.5) against float64: measured 2e-4 after 10 steps (float32: 1e-7).
     for k in params:
       np.testing.assert_allclose(after.params[k], params[k], rtol=0, atol=1e-3, err_msg=f"step {i} {k}")
+  return flags
+
+
+def test_scale_follows_gradscaler_and_skipped_steps_change_nothing_else():
+  scaling = jaxdp.dynamic_loss_scale(init_scale=2.0**6, growth_interval=3)
+  mesh = mesh_of(4)
+  state = jaxdp.init_state(init_params(), OPT, mesh, loss_scale=scaling.init())
+  step = jaxdp.make_train_step(loss_fn, OPT, mesh, compute_dtype=jnp.float16, loss_scaling=scaling)
+  state, history = run_script(step, state, SCRIPT)
+  assert set(check_against_reference(history, state, 2.0**6, 3)) == {0.0}
   assert int(jaxdp.gather_state(state).step) == SCRIPT.count("ok")
   used = [metrics["loss_scale"] for _, _, metrics in history]
   assert (min(used), max(used)) == (32.0, 128.0)  # the script grows it and backs it off
+
+
+def test_float16_overflows_from_two_to_the_sixteen_back_off():
+  """torch's 2^16 on this model: its float16 backward pass overflows by itself (no Inf in its batch)."""
+  scaling = jaxdp.dynamic_loss_scale(growth_interval=2)
+  mesh = mesh_of(4)
+  state = jaxdp.init_state(init_params(), OPT, mesh, loss_scale=scaling.init())
+  step = jaxdp.make_train_step(loss_fn, OPT, mesh, compute_dtype=jnp.float16, loss_scaling=scaling)
+  script = ["ok", "ok", "ok", "inf", "ok", "ok", "ok", "ok"]
+  state, history = run_script(step, state, script)
+  flags = check_against_reference(history, state, 2.0**16, 2, overflows=True)
+  assert 1.0 in flags and 0.0 in flags  # overflows of its own, and steps that fit after the backoff
 
 
 def test_power_of_two_scaling_in_float32_changes_no_bit():
@@ -129,10 +151,10 @@ def test_power_of_two_scaling_in_float32_changes_no_bit():
 
 
 SHORT = ["ok", "inf", "ok", "ok", "ok"]
-
-
 @pytest.mark.parametrize("zero_stage, accum_steps", [(0, 1), (1, 2), (3, 1)])
 def test_float16_on_four_devices_equals_one_device(zero_stage, accum_steps):
+  """Below float16's overflow (a natural overflow depends on each device's partial sums, as in DDP, so only
+  injected non-finite steps are the same on any split): the same scale, step and params as one device."""
   scaling = jaxdp.dynamic_loss_scale(init_scale=2.0**6, growth_interval=2)
   runs = []
   for n in (1, 4):
