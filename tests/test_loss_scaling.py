@@ -269,3 +269,13 @@ def test_loss_scale_survives_a_checkpoint_and_its_absence_too(tmp_path):
   with CheckpointManager(tmp_path / "plain", enable_async_checkpointing=False) as ckpt:
     ckpt.save(0, jaxdp.init_state(init_params(), OPT, mesh))
     assert ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh).state.loss_scale is None
+
+
+def test_update_rule_keeps_a_scale_whose_growth_would_overflow_float32():
+  """GradScaler keeps the scale when scale * growth_factor is not finite; the counter still restarts."""
+  scaling = jaxdp.dynamic_loss_scale(growth_interval=1)
+  big = jaxdp.LossScale(jnp.float32(3e38), jnp.int32(0))
+  kept = jaxdp.update_loss_scale(scaling, big, nonfinite=False, applied=True)
+  assert (float(kept.scale), int(kept.good_steps)) == (float(np.float32(3e38)), 0)
+  grown = jaxdp.update_loss_scale(scaling, jaxdp.LossScale(jnp.float32(8.0), jnp.int32(0)), False, True)
+  assert (float(grown.scale), int(grown.good_steps)) == (16.0, 0)
