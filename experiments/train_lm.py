@@ -71,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the data axis")
   p.add_argument("--reduction", default="mean", choices=("mean", "rank_mean", "sum"), help="gradient reduction")
   p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per device and step")
-  p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="forward/backward dtype (params stay float32)")
+  p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="forward/backward dtype (params stay float32)")
+  p.add_argument("--loss-scaling", default="none", choices=("none", "dynamic"),
+                 help="dynamic: float16 loss scaling, torch GradScaler's rule and defaults (jaxdp.dynamic_loss_scale)")
   p.add_argument("--grad-reduce-dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the gradient all-reduce")
   p.add_argument("--bucket-bytes", type=int, default=None, help="reduce the gradient in buckets of this size (default: one all-reduce)")
   p.add_argument("--diloco-inner-steps", type=int, default=None, help="DiLoCo: H inner steps per outer sync across "
@@ -175,6 +177,7 @@ class Config:
   reduction: str = "mean"
   accum_steps: int = 1
   compute_dtype: str = "float32"
+  loss_scaling: str = "none"
   grad_reduce_dtype: str = "float32"
   bucket_bytes: int | None = None
   diloco_inner_steps: int | None = None
@@ -314,6 +317,8 @@ def _log(pending, clock: float, records: list, bar, sink) -> float:
   now = time.perf_counter()
   rec = {"step": step, "loss": float(metrics["loss"]), "accuracy": float(metrics["accuracy"]), "tokens": float(metrics["weight"]),
          "grad_norm": float(metrics["grad_norm"]), "time": now - clock, "device_tokens": _device_tokens(weights)}
+  if "loss_scale" in metrics:  # --loss-scaling dynamic: the scale the step used, and whether it was skipped
+    rec.update(loss_scale=float(metrics["loss_scale"]), skipped=int(metrics["skipped"]))
   records.append(rec)
   if sink is not None:
     sink.write(json.dumps(rec) + "\n")
@@ -381,19 +386,21 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   layers = layerwise_stack(config, reduction)
   specs = param_specs(params, mesh)
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
+  scaling = jaxdp.dynamic_loss_scale() if config.loss_scaling == "dynamic" else None
   step_fn = jaxdp.make_train_step(
       loss_fn, optimizer, mesh, axis_name=axis_name, zero_stage=config.zero_stage, reduction=reduction,
       accum_steps=config.accum_steps,
       compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
       grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
-      bucket_bytes=config.bucket_bytes, layers=layers,
+      bucket_bytes=config.bucket_bytes, layers=layers, loss_scaling=scaling,
   )
   per_device = config.batch_size // n
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
   layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
   with _checkpoints(config) as ckpt:
-    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers, **layout), 0, 0
+    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers,
+                                          loss_scale=None if scaling is None else scaling.init(), **layout), 0, 0
     if ckpt is not None and ckpt.latest_step() is not None:
       if layers is None:
         restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, **layout)
@@ -418,6 +425,9 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
       "val_accuracy": None if val is None else val["accuracy"],
       "tokens_per_s": _throughput(records), "config": dataclasses.asdict(config),
   }
+  if scaling is not None:  # the steps a non-finite gradient skipped (the scale backed off), and the last scale
+    summary.update(skipped_steps=sum(r["skipped"] for r in records),
+                   final_loss_scale=records[-1]["loss_scale"] if records else None)
   if out is not None:
     (pathlib.Path(out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return {"records": records, "summary": summary, "params": state.params}

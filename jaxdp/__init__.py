@@ -40,6 +40,7 @@ _EXPORTS_BY_MODULE = {
     "evaluation": ("EvalStep", "eval_sums", "make_eval_step", "means_from_sums"),
     "layerwise": ("gather", "gather_policy", "scan_layers"),
     "loss": ("LOSS_KEYWORDS", "LossOutput"),
+    "loss_scaling": ("DynamicLossScale", "LossScale", "dynamic_loss_scale", "update_loss_scale"),
     "layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "data_mesh", "gather_state", "init_state",
                "place_state", "state_specs"),
     "randomness": ("example_keys", "use_example_ids"),
@@ -67,6 +68,8 @@ __all__ = [
     "EvalStep",
     "LOSS_KEYWORDS",
     "LossOutput",
+    "DynamicLossScale",
+    "LossScale",
     "Moments",
     "PADS",
     "LocalGradient",
@@ -96,6 +99,7 @@ __all__ = [
     "diloco_params",
     "distributed",
     "divide_gradient",
+    "dynamic_loss_scale",
     "epoch_permutation",
     "example_keys",
     "eval_sums",
@@ -126,6 +130,7 @@ __all__ = [
     "split_batch",
     "state_specs",
     "train_step",
+    "update_loss_scale",
     "use_example_ids",
 ]
 

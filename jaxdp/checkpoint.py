@@ -95,6 +95,7 @@ from jaxdp.layout import (
     make_layout,
     model_specs_of,
 )
+from jaxdp.loss_scaling import abstract_loss_scale
 from jaxdp.state import TrainState
 
 FORMAT, FORMAT_VERSION = record_lib.FORMAT, record_lib.FORMAT_VERSION
@@ -547,7 +548,9 @@ class CheckpointManager:
         :func:`jaxdp.init_state`; any checkpoint restores with or without it.
 
     Returns:
-      A :class:`Restored` ``(state, rng, data_step, step, metadata)``.
+      A :class:`Restored` ``(state, rng, data_step, step, metadata)``. The
+      state's ``loss_scale`` (:mod:`jaxdp.loss_scaling`) is restored when the
+      checkpoint holds one, else ``None``.
 
     Raises:
       FileNotFoundError: if there is no (such) complete checkpoint.
@@ -567,6 +570,8 @@ class CheckpointManager:
     step = self._resolve_step(step)
     expected = record_lib.abstract_full_state(params, optimizer, model_state)
     record = self._read_record(step)
+    if any(e["path"][0] == "loss_scale" for e in record["leaves"]):  # a dynamic loss scale's two scalars
+      expected = expected._replace(loss_scale=abstract_loss_scale())
     record_lib.check_against(record, expected, self._where(step))
     data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
     mesh = auto_mesh(mesh)  # as init_state places a state

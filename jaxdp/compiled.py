@@ -51,6 +51,7 @@ from jaxdp.layout import (
     split_along,
 )
 from jaxdp.loss import check_loss_fn, model_support
+from jaxdp.loss_scaling import check_loss_scale
 from jaxdp.reduction import ReducedGradient
 from jaxdp.replicas import divergence_over_mesh, replica_divergence
 from jaxdp.settings import StepSettings, step_settings
@@ -72,7 +73,7 @@ class CompiledStep:
 
   def __init__(
       self, build, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage,
-      max_consecutive_skips, donate=True, layers=None,
+      max_consecutive_skips, donate=True, layers=None, loss_scaling=None,
   ):
     self._build, self.donate, self.layers = build, donate, layers
     self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
@@ -84,6 +85,7 @@ class CompiledStep:
     self.reduction, self.backend = reduction, backend
     self.accum_steps, self.zero_stage = accum_steps, zero_stage
     self.max_consecutive_skips = max_consecutive_skips
+    self.loss_scaling = loss_scaling
     self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
     self._skips_padded = False  # whether one of those steps had padding rows (all-zero weight)
     self._validated: set = set()
@@ -185,6 +187,7 @@ class CompiledStep:
       _checks.check_step_inputs(
           self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
       )
+      check_loss_scale(self.loss_scaling, state.loss_scale)
       if has_more is not None and self.reduction == "none":
         raise ValueError(
             "has_more is summed over the replicas in the step's all-reduce, and reduction='none' has none: every "
@@ -350,6 +353,7 @@ def make_train_step(
     bucket_bytes: int | None = None,
     example_ids: Any = None,
     layers: Any = None,
+    loss_scaling: Any = None,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -438,6 +442,14 @@ def make_train_step(
       the same ``layers`` to place the state so from the start. Whether a
       gathered layer is kept for the backward pass is the loop body's
       checkpoint policy, :func:`jaxdp.gather_policy` (``reshard_after_forward``).
+    loss_scaling: dynamic loss scaling for float16 (:mod:`jaxdp.loss_scaling`):
+      a :class:`jaxdp.DynamicLossScale` (:func:`jaxdp.dynamic_loss_scale`),
+      with a state built with ``jaxdp.init_state(..., loss_scale=scaling.init())``.
+      The backward pass is scaled, the float32 gradient unscaled before the
+      reduction, a non-finite step is skipped and lowers the scale, and
+      ``metrics["loss_scale"]`` reports the scale each step used. The
+      skipped steps count towards ``max_consecutive_skips``. ``None``
+      (default): none, and a state with a ``loss_scale`` is refused.
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -448,7 +460,7 @@ def make_train_step(
   settings = step_settings(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, zero_stage=zero_stage,
       compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes,
-      example_ids=example_ids,
+      example_ids=example_ids, loss_scaling=loss_scaling,
   )
   mesh = _checked_mesh(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
                        check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers)
@@ -542,6 +554,7 @@ def _built_train_step(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, *,
       max_consecutive_skips=max_consecutive_skips,
       donate=donate,
       layers=layers,
+      loss_scaling=settings.loss_scaling,
   )
 
 
@@ -603,7 +616,7 @@ def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, 
   gradient = jax.shard_map(
       per_replica,
       mesh=mesh,
-      in_specs=(TrainState(specs.params, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
+      in_specs=(TrainState(specs.params, None, P(), P(), P()), batch_spec, batch_spec, P(), batch_spec),
       out_specs=ReducedGradient(layout.grad_specs, P(), P(), P(), P(), P(), P()),
       axis_names=set(axis_names(axis_name)),
       check_vma=check_vma,
@@ -626,7 +639,7 @@ def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, 
 
   def step(state, batch, weights, rng, has_more):
     reduced = gradient(state._replace(opt_state=None), batch, weights, rng, has_more)
-    new_state, metrics = finish_step(optimizer, state, reduced)
+    new_state, metrics = finish_step(optimizer, state, reduced, loss_scaling=settings.loss_scaling)
     if gather is not None:
       new_state = new_state._replace(params=gather(jax.lax.with_sharding_constraint(new_state.params, split_shardings)))
     return new_state, metrics

@@ -40,6 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp._checks import check_not_donated, check_optimizer, check_params_dtypes
 from jaxdp.loss import model_support
+from jaxdp.loss_scaling import check_loss_scale_value
 from jaxdp.state import TrainState
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -525,6 +526,7 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
       opt_state=jax.tree.map(sharded, abstract.opt_state, opt_specs, opt_stacked) if zero_stage >= 1 else opt_specs,
       step=P(),
       model_state=jax.tree.map(lambda _: P(), abstract.model_state),
+      loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale),
   )
   grad_specs = jax.tree.map(lambda s: data_part(s, axis_name) if zero_stage >= 2 else P(), split_specs)
   return Layout(specs, grad_specs, zero_stage, split_specs, None if layers is None else stacked)
@@ -550,9 +552,10 @@ def state_specs(state: TrainState) -> TrainState:
   return jax.tree.map(spec, state)
 
 
-def abstract_state(params: Any, optimizer: optax.GradientTransformation, model_state: Any = None) -> TrainState:
+def abstract_state(params: Any, optimizer: optax.GradientTransformation, model_state: Any = None,
+                   loss_scale: Any = None) -> TrainState:
   """The stage-0 state of ``params`` as ``ShapeDtypeStruct``s (every stage has these shapes)."""
-  return jax.eval_shape(lambda p, m: TrainState.create(p, optimizer, m), params, model_state)
+  return jax.eval_shape(lambda p, m, s: TrainState.create(p, optimizer, m, s), params, model_state, loss_scale)
 
 
 def _assert_same_values(params: Any, model_state: Any) -> None:
@@ -593,6 +596,7 @@ def init_state(
     model_state: Any = None,
     param_specs: Any = None,
     layers: Any = None,
+    loss_scale: Any = None,
 ) -> TrainState:
   """Creates the training state and places it as :func:`make_train_step` expects.
 
@@ -619,6 +623,9 @@ def init_state(
     layers: the stacks of layers, as given to :func:`jaxdp.make_train_step`
       (layer-wise ZeRO-3): their leaves are split along one layer's
       dimensions, never the layer axis.
+    loss_scale: the initial :class:`jaxdp.LossScale` for a step with
+      ``loss_scaling=`` (``scaling.init()``), or ``None``; replicated at
+      every stage.
 
   Returns:
     A :class:`TrainState` of fresh buffers: a step that donates it never
@@ -628,6 +635,8 @@ def init_state(
   check_zero_stage(zero_stage)
   check_optimizer(optimizer)
   check_layers(layers)
+  if loss_scale is not None:
+    check_loss_scale_value(loss_scale)
   params, boxed_specs = _unboxed(params)
   if param_specs is None:
     param_specs = boxed_specs
@@ -637,18 +646,18 @@ def init_state(
     _assert_same_values(params, model_state)
   mesh = auto_mesh(mesh)
   # Host values are placed as the layout says (no leaf is ever whole on one device unless replicated there).
-  abstract = abstract_state(params, optimizer, model_state)
+  abstract = abstract_state(params, optimizer, model_state, loss_scale)
   layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs, layers)
   shardings = layout.shardings(mesh)
   params = place(params, jax.tree.map(
       # Kept only on this mesh's devices in this order (a mesh over the same devices reordered is another layout).
       lambda x, s: x.sharding if _is_global(x) and _same_devices(x.sharding.mesh, s.mesh) else s,
       params, shardings.params))
-  model_state = place(model_state, replicated(mesh))
+  model_state, loss_scale = place((model_state, loss_scale), replicated(mesh))
   # Copying inside the jit keeps outputs from aliasing the caller's arrays, which a donating step would consume.
   copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-  build = jax.jit(lambda p, m: TrainState.create(copy(p), optimizer, copy(m)), out_shardings=shardings)
-  return build(params, model_state)
+  build = jax.jit(lambda p, m, s: TrainState.create(copy(p), optimizer, copy(m), copy(s)), out_shardings=shardings)
+  return build(params, model_state, loss_scale)
 
 
 def _same_devices(a: Any, b: Any) -> bool:

@@ -314,7 +314,8 @@ def local_gradient(
       float32 gradient scaled back exactly: the sum itself overflows
       float16's 65,504 on large batches and flushes to 0 under small
       weights, and one device's mean-loss scale underflows float16 past
-      ~16k tokens. There is no dynamic loss scaling. Under ``"rank_mean"`` or
+      ~16k tokens. Dynamic loss scaling on top of this is the steps'
+      ``loss_scaling=`` (:mod:`jaxdp.loss_scaling`). Under ``"rank_mean"`` or
       ``"none"``, where each replica's own mean counts, a replica whose
       weights are tiny next to the others' can still underflow float16.
     example_ids: layout-invariant randomness (see :mod:`jaxdp.randomness`):
@@ -342,18 +343,27 @@ def compute_local_gradient(
     rng: jax.Array | None = None,
     model_state: Any = None,
     train: bool = True,
+    loss_scale: jax.Array | None = None,
 ) -> LocalGradient:
   """:func:`local_gradient` under settings already checked (its ``axis_name``, ``accum_steps``,
   ``compute_dtype`` and ``example_ids``); the other arguments as there.
 
   The 16-bit plan first (:func:`_sixteen_bit_plan`), then one micro-batch's
   gradient (:func:`_micro_gradient`), or the accumulation of ``accum_steps``
-  of them (:func:`_accumulated`).
+  of them (:func:`_accumulated`). ``loss_scale``: a float32 scalar (dynamic
+  loss scaling, :mod:`jaxdp.loss_scaling`) that multiplies the differentiated
+  value; a 16-bit plan then divides the sum by a power of two near the global
+  ``Σ w`` per replica (a device's mean loss, as torch's ``GradScaler``
+  scales it) instead of the ``√n`` normalisation. Each micro-batch's float32
+  gradient is divided by both again before it is accumulated or reduced.
   """
   if settings.axis_name is not None:
     check_axis_bound(settings.axis_name)
     params = as_varying(params, settings.axis_name)
-  plan = _sixteen_bit_plan(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state, train=train)
+  plan = _sixteen_bit_plan(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state, train=train,
+                           scaled=loss_scale is not None)
+  if loss_scale is not None:
+    plan = plan._replace(loss_scale=lax.stop_gradient(jnp.asarray(loss_scale, jnp.float32)))
   micro_gradient = functools.partial(_micro_gradient, settings, loss_fn, plan, params, train=train)
   if settings.accum_steps == 1:
     return micro_gradient(batch, weights, rng, model_state)
@@ -368,15 +378,17 @@ class _SixteenBitPlan(NamedTuple):
     replicas: the data-parallel replicas, read by the scale only.
     scale: the scale of every micro-batch, from the given weights' global sum; ``None``: each
       micro-batch's own, from its count of loss elements (no weights: all ones).
+    loss_scale: the dynamic loss scale (float32 scalar) the divided sum is multiplied by, or ``None``.
   """
 
   active: bool
   replicas: int = 1
   scale: jax.Array | None = None
+  loss_scale: jax.Array | None = None
 
 
 def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], params: Any, batch: Any, weights: Any, *,
-                      rng: Any, model_state: Any, train: bool) -> _SixteenBitPlan:
+                      rng: Any, model_state: Any, train: bool, scaled: bool = False) -> _SixteenBitPlan:
   """Whether the backward pass runs in 16 bits and, if so, the scale it divides the weighted sum by.
 
   A 16-bit backward pass differentiates the weighted sum over one scale (a power of two that makes each
@@ -386,6 +398,9 @@ def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], param
   micro-batch loop), so a loss_fn whose forward pass communicates (exact BatchNorm statistics) still gets
   every replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the
   count of loss elements, the same on every replica without communication.
+
+  ``scaled`` (dynamic loss scaling): the power of two nearest the global Σ w per replica instead, so that the
+  loss scale multiplies a device's mean loss (each element's cotangent about scale/n), as in torch.
   """
   axis_name, accum_steps, compute_dtype = settings.axis_name, settings.accum_steps, settings.compute_dtype
   active = _sixteen_bit(params, compute_dtype)
@@ -407,7 +422,7 @@ def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], param
   total = jnp.sum(_at_least_float32(jnp.asarray(weights)))
   total = total if axis_name is None else lax.psum(as_varying(total, axis_name), axis_name)
   return _SixteenBitPlan(True, replicas, _sixteen_bit_scale(total / accum_steps, replicas,
-                                                            np.size(weights) / accum_steps))
+                                                            1 if scaled else np.size(weights) / accum_steps))
 
 
 def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _SixteenBitPlan, params: Any,
@@ -421,14 +436,22 @@ def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _
         example_ids=settings.example_ids,
     )
     if not plan.active:
-      return sums.loss_sum, (sums, None)
-    # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
-    scale = plan.scale if plan.scale is not None else _sixteen_bit_scale(plan.replicas * sums.weight_sum,
-                                                                         plan.replicas, sums.weight_sum)
-    return sums.loss_sum / scale, (sums, scale)
+      scale = None
+    else:
+      # Without weights every replica counts its losses' elements (the same shapes everywhere): all ones.
+      # Under dynamic loss scaling the divisor is that count itself (a device's mean, see _sixteen_bit_plan).
+      elements = 1 if plan.loss_scale is not None else sums.weight_sum
+      scale = plan.scale if plan.scale is not None else _sixteen_bit_scale(plan.replicas * sums.weight_sum,
+                                                                           plan.replicas, elements)
+    value = sums.loss_sum if scale is None else sums.loss_sum / scale
+    if plan.loss_scale is not None:  # dynamic loss scaling: the gradient comes out multiplied by it
+      value = value * plan.loss_scale
+      scale = (1.0 if scale is None else scale) / plan.loss_scale
+    return value, (sums, scale)
 
   with in_step(settings.axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
     (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+  # Unscaled in float32 (a power of two over a power of two: exact), before any accumulation or reduction.
   widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
   return sums._replace(grads=jax.tree.map(widen, grads))
 

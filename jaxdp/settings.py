@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
 from jaxdp.layout import check_zero_stage
+from jaxdp.loss_scaling import check_loss_scaling
 from jaxdp.randomness import check_example_ids
 
 
@@ -61,6 +62,8 @@ class StepSettings(NamedTuple):
       all-reduce.
     example_ids: where the rows' ids are (see :mod:`jaxdp.randomness`), or
       ``None``.
+    loss_scaling: a :class:`jaxdp.DynamicLossScale`, or ``None`` (see
+      :mod:`jaxdp.loss_scaling`).
   """
 
   axis_name: Any = "data"
@@ -71,6 +74,7 @@ class StepSettings(NamedTuple):
   grad_reduce_dtype: Any = None
   bucket_bytes: int | None = None
   example_ids: Any = None
+  loss_scaling: Any = None
 
 
 def step_settings(
@@ -84,6 +88,7 @@ def step_settings(
     bucket_bytes: int | None = None,
     example_ids: Any = None,
     reduce_dtype_name: str = "grad_reduce_dtype",
+    loss_scaling: Any = None,
 ) -> StepSettings:
   """Checks a step's settings and returns them as a :class:`StepSettings`.
 
@@ -98,6 +103,8 @@ def step_settings(
     example_ids: ``None``, a key of a dict batch (a str) or a callable.
     reduce_dtype_name: the name an error gives ``grad_reduce_dtype`` (the
       caller's own keyword).
+    loss_scaling: ``None`` or a :class:`jaxdp.DynamicLossScale`; refused
+      with ``reduction="none"``.
 
   Returns:
     The settings, dtypes resolved to numpy dtypes.
@@ -105,7 +112,7 @@ def step_settings(
   Raises:
     ValueError: a setting out of its range, or ``reduction="none"`` with
       ``zero_stage > 0``.
-    TypeError: ``example_ids`` of another type.
+    TypeError: ``example_ids`` or ``loss_scaling`` of another type.
   """
   check_reduction(reduction)
   check_zero_stage(zero_stage)
@@ -116,5 +123,6 @@ def step_settings(
   compute_dtype = check_float_dtype(compute_dtype, "compute_dtype")
   grad_reduce_dtype = check_reduce_dtype(grad_reduce_dtype, reduce_dtype_name)
   check_bucket_bytes(bucket_bytes)
+  check_loss_scaling(loss_scaling, reduction)
   return StepSettings(axis_name, reduction, accum_steps, zero_stage, compute_dtype, grad_reduce_dtype, bucket_bytes,
-                      example_ids)
+                      example_ids, loss_scaling=loss_scaling)

@@ -26,18 +26,24 @@ class TrainState(NamedTuple):
       nnx ``BatchStat`` variables), or ``None`` for a model without any. The
       step hands it to ``loss_fn`` and keeps it identical on every replica
       (see :func:`jaxdp.train_step`). Always replicated, also under ZeRO.
+    loss_scale: the dynamic loss scale, a :class:`jaxdp.LossScale`, for a
+      step given ``loss_scaling=`` (see :mod:`jaxdp.loss_scaling`), else
+      ``None``. Always replicated, also under ZeRO.
   """
 
   params: Any
   opt_state: Any
   step: Any
   model_state: Any = None
+  loss_scale: Any = None
 
   @classmethod
-  def create(cls, params: Any, optimizer: optax.GradientTransformation, model_state: Any = None) -> TrainState:
-    """Builds a state at step 0 with ``optimizer.init(params)``.
+  def create(cls, params: Any, optimizer: optax.GradientTransformation, model_state: Any = None,
+             loss_scale: Any = None) -> TrainState:
+    """Builds a state at step 0 with ``optimizer.init(params)`` (``loss_scale``: e.g. ``scaling.init()``).
 
     The arrays are not placed on any mesh; use :func:`jaxdp.init_state` for a
     state placed the way :func:`jaxdp.make_train_step` expects.
     """
-    return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), model_state=model_state)
+    return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), model_state=model_state,
+               loss_scale=loss_scale)

@@ -24,6 +24,7 @@ from jaxdp._checks import check_optimizer
 from jaxdp.layerwise import gathering
 from jaxdp.layout import data_dim, model_part, per_model_shard, zero_axis
 from jaxdp.loss import declared_keywords
+from jaxdp.loss_scaling import check_loss_scale, update_loss_scale
 from jaxdp import reduction as _reduction
 from jaxdp.reduction import (
     ReducedGradient,
@@ -95,7 +96,8 @@ def apply_update(
     kept = state.model_state if new_model_state is None else new_model_state
     new_params = optax.apply_updates(state.params, updates)
     _check_update_types(state.params, new_params)
-    return TrainState(new_params, opt_state, state.step + 1, kept)
+    # _replace: the fields the update does not touch (the loss scale) are carried as they are.
+    return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1, model_state=kept)
 
   # cond rather than a select over the whole state: a select copies every buffer each step.
   # The division and the cast happen inside the branch, fused into the update's pass over the gradient.
@@ -195,7 +197,9 @@ def gradient_step(
   that arrive split over ``axis_name`` (stage 3: all-gathered here, once,
   before the forward pass); ``grads_split`` the same for the gradient
   (stages 2-3: reduce-scattered, so each device keeps only its slice of each
-  reduced leaf). Specs may also name the model axes a leaf is split over
+  reduced leaf). A state with a ``loss_scale`` (:mod:`jaxdp.loss_scaling`)
+  has its backward pass scaled by it and the gradient unscaled before the
+  reduction. Specs may also name the model axes a leaf is split over
   (the full spec): the gather and scatter then run per model shard.
   ``divide=False`` leaves the gradient undivided for :func:`finish_step`
   (see :func:`jaxdp.reduce_gradient`). ``example_ids``: see :func:`train_step`.
@@ -258,7 +262,8 @@ def run_gradient_step(
   params = gather_params(state.params, params_split, axis_name, settings.bucket_bytes)
   with gathering(params, specs, stacked, axis_name) if presummed is not None else (
       contextlib.nullcontext()):
-    local = compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=state.model_state)
+    local = compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=state.model_state,
+                                   loss_scale=None if state.loss_scale is None else state.loss_scale.scale)
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
   return compute_reduced_gradient(settings, local, scatter=False if grads_split is None else grads_split,
                                   totals=totals, divide=divide, presummed=presummed)
@@ -271,6 +276,7 @@ def finish_step(
     *,
     axis_name: str | None = None,
     agreed: bool = False,
+    loss_scaling: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """The skip decision and the update: ``(new_state, metrics)`` from a reduced gradient.
 
@@ -293,7 +299,13 @@ def finish_step(
   each replica's own norm everywhere (inside ``shard_map`` with
   ``check_vma=True`` its leaves are typed as varying, and with
   ``axis_name`` the norm would count them as chunks of one vector).
+
+  ``loss_scaling``: a :class:`jaxdp.DynamicLossScale`, with a state whose
+  ``loss_scale`` is set (and only then): the new state's loss scale follows
+  :func:`jaxdp.update_loss_scale` from the non-finite flag, also when the
+  update is skipped, and ``metrics["loss_scale"]`` is the scale this step used.
   """
+  check_loss_scale(loss_scaling, state.loss_scale)
   # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
   # a NaN is NaN), so this flag is the same everywhere: all skip.
   grad_norm = global_norm(reduced.grads, axis_name, reduced.grad_divisor, agreed=agreed)
@@ -305,6 +317,8 @@ def finish_step(
   apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
   new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state, reduced.grad_divisor,
                            value=reduced.loss)
+  if loss_scaling is not None:  # outside the update's cond: a skipped step changes the scale too
+    new_state = new_state._replace(loss_scale=update_loss_scale(loss_scaling, state.loss_scale, nonfinite, apply))
   metrics = {
       "loss": reduced.loss,
       **(reduced.metrics or {}),
@@ -315,6 +329,8 @@ def finish_step(
   }
   if reduced.totals is not None:
     metrics["has_more"] = reduced.totals
+  if loss_scaling is not None:
+    metrics["loss_scale"] = state.loss_scale.scale
   return new_state, metrics
 
 
@@ -339,6 +355,7 @@ def train_step(
     grad_reduce_dtype: Any = None,
     bucket_bytes: int | None = None,
     example_ids: Any = None,
+    loss_scaling: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
@@ -392,6 +409,14 @@ def train_step(
       on any number of devices, split and ``accum_steps``. A library's own
       ``Dropout`` (linen's, nnx's) is then refused. ``None`` (default):
       per-replica keys.
+    loss_scaling: dynamic loss scaling for float16 (:mod:`jaxdp.loss_scaling`):
+      a :class:`jaxdp.DynamicLossScale` from :func:`jaxdp.dynamic_loss_scale`,
+      with a state whose ``loss_scale`` holds the current scale
+      (``scaling.init()`` at the start). The backward pass differentiates the
+      loss multiplied by the scale, the float32 gradient is divided by it
+      before the reduction, and the scale is updated from the step's
+      non-finite flag. ``None`` (default): no scaling (the state's
+      ``loss_scale`` must be ``None``).
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
@@ -404,11 +429,13 @@ def train_step(
     update was skipped: zero global weight or ``nonfinite``; the state,
     ``step`` and model state included, is then returned unchanged on every
     replica) and ``has_more`` when given. The new model state is identical
-    on every replica (see :func:`jaxdp.reduce_model_state`).
+    on every replica (see :func:`jaxdp.reduce_model_state`), and with
+    ``loss_scaling`` ``loss_scale``, the scale this step used.
   """
   settings = step_settings(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
       grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
+      loss_scaling=loss_scaling,
   )
   check_optimizer(optimizer)  # before the forward and backward passes are traced
   return run_train_step(settings, loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more)
@@ -427,6 +454,7 @@ def run_train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """:func:`train_step` under settings and an optimizer already checked; the other arguments as there."""
   axis_name, reduction = settings.axis_name, settings.reduction
+  check_loss_scale(settings.loss_scaling, state.loss_scale)  # before the forward and backward passes are traced
   if reduction == "none" and _bound_and_typed(axis_name) and not all(varies(p, axis_name) for p in jax.tree.leaves(state.params)):
     raise ValueError(
         "reduction='none' inside shard_map with check_vma=True: each replica's update makes the state per-replica, "
@@ -437,4 +465,4 @@ def run_train_step(
   # Under "none" the replicas' gradients differ: each takes the norm of its own.
   if reduction == "none":
     return finish_step(optimizer, state, reduced)
-  return finish_step(optimizer, state, reduced, axis_name=axis_name, agreed=True)
+  return finish_step(optimizer, state, reduced, axis_name=axis_name, agreed=True, loss_scaling=settings.loss_scaling)

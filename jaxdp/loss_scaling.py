@@ -1,0 +1,195 @@
+"""Dynamic loss scaling for float16: the scale in the state, its settings as arguments, its update rule.
+
+A float16 backward pass loses small gradients to underflow (below 6e-8) and
+large ones to overflow (above 65,504). Dynamic loss scaling (torch's
+``GradScaler``, Micikevicius et al. 2018) multiplies the differentiated loss
+by a scale ``S`` and divides the float32 gradient by ``S`` after the backward
+pass, before the reduction. ``S`` adapts: a step whose gradient or loss is not
+finite is skipped and halves ``S``; after ``growth_interval`` consecutive
+applied steps ``S`` doubles.
+
+* :func:`dynamic_loss_scale` returns the settings, a :class:`DynamicLossScale`
+  (checked once), given to the step as ``loss_scaling=``.
+* :class:`LossScale` ``(scale, good_steps)`` is the state: it lives in
+  :attr:`jaxdp.TrainState.loss_scale`, replicated on every device at every
+  ZeRO stage, and is checkpointed with the rest of the state.
+* :func:`update_loss_scale` is the rule, a pure function of the step's
+  collective non-finite flag (the same on every replica, so every replica
+  keeps the same scale).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class LossScale(NamedTuple):
+  """The dynamic loss scale carried from step to step (a pytree: two scalars).
+
+  Attributes:
+    scale: float32 scalar, what the next step multiplies the differentiated loss by.
+    good_steps: int32 scalar, applied steps since the scale last changed (torch's growth tracker).
+  """
+
+  scale: Any
+  good_steps: Any
+
+
+class DynamicLossScale(NamedTuple):
+  """The settings of dynamic loss scaling, as :func:`dynamic_loss_scale` checked them.
+
+  Attributes:
+    init_scale: the first scale.
+    growth_factor: the scale is multiplied by this after ``growth_interval``
+      applied steps in a row.
+    backoff_factor: the scale is multiplied by this on a non-finite step.
+    growth_interval: applied steps in a row before the scale grows.
+  """
+
+  init_scale: float = 2.0**16
+  growth_factor: float = 2.0
+  backoff_factor: float = 0.5
+  growth_interval: int = 2000
+
+  def init(self) -> LossScale:
+    """The state of a run's first step: ``LossScale(float32(init_scale), int32(0))``."""
+    return LossScale(jnp.asarray(self.init_scale, jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def _positive_finite(value: Any, name: str, fix: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}; {fix}")
+  value = float(value)
+  if not math.isfinite(value) or value <= 0 or value > float(np.finfo(np.float32).max):
+    raise ValueError(f"{name} must be positive, finite and within float32's range, got {value!r}; {fix}")
+  return value
+
+
+def dynamic_loss_scale(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> DynamicLossScale:
+  """Dynamic loss scaling with torch ``GradScaler``'s rules; its defaults are torch's.
+
+  Pass the result as ``make_train_step(..., loss_scaling=...)`` (or
+  :func:`jaxdp.train_step`'s), with a state built with
+  ``jaxdp.init_state(..., loss_scale=scaling.init())``.
+
+  Args:
+    init_scale: the first scale, positive and finite. Powers of two (with
+      the default factors) keep the scaling and the unscaling exact.
+    growth_factor: ``> 1``; the scale is multiplied by it after
+      ``growth_interval`` applied steps in a row (unless that overflows
+      float32, as in torch).
+    backoff_factor: in ``(0, 1)``; the scale is multiplied by it on a step
+      whose gradient or loss is not finite (that step is skipped).
+    growth_interval: an integer ``>= 1``.
+
+  Returns:
+    A :class:`DynamicLossScale`.
+
+  Raises:
+    ValueError: a setting out of its range. TypeError: not a number.
+  """
+  init_scale = _positive_finite(init_scale, "init_scale", "use e.g. 2.0**16 (torch's default).")
+  growth_factor = _positive_finite(growth_factor, "growth_factor", "use e.g. 2.0 (torch's default).")
+  if growth_factor <= 1:
+    raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}: the scale would never grow back after a "
+                     "backoff; use e.g. 2.0 (torch's default).")
+  backoff_factor = _positive_finite(backoff_factor, "backoff_factor", "use e.g. 0.5 (torch's default).")
+  if backoff_factor >= 1:
+    raise ValueError(f"backoff_factor must lie in (0, 1), got {backoff_factor!r}: a non-finite step must lower the "
+                     "scale; use e.g. 0.5 (torch's default).")
+  if isinstance(growth_interval, bool) or not isinstance(growth_interval, (int, np.integer)) or growth_interval < 1:
+    raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}; use e.g. 2000 "
+                     "(torch's default), the applied steps in a row before the scale grows.")
+  return DynamicLossScale(init_scale, growth_factor, backoff_factor, int(growth_interval))
+
+
+def update_loss_scale(scaling: DynamicLossScale, loss_scale: LossScale, nonfinite: Any, applied: Any) -> LossScale:
+  """The next step's :class:`LossScale` (torch ``GradScaler.update``'s rule).
+
+  ``nonfinite``: the step's gradient or loss was not finite (the step was
+  skipped): ``scale *= backoff_factor``, ``good_steps = 0``. Else
+  ``applied``: ``good_steps += 1``, and when it reaches ``growth_interval``
+  ``scale *= growth_factor`` (kept if that product is not finite in float32)
+  and ``good_steps = 0``. A step neither (skipped for a global weight of
+  zero) leaves both unchanged.
+  """
+  scale, good = jnp.asarray(loss_scale.scale, jnp.float32), jnp.asarray(loss_scale.good_steps, jnp.int32)
+  nonfinite, applied = jnp.asarray(nonfinite, bool), jnp.asarray(applied, bool)
+  counted = good + 1
+  grow = applied & ~nonfinite & (counted >= scaling.growth_interval)
+  grown = scale * jnp.float32(scaling.growth_factor)
+  new_scale = jnp.where(nonfinite, scale * jnp.float32(scaling.backoff_factor),
+                        jnp.where(grow & jnp.isfinite(grown), grown, scale))
+  new_good = jnp.where(nonfinite | grow, 0, jnp.where(applied, counted, good)).astype(jnp.int32)
+  return LossScale(new_scale, new_good)
+
+
+def check_loss_scaling(loss_scaling: Any, reduction: str = "mean") -> None:
+  """Raises ``TypeError`` unless ``loss_scaling`` is ``None`` or a :class:`DynamicLossScale`; ``ValueError``
+  under ``reduction="none"``."""
+  if loss_scaling is None:
+    return
+  if not isinstance(loss_scaling, DynamicLossScale):
+    raise TypeError(f"loss_scaling must be a jaxdp.DynamicLossScale (from jaxdp.dynamic_loss_scale()) or None, got "
+                    f"{type(loss_scaling).__name__}.")
+  if reduction == "none":
+    # Each replica would see only its own overflows and keep its own scale: the replicated scale could not hold it.
+    raise ValueError(
+        "loss_scaling with reduction='none': each replica skips on its own non-finite flag there, and one scale "
+        "replicated over the replicas cannot follow them all. Use a reducing reduction ('mean', 'sum', "
+        "'rank_mean'), or no loss_scaling."
+    )
+
+
+def check_loss_scale(loss_scaling: Any, loss_scale: Any, name: str = "state") -> None:
+  """Refuses a step's ``loss_scaling`` and a state's ``loss_scale`` that do not go together (host side, shapes only).
+
+  Raises ``ValueError`` when one is given without the other, ``TypeError`` for a
+  ``loss_scaling`` that is not a :class:`DynamicLossScale` or a ``loss_scale``
+  that is not a :class:`LossScale` of a float32 and an int32 scalar.
+  """
+  check_loss_scaling(loss_scaling)
+  if loss_scaling is not None and loss_scale is None:
+    raise ValueError(
+        f"loss_scaling is given but {name}.loss_scale is None: the scale lives in the state. Build the state with "
+        f"jaxdp.init_state(..., loss_scale=scaling.init()) or pass {name}._replace(loss_scale=scaling.init()). "
+        "Nothing ran and nothing was donated."
+    )
+  if loss_scaling is None and loss_scale is not None:
+    raise ValueError(
+        f"{name}.loss_scale is set but the step has no loss_scaling: its scale would never be updated. Pass "
+        f"loss_scaling=jaxdp.dynamic_loss_scale(...) to the step, or {name}._replace(loss_scale=None). Nothing ran "
+        "and nothing was donated."
+    )
+  if loss_scale is not None:
+    check_loss_scale_value(loss_scale, f"{name}.loss_scale")
+
+
+def check_loss_scale_value(loss_scale: Any, name: str = "loss_scale") -> None:
+  """Raises ``TypeError``/``ValueError`` unless ``loss_scale`` is a :class:`LossScale` of a float32 and an
+  int32 scalar (arrays or ``ShapeDtypeStruct``s; shapes and dtypes only)."""
+  if not isinstance(loss_scale, LossScale):
+    raise TypeError(f"{name} must be a jaxdp.LossScale (scaling.init()), got {type(loss_scale).__name__}.")
+  for field, dtype in (("scale", np.float32), ("good_steps", np.int32)):
+    value = getattr(loss_scale, field)
+    got = getattr(value, "dtype", type(value).__name__)
+    if np.shape(value) != () or got != dtype:
+      raise ValueError(
+          f"{name}.{field} must be a {np.dtype(dtype).name} scalar array, got shape {np.shape(value)} and dtype "
+          f"{got}; build it with scaling.init()."
+      )
+
+
+def abstract_loss_scale() -> LossScale:
+  """A :class:`LossScale` of ``ShapeDtypeStruct``s (a checkpoint's restore target)."""
+  return LossScale(jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
