@@ -244,3 +244,18 @@ def test_state_and_step_mismatch_refused_before_donation():
   for old, state in zip(before, (plain, with_state)):  # nothing donated, nothing changed
     for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(jaxdp.gather_state(state))):
       np.testing.assert_array_equal(a, b)
+
+
+def test_hybrid_data_axes_equal_one_data_axis():
+  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)
+  flat = _run(params, batches, weights, compression=compression)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("replica", "data"),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  opt, axes = optax.sgd(LR), ("replica", "data")
+  state = jaxdp.init_state(params, opt, mesh, axis_name=axes, zero_stage=1, compression=compression)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=axes, zero_stage=1, compression=compression)
+  for batch in batches:
+    state, _ = step(state, batch, weights)
+  for a, b in zip(jax.tree.leaves(flat[-1]), jax.tree.leaves(jaxdp.gather_state(state))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
