@@ -29,6 +29,10 @@ class TrainState(NamedTuple):
     loss_scale: the dynamic loss scale, a :class:`jaxdp.LossScale`, for a
       step given ``loss_scaling=`` (see :mod:`jaxdp.loss_scaling`), else
       ``None``. Always replicated, also under ZeRO.
+    compression: the gradient compression's state, a
+      :class:`jaxdp.PowerSGDState` (made by ``jaxdp.init_state(...,
+      compression=jaxdp.powersgd(...))``), or ``None`` for the exact
+      reduction. Its error feedback is per replica: split over the data axes.
   """
 
   params: Any
@@ -36,14 +40,17 @@ class TrainState(NamedTuple):
   step: Any
   model_state: Any = None
   loss_scale: Any = None
+  compression: Any = None
 
   @classmethod
   def create(cls, params: Any, optimizer: optax.GradientTransformation, model_state: Any = None,
-             loss_scale: Any = None) -> TrainState:
-    """Builds a state at step 0 with ``optimizer.init(params)`` (``loss_scale``: e.g. ``scaling.init()``).
+             loss_scale: Any = None, compression: Any = None) -> TrainState:
+    """Builds a state at step 0 with ``optimizer.init(params)``; ``loss_scale``: e.g. ``scaling.init()``
+    (:mod:`jaxdp.loss_scaling`); ``compression``: the compression state to hold (e.g.
+    ``jaxdp.init_compression(params, jaxdp.powersgd(), replicas)``), or ``None``.
 
     The arrays are not placed on any mesh; use :func:`jaxdp.init_state` for a
     state placed the way :func:`jaxdp.make_train_step` expects.
     """
     return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), model_state=model_state,
-               loss_scale=loss_scale)
+               loss_scale=loss_scale, compression=compression)
