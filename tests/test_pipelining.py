@@ -266,6 +266,10 @@ def test_errors_of_the_step_arguments():
     jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), backend="pmap")
   with pytest.raises(ValueError, match=r"is also a data axis"):
     jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=("stage", "data"), layers="blocks", pipeline=jaxdp.pipeline(2))
+  with pytest.raises(ValueError, match=r"reduction='none' with a pipeline"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), reduction="none")
+  with pytest.raises(ValueError, match=r"'stage' axis .* pipeline=None"):
+    jaxdp.make_eval_step(loss_fn, mesh, layers="blocks")
   with pytest.raises(TypeError, match=r"pipeline must be a jaxdp.Pipeline"):
     jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=2)
 
