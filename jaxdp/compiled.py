@@ -46,7 +46,6 @@ from jaxdp.layout import (
     data_mesh,
     data_dim,
     data_part,
-    layer_mask,
     make_layout,
     manual_part,
     model_part,
@@ -459,7 +458,8 @@ def make_train_step(
       runs on the global arrays (ZeRO stages 0-2; stage 3 is refused). Under
       ``"circular"`` the state keeps the layers in their natural order: each
       step permutes the stacked parameters into the circular assignment and
-      the gradient back (one all-to-all over the stage axis each way).
+      the gradient back (one all-to-all over the stage axis per stacked
+      leaf, each way).
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->

@@ -123,6 +123,19 @@ def assert_close(params, reference, rtol=1e-6):
     assert err <= rtol, (jax.tree_util.keystr(path), err)
 
 
+def test_circular_assignment():
+  # L = 8 over P = 2 stages, R = 2: blocks of 2 layers; stage 0 holds blocks 0 and 2, stage 1 blocks 1 and 3.
+  order = pipelining.circular_order(np.arange(LAYERS), 2, 2)
+  np.testing.assert_array_equal(order, [0, 1, 4, 5, 2, 3, 6, 7])
+  np.testing.assert_array_equal(pipelining.natural_order(order, 2, 2), np.arange(LAYERS))
+  # The table's layer block (w // M)·P + s at stage s is the r-th block that stage holds.
+  table = pipelining.schedule_table(2, 2, 2)
+  for t, s in zip(*np.nonzero(table != pipelining.IDLE)):
+    repeat, _ = pipelining.unit_of(table[t, s], 2)
+    block = repeat * 2 + s
+    np.testing.assert_array_equal(order.reshape(2, 2, 2)[s, repeat], [2 * block, 2 * block + 1])
+
+
 # A covering subset of P ∈ {2, 4} × M ∈ {1, P, 2P} × schedule ∈ {gpipe, circular R=2} × data ∈ {absent, 2} ×
 # optimizer ∈ {adam, clip+adamw}: every value of every factor and every schedule × P × data pair once (8 compiled
 # steps); the pipeline experiment runs the full product.
