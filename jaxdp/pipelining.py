@@ -143,7 +143,7 @@ class Running(NamedTuple):
 
   pipeline: Pipeline
   stages: int
-  layers: int
+  layers: tuple
   data_axes: tuple
   shapes: tuple
   ran: list
@@ -232,7 +232,8 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> 
   of each stacked leaf, ``[L / P, ...]`` (under ``"circular"`` the blocks ``s, s + P, …`` in that order);
   ``init``: the activations, every leaf with this device's rows on dim 0, the same on every stage; ``xs``:
   per-layer inputs of the whole stack (``[L, ...]``, e.g. dropout keys), each stage takes its layers' rows.
-  Iteration ``t`` of :func:`schedule_table` runs unit ``w = t − s`` on stage ``s``; its output moves to stage
+  The loop runs over the rows of :func:`schedule_table` (its input): at iteration ``t`` stage ``s`` runs unit
+  ``table[t, s]`` (``w = t − s``); its output moves to stage
   ``s + 1`` by ``ppermute`` (stage ``P − 1`` to stage 0 for the next repeat, kept there per microbatch until
   due). The last stage's outputs of the last repeat are summed over the stage axis (zeros elsewhere), so the
   result is the same on every stage. Idle iterations run the layers on a real microbatch's values and their
@@ -267,7 +268,6 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> 
     )
   axes = (axis, *record.data_axes)
   s = lax.axis_index(axis)
-  units = repeats * m_count
   # This stage's rows of the per-layer inputs: layer (r·P + s)·B + j at local row r·B + j.
   if xs is not None:
     counts = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(xs)}
@@ -293,27 +293,27 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> 
                        "not gathered across stages. Return what the loss needs in the carry.")
     return y
 
-  def iteration(state, t):
+  def iteration(state, row):
+    # row: schedule_table's row of this iteration, the unit each stage runs (IDLE: none).
     incoming, waiting, outputs = state
-    w = t - s
-    valid = (w >= 0) & (w < units)
-    w = jnp.clip(w, 0, units - 1)
-    r, m = w // m_count, w % m_count
-    # Stage 0: a new microbatch in the first repeat, one back from stage P − 1 later (idle: a real one's values).
-    first = select(t < m_count, pick(micro, jnp.minimum(t, m_count - 1)), pick(waiting, t % m_count))
+    w = row[s]
+    r, m = unit_of(jnp.maximum(w, 0), m_count)  # idle: unit 0's block and microbatch, results dropped
+    # Stage 0 takes a new microbatch in the first repeat, later the one back from stage P − 1 (idle: a real one).
+    first = select(r == 0, pick(micro, m), pick(waiting, m))
     y = run_block(select(s == 0, first, incoming), r)
-    done = valid & (s == stages - 1) & (r == repeats - 1)
+    done = (w != IDLE) & (s == stages - 1) & (r == repeats - 1)
     outputs = jax.tree.map(lambda o, v: o.at[m].set(jnp.where(done, v, o[m])), outputs, y)
     sent = jax.tree.map(lambda v: lax.ppermute(v, axis, ring), y)
-    # What stage 0 receives is unit t − (P − 1) of stage P − 1, due back at stage 0 at iteration that + M.
-    back = t - (stages - 1)
-    keep = (s == 0) & (back >= 0) & (back < units)
-    slot = jnp.clip(back, 0, units - 1) % m_count
+    # Stage 0 receives the unit stage P − 1 ran, due back at stage 0 M iterations after it entered it (M ≥ P).
+    back = row[stages - 1]
+    slot = jnp.maximum(back, 0) % m_count
+    keep = (s == 0) & (back != IDLE)
     waiting = jax.tree.map(lambda o, v: o.at[slot].set(jnp.where(keep, v, o[slot])), waiting, sent)
     return (sent, waiting, outputs), None
 
   start = (pick(micro, 0), micro, micro)
-  (_, _, outputs), _ = lax.scan(iteration, start, jnp.arange(units + stages - 1))
+  table = jnp.asarray(schedule_table(stages, m_count, repeats))
+  (_, _, outputs), _ = lax.scan(iteration, start, table)
   last = jax.tree.map(lambda o: lax.psum(jnp.where(s == stages - 1, o, jnp.zeros_like(o)), axis), outputs)
   return jax.tree.map(lambda o: o.reshape(rows, *o.shape[2:]), last), None
 
