@@ -325,3 +325,34 @@ def test_errors_before_donation(case):
   with pytest.raises(ValueError, match=match):
     step(state, batch, w)
   assert_untouched(state, host)
+
+
+def test_flax_nnx_stack_made_by_vmap():
+  # An nnx model whose stack nnx.vmap made: the loss runs it with scan_layers over the stack's state; the pipelined
+  # step (circular, on ("stage", "data")) equals the same loss's step on one device.
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Linear(FEATURES, WIDTH, rngs=rngs)
+      self.layers = nnx.split_rngs(splits=4)(nnx.vmap(lambda r: nnx.Linear(WIDTH, WIDTH, rngs=r)))(rngs)
+      self.head = nnx.Linear(WIDTH, 2, rngs=rngs)
+
+  def my_loss(model, batch):
+    graphdef, stack = nnx.split(model.layers)
+    h = jnp.tanh(model.embed(batch["x"]))
+    h, _ = jaxdp.scan_layers(lambda c, s, _: (jnp.tanh(nnx.merge(graphdef, s)(c)), None), h, stack)
+    return jnp.sum((model.head(h) - batch["y"]) ** 2, axis=-1)
+
+  definition, params, _ = jaxdp.nnx.split(Model(nnx.Rngs(0)))
+  fn, opt, runs = jaxdp.nnx.loss_fn(definition, my_loss), adam(), batches(3)
+  results = []
+  one_device = Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))
+  for mesh, kwargs in ((one_device, {}),
+                       (stage_mesh(2, 2), {"layers": "layers", "pipeline": jaxdp.pipeline(2, "circular", repeats=2)})):
+    step = jaxdp.make_train_step(fn, opt, mesh, **kwargs)
+    state = jaxdp.init_state(params, opt, mesh)
+    for batch, w in runs:
+      state, _ = step(state, batch, w)
+    results.append(jaxdp.gather_state(state).params)
+  assert_close(results[1], results[0])
