@@ -42,6 +42,7 @@ _EXPORTS_BY_MODULE = {
     "layerwise": ("gather", "gather_policy", "scan_layers"),
     "loss": ("LOSS_KEYWORDS", "LossOutput"),
     "loss_scaling": ("DynamicLossScale", "LossScale", "dynamic_loss_scale", "update_loss_scale"),
+    "pipelining": ("Pipeline", "pipeline"),
     "layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "data_mesh", "gather_state", "init_state",
                "place_state", "state_specs"),
     "randomness": ("example_keys", "use_example_ids"),
@@ -54,7 +55,7 @@ _EXPORTS_BY_MODULE = {
     "step": ("apply_update", "finish_step", "gradient_step", "train_step"),
 }
 _EXPORTS = {name: module for module, names in _EXPORTS_BY_MODULE.items() for name in names}
-_MODULES = ("batchnorm", "distributed", "layerwise", "layout", "linen", "nnx", "randomness", "scaling")  # public submodules in __all__
+_MODULES = ("batchnorm", "distributed", "layerwise", "layout", "linen", "nnx", "pipelining", "randomness", "scaling")  # public submodules in __all__
 
 __all__ = [
     "PowerSGD",
@@ -123,6 +124,9 @@ __all__ = [
     "memory_report",
     "nnx",
     "per_replica",
+    "Pipeline",
+    "pipeline",
+    "pipelining",
     "place_state",
     "process_positions",
     "randomness",

@@ -1,0 +1,358 @@
+"""Pipeline parallelism over a stage axis (jaxdp.pipelining), composed with exact data parallelism.
+
+Every pipelined step is compared with an independent single-device reference written plainly here: a Python
+loop over the layers, ``jax.grad`` of ``Σ w·l / Σ w`` over the whole batch, the optax update, 5 steps.
+"""
+
+import functools
+
+import numpy as np
+import optax
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh
+
+import jaxdp
+from jaxdp import pipelining
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+LAYERS, WIDTH, FEATURES, ROWS, STEPS = 8, 4, 3, 16, 5
+
+
+def init_params(seed=0):
+  k = jax.random.split(jax.random.key(seed), 5)
+  return {
+      "embed": np.asarray(jax.random.normal(k[0], (FEATURES, WIDTH)) * 0.6),
+      "blocks": {"w": np.asarray(jax.random.normal(k[1], (LAYERS, WIDTH, WIDTH)) * 0.6),
+                 "b": np.asarray(jax.random.normal(k[2], (LAYERS, WIDTH)) * 0.1)},
+      "head": np.asarray(jax.random.normal(k[3], (WIDTH, 2)) * 0.6),
+      "scale": np.asarray(jax.random.normal(k[4], (LAYERS,)) * 0.3),  # per-layer inputs (xs), not stacked
+  }
+
+
+def layer(h, p, x):
+  return jnp.tanh((h @ p["w"] + p["b"][None, :]) * (1 + x)), None
+
+
+def loss_fn(params, batch):
+  h = jnp.tanh(batch["x"] @ params["embed"])
+  h, _ = jaxdp.scan_layers(layer, h, params["blocks"], params["scale"])
+  return jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
+
+
+def reference_loss(params, x, y, w):
+  h = jnp.tanh(x @ params["embed"])
+  for i in range(LAYERS):  # a plain loop over the layers
+    h = jnp.tanh((h @ params["blocks"]["w"][i] + params["blocks"]["b"][i][None, :]) * (1 + params["scale"][i]))
+  losses = jnp.sum((h @ params["head"] - y) ** 2, axis=-1)
+  return jnp.sum(w * losses) / jnp.sum(w)
+
+
+def batches(steps=STEPS, rows=ROWS, seed=1):
+  """Uneven weights; step 0's second half (a whole data shard at data=2) has weight 0; a padding row each step."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(steps):
+    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+    y = rng.normal(size=(rows, 2)).astype(np.float32)
+    w = rng.uniform(0.25, 2.0, size=rows).astype(np.float32)
+    w[rows - 3] = 0.0
+    if i == 0:
+      w[rows // 2:] = 0.0
+    out.append(({"x": x, "y": y}, w))
+  return out
+
+
+def reference_run(opt, data, params=None):
+  params = jax.tree.map(jnp.asarray, init_params() if params is None else params)
+  opt_state = opt.init(params)
+  grad = jax.jit(jax.grad(reference_loss))
+  for batch, w in data:
+    g = grad(params, batch["x"], batch["y"], w)
+    updates, opt_state = opt.update(g, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def adam():
+  return optax.adam(1e-2)
+
+
+def clip_adamw():
+  return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+
+
+OPTIMIZERS = {"adam": adam, "clip_adamw": clip_adamw}
+
+
+def stage_mesh(stages, data=1, replica=None):
+  if replica is None:
+    shape, names = (stages, data), ("stage", "data")
+  else:
+    shape, names = (stages, replica, data), ("stage", "replica", "data")
+  devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+@functools.cache
+def built(stages, data, microbatches, schedule="gpipe", repeats=1, optimizer="adam", zero_stage=0, accum_steps=1,
+          replica=None):
+  """``(step, optimizer, mesh, axis_name)``, built once per module: tests that can share a compiled step do."""
+  opt, mesh = OPTIMIZERS[optimizer](), stage_mesh(stages, data, replica)
+  axis_name = "data" if replica is None else ("replica", "data")
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=axis_name, zero_stage=zero_stage, accum_steps=accum_steps,
+                               layers="blocks", pipeline=jaxdp.pipeline(microbatches, schedule, repeats=repeats),
+                               check_replicas=zero_stage > 0)
+  return step, opt, mesh, axis_name
+
+
+def train(step, mesh, opt, data, axis_name="data", zero_stage=0):
+  state = jaxdp.init_state(init_params(), opt, mesh, axis_name=axis_name, zero_stage=zero_stage, layers="blocks")
+  for batch, w in data:
+    state, metrics = step(state, batch, w)
+  return state, metrics
+
+
+def assert_close(params, reference, rtol=1e-6):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(reference)):
+    a, b = np.asarray(a), np.asarray(b)
+    err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+    assert err <= rtol, (jax.tree_util.keystr(path), err)
+
+
+def test_circular_assignment():
+  # L = 8 over P = 2 stages, R = 2: blocks of 2 layers; stage 0 holds blocks 0 and 2, stage 1 blocks 1 and 3.
+  order = pipelining.circular_order(np.arange(LAYERS), 2, 2)
+  np.testing.assert_array_equal(order, [0, 1, 4, 5, 2, 3, 6, 7])
+  np.testing.assert_array_equal(pipelining.natural_order(order, 2, 2), np.arange(LAYERS))
+  # The table's layer block (w // M)·P + s at stage s is the r-th block that stage holds.
+  table = pipelining.schedule_table(2, 2, 2)
+  for t, s in zip(*np.nonzero(table != pipelining.IDLE)):
+    repeat, _ = pipelining.unit_of(table[t, s], 2)
+    block = repeat * 2 + s
+    np.testing.assert_array_equal(order.reshape(2, 2, 2)[s, repeat], [2 * block, 2 * block + 1])
+
+
+# A covering subset of P ∈ {2, 4} × M ∈ {1, P, 2P} × schedule ∈ {gpipe, circular R=2} × data ∈ {absent, 2} ×
+# optimizer ∈ {adam, clip+adamw}: every value of every factor and every schedule × P × data pair once (8 compiled
+# steps); the pipeline experiment runs the full product.
+CASES = [
+    # (stages, microbatches, schedule, repeats, data, optimizer)
+    (2, 1, "gpipe", 1, 1, "adam"),
+    (2, 4, "gpipe", 1, 2, "clip_adamw"),
+    (4, 4, "gpipe", 1, 2, "adam"),
+    (4, 8, "gpipe", 1, 1, "clip_adamw"),
+    (2, 2, "circular", 2, 1, "clip_adamw"),
+    (2, 4, "circular", 2, 2, "adam"),
+    (4, 4, "circular", 2, 2, "clip_adamw"),
+    (4, 8, "circular", 2, 1, "adam"),
+]
+
+
+@pytest.mark.parametrize("stages,microbatches,schedule,repeats,data,optimizer", CASES)
+def test_equals_one_device(stages, microbatches, schedule, repeats, data, optimizer):
+  step, opt, mesh, _ = built(stages, data, microbatches, schedule, repeats, optimizer)
+  runs = batches()
+  state, metrics = train(step, mesh, opt, runs)
+  assert int(metrics["skipped"]) == 0 and int(state.step) == STEPS
+  assert_close(state.params, reference_run(opt, runs))
+
+
+@pytest.mark.parametrize("zero_stage,accum_steps,replica", [(1, 2, None), (2, 1, 2)])
+def test_zero_accumulation_and_replicas(zero_stage, accum_steps, replica):
+  # ZeRO 1 with accum_steps=2 on ("stage", "data"); ZeRO 2 on ("stage", "replica", "data") (hybrid: split over data).
+  step, opt, mesh, axis_name = built(2, 2, 2, "circular", 2, "clip_adamw", zero_stage, accum_steps, replica)
+  runs = batches()
+  state, metrics = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
+  assert float(metrics["replica_divergence"]) == 0.0
+  assert_close(state.params, reference_run(opt, runs))
+  specs = jaxdp.state_specs(state)
+  assert specs.params["blocks"]["w"][0] == "stage" and specs.params["head"] == jax.sharding.PartitionSpec()
+  mu = specs.opt_state[1][0].mu if zero_stage else None
+  assert mu["blocks"]["w"][0] == "stage" and "data" in jax.tree.leaves(tuple(mu["blocks"]["w"]))
+
+
+def reference_means(params, data):
+  loss = sum(float(reference_loss(params, b["x"], b["y"], w) * np.sum(w)) for b, w in data)
+  weight = sum(float(np.sum(w)) for _, w in data)
+  return loss / weight, weight
+
+
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2)])
+def test_eval_on_the_pipeline_mesh(schedule, repeats):
+  mesh = stage_mesh(2, 2)
+  evaluate = jaxdp.make_eval_step(loss_fn, mesh, layers="blocks", pipeline=jaxdp.pipeline(2, schedule, repeats=repeats))
+  params = init_params(3)
+  state = jaxdp.init_state(params, adam(), mesh, layers="blocks")
+  data = batches(2, seed=4)
+  means = evaluate.evaluate(state, data)
+  loss, weight = reference_means(params, data)
+  assert means["weight"] == pytest.approx(weight, rel=1e-6)
+  assert means["loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_gradient_reduced_over_the_data_axis_once_per_step():
+  # P = 4 stages, N = 2 replicas: an all-reduce over 2 devices is over the data axis, over 4 over the stages.
+  mesh, opt = stage_mesh(4, 2), adam()
+  b, w = batches(1)[0]
+  params = init_params()
+  blocks = sum(np.size(x) for x in jax.tree.leaves(params["blocks"]))
+  local_grad_bytes = 4 * (np.size(params["embed"]) + np.size(params["head"]) + LAYERS + blocks // 4)  # a stage's L / 4 layers
+  for microbatches in (1, 4):
+    step = jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(microbatches, "gpipe"))
+    state = jaxdp.init_state(init_params(), opt, mesh, layers="blocks", stage_axis="stage")
+    ops = jaxdp.reports.hlo_collectives(step.lower(state, b, w).compile().as_text())
+    over_data = [op for op in ops if op.kind == "all-reduce" and op.group == 2]
+    assert len(over_data) == 1, [op.line[:120] for op in over_data]
+    assert over_data[0].nbytes >= local_grad_bytes  # every leaf's gradient in that one all-reduce
+    assert "while" not in over_data[0].line  # not inside the loop over microbatches
+    assert not [op for op in ops if op.kind != "all-reduce"]
+
+
+def test_nonfinite_on_one_device_skips_on_every_stage_and_replica():
+  step, opt, mesh, _ = built(2, 2, 4, "gpipe", 1, "clip_adamw")  # a step of test_equals_one_device
+  (batch, w), (good, good_w) = batches(2)
+  state, _ = step(jaxdp.init_state(init_params(), opt, mesh, layers="blocks"), good, good_w)
+  before = jaxdp.gather_state(state)
+  batch["x"][ROWS - 1, 0] = np.nan  # one row on the second replica, weight > 0
+  w[ROWS - 1] = 1.0
+  state, metrics = step(state, batch, w)
+  assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite"]) == 1
+  after = jaxdp.gather_state(state)
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  # Every device's shards are unchanged: each stage's block and each replica's copy.
+  for leaf, host in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params)):
+    for shard in leaf.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
+
+
+def test_checkpoint_across_meshes_with_and_without_a_stage_axis(tmp_path):
+  piped, opt, pipe_mesh, _ = built(2, 2, 2, "circular", 2, "clip_adamw", 1, 2)  # a step of the test above
+  runs = batches(6)
+  plain_mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",), axis_types=(AxisType.Auto,))
+  plain = jaxdp.make_train_step(loss_fn, opt, plain_mesh, zero_stage=1)
+  state = jaxdp.init_state(init_params(), opt, pipe_mesh, layers="blocks", stage_axis="stage", zero_stage=1)
+  for batch, w in runs[:2]:
+    state, _ = piped(state, batch, w)
+  with jaxdp.CheckpointManager(tmp_path / "a", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(2, state)
+    restored = ckpt.restore(params=init_params(), optimizer=opt, mesh=plain_mesh, zero_stage=1).state
+  for batch, w in runs[2:4]:  # on the plain data mesh: scan_layers is a lax.scan there
+    restored, _ = plain(restored, batch, w)
+  with jaxdp.CheckpointManager(tmp_path / "b", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(4, restored)
+    back = ckpt.restore(params=init_params(), optimizer=opt, mesh=pipe_mesh, zero_stage=1, layers="blocks",
+                        stage_axis="stage").state
+  assert jaxdp.state_specs(back).params["blocks"]["w"][0] == "stage"
+  for batch, w in runs[4:]:
+    back, _ = piped(back, batch, w)
+  assert int(back.step) == 6
+  assert_close(back.params, reference_run(opt, runs))
+
+
+# --- Errors: raised before anything runs or is donated ------------------------------------------------------------
+
+
+def assert_untouched(state, host):
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(host)):
+    assert not a.is_deleted()
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_errors_of_the_step_arguments():
+  mesh, opt = stage_mesh(2, 2), adam()
+  with pytest.raises(ValueError, match=r"stage axis with no stacked layers.*layers="):
+    jaxdp.make_train_step(loss_fn, opt, mesh, pipeline=jaxdp.pipeline(2))
+  with pytest.raises(ValueError, match=r"'stage' axis .* pipeline=None"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks")
+  with pytest.raises(ValueError, match=r"needs microbatches >= stages.*microbatches=1"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(1, "circular", repeats=2))
+  with pytest.raises(ValueError, match=r"zero_stage=3 with a pipeline"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), zero_stage=3)
+  with pytest.raises(ValueError, match=r"not an axis of the mesh"):
+    jaxdp.make_train_step(loss_fn, opt, stage_mesh(1, 2), layers="blocks", pipeline=jaxdp.pipeline(2, axis_name="pp"))
+  with pytest.raises(ValueError, match=r"backend='pmap' maps over one axis only.*'stage'"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), backend="pmap")
+  with pytest.raises(ValueError, match=r"is also a data axis"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=("stage", "data"), layers="blocks", pipeline=jaxdp.pipeline(2))
+  with pytest.raises(ValueError, match=r"reduction='none' with a pipeline"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), reduction="none")
+  with pytest.raises(ValueError, match=r"'stage' axis .* pipeline=None"):
+    jaxdp.make_eval_step(loss_fn, mesh, layers="blocks")
+  with pytest.raises(TypeError, match=r"pipeline must be a jaxdp.Pipeline"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=2)
+
+
+@pytest.mark.parametrize("case", ["layers", "circular_layers", "rows", "loop", "ys", "carry"])
+def test_errors_before_donation(case):
+  mesh, opt = stage_mesh(2, 2), adam()
+  params, pipe, fn, rows = init_params(), jaxdp.pipeline(2, "gpipe"), loss_fn, ROWS
+  if case == "layers":  # L = 3 over P = 2
+    params["blocks"] = jax.tree.map(lambda x: x[:3], params["blocks"])
+    match = r"L = 3 layers does not split into P = 2 stages: L % 2 = 1"
+  elif case == "circular_layers":  # L = 6 over P·R = 4
+    params["blocks"] = jax.tree.map(lambda x: x[:6], params["blocks"])
+    pipe, match = jaxdp.pipeline(2, "circular", repeats=2), r"L = 6 layers does not split into P·R = 2·2 = 4 blocks"
+  elif case == "rows":  # 12 rows: 6 per replica, not a multiple of M = 4
+    pipe, rows, match = jaxdp.pipeline(4, "gpipe"), 12, r"12 rows: 6 per device .* microbatches=4"
+  elif case in ("ys", "carry"):  # per-layer outputs; a carry leaf without the batch rows (a running statistic)
+    def fn(params, batch):
+      h = jnp.tanh(batch["x"] @ params["embed"])
+      if case == "ys":
+        h, _ = jaxdp.scan_layers(lambda c, p, x: (layer(c, p, x)[0], jnp.sum(c)), h, params["blocks"], params["scale"])
+      else:
+        (h, _), _ = jaxdp.scan_layers(lambda c, p, x: ((layer(c[0], p, x)[0], c[1] + jnp.mean(c[0])), None),
+                                      (h, jnp.zeros(())), params["blocks"], params["scale"])
+      return jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
+    match = r"f must return \(carry, None\)" if case == "ys" else r"must hold the batch rows there; got leading sizes"
+  else:  # a loss that loops over its stage's block itself
+    def fn(params, batch):
+      h = jnp.tanh(batch["x"] @ params["embed"])
+      h, _ = jax.lax.scan(lambda c, p: layer(c, p, 0.0), h, params["blocks"])
+      return jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
+    match = r"did not run the stacks named by layers= through jaxdp.scan_layers"
+  step = jaxdp.make_train_step(fn, opt, mesh, layers="blocks", pipeline=pipe)
+  if case == "layers":
+    with pytest.raises(ValueError, match=r"L = 3 layers, which do not split over the 2 devices of the stage axis"):
+      jaxdp.init_state(params, opt, mesh, layers="blocks", stage_axis="stage")
+  state = jaxdp.init_state(params, opt, mesh, layers="blocks", stage_axis=None if "layers" in case else "stage")
+  host = jaxdp.gather_state(state)
+  batch, w = batches(1, rows=rows)[0]
+  with pytest.raises(ValueError, match=match):
+    step(state, batch, w)
+  assert_untouched(state, host)
+
+
+def test_flax_nnx_stack_made_by_vmap():
+  # An nnx model whose stack nnx.vmap made: the loss runs it with scan_layers over the stack's state; the pipelined
+  # step (circular, on ("stage", "data")) equals the same loss's step on one device.
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Linear(FEATURES, WIDTH, rngs=rngs)
+      self.layers = nnx.split_rngs(splits=4)(nnx.vmap(lambda r: nnx.Linear(WIDTH, WIDTH, rngs=r)))(rngs)
+      self.head = nnx.Linear(WIDTH, 2, rngs=rngs)
+
+  def my_loss(model, batch):
+    graphdef, stack = nnx.split(model.layers)
+    h = jnp.tanh(model.embed(batch["x"]))
+    h, _ = jaxdp.scan_layers(lambda c, s, _: (jnp.tanh(nnx.merge(graphdef, s)(c)), None), h, stack)
+    return jnp.sum((model.head(h) - batch["y"]) ** 2, axis=-1)
+
+  definition, params, _ = jaxdp.nnx.split(Model(nnx.Rngs(0)))
+  fn, opt, runs = jaxdp.nnx.loss_fn(definition, my_loss), adam(), batches(3)
+  results = []
+  one_device = Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))
+  for mesh, kwargs in ((one_device, {}),
+                       (stage_mesh(2, 2), {"layers": "layers", "pipeline": jaxdp.pipeline(2, "circular", repeats=2)})):
+    step = jaxdp.make_train_step(fn, opt, mesh, **kwargs)
+    state = jaxdp.init_state(params, opt, mesh)
+    for batch, w in runs:
+      state, _ = step(state, batch, w)
+    results.append(jaxdp.gather_state(state).params)
+  assert_close(results[1], results[0])
