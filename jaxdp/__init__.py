@@ -39,6 +39,7 @@ _EXPORTS_BY_MODULE = {
     "evaluation": ("EvalStep", "eval_sums", "make_eval_step", "means_from_sums"),
     "layerwise": ("gather", "gather_policy", "scan_layers"),
     "loss": ("LOSS_KEYWORDS", "LossOutput"),
+    "pipelining": ("Pipeline", "pipeline"),
     "layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "data_mesh", "gather_state", "init_state",
                "place_state", "state_specs"),
     "randomness": ("example_keys", "use_example_ids"),
@@ -51,7 +52,7 @@ _EXPORTS_BY_MODULE = {
     "step": ("apply_update", "finish_step", "gradient_step", "train_step"),
 }
 _EXPORTS = {name: module for module, names in _EXPORTS_BY_MODULE.items() for name in names}
-_MODULES = ("batchnorm", "distributed", "layerwise", "layout", "linen", "nnx", "randomness", "scaling")  # public submodules in __all__
+_MODULES = ("batchnorm", "distributed", "layerwise", "layout", "linen", "nnx", "pipelining", "randomness", "scaling")  # public submodules in __all__
 
 __all__ = [
     "BACKENDS",
@@ -108,6 +109,9 @@ __all__ = [
     "memory_report",
     "nnx",
     "per_replica",
+    "Pipeline",
+    "pipeline",
+    "pipelining",
     "place_state",
     "process_positions",
     "randomness",

@@ -31,7 +31,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import _checks
+from jaxdp import _checks, pipelining
 from jaxdp._checks import check_int, check_optimizer
 from jaxdp.layout import (
     Layout,
@@ -44,11 +44,15 @@ from jaxdp.layout import (
     data_mesh,
     data_dim,
     data_part,
+    layer_mask,
     make_layout,
+    manual_part,
+    model_part,
     model_specs_of,
     place,
     replicated,
     split_along,
+    zero_axis,
 )
 from jaxdp.loss import check_loss_fn, model_support
 from jaxdp.reduction import ReducedGradient
@@ -72,9 +76,10 @@ class CompiledStep:
 
   def __init__(
       self, build, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage,
-      max_consecutive_skips, donate=True, layers=None,
+      max_consecutive_skips, donate=True, layers=None, pipeline=None,
   ):
-    self._build, self.donate, self.layers = build, donate, layers
+    self._build, self.donate, self.layers, self.pipeline = build, donate, layers, pipeline
+    self._stage_axis = None if pipeline is None else pipeline.axis_name
     self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
@@ -196,10 +201,13 @@ class CompiledStep:
             f"has_more has shape {np.shape(has_more)}; pass one count per device of the data axis, shape ({n},) "
             "(jaxdp.StreamingPipeline yields it), or None."
         )
+      if self.pipeline is not None:
+        pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self._stage_axis])
+        pipelining.check_rows(batch, self.pipeline, n, self.accum_steps)
       self._validated.add(key)
     if layout_key not in self._layouts:
       self._layouts[layout_key] = make_layout(state, self.mesh, self.axis_name, self.zero_stage, model_specs,
-                                              self.layers)
+                                              self.layers, self._stage_axis)
     layout = self._layouts[layout_key]
     if not ours:  # the returned state is placed already: skip the placement of each leaf
       state = place(state, layout.shardings(self.mesh))
@@ -235,7 +243,7 @@ class CompiledStep:
   def layout_at(self, state: TrainState, zero_stage: int) -> Layout:
     """The layout of ``state`` on this step's mesh at ``zero_stage``."""
     return make_layout(state, self.mesh, self.axis_name, zero_stage,
-                       model_specs_of(state.params, self.mesh, self.axis_name), self.layers)
+                       model_specs_of(state.params, self.mesh, self.axis_name), self.layers, self._stage_axis)
 
   def __call__(
       self,
@@ -350,6 +358,7 @@ def make_train_step(
     bucket_bytes: int | None = None,
     example_ids: Any = None,
     layers: Any = None,
+    pipeline: pipelining.Pipeline | None = None,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -438,6 +447,17 @@ def make_train_step(
       the same ``layers`` to place the state so from the start. Whether a
       gathered layer is kept for the backward pass is the loop body's
       checkpoint policy, :func:`jaxdp.gather_policy` (``reshard_after_forward``).
+    pipeline: pipeline parallelism over the mesh axis ``pipeline.axis_name``
+      (a :class:`jaxdp.Pipeline` from :func:`jaxdp.pipeline`; see
+      :mod:`jaxdp.pipelining`). The stacks named by ``layers`` (required)
+      are split into ``P`` stages along their layer axis, and the loss's
+      :func:`jaxdp.scan_layers` runs them on ``M`` microbatches of each
+      device's rows; the rest of the loss runs on every stage alike. The
+      gradient is reduced over the data axes once per step and the update
+      runs on the global arrays (ZeRO stages 0-2; stage 3 is refused). Under
+      ``"circular"`` the state keeps the layers in their natural order: each
+      step permutes the stacked parameters into the circular assignment and
+      the gradient back (one all-to-all over the stage axis each way).
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -452,8 +472,11 @@ def make_train_step(
   )
   mesh = _checked_mesh(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
                        check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers)
+  pipelining.check_pipeline(pipeline, mesh, settings.axis_name, layers=layers, zero_stage=settings.zero_stage,
+                            backend=backend)
   return _built_train_step(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
-                           check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers)
+                           check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers,
+                           pipeline=pipeline)
 
 
 def _checked_mesh(settings: StepSettings, loss_fn, optimizer, mesh: Mesh | None, *, backend: str, donate: Any,
@@ -496,7 +519,8 @@ def _checked_mesh(settings: StepSettings, loss_fn, optimizer, mesh: Mesh | None,
 
 
 def _built_train_step(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, *, backend: str, donate: bool,
-                      check_replicas: bool, max_consecutive_skips: int | None, layers: Any) -> CompiledStep:
+                      check_replicas: bool, max_consecutive_skips: int | None, layers: Any,
+                      pipeline: pipelining.Pipeline | None = None) -> CompiledStep:
   """The :class:`CompiledStep` of checked arguments: it builds one jitted step per state layout."""
   axis_name, reduction = settings.axis_name, settings.reduction
   # Typed on any number of devices, so that a program that fails at scale fails on one device too. Under
@@ -517,10 +541,11 @@ def _built_train_step(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, *,
   def build(layout: Layout):
     if backend == "pmap":
       return jax.jit(_with_guard_flag(_pmap_over(replica_step, mesh, axis_name)), donate_argnums=(0,) if donate else ())
-    if settings.zero_stage == 0:
+    if settings.zero_stage == 0 and pipeline is None:
       mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
-    else:
-      mapped = _global_update_over(settings, loss_fn, optimizer, mesh, layout, check_vma=check_vma)
+    else:  # a pipeline at every stage: the grad norm, clipping and the skip see every stage's layers
+      mapped = _global_update_over(settings, loss_fn, optimizer, mesh, layout, check_vma=check_vma,
+                                   pipeline=pipeline)
     if check_replicas:
       mapped = _with_divergence(mapped, layout, mesh)
     # The outputs keep the layout exactly (model-axis splits included), so the next call needs no placement.
@@ -542,6 +567,7 @@ def _built_train_step(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, *,
       max_consecutive_skips=max_consecutive_skips,
       donate=donate,
       layers=layers,
+      pipeline=pipeline,
   )
 
 
@@ -585,29 +611,45 @@ def _with_divergence(step, layout: Layout, mesh: Mesh):
   return checked
 
 
-def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, layout: Layout, *, check_vma: bool):
-  """ZeRO stages 1-3: the reduced gradient per replica, then the update on the global (sharded) arrays."""
+def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, layout: Layout, *, check_vma: bool,
+                        pipeline: pipelining.Pipeline | None = None):
+  """ZeRO stages 1-3 (and any stage with a pipeline): the reduced gradient per replica (and stage), then the
+  update on the global (sharded) arrays."""
   axis_name, stage = settings.axis_name, layout.zero_stage
   specs = _manual_specs(layout, axis_name)
   batch_spec = split_along(mesh, axis_name).spec
   # Full specs (model axes too): the data-axis gather and scatter then run per model shard.
   params_split = layout.split_specs if stage == 3 else None
   grads_split = layout.split_specs if stage >= 2 else None
+  grad_specs, manual, run = layout.grad_specs, set(axis_names(axis_name)), run_gradient_step
+  if pipeline is not None:
+    # Manual over the stage axis too: each stage sees its block of the stacks; the loss's scan_layers pipelines it.
+    stage_axis = pipeline.axis_name
+    manual.add(stage_axis)
+    kept = (stage_axis, zero_axis(axis_name))
+    params_specs = jax.tree.map(lambda s: manual_part(s, kept), layout.specs.params)
+    specs = TrainState(params_specs, None, P(), P())
+    grad_specs = jax.tree.map(lambda s: manual_part(s, kept), layout.split_specs if stage >= 2 else layout.specs.params)
+    if grads_split is not None:  # the scatter's specs as a stage sees its block: no stage axis
+      grads_split = jax.tree.map(lambda s: model_part(s, stage_axis), grads_split)
+    run = _pipelined(pipeline, mesh, axis_name, layout)
 
   def per_replica(state, batch, weights, rng, has_more):
-    return run_gradient_step(
+    return run(
         settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more, params_split=params_split,
-        grads_split=grads_split, divide=False, stacked=layout.layers,
+        grads_split=grads_split, divide=False, stacked=None if pipeline is not None else layout.layers,
     )
 
   gradient = jax.shard_map(
       per_replica,
       mesh=mesh,
       in_specs=(TrainState(specs.params, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
-      out_specs=ReducedGradient(layout.grad_specs, P(), P(), P(), P(), P(), P()),
-      axis_names=set(axis_names(axis_name)),
+      out_specs=ReducedGradient(grad_specs, P(), P(), P(), P(), P(), P()),
+      axis_names=manual,
       check_vma=check_vma,
   )
+  if pipeline is not None and pipeline.repeats > 1:
+    gradient = _in_circular_order(gradient, pipeline, mesh, layout, grad_specs)
   gather = None
   # The update is computed split where the gradient (stage 2) or the optimizer state is split (XLA slices the
   # replicated parameters); at stage 1 an optimizer without state (SGD) updates the replicated parameters and
@@ -632,6 +674,47 @@ def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, 
     return new_state, metrics
 
   return step
+
+
+def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout: Layout) -> Callable:
+  """:func:`run_gradient_step` with the loss's :func:`jaxdp.scan_layers` running ``pipeline`` over the stacks,
+  and a check that the loss did run every stack through it."""
+  stages = mesh.shape[pipeline.axis_name]
+
+  def run(settings, loss_fn, state, *args, **kwargs):
+    local = [tuple(x.shape) for x, is_layer in zip(jax.tree.leaves(state.params), jax.tree.leaves(layout.layers))
+             if is_layer]
+    with pipelining.running(pipeline, stages, [shape[0] * stages for shape in local], axis_names(axis_name),
+                            local) as record:
+      reduced = run_gradient_step(settings, loss_fn, state, *args, **kwargs)
+    pipelining.check_ran(record)
+    return reduced
+
+  return run
+
+
+def _in_circular_order(gradient: Callable, pipeline: pipelining.Pipeline, mesh: Mesh, layout: Layout,
+                       grad_specs: Any) -> Callable:
+  """``gradient`` on the stacks permuted into the circular assignment, its gradient permuted back."""
+  stages, repeats = mesh.shape[pipeline.axis_name], pipeline.repeats
+
+  def permuted(state, *args):
+    def to_circular(x, is_layer, spec):
+      if not is_layer:
+        return x
+      return jax.lax.with_sharding_constraint(pipelining.circular_order(x, stages, repeats), NamedSharding(mesh, spec))
+
+    params = jax.tree.map(to_circular, state.params, layout.layers, layout.specs.params)
+    reduced = gradient(state._replace(params=params), *args)
+
+    def to_natural(g, is_layer, spec):
+      if not is_layer:
+        return g
+      return jax.lax.with_sharding_constraint(pipelining.natural_order(g, stages, repeats), NamedSharding(mesh, spec))
+
+    return reduced._replace(grads=jax.tree.map(to_natural, reduced.grads, layout.layers, grad_specs))
+
+  return permuted
 
 
 def _pmap_over(replica_step, mesh: Mesh, axis_name: str):

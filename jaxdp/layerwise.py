@@ -43,6 +43,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from jaxdp import pipelining
 from jaxdp.layout import data_dim, key_name, one_layer_spec, per_model_shard, zero_axis
 
 GATHERED = "jaxdp_gathered"
@@ -205,9 +206,17 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   ``lax.scan``. Elsewhere (one device, below stage 3, a plain program) it is ``lax.scan`` with the layers
   as they are, so the same model runs everywhere. The gradients of values ``f`` closes over (floating
   values being differentiated, which ``jax.closure_convert`` hoists) are summed over the layers.
+
+  Inside a pipelined step (``make_train_step(..., pipeline=)``, see :mod:`jaxdp.pipelining`) it runs the
+  stage's block of layers on microbatches of ``init`` instead (every leaf of ``init`` holding the device's
+  rows on dim 0) and returns the whole stack's output on every stage; ``f`` must return ``(carry, None)``
+  there, and ``xs`` cover the whole stack (``[L, ...]``).
   """
   if not isinstance(reshard_after_forward, (bool, np.bool_)):
     raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}.")
+  pipelined = pipelining.active()
+  if pipelined is not None:  # a pipelined step: this stage's block of layers, one microbatch at a time
+    return pipelining.run_stack(f, init, layers, xs, pipelined)
   active = _ACTIVE.get()
   count = {np.shape(x)[0] for x in jax.tree.leaves(layers)}
   if len(count) != 1:

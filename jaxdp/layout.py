@@ -483,7 +483,7 @@ def layer_mask(params: Any, layers: Any) -> Any:
 
 
 def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: int, model_specs: Any = None,
-                layers: Any = None) -> Layout:
+                layers: Any = None, stage_axis: str | None = None) -> Layout:
   """The :class:`Layout` of a state shaped like ``abstract`` (arrays or ``ShapeDtypeStruct``s).
 
   ``model_specs`` is the params' tree of model-axis ``PartitionSpec``s
@@ -493,6 +493,10 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
   dimension rule applied to one layer's shape, never along the layer axis,
   so that a layer's slice can be gathered inside the loop over layers
   (:func:`jaxdp.gather`).
+
+  ``stage_axis``: a pipeline's stage axis (:mod:`jaxdp.pipelining`): the stacked leaves, and the optimizer
+  state that belongs to them, are split over it along their layer axis (stage ``s`` holds layers
+  ``s·L/P … (s+1)·L/P − 1``); every other leaf is replicated over it.
   """
   zero = zero_axis(axis_name)
   n = mesh.shape[zero]
@@ -501,9 +505,13 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
   stacked = layer_mask(abstract.params, layers)
   if stacked is None:
     stacked = jax.tree.map(lambda _: False, abstract.params)
+  if stage_axis is not None:  # the stage split is the layout's own, whatever the leaves carry now
+    model_specs = jax.tree.map(
+        lambda x, spec, is_layer: _with_stage(spec, np.ndim(x), stage_axis, is_layer), abstract.params, model_specs,
+        stacked, is_leaf=lambda x: isinstance(x, P))
   for path, is_layer, spec in zip(jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(stacked),
                                   jax.tree.leaves(model_specs, is_leaf=lambda x: isinstance(x, P))):
-    if is_layer and _entries(spec, len(np.shape(path[1])))[0] is not None:
+    if is_layer and _entries(spec, len(np.shape(path[1])))[0] not in (None, stage_axis):
       raise ValueError(
           f"layers={layers!r}: {jax.tree_util.keystr(path[0])} is split over a model axis along its layer axis "
           f"(spec {spec}); each device must hold every layer's slice. Split it over the model axes along another "
@@ -528,6 +536,26 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
   )
   grad_specs = jax.tree.map(lambda s: data_part(s, axis_name) if zero_stage >= 2 else P(), split_specs)
   return Layout(specs, grad_specs, zero_stage, split_specs, None if layers is None else stacked)
+
+
+def _with_stage(spec: P, ndim: int, stage_axis: str, is_layer: bool) -> P:
+  """``spec`` without ``stage_axis``, then split over it along dim 0 when ``is_layer``."""
+  entries = []
+  for entry in _entries(spec, ndim):
+    kept = tuple(a for a in _axes_of(entry) if a != stage_axis)
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  if is_layer:
+    entries[0] = stage_axis
+  return _spec(entries)
+
+
+def manual_part(spec: P, axes: Any) -> P:
+  """``spec`` with only the mesh axes ``axes`` kept: the spec ``shard_map`` sees when those axes are manual."""
+  entries = []
+  for entry in spec:
+    kept = tuple(a for a in _axes_of(entry) if a in axes)
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return _spec(entries)
 
 
 def model_specs_of(params: Any, mesh: Mesh, axis_name: str) -> Any:
