@@ -47,7 +47,8 @@ default ``out/pipeline``; ``--publish`` also copies them to
   .venv/bin/python experiments/pipeline.py --quick    # 4 rows
   .venv/bin/python experiments/pipeline.py --row gpipe:2:4:2 --row circular:4:8:1
 
---quick: QUICK_TIME on an idle 2-core CPU machine.
+--quick: 55 s on the 2-core CPU machine while other jobs ran on it (load average 11); the full run
+252 s under the same load.
 """
 
 from __future__ import annotations
