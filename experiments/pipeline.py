@@ -20,10 +20,10 @@ records:
   per-row counter that ``f`` increments; only real work reaches the output,
   so the loss's metric ``layers_applied`` (each row's count after the stack)
   gives the useful applications: M microbatches × that count, per data
-  shard. ``bubble_measured = 1 − useful / executed``. It is counted in a
-  forward pass, the pipelined evaluation step (``jaxdp.make_eval_step(...,
-  layers=, pipeline=)``) on the trained state: under ``jax.grad`` JAX does
-  not run a scan body's callbacks once per iteration. It is checked against
+  shard. ``bubble_measured = 1 − useful / executed``, counted over the 5
+  training steps that run (the callback takes a value of the carry: JAX
+  hoists loop-invariant work out of a differentiated scan, and a callback
+  on the stage index alone would run once per step). It is checked against
   ``jaxdp.pipelining.bubble_formula``, (P−1)/(M+P−1) for GPipe and
   (P−1)/(R·M+P−1) for the circular schedule, and against the count of idle
   cells of ``jaxdp.pipelining.schedule_table`` (``bubble_table``).
