@@ -507,6 +507,7 @@ class CheckpointManager:
       param_specs: Any = None,
       pipeline: DataPipeline | None = None,
       layers: Any = None,
+      stage_axis: str | None = None,
   ) -> Restored:
     """Restores checkpoint ``step`` (default: the latest) onto the layout described by the target.
 
@@ -545,6 +546,10 @@ class CheckpointManager:
         what is compared).
       layers: the stacks of layers (layer-wise stage 3), as given to
         :func:`jaxdp.init_state`; any checkpoint restores with or without it.
+      stage_axis: a pipeline's stage axis (:mod:`jaxdp.pipelining`): the
+        stacks named by ``layers`` are placed split over it along their layer
+        axis, as a pipelined step holds them; any checkpoint restores with
+        or without it.
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``.
@@ -570,7 +575,7 @@ class CheckpointManager:
     record_lib.check_against(record, expected, self._where(step))
     data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
     mesh = auto_mesh(mesh)  # as init_state places a state
-    shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs, layers).shardings(mesh)
+    shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs, layers, stage_axis).shardings(mesh)
     entries = {tuple(e["path"]): e for e in record["leaves"]}
     layout = dict(zip((c for c, _ in record_lib.named_leaves(expected)), jax.tree.leaves(shardings)))
     # A typed key's raw data is read replicated (its data has one more axis than the key), then wrapped and placed.

@@ -621,14 +621,13 @@ def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, 
   # Full specs (model axes too): the data-axis gather and scatter then run per model shard.
   params_split = layout.split_specs if stage == 3 else None
   grads_split = layout.split_specs if stage >= 2 else None
-  grad_specs, manual, run = layout.grad_specs, set(axis_names(axis_name)), run_gradient_step
+  params_specs, grad_specs, manual, run = specs.params, layout.grad_specs, set(axis_names(axis_name)), run_gradient_step
   if pipeline is not None:
     # Manual over the stage axis too: each stage sees its block of the stacks; the loss's scan_layers pipelines it.
     stage_axis = pipeline.axis_name
     manual.add(stage_axis)
     kept = (stage_axis, zero_axis(axis_name))
     params_specs = jax.tree.map(lambda s: manual_part(s, kept), layout.specs.params)
-    specs = TrainState(params_specs, None, P(), P())
     grad_specs = jax.tree.map(lambda s: manual_part(s, kept), layout.split_specs if stage >= 2 else layout.specs.params)
     if grads_split is not None:  # the scatter's specs as a stage sees its block: no stage axis
       grads_split = jax.tree.map(lambda s: model_part(s, stage_axis), grads_split)
@@ -643,7 +642,7 @@ def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, 
   gradient = jax.shard_map(
       per_replica,
       mesh=mesh,
-      in_specs=(TrainState(specs.params, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
+      in_specs=(TrainState(params_specs, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
       out_specs=ReducedGradient(grad_specs, P(), P(), P(), P(), P(), P()),
       axis_names=manual,
       check_vma=check_vma,
@@ -686,9 +685,7 @@ def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout
              if is_layer]
     with pipelining.running(pipeline, stages, [shape[0] * stages for shape in local], axis_names(axis_name),
                             local) as record:
-      reduced = run_gradient_step(settings, loss_fn, state, *args, **kwargs)
-    pipelining.check_ran(record)
-    return reduced
+      return run_gradient_step(settings, pipelining.checked_loss(loss_fn, record), state, *args, **kwargs)
 
   return run
 

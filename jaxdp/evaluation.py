@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import _checks
+from jaxdp import _checks, pipelining
 from jaxdp.layerwise import gathering
 from jaxdp.loss import check_loss_fn
 from jaxdp.layout import (
@@ -104,9 +104,10 @@ class EvalStep:
   of it as Python floats, the per-batch float32 sums added in float64.
   """
 
-  def __init__(self, build, *, loss_fn, mesh: Mesh, axis_name: str, gather_split: bool = False, layers: Any = None):
+  def __init__(self, build, *, loss_fn, mesh: Mesh, axis_name: str, gather_split: bool = False, layers: Any = None,
+               pipeline: pipelining.Pipeline | None = None):
     self._build, self.loss_fn, self.mesh, self.axis_name = build, loss_fn, mesh, axis_name
-    self.layers = layers
+    self.layers, self.pipeline = layers, pipeline
     self._gather_split = gather_split  # pmap takes the state unmapped: split parameters are gathered first
     self._validated: set = set()
     self._jitted: dict = {}  # the params' data-axis splits -> the jitted step
@@ -121,6 +122,9 @@ class EvalStep:
       _checks.check_batch_split(batch, weights, data_size(self.mesh, self.axis_name))
       _checks.check_batch_values(batch, "batch", ranges=False)
       _checks.check_weights_dtype(weights)
+      if self.pipeline is not None:
+        pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self.pipeline.axis_name])
+        pipelining.check_rows(batch, self.pipeline, data_size(self.mesh, self.axis_name), 1)
       self._validated.add(key)
     _checks.check_batch_values(batch, "batch", dtypes=False)  # each call: 64-bit ids out of 32-bit range
     _checks.check_weight_values(weights)  # each call: host weights the devices would flush to 0
@@ -190,7 +194,8 @@ class EvalStep:
 
 def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data",
                    backend: str = "shard_map", bucket_bytes: int | None = None,
-                   compute_dtype: Any = None, layers: Any = None) -> EvalStep:
+                   compute_dtype: Any = None, layers: Any = None,
+                   pipeline: pipelining.Pipeline | None = None) -> EvalStep:
   """Builds the jitted evaluation step over every device of ``mesh[axis_name]``.
 
   Args:
@@ -217,6 +222,10 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
     layers: the stacks of layers, as given to :func:`jaxdp.make_train_step`:
       a stage-3 state's stacked leaves are gathered a layer at a time by
       :func:`jaxdp.gather` in the loss instead of whole before it.
+    pipeline: run the stacks named by ``layers`` as a pipeline over the mesh
+      axis ``pipeline.axis_name``, as :func:`jaxdp.make_train_step` with the
+      same argument does; the state may come from any layout (its stacks are
+      moved onto the stage axis inside the step).
 
   Returns:
     An :class:`EvalStep`. It takes a :class:`jaxdp.TrainState` of any ZeRO
@@ -231,9 +240,13 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
   mesh = auto_mesh(mesh)
   check_backend(backend, mesh, axis_name)
   check_layers(layers)
+  pipelining.check_pipeline(pipeline, mesh, axis_name, layers=layers, zero_stage=0, backend=backend)
   batch_spec = split_along(mesh, axis_name).spec
 
   def build(params_split, stacked):
+    if pipeline is not None:
+      return _pipelined_eval(loss_fn, mesh, axis_name, pipeline, stacked, compute_dtype)
+
     def replica(s, b, w):
       return eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split, bucket_bytes=bucket_bytes,
                        compute_dtype=compute_dtype, stacked=stacked)
@@ -248,7 +261,38 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
     ))
 
   return EvalStep(build, loss_fn=loss_fn, mesh=mesh, axis_name=axis_name, gather_split=backend == "pmap",
-                  layers=layers)
+                  layers=layers, pipeline=pipeline)
+
+
+def _pipelined_eval(loss_fn: Callable[..., Any], mesh: Mesh, axis_name: Any, pipeline: pipelining.Pipeline,
+                    stacked: Any, compute_dtype: Any):
+  """The evaluation step over the stage and data axes: the stacks split over the stages along their layer axis
+  (in the circular assignment under ``"circular"``), every other parameter whole on every device."""
+  stage_axis, stages, repeats = pipeline.axis_name, mesh.shape[pipeline.axis_name], pipeline.repeats
+  params_specs = jax.tree.map(lambda is_layer: P(stage_axis) if is_layer else P(), stacked)
+  batch_spec = split_along(mesh, axis_name).spec
+
+  def replica(state, batch, weights):
+    local = [tuple(x.shape) for x, is_layer in zip(jax.tree.leaves(state.params), jax.tree.leaves(stacked)) if is_layer]
+    with pipelining.running(pipeline, stages, [shape[0] * stages for shape in local], axis_names(axis_name),
+                            local) as record:
+      return eval_sums(pipelining.checked_loss(loss_fn, record), state, batch, weights, axis_name=axis_name,
+                       compute_dtype=compute_dtype)
+
+  mapped = jax.shard_map(
+      replica, mesh=mesh, in_specs=(TrainState(params_specs, None, P(), P()), batch_spec, batch_spec), out_specs=P(),
+      axis_names={stage_axis, *axis_names(axis_name)}, check_vma=True,
+  )
+
+  def run(state, batch, weights):
+    def placed(x, is_layer, spec):
+      x = pipelining.circular_order(x, stages, repeats) if is_layer and repeats > 1 else x
+      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    params = jax.tree.map(placed, state.params, stacked, params_specs)
+    return mapped(state._replace(params=params), batch, weights)
+
+  return jax.jit(run)
 
 
 def _pmap_eval(replica, mesh: Mesh, axis_name: str):

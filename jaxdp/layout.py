@@ -506,6 +506,14 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
   if stacked is None:
     stacked = jax.tree.map(lambda _: False, abstract.params)
   if stage_axis is not None:  # the stage split is the layout's own, whatever the leaves carry now
+    stages = mesh.shape[stage_axis]
+    for (path, x), is_layer in zip(jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(stacked)):
+      if is_layer and np.shape(x)[0] % stages:
+        raise ValueError(
+            f"layers={layers!r}: {jax.tree_util.keystr(path)} stacks L = {np.shape(x)[0]} layers, which do not split "
+            f"over the {stages} devices of the stage axis {stage_axis!r} (L % {stages} = {np.shape(x)[0] % stages}); "
+            f"use a number of layers that divides by {stages}."
+        )
     model_specs = jax.tree.map(
         lambda x, spec, is_layer: _with_stage(spec, np.ndim(x), stage_axis, is_layer), abstract.params, model_specs,
         stacked, is_leaf=lambda x: isinstance(x, P))
@@ -621,6 +629,7 @@ def init_state(
     model_state: Any = None,
     param_specs: Any = None,
     layers: Any = None,
+    stage_axis: str | None = None,
 ) -> TrainState:
   """Creates the training state and places it as :func:`make_train_step` expects.
 
@@ -647,6 +656,10 @@ def init_state(
     layers: the stacks of layers, as given to :func:`jaxdp.make_train_step`
       (layer-wise ZeRO-3): their leaves are split along one layer's
       dimensions, never the layer axis.
+    stage_axis: a pipeline's stage axis (``make_train_step(...,
+      pipeline=)``, :mod:`jaxdp.pipelining`): the stacks named by ``layers``
+      are split over it along their layer axis, as the pipelined step holds
+      them (without it the step moves them there at its first call).
 
   Returns:
     A :class:`TrainState` of fresh buffers: a step that donates it never
@@ -666,7 +679,10 @@ def init_state(
   mesh = auto_mesh(mesh)
   # Host values are placed as the layout says (no leaf is ever whole on one device unless replicated there).
   abstract = abstract_state(params, optimizer, model_state)
-  layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs, layers)
+  if stage_axis is not None and (layers is None or stage_axis not in mesh.axis_names):
+    raise ValueError(f"stage_axis={stage_axis!r} needs layers= naming the stacks to split over it and a mesh with that "
+                     f"axis (mesh axes {mesh.axis_names}, layers={layers!r}).")
+  layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs, layers, stage_axis)
   shardings = layout.shardings(mesh)
   params = place(params, jax.tree.map(
       # Kept only on this mesh's devices in this order (a mesh over the same devices reordered is another layout).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -168,6 +169,19 @@ def check_ran(record: Running) -> None:
         "layers, so a lax.scan or Python loop over them would run a different "
         "model. Loop over the stack with jaxdp.scan_layers(f, carry, layers, xs) (one device: a lax.scan)."
     )
+
+
+def checked_loss(loss_fn: Callable, record: Running) -> Callable:
+  """``loss_fn`` (same signature) that raises :func:`check_ran`'s error as soon as a call of it has traced."""
+
+  @functools.wraps(loss_fn)
+  def traced(*args, **kwargs):
+    record.ran.clear()
+    out = loss_fn(*args, **kwargs)
+    check_ran(record)
+    return out
+
+  return traced
 
 
 def circular_order(x: Any, stages: int, repeats: int) -> Any:
@@ -332,7 +346,7 @@ def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_st
         "pipelined stack's layers would need their gather inside the pipeline's loop over microbatches (once per "
         "microbatch and repeat). Use zero_stage=1 or 2 (optimizer state and gradient split over the data axis)."
     )
-  if backend != "shard_map":
+  if backend != "shard_map":  # (jaxdp.layout.check_backend refuses pmap on a mesh of several axes first)
     raise ValueError(f"backend={backend!r} with a pipeline: the stages run inside shard_map over the stage axis; use "
                      "backend='shard_map'.")
   check_schedule(mesh.shape[pipe.axis_name], pipe.microbatches, pipe.repeats)

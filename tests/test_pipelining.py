@@ -134,3 +134,162 @@ def test_equals_one_device(stages, microbatches, schedule, repeats, data, optimi
   state, metrics = train(step, mesh, opt, runs)
   assert int(metrics["skipped"]) == 0 and int(state.step) == STEPS
   assert_close(state.params, reference_run(opt, runs))
+
+
+@pytest.mark.parametrize("zero_stage,accum_steps,replica", [(1, 2, None), (2, 1, 2)])
+def test_zero_accumulation_and_replicas(zero_stage, accum_steps, replica):
+  # ZeRO 1 with accum_steps=2 on ("stage", "data"); ZeRO 2 on ("stage", "replica", "data") (hybrid: split over data).
+  opt = clip_adamw()
+  mesh = stage_mesh(2, 2, replica)
+  axis_name = "data" if replica is None else ("replica", "data")
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=axis_name, zero_stage=zero_stage, accum_steps=accum_steps,
+                               layers="blocks", pipeline=jaxdp.pipeline(2, "circular", repeats=2))
+  runs = batches()
+  state, _ = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
+  assert_close(state.params, reference_run(opt, runs))
+  specs = jaxdp.state_specs(state)
+  assert specs.params["blocks"]["w"][0] == "stage" and specs.params["head"] == jax.sharding.PartitionSpec()
+  mu = specs.opt_state[1][0].mu if zero_stage else None
+  assert mu["blocks"]["w"][0] == "stage" and "data" in jax.tree.leaves(tuple(mu["blocks"]["w"]))
+
+
+def reference_means(params, data):
+  loss = sum(float(reference_loss(params, b["x"], b["y"], w) * np.sum(w)) for b, w in data)
+  weight = sum(float(np.sum(w)) for _, w in data)
+  return loss / weight, weight
+
+
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2)])
+def test_eval_on_the_pipeline_mesh(schedule, repeats):
+  mesh = stage_mesh(2, 2)
+  evaluate = jaxdp.make_eval_step(loss_fn, mesh, layers="blocks", pipeline=jaxdp.pipeline(2, schedule, repeats=repeats))
+  params = init_params(3)
+  state = jaxdp.init_state(params, adam(), mesh, layers="blocks")
+  data = batches(2, seed=4)
+  means = evaluate.evaluate(state, data)
+  loss, weight = reference_means(params, data)
+  assert means["weight"] == pytest.approx(weight, rel=1e-6)
+  assert means["loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_gradient_reduced_over_the_data_axis_once_per_step():
+  # P = 4 stages, N = 2 replicas: an all-reduce over 2 devices is over the data axis, over 4 over the stages.
+  mesh, opt = stage_mesh(4, 2), adam()
+  b, w = batches(1)[0]
+  params = init_params()
+  blocks = sum(np.size(x) for x in jax.tree.leaves(params["blocks"]))
+  local_grad_bytes = 4 * (np.size(params["embed"]) + np.size(params["head"]) + blocks // 4)  # a stage's L / 4 layers
+  for microbatches in (1, 4):
+    step = jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(microbatches, "gpipe"))
+    state = jaxdp.init_state(init_params(), opt, mesh, layers="blocks", stage_axis="stage")
+    ops = jaxdp.reports.hlo_collectives(step.lower(state, b, w).compile().as_text())
+    over_data = [op for op in ops if op.kind == "all-reduce" and op.group == 2]
+    assert len(over_data) == 1, [op.line[:120] for op in over_data]
+    assert over_data[0].nbytes >= local_grad_bytes  # every leaf's gradient in that one all-reduce
+    assert "while" not in over_data[0].line  # not inside the loop over microbatches
+    assert not [op for op in ops if op.kind != "all-reduce"]
+
+
+def test_nonfinite_on_one_device_skips_on_every_stage_and_replica():
+  mesh, opt = stage_mesh(2, 2), adam()
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2, "gpipe"))
+  (batch, w), (good, good_w) = batches(2)
+  state, _ = step(jaxdp.init_state(init_params(), opt, mesh, layers="blocks"), good, good_w)
+  before = jaxdp.gather_state(state)
+  batch["x"][ROWS - 1, 0] = np.nan  # one row on the second replica, weight > 0
+  w[ROWS - 1] = 1.0
+  state, metrics = step(state, batch, w)
+  assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite"]) == 1
+  after = jaxdp.gather_state(state)
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  # Every device's shards are unchanged: each stage's block and each replica's copy.
+  for leaf, host in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params)):
+    for shard in leaf.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
+
+
+def test_checkpoint_across_meshes_with_and_without_a_stage_axis(tmp_path):
+  opt = clip_adamw()
+  runs = batches(6)
+  pipe_mesh, plain_mesh = stage_mesh(2, 2), stage_mesh(1, 2)
+  plain_mesh = Mesh(plain_mesh.devices.reshape(2), ("data",), axis_types=(AxisType.Auto,))
+  pipe = jaxdp.pipeline(2, "circular", repeats=2)
+  piped = jaxdp.make_train_step(loss_fn, opt, pipe_mesh, layers="blocks", pipeline=pipe, zero_stage=1)
+  plain = jaxdp.make_train_step(loss_fn, opt, plain_mesh, zero_stage=1)
+  state = jaxdp.init_state(init_params(), opt, pipe_mesh, layers="blocks", stage_axis="stage", zero_stage=1)
+  for batch, w in runs[:2]:
+    state, _ = piped(state, batch, w)
+  with jaxdp.CheckpointManager(tmp_path / "a", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(2, state)
+    restored = ckpt.restore(params=init_params(), optimizer=opt, mesh=plain_mesh, zero_stage=1).state
+  for batch, w in runs[2:4]:  # on the plain data mesh: scan_layers is a lax.scan there
+    restored, _ = plain(restored, batch, w)
+  with jaxdp.CheckpointManager(tmp_path / "b", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(4, restored)
+    back = ckpt.restore(params=init_params(), optimizer=opt, mesh=pipe_mesh, zero_stage=1, layers="blocks",
+                        stage_axis="stage").state
+  assert jaxdp.state_specs(back).params["blocks"]["w"][0] == "stage"
+  for batch, w in runs[4:]:
+    back, _ = piped(back, batch, w)
+  assert int(back.step) == 6
+  assert_close(back.params, reference_run(opt, runs))
+
+
+# --- Errors: raised before anything runs or is donated ------------------------------------------------------------
+
+
+def assert_untouched(state, host):
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(host)):
+    assert not a.is_deleted()
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_errors_of_the_step_arguments():
+  mesh, opt = stage_mesh(2, 2), adam()
+  with pytest.raises(ValueError, match=r"stage axis with no stacked layers.*layers="):
+    jaxdp.make_train_step(loss_fn, opt, mesh, pipeline=jaxdp.pipeline(2))
+  with pytest.raises(ValueError, match=r"'stage' axis .* pipeline=None"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks")
+  with pytest.raises(ValueError, match=r"needs microbatches >= stages.*microbatches=1"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(1, "circular", repeats=2))
+  with pytest.raises(ValueError, match=r"zero_stage=3 with a pipeline"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), zero_stage=3)
+  with pytest.raises(ValueError, match=r"not an axis of the mesh"):
+    jaxdp.make_train_step(loss_fn, opt, stage_mesh(1, 2), layers="blocks", pipeline=jaxdp.pipeline(2, axis_name="pp"))
+  with pytest.raises(ValueError, match=r"backend='pmap' maps over one axis only.*'stage'"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), backend="pmap")
+  with pytest.raises(ValueError, match=r"is also a data axis"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=("stage", "data"), layers="blocks", pipeline=jaxdp.pipeline(2))
+  with pytest.raises(TypeError, match=r"pipeline must be a jaxdp.Pipeline"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=2)
+
+
+@pytest.mark.parametrize("case", ["layers", "circular_layers", "rows", "loop"])
+def test_errors_before_donation(case):
+  mesh, opt = stage_mesh(2, 2), adam()
+  params, pipe, fn, rows = init_params(), jaxdp.pipeline(2, "gpipe"), loss_fn, ROWS
+  if case == "layers":  # L = 3 over P = 2
+    params["blocks"] = jax.tree.map(lambda x: x[:3], params["blocks"])
+    match = r"L = 3 layers does not split into P = 2 stages: L % 2 = 1"
+  elif case == "circular_layers":  # L = 6 over P·R = 4
+    params["blocks"] = jax.tree.map(lambda x: x[:6], params["blocks"])
+    pipe, match = jaxdp.pipeline(2, "circular", repeats=2), r"L = 6 layers does not split into P·R = 2·2 = 4 blocks"
+  elif case == "rows":  # 12 rows: 6 per replica, not a multiple of M = 4
+    pipe, rows, match = jaxdp.pipeline(4, "gpipe"), 12, r"12 rows: 6 per device .* microbatches=4"
+  else:  # a loss that loops over its stage's block itself
+    def fn(params, batch):
+      h = jnp.tanh(batch["x"] @ params["embed"])
+      h, _ = jax.lax.scan(lambda c, p: layer(c, p, None), h, params["blocks"])
+      return jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
+    match = r"did not run the stacks named by layers= through jaxdp.scan_layers"
+  step = jaxdp.make_train_step(fn, opt, mesh, layers="blocks", pipeline=pipe)
+  if case == "layers":
+    with pytest.raises(ValueError, match=r"L = 3 layers, which do not split over the 2 devices of the stage axis"):
+      jaxdp.init_state(params, opt, mesh, layers="blocks", stage_axis="stage")
+  state = jaxdp.init_state(params, opt, mesh, layers="blocks", stage_axis=None if "layers" in case else "stage")
+  host = jaxdp.gather_state(state)
+  batch, w = batches(1, rows=rows)[0]
+  with pytest.raises(ValueError, match=match):
+    step(state, batch, w)
+  assert_untouched(state, host)
