@@ -308,7 +308,7 @@ def layerwise_stack(config: Config, reduction: str | None = None) -> str | None:
 
 
 def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis_name="data",
-             layers=None, pipeline=None) -> dict | None:
+             layers=None, pipeline_plan=None) -> dict | None:
   """Per-token weighted mean loss and accuracy over one pass of ``dataset`` (``None`` if it is empty).
 
   Data-parallel like training, with the training loss's own definition
@@ -319,8 +319,8 @@ def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis
     return None
   pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0, axis_name=axis_name)
   batches = (data for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch))
-  evaluation = (jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers) if pipeline is None else
-                jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers, pipeline=pipeline))
+  evaluation = (jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers) if pipeline_plan is None else
+                jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers, pipeline=pipeline_plan))
   return evaluation.evaluate(state, batches)
 
 
@@ -433,14 +433,16 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
   layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
+  staged = {} if pipeline_plan is None else {"stage_axis": STAGE_AXIS}  # the stacks placed over the stages at once
   with _checkpoints(config) as ckpt:
-    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers, **layout), 0, 0
+    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers, **layout,
+                                          **staged), 0, 0
     if ckpt is not None and ckpt.latest_step() is not None:
       if layers is None:
         restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, **layout)
       else:  # straight into the layer-wise layout (place_state knows only the whole-gather one)
         restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, param_specs=specs,
-                                layers=layers, **layout)
+                                layers=layers, **layout, **staged)
       state, start, done = restored.state, restored.data_step, restored.step
       if specs is not None and layers is None:  # restore places the params replicated over "model"; split them again
         state = jaxdp.place_state(state, optimizer, mesh, param_specs=specs, **layout)
@@ -448,7 +450,7 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
     with _metrics_file(out, append=start > 0) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
   val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name,
-                 layers=layers, pipeline=pipeline_plan)
+                 layers=layers, pipeline_plan=pipeline_plan)
   val_loss = None if val is None else val["loss"]
   summary = {
       "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": config.zero_stage,
