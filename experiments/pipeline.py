@@ -47,8 +47,8 @@ default ``out/pipeline``; ``--publish`` also copies them to
   .venv/bin/python experiments/pipeline.py --quick    # 4 rows
   .venv/bin/python experiments/pipeline.py --row gpipe:2:4:2 --row circular:4:8:1
 
---quick: 55 s on the 2-core CPU machine while other jobs ran on it (load average 11); the full run
-252 s under the same load.
+--quick: 37 s on the 2-core CPU machine while other jobs ran on it (load average 9); the full run
+124 s under the same load. (Not measured on an idle machine: expect less.)
 """
 
 from __future__ import annotations
