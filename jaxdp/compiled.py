@@ -14,7 +14,9 @@
   iterations) then gives stage 0's numbers.
 
 Only the data axis is manual (``shard_map(..., axis_names={axis_name})``);
-any other mesh axis (tensor parallelism) is left to the compiler.
+any other mesh axis (tensor parallelism) is left to the compiler. A
+pipeline's stage axis is manual too (:mod:`jaxdp.pipelining`), and a
+pipelined step takes the route of stages 1-3 at every stage.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from jaxdp.layout import (
     data_mesh,
     data_dim,
     data_part,
-    layer_mask,
     make_layout,
     manual_part,
     model_part,
@@ -457,7 +458,8 @@ def make_train_step(
       runs on the global arrays (ZeRO stages 0-2; stage 3 is refused). Under
       ``"circular"`` the state keeps the layers in their natural order: each
       step permutes the stacked parameters into the circular assignment and
-      the gradient back (one all-to-all over the stage axis each way).
+      the gradient back (one all-to-all over the stage axis per stacked
+      leaf, each way).
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -473,7 +475,7 @@ def make_train_step(
   mesh = _checked_mesh(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
                        check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers)
   pipelining.check_pipeline(pipeline, mesh, settings.axis_name, layers=layers, zero_stage=settings.zero_stage,
-                            backend=backend)
+                            backend=backend, reduction=settings.reduction)
   return _built_train_step(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
                            check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers,
                            pipeline=pipeline)

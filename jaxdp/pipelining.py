@@ -15,6 +15,22 @@ Both are one table (:func:`schedule_table`): at iteration ``t`` stage ``s``
 runs unit ``w = t − s`` when ``0 ≤ w < R·M`` (repeat ``w // M``, microbatch
 ``w % M``, layer block ``(w // M)·P + s``), else it idles. GPipe is the
 table with ``R = 1``.
+
+Use: a mesh with a stage axis (``("stage", "data")``, or ``("stage", "replica", "data")``
+with ``axis_name=("replica", "data")``), ``layers=`` naming the stacks, and
+``pipeline=jaxdp.pipeline(M, schedule, repeats=R)`` in
+:func:`jaxdp.make_train_step` and :func:`jaxdp.make_eval_step`. The loss
+loops over each stack with :func:`jaxdp.scan_layers`, which in a pipelined
+step runs :func:`run_stack` on the stage's block of layers (a plain
+``lax.scan`` elsewhere, so the same loss runs on one device); everything
+before and after the stack runs on every stage alike. The gradient is
+reduced over the data axes once per step, after the whole schedule; each
+stage's layers get their own gradient, and the layers before the stack the
+sum over the stages that autodiff inserts (the transpose of their implicit
+broadcast over the stage axis). Model state (BatchNorm statistics) is
+supported outside the stack only: ``scan_layers``' carry must hold the
+batch rows on dim 0 in every leaf, and ``f`` must return no per-layer
+outputs, so a stack cannot carry statistics (a ``ValueError`` says so).
 """
 
 from __future__ import annotations
@@ -31,6 +47,7 @@ from jax import lax
 
 from jaxdp._checks import check_int
 from jaxdp.layout import layer_mask
+from jaxdp.reduction import varying_axes
 
 SCHEDULES = ("gpipe", "circular")
 """The pipeline schedules: ``"gpipe"`` and ``"circular"`` (see :mod:`jaxdp.pipelining`)."""
@@ -204,16 +221,8 @@ def natural_order(x: Any, stages: int, repeats: int) -> Any:
 def _vary(x: jax.Array, axes: tuple) -> jax.Array:
   # Varying over every manual axis of the step: the loop's carry mixes activations (varying over the data
   # axes) and a stage's layers (varying over the stage axis), and its type must not change across iterations.
-  missing = tuple(a for a in axes if a not in _varying(x))
+  missing = tuple(a for a in axes if a not in varying_axes(x))
   return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _varying(x: Any) -> frozenset:
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
-  if manual is not None:
-    return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", ()))  # JAX 0.11 spelling
 
 
 def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> tuple[Any, None]:
@@ -312,7 +321,8 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> 
 # Checks before anything runs or is donated ------------------------------------------------------------------------
 
 
-def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_stage: int, backend: str) -> None:
+def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_stage: int, backend: str,
+                   reduction: str = "mean") -> None:
   """Raises unless ``pipe`` (a :class:`Pipeline` or ``None``) can run on ``mesh`` with these step arguments."""
   names = tuple(getattr(mesh, "axis_names", ()))
   data = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
@@ -345,6 +355,11 @@ def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_st
         "zero_stage=3 with a pipeline is not supported: stage 3 gathers the parameters inside the loss, and a "
         "pipelined stack's layers would need their gather inside the pipeline's loop over microbatches (once per "
         "microbatch and repeat). Use zero_stage=1 or 2 (optimizer state and gradient split over the data axis)."
+    )
+  if reduction == "none":
+    raise ValueError(
+        "reduction='none' with a pipeline is not supported: that step runs untyped (check_vma=False), and a pipeline "
+        "needs the types to sum the gradient of the layers before the stack over the stages. Use reduction='mean'."
     )
   if backend != "shard_map":  # (jaxdp.layout.check_backend refuses pmap on a mesh of several axes first)
     raise ValueError(f"backend={backend!r} with a pipeline: the stages run inside shard_map over the stage axis; use "

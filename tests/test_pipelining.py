@@ -4,6 +4,8 @@ Every pipelined step is compared with an independent single-device reference wri
 loop over the layers, ``jax.grad`` of ``Σ w·l / Σ w`` over the whole batch, the optax update, 5 steps.
 """
 
+import functools
+
 import numpy as np
 import optax
 import pytest
@@ -21,29 +23,30 @@ LAYERS, WIDTH, FEATURES, ROWS, STEPS = 8, 4, 3, 16, 5
 
 
 def init_params(seed=0):
-  k = jax.random.split(jax.random.key(seed), 4)
+  k = jax.random.split(jax.random.key(seed), 5)
   return {
       "embed": np.asarray(jax.random.normal(k[0], (FEATURES, WIDTH)) * 0.6),
       "blocks": {"w": np.asarray(jax.random.normal(k[1], (LAYERS, WIDTH, WIDTH)) * 0.6),
                  "b": np.asarray(jax.random.normal(k[2], (LAYERS, WIDTH)) * 0.1)},
       "head": np.asarray(jax.random.normal(k[3], (WIDTH, 2)) * 0.6),
+      "scale": np.asarray(jax.random.normal(k[4], (LAYERS,)) * 0.3),  # per-layer inputs (xs), not stacked
   }
 
 
-def layer(h, p, _):
-  return jnp.tanh(h @ p["w"] + p["b"][None, :]), None
+def layer(h, p, x):
+  return jnp.tanh((h @ p["w"] + p["b"][None, :]) * (1 + x)), None
 
 
 def loss_fn(params, batch):
   h = jnp.tanh(batch["x"] @ params["embed"])
-  h, _ = jaxdp.scan_layers(layer, h, params["blocks"])
+  h, _ = jaxdp.scan_layers(layer, h, params["blocks"], params["scale"])
   return jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
 
 
 def reference_loss(params, x, y, w):
   h = jnp.tanh(x @ params["embed"])
   for i in range(LAYERS):  # a plain loop over the layers
-    h = jnp.tanh(h @ params["blocks"]["w"][i] + params["blocks"]["b"][i][None, :])
+    h = jnp.tanh((h @ params["blocks"]["w"][i] + params["blocks"]["b"][i][None, :]) * (1 + params["scale"][i]))
   losses = jnp.sum((h @ params["head"] - y) ** 2, axis=-1)
   return jnp.sum(w * losses) / jnp.sum(w)
 
@@ -94,6 +97,18 @@ def stage_mesh(stages, data=1, replica=None):
   return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+@functools.cache
+def built(stages, data, microbatches, schedule="gpipe", repeats=1, optimizer="adam", zero_stage=0, accum_steps=1,
+          replica=None):
+  """``(step, optimizer, mesh, axis_name)``, built once per module: tests that can share a compiled step do."""
+  opt, mesh = OPTIMIZERS[optimizer](), stage_mesh(stages, data, replica)
+  axis_name = "data" if replica is None else ("replica", "data")
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=axis_name, zero_stage=zero_stage, accum_steps=accum_steps,
+                               layers="blocks", pipeline=jaxdp.pipeline(microbatches, schedule, repeats=repeats),
+                               check_replicas=zero_stage > 0)
+  return step, opt, mesh, axis_name
+
+
 def train(step, mesh, opt, data, axis_name="data", zero_stage=0):
   state = jaxdp.init_state(init_params(), opt, mesh, axis_name=axis_name, zero_stage=zero_stage, layers="blocks")
   for batch, w in data:
@@ -106,6 +121,19 @@ def assert_close(params, reference, rtol=1e-6):
     a, b = np.asarray(a), np.asarray(b)
     err = np.max(np.abs(a - b)) / np.max(np.abs(b))
     assert err <= rtol, (jax.tree_util.keystr(path), err)
+
+
+def test_circular_assignment():
+  # L = 8 over P = 2 stages, R = 2: blocks of 2 layers; stage 0 holds blocks 0 and 2, stage 1 blocks 1 and 3.
+  order = pipelining.circular_order(np.arange(LAYERS), 2, 2)
+  np.testing.assert_array_equal(order, [0, 1, 4, 5, 2, 3, 6, 7])
+  np.testing.assert_array_equal(pipelining.natural_order(order, 2, 2), np.arange(LAYERS))
+  # The table's layer block (w // M)·P + s at stage s is the r-th block that stage holds.
+  table = pipelining.schedule_table(2, 2, 2)
+  for t, s in zip(*np.nonzero(table != pipelining.IDLE)):
+    repeat, _ = pipelining.unit_of(table[t, s], 2)
+    block = repeat * 2 + s
+    np.testing.assert_array_equal(order.reshape(2, 2, 2)[s, repeat], [2 * block, 2 * block + 1])
 
 
 # A covering subset of P ∈ {2, 4} × M ∈ {1, P, 2P} × schedule ∈ {gpipe, circular R=2} × data ∈ {absent, 2} ×
@@ -126,10 +154,7 @@ CASES = [
 
 @pytest.mark.parametrize("stages,microbatches,schedule,repeats,data,optimizer", CASES)
 def test_equals_one_device(stages, microbatches, schedule, repeats, data, optimizer):
-  opt = OPTIMIZERS[optimizer]()
-  mesh = stage_mesh(stages, data)
-  step = jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks",
-                               pipeline=jaxdp.pipeline(microbatches, schedule, repeats=repeats))
+  step, opt, mesh, _ = built(stages, data, microbatches, schedule, repeats, optimizer)
   runs = batches()
   state, metrics = train(step, mesh, opt, runs)
   assert int(metrics["skipped"]) == 0 and int(state.step) == STEPS
@@ -139,13 +164,10 @@ def test_equals_one_device(stages, microbatches, schedule, repeats, data, optimi
 @pytest.mark.parametrize("zero_stage,accum_steps,replica", [(1, 2, None), (2, 1, 2)])
 def test_zero_accumulation_and_replicas(zero_stage, accum_steps, replica):
   # ZeRO 1 with accum_steps=2 on ("stage", "data"); ZeRO 2 on ("stage", "replica", "data") (hybrid: split over data).
-  opt = clip_adamw()
-  mesh = stage_mesh(2, 2, replica)
-  axis_name = "data" if replica is None else ("replica", "data")
-  step = jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=axis_name, zero_stage=zero_stage, accum_steps=accum_steps,
-                               layers="blocks", pipeline=jaxdp.pipeline(2, "circular", repeats=2))
+  step, opt, mesh, axis_name = built(2, 2, 2, "circular", 2, "clip_adamw", zero_stage, accum_steps, replica)
   runs = batches()
-  state, _ = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
+  state, metrics = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
+  assert float(metrics["replica_divergence"]) == 0.0
   assert_close(state.params, reference_run(opt, runs))
   specs = jaxdp.state_specs(state)
   assert specs.params["blocks"]["w"][0] == "stage" and specs.params["head"] == jax.sharding.PartitionSpec()
@@ -178,7 +200,7 @@ def test_gradient_reduced_over_the_data_axis_once_per_step():
   b, w = batches(1)[0]
   params = init_params()
   blocks = sum(np.size(x) for x in jax.tree.leaves(params["blocks"]))
-  local_grad_bytes = 4 * (np.size(params["embed"]) + np.size(params["head"]) + blocks // 4)  # a stage's L / 4 layers
+  local_grad_bytes = 4 * (np.size(params["embed"]) + np.size(params["head"]) + LAYERS + blocks // 4)  # a stage's L / 4 layers
   for microbatches in (1, 4):
     step = jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(microbatches, "gpipe"))
     state = jaxdp.init_state(init_params(), opt, mesh, layers="blocks", stage_axis="stage")
@@ -191,8 +213,7 @@ def test_gradient_reduced_over_the_data_axis_once_per_step():
 
 
 def test_nonfinite_on_one_device_skips_on_every_stage_and_replica():
-  mesh, opt = stage_mesh(2, 2), adam()
-  step = jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2, "gpipe"))
+  step, opt, mesh, _ = built(2, 2, 4, "gpipe", 1, "clip_adamw")  # a step of test_equals_one_device
   (batch, w), (good, good_w) = batches(2)
   state, _ = step(jaxdp.init_state(init_params(), opt, mesh, layers="blocks"), good, good_w)
   before = jaxdp.gather_state(state)
@@ -210,12 +231,9 @@ def test_nonfinite_on_one_device_skips_on_every_stage_and_replica():
 
 
 def test_checkpoint_across_meshes_with_and_without_a_stage_axis(tmp_path):
-  opt = clip_adamw()
+  piped, opt, pipe_mesh, _ = built(2, 2, 2, "circular", 2, "clip_adamw", 1, 2)  # a step of the test above
   runs = batches(6)
-  pipe_mesh, plain_mesh = stage_mesh(2, 2), stage_mesh(1, 2)
-  plain_mesh = Mesh(plain_mesh.devices.reshape(2), ("data",), axis_types=(AxisType.Auto,))
-  pipe = jaxdp.pipeline(2, "circular", repeats=2)
-  piped = jaxdp.make_train_step(loss_fn, opt, pipe_mesh, layers="blocks", pipeline=pipe, zero_stage=1)
+  plain_mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",), axis_types=(AxisType.Auto,))
   plain = jaxdp.make_train_step(loss_fn, opt, plain_mesh, zero_stage=1)
   state = jaxdp.init_state(init_params(), opt, pipe_mesh, layers="blocks", stage_axis="stage", zero_stage=1)
   for batch, w in runs[:2]:
@@ -261,11 +279,15 @@ def test_errors_of_the_step_arguments():
     jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), backend="pmap")
   with pytest.raises(ValueError, match=r"is also a data axis"):
     jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=("stage", "data"), layers="blocks", pipeline=jaxdp.pipeline(2))
+  with pytest.raises(ValueError, match=r"reduction='none' with a pipeline"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), reduction="none")
+  with pytest.raises(ValueError, match=r"'stage' axis .* pipeline=None"):
+    jaxdp.make_eval_step(loss_fn, mesh, layers="blocks")
   with pytest.raises(TypeError, match=r"pipeline must be a jaxdp.Pipeline"):
     jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=2)
 
 
-@pytest.mark.parametrize("case", ["layers", "circular_layers", "rows", "loop"])
+@pytest.mark.parametrize("case", ["layers", "circular_layers", "rows", "loop", "ys", "carry"])
 def test_errors_before_donation(case):
   mesh, opt = stage_mesh(2, 2), adam()
   params, pipe, fn, rows = init_params(), jaxdp.pipeline(2, "gpipe"), loss_fn, ROWS
@@ -277,10 +299,20 @@ def test_errors_before_donation(case):
     pipe, match = jaxdp.pipeline(2, "circular", repeats=2), r"L = 6 layers does not split into P·R = 2·2 = 4 blocks"
   elif case == "rows":  # 12 rows: 6 per replica, not a multiple of M = 4
     pipe, rows, match = jaxdp.pipeline(4, "gpipe"), 12, r"12 rows: 6 per device .* microbatches=4"
+  elif case in ("ys", "carry"):  # per-layer outputs; a carry leaf without the batch rows (a running statistic)
+    def fn(params, batch):
+      h = jnp.tanh(batch["x"] @ params["embed"])
+      if case == "ys":
+        h, _ = jaxdp.scan_layers(lambda c, p, x: (layer(c, p, x)[0], jnp.sum(c)), h, params["blocks"], params["scale"])
+      else:
+        (h, _), _ = jaxdp.scan_layers(lambda c, p, x: ((layer(c[0], p, x)[0], c[1] + jnp.mean(c[0])), None),
+                                      (h, jnp.zeros(())), params["blocks"], params["scale"])
+      return jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
+    match = r"f must return \(carry, None\)" if case == "ys" else r"must hold the batch rows there; got leading sizes"
   else:  # a loss that loops over its stage's block itself
     def fn(params, batch):
       h = jnp.tanh(batch["x"] @ params["embed"])
-      h, _ = jax.lax.scan(lambda c, p: layer(c, p, None), h, params["blocks"])
+      h, _ = jax.lax.scan(lambda c, p: layer(c, p, 0.0), h, params["blocks"])
       return jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
     match = r"did not run the stacks named by layers= through jaxdp.scan_layers"
   step = jaxdp.make_train_step(fn, opt, mesh, layers="blocks", pipeline=pipe)
