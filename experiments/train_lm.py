@@ -25,6 +25,8 @@ simulates as many devices as the mesh has)::
   python experiments/train_lm.py --mesh data=4,model=2 --zero-stage 3   # tensor x data parallel
   python experiments/train_lm.py --mesh replica=2,data=4 --zero-stage 3 # hybrid: ZeRO within a group, replicas across
   python experiments/train_lm.py --mesh data=8 --zero-stage 3 --scan-layers --layers 8   # layer-wise ZeRO-3
+  python experiments/train_lm.py --mesh stage=2,data=4 --compare       # pipeline x data parallel
+  python experiments/train_lm.py --mesh stage=2,data=2,model=2 --layers 4 --schedule circular --repeats 2
 
 With a ``model`` axis the transformer is split Megatron-style (its
 ``nnx.with_partitioning`` metadata, read by ``jaxdp.nnx.partition_specs``;
@@ -36,6 +38,12 @@ and the params (3) over ``data``. ``--scan-layers`` stacks the blocks
 step then gathers one layer at a time inside the loop (``layers="blocks"``,
 jaxdp's layer-wise stage 3; the ``rank_mean`` run of ``--compare`` keeps the
 whole gather, which that reduction needs).
+With a ``stage`` axis the blocks are stacked (``--scan-layers`` is implied)
+and run through ``jaxdp.scan_layers``, which in the step is a pipeline over
+``stage`` (``layers="blocks"``, ``pipeline=jaxdp.pipeline(--microbatches,
+--schedule, repeats=--repeats)``; ``--microbatches`` defaults to 2·P): each
+stage holds ``--layers / P`` blocks, the embedding and the head run on every
+stage, and the batch is replicated over ``stage`` (see docs/pipeline.md).
 
 Outputs (``--out``, default ``out/lm``; ``out/lm_quick`` with ``--quick``): ``metrics.jsonl`` (one line per step:
 step, loss, tokens, grad_norm, time) and ``summary.json``; with ``--compare``
@@ -67,7 +75,13 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--devices", type=int, default=None, help=f"data-parallel devices (CPU: simulated, default {DEFAULT_CPU_DEVICES}; else all)")
   p.add_argument("--mesh", default=None, help="mesh axes as name=size,...: data (required), model (tensor parallel), "
-                 "replica (hybrid), e.g. data=4,model=2 or replica=2,data=4 (default: one data axis over --devices)")
+                 "replica (hybrid), stage (pipeline), e.g. data=4,model=2, replica=2,data=4 or stage=2,data=4 "
+                 "(default: one data axis over --devices)")
+  p.add_argument("--microbatches", type=int, default=None, help="with a stage axis: microbatches per device and step "
+                 "(default 2 x stages)")
+  p.add_argument("--schedule", default="gpipe", choices=("gpipe", "circular"), help="with a stage axis: the pipeline "
+                 "schedule")
+  p.add_argument("--repeats", type=int, default=1, help="with --schedule circular: rounds of the ring of stages")
   p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the data axis")
   p.add_argument("--reduction", default="mean", choices=("mean", "rank_mean", "sum"), help="gradient reduction")
   p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per device and step")
@@ -109,8 +123,10 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-MESH_AXES = ("replica", "data", "model")
-"""The axis names ``--mesh`` accepts: ``data`` (always), ``model`` (tensor parallel), ``replica`` (hybrid)."""
+MESH_AXES = ("replica", "data", "model", "stage")
+"""The axis names ``--mesh`` accepts: ``data`` (always), ``model`` (tensor parallel), ``replica`` (hybrid),
+``stage`` (pipeline)."""
+STAGE_AXIS = "stage"
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -186,6 +202,9 @@ class Config:
   diloco_delta_dtype: str = "float32"
   powersgd_rank: int | None = None
   powersgd_start_iter: int = 10
+  microbatches: int | None = None
+  schedule: str = "gpipe"
+  repeats: int = 1
   steps: int = 150
   batch_size: int = 32
   seq_len: int = 64
@@ -260,9 +279,26 @@ def build_dataset(config: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def make_model(config: Config):
-  """``(definition, params)`` of the transformer (``jaxdp.nnx.split``), initialised from ``config.seed``."""
+  """``(definition, params)`` of the transformer (``jaxdp.nnx.split``), initialised from ``config.seed``.
+
+  With ``config.microbatches`` (a pipeline run, and the single device it is compared with) the stacked blocks
+  run through ``jaxdp.scan_layers``.
+  """
   sizes = {k: getattr(config, k) for k in ("seq_len", "layers", "d_model", "heads", "d_ff", "dropout")}
-  return lm.make_model(seed=config.seed, scan_layers=config.scan_layers, **sizes)
+  return lm.make_model(seed=config.seed, scan_layers=config.scan_layers,
+                       functional_scan=config.microbatches is not None, **sizes)
+
+
+def stage_count(config: Config) -> int | None:
+  """The size of ``--mesh``'s stage axis, or ``None`` without one."""
+  return None if config.mesh is None else parse_mesh(config.mesh).get(STAGE_AXIS)
+
+
+def make_pipeline(config: Config):
+  """``jaxdp.pipeline(...)`` of a run whose mesh has a stage axis, else ``None``."""
+  if stage_count(config) is None:
+    return None
+  return jaxdp.pipeline(config.microbatches, config.schedule, repeats=config.repeats, axis_name=STAGE_AXIS)
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -279,11 +315,13 @@ def layerwise_stack(config: Config, reduction: str | None = None) -> str | None:
   inside the backward pass (jaxdp refuses the two together): that run keeps stage 3's whole gather.
   """
   reduction = reduction or config.reduction
+  if stage_count(config) is not None:  # the pipeline runs the stack
+    return lm.STACK
   return lm.STACK if config.scan_layers and config.zero_stage == 3 and reduction != "rank_mean" else None
 
 
 def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis_name="data",
-             layers=None) -> dict | None:
+             layers=None, pipeline_plan=None) -> dict | None:
   """Per-token weighted mean loss and accuracy over one pass of ``dataset`` (``None`` if it is empty).
 
   Data-parallel like training, with the training loss's own definition
@@ -294,7 +332,9 @@ def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis
     return None
   pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0, axis_name=axis_name)
   batches = (data for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch))
-  return jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers).evaluate(state, batches)
+  evaluation = (jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers) if pipeline_plan is None else
+                jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers, pipeline=pipeline_plan))
+  return evaluation.evaluate(state, batches)
 
 
 def _check_batch(config: Config, n: int) -> None:
@@ -302,6 +342,12 @@ def _check_batch(config: Config, n: int) -> None:
     raise ValueError(
         f"--batch-size {config.batch_size} must be a multiple of data-parallel devices x accum-steps = "
         f"{n} x {config.accum_steps}"
+    )
+  if stage_count(config) is not None and config.batch_size % (n * config.accum_steps * config.microbatches):
+    raise ValueError(
+        f"--batch-size {config.batch_size} must be a multiple of data-parallel devices x accum-steps x "
+        f"microbatches = {n} x {config.accum_steps} x {config.microbatches} (each device cuts its rows into "
+        "--microbatches); change --batch-size or --microbatches"
     )
 
 
@@ -378,6 +424,7 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   """
   if config.diloco_inner_steps is not None:
     return train_diloco(config, devices=devices, reduction=reduction, data=data, out=out, desc=desc, params=params)
+  config = with_pipeline_defaults(config)
   mesh = build_mesh(config, devices)
   devices = list(mesh.devices.flat)
   axis_name, n = data_axes(mesh), data_parallel_size(mesh)
@@ -393,28 +440,31 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   scaling = jaxdp.dynamic_loss_scale() if config.loss_scaling == "dynamic" else None
   compression = None if config.powersgd_rank is None else jaxdp.powersgd(
       config.powersgd_rank, start_iter=config.powersgd_start_iter)
+  pipeline_plan = make_pipeline(config)
+  extra = {} if pipeline_plan is None else {"pipeline": pipeline_plan}  # the keyword only where it is used
   step_fn = jaxdp.make_train_step(
       loss_fn, optimizer, mesh, axis_name=axis_name, zero_stage=config.zero_stage, reduction=reduction,
       accum_steps=config.accum_steps,
       compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
       grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
-      bucket_bytes=config.bucket_bytes, layers=layers, loss_scaling=scaling, compression=compression,
+      bucket_bytes=config.bucket_bytes, layers=layers, loss_scaling=scaling, compression=compression, **extra,
   )
   per_device = config.batch_size // n
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
   layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
+  staged = {} if pipeline_plan is None else {"stage_axis": STAGE_AXIS}  # the stacks placed over the stages at once
   with _checkpoints(config) as ckpt:
     state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers,
                                           loss_scale=None if scaling is None else scaling.init(),
-                                          compression=compression, **layout), 0, 0
+                                          compression=compression, **layout, **staged), 0, 0
     if ckpt is not None and ckpt.latest_step() is not None:
       if layers is None:
         restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline,
                                 compression=compression, **layout)
       else:  # straight into the layer-wise layout (place_state knows only the whole-gather one)
         restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, param_specs=specs,
-                                layers=layers, **layout)
+                                layers=layers, **layout, **staged)
       state, start, done = restored.state, restored.data_step, restored.step
       if specs is not None and layers is None:  # restore places the params replicated over "model"; split them again
         state = jaxdp.place_state(state, optimizer, mesh, param_specs=specs, **layout)
@@ -422,11 +472,12 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
     with _metrics_file(out, append=start > 0) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
   val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name,
-                 layers=layers)
+                 layers=layers, pipeline_plan=pipeline_plan)
   val_loss = None if val is None else val["loss"]
   summary = {
       "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": config.zero_stage,
-      "scan_layers": config.scan_layers, "layerwise": layers is not None,
+      "scan_layers": config.scan_layers, "layerwise": layers is not None and pipeline_plan is None,
+      "pipeline": None if pipeline_plan is None else pipeline_plan._asdict(),
       "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
       "train_sequences": len(train_set), "val_sequences": len(val_set), "start_step": start, "steps": len(records),
       "final_loss": records[-1]["loss"] if records else None, "val_loss": val_loss,
@@ -537,7 +588,9 @@ def compare(config: Config) -> dict:
   ``config.zero_stage``); the single device has no mesh of its own.
   With ``--scan-layers --zero-stage 3`` the "mean" run is layer-wise stage 3 and
   the "rank_mean" run stage 3 with the whole gather; the single device runs
-  the same stacked model.
+  the same stacked model. With a stage axis both N-device runs are pipelined
+  and the single device runs the same stack through ``jaxdp.scan_layers``
+  (a ``lax.scan`` there).
   Dropout is set to 0: the per-replica dropout keys depend on the layout, so
   with dropout on the runs would differ by their masks, not their reduction.
   Returns (and, with ``config.out``, saves) for each N-device run against the
@@ -545,7 +598,7 @@ def compare(config: Config) -> dict:
   the validation losses and of the final parameters; and the number of steps
   in which the devices held uneven token counts.
   """
-  config = dataclasses.replace(config, dropout=0.0, ckpt_dir=None)  # three runs must not share checkpoints
+  config = with_pipeline_defaults(dataclasses.replace(config, dropout=0.0, ckpt_dir=None))  # no shared checkpoints
   devices = select_devices(config.devices)
   if len(devices) == 1:
     print("compare: only one device, so runs (1) and (2) have the same layout; use --devices N (N > 1).")
@@ -622,7 +675,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(argv: list[str] | None = None) -> Config:
   args = vars(parse_args(argv))
-  return Config(**{k: v for k, v in args.items() if k not in ("quick", "publish")})
+  config = Config(**{k: v for k, v in args.items() if k not in ("quick", "publish")})
+  if stage_count(config) is None and (config.microbatches is not None or config.schedule != "gpipe"
+                                      or config.repeats != 1):
+    raise ValueError("--microbatches, --schedule and --repeats configure a pipeline: add a stage axis to --mesh "
+                     "(e.g. --mesh stage=2,data=4)")
+  return with_pipeline_defaults(config)
+
+
+def with_pipeline_defaults(config: Config) -> Config:
+  """With a stage axis: the blocks stacked (``scan_layers``), ``microbatches`` 2 x stages unless given."""
+  stages = stage_count(config)
+  if stages is None:
+    return config
+  return dataclasses.replace(config, scan_layers=True, microbatches=config.microbatches or 2 * stages)
 
 
 def _report_train(summary: dict) -> str:
@@ -630,6 +696,10 @@ def _report_train(summary: dict) -> str:
   mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
   stage = f"ZeRO stage {summary['zero_stage']}{' layer-wise' if summary.get('layerwise') else ''}"
   scanned = ", scanned layers" if summary.get("scan_layers") else ""
+  plan = summary.get("pipeline")
+  if plan:
+    scanned += (f", pipeline {plan['schedule']} M={plan['microbatches']}"
+                f"{' R=%d' % plan['repeats'] if plan['repeats'] > 1 else ''}")
   return (f"{summary['devices']} {summary['platform']} device(s) (mesh {mesh}, {stage}{scanned}), "
           f"reduction={summary['reduction']!r}, "
           f"dropout={summary['dropout']}: {_train_figures(summary)}, "

@@ -204,3 +204,22 @@ def test_layerwise_stage3_on_scanned_layers_matches_the_list_model_on_one_device
   # The layer axis is never split; one layer's heads over "model", and "data" on another dimension of one layer.
   assert qkv[0] is None and "model" in str(qkv[3]) and "data" in str(qkv[1:]), specs
   assert down[0] is None and "model" in str(down[1]) and "data" in str(down[1:]), specs
+
+
+def test_stage_mesh_losses_equal_one_device(paragraphs, one_device_run):
+  """Pipeline x data x tensor parallel (stage=2, data=2, model=2; GPipe, M = 2·P = 4) against one device."""
+  base = MESH_ARGS + ["--corpus", paragraphs]
+  _, params = train_lm.make_model(train_lm.config_from_args(base))
+  config = train_lm.config_from_args(base + ["--mesh", "stage=2,data=2,model=2"])
+  assert config.scan_layers and config.microbatches == 4 and train_lm.layerwise_stack(config) == "blocks"
+  with pytest.raises(ValueError, match="add a stage axis"):
+    train_lm.config_from_args(base + ["--microbatches", "4"])
+  run = train_lm.train(config, out=None, params=lm.stack_blocks(params))
+  assert run["summary"]["pipeline"]["microbatches"] == 4 and not run["summary"]["layerwise"]
+  assert all(len(r["device_tokens"]) == 2 for r in run["records"])  # two data shards; copies over stage/model not counted
+  want = [r["loss"] for r in one_device_run["records"]]
+  np.testing.assert_allclose([r["loss"] for r in run["records"]], want, rtol=MESH_RTOL, atol=0)
+  np.testing.assert_allclose(run["summary"]["val_loss"], one_device_run["summary"]["val_loss"], rtol=MESH_RTOL)
+  specs = {jax.tree_util.keystr(p): x.sharding.spec for p, x in jax.tree_util.tree_leaves_with_path(run["params"])}
+  qkv = tuple(specs["['blocks']['qkv']['kernel'].value"])
+  assert qkv[0] == "stage" and "model" in str(qkv[3]), specs  # layers over the stages, heads over "model"

@@ -26,6 +26,15 @@ inside the loop and dropped after use (layer-wise stage 3). Dropout keys are
 split per layer and scanned with the stack, as the list of blocks splits
 them: with the same weights (:func:`stack_blocks`) the two models compute
 the same function.
+
+``functional_scan=True`` (with ``scan_layers``) runs the stack through
+``jaxdp.scan_layers`` instead, as a pipelined step needs: the stacked Block
+is split into its graph definition and its state, and the loop body merges
+one layer's state back into a Block (``f(x, layer, key)``). Outside a
+pipelined step that is ``lax.scan``, the same function as ``nnx.scan``. In
+a pipelined step each microbatch runs a layer with that layer's dropout key,
+so the microbatches of one step share their masks' key (each draws a mask of
+its own shape from it).
 """
 
 from __future__ import annotations
@@ -111,14 +120,31 @@ def _scan_blocks(x_BxTxD: jax.Array, stack: Block, keys: jax.Array | None) -> ja
   return run_keyed(x_BxTxD, stack, keys)
 
 
+def _scan_layers_blocks(x_BxTxD: jax.Array, stack: Block, keys: jax.Array | None) -> jax.Array:
+  """``x`` through every layer of ``stack`` with ``jaxdp.scan_layers`` (a pipeline in a pipelined step)."""
+  graphdef, layers = nnx.split(stack)
+
+  def f(x, layer, key):
+    return nnx.merge(graphdef, layer)(x, key), None
+
+  x_BxTxD, _ = jaxdp.scan_layers(f, x_BxTxD, layers, xs=keys)
+  return x_BxTxD
+
+
 class Transformer(nnx.Module):
-  """Byte tokens ``[B, T]`` to next-byte logits ``[B, T, 256]``; ``scan_layers``: the blocks stacked and scanned."""
+  """Byte tokens ``[B, T]`` to next-byte logits ``[B, T, 256]``; ``scan_layers``: the blocks stacked and scanned.
+
+  ``functional_scan``: the stacked blocks run through ``jaxdp.scan_layers`` (needs ``scan_layers``).
+  """
 
   def __init__(self, *, seq_len: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float, rngs: nnx.Rngs,
-               scan_layers: bool = False):
+               scan_layers: bool = False, functional_scan: bool = False):
+    if functional_scan and not scan_layers:
+      raise ValueError("functional_scan=True runs the stacked blocks: it needs scan_layers=True.")
     self.embed = nnx.Embed(VOCAB, d_model, embedding_init=_split(linear.default_embed_init, _M, None), rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
     self.scan_layers = scan_layers
+    self.functional_scan = functional_scan
     if scan_layers:
       # One Block per layer on a leading axis, each from its own split of the params stream; the partitioning
       # metadata gets the layer axis, unsplit (None), so the tensor-parallel specs keep naming one layer's dims.
@@ -138,7 +164,8 @@ class Transformer(nnx.Module):
     t = tokens_BxT.shape[1]
     x_BxTxD = self.embed(tokens_BxT) + self.pos[None, :t]
     if self.scan_layers:
-      x_BxTxD = _scan_blocks(x_BxTxD, self.blocks, None if rng is None else jax.random.split(rng, self.layers))
+      run = _scan_layers_blocks if self.functional_scan else _scan_blocks
+      x_BxTxD = run(x_BxTxD, self.blocks, None if rng is None else jax.random.split(rng, self.layers))
       return self.head(self.ln(x_BxTxD))
     keys = [None] * len(self.blocks) if rng is None else list(jax.random.split(rng, len(self.blocks)))
     for block, key in zip(self.blocks, keys):
@@ -146,7 +173,8 @@ class Transformer(nnx.Module):
     return self.head(self.ln(x_BxTxD))
 
 
-def make_model(*, seed: int, scan_layers: bool = False, **sizes) -> tuple[jaxdp.nnx.Definition, nnx.State]:
+def make_model(*, seed: int, scan_layers: bool = False, functional_scan: bool = False,
+               **sizes) -> tuple[jaxdp.nnx.Definition, nnx.State]:
   """``(definition, params)`` of a :class:`Transformer` initialised from ``seed``, split by ``jaxdp.nnx``.
 
   The params are ordinary (unsharded) arrays that keep their partitioning
@@ -157,7 +185,7 @@ def make_model(*, seed: int, scan_layers: bool = False, **sizes) -> tuple[jaxdp.
   so ``params`` is all there is.
   """
   with nnx.use_eager_sharding(False):
-    model = Transformer(**sizes, rngs=nnx.Rngs(seed), scan_layers=scan_layers)
+    model = Transformer(**sizes, rngs=nnx.Rngs(seed), scan_layers=scan_layers, functional_scan=functional_scan)
   definition, params, model_state = jaxdp.nnx.split(model)
   assert model_state is None, "the transformer has no model state"
   return definition, params
