@@ -1,0 +1,386 @@
+"""Less communication, measured: bytes per step against the loss they cost, side by side with the exact step.
+
+Every method trains the byte-level LM of ``experiments/train_lm.py`` (its
+model, corpus, AdamW schedule and validation loss) from one init on one data
+order, with the same global batch and tokens per step, dropout 0:
+
+- ``exact``: jaxdp's default step, the weighted-mean gradient all-reduced in float32;
+- ``bf16``: the same gradient all-reduced in bfloat16 (``grad_reduce_dtype``);
+- ``powersgd_rR``: PowerSGD of rank R with error feedback
+  (``compression=jaxdp.powersgd(rank=R, start_iter=S)``; the first S steps exact);
+- ``diloco_hH``: DiLoCo (``jaxdp.make_diloco_step``): exact inner steps within a
+  replica group, an outer Nesterov step on the replicas' averaged delta every H steps;
+- ``float16_dynamic``: float16 compute with dynamic loss scaling
+  (``loss_scaling=jaxdp.dynamic_loss_scale()``): the same bytes as exact, its row shows the quality.
+
+Mesh: 4 simulated CPU devices. exact, bf16, PowerSGD and float16 split the
+batch over ``data=4``. DiLoCo runs on ``replica=4, data=1``: each replica group
+is one device, so its only cross-device traffic is the outer sync (and the
+step's scalar sums); each device still gets the same rows as under ``data=4``.
+
+``bytes_per_step`` counts the bytes each device sends in the step's collectives
+(all-reduce, reduce-scatter, all-gather; ring algorithm, ``traffic_bytes`` of
+``jaxdp.collectives_from_hlo``) in the HLO jaxdp emits, before the backend's
+optimisation: the dtype jaxdp communicates in, as GPU and TPU backends move it
+(the CPU compiler widens bfloat16 all-reduces to float32; its count is
+``compiled_bytes_per_step``). PowerSGD's is its compressed program (after
+``start_iter``); ``bytes_per_step_incl_warmup`` averages the exact warm-up steps in.
+DiLoCo's is averaged over an outer period: ``((H - 1) inner + 1 sync) / H``.
+``final_val_loss`` is the validation loss after the last step (DiLoCo: of the
+outer parameters); ``steps_to_target_loss`` the first evaluation step whose
+validation loss is at most exact's final one (``null`` if none);
+``loss_gap_vs_exact`` is ``(final - exact_final) / exact_final``. Writes
+``communication.json`` (``{"rows", "setup", "machine"}``) and
+``communication.png`` (validation loss against steps and against cumulative
+bytes) under ``--out`` (default ``out/communication``); ``--publish`` copies them
+to ``docs/data/communication.json`` and ``docs/communication.png``.
+
+  python experiments/communication.py [--steps 300] [--out out/communication] [--publish]
+  python experiments/communication.py --quick     # 20 steps on a 200 kB corpus, DiLoCo H = 5, 10
+  python experiments/communication.py --methods exact,powersgd_r2,diloco_h50
+
+--quick: about N s on an idle 2-core CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import pathlib
+import re
+import sys
+import time
+from typing import Any, Callable
+
+if __name__ == "__main__":  # before JAX initialises its backend
+  os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jaxdp  # noqa: E402
+from experiments import common, train_lm  # noqa: E402
+from experiments.lm import corpus  # noqa: E402
+from experiments.lm import model as lm  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+from jaxdp.data import DataPipeline  # noqa: E402
+
+FULL = {"steps": 300, "tail_steps": 50, "max_bytes": 1_000_000, "eval_every": 10, "start_iter": 10, "diloco_h": "10,50"}
+QUICK = {"steps": 20, "tail_steps": 5, "max_bytes": 200_000, "eval_every": 5, "start_iter": 2, "diloco_h": "5,10"}
+DEVICES = 4
+POWERSGD_RANKS = (1, 2, 4)
+
+
+def method_names(diloco_h) -> list[str]:
+  """Every method, in table order, with DiLoCo's periods ``diloco_h``."""
+  return (["exact", "bf16"] + [f"powersgd_r{r}" for r in POWERSGD_RANKS] + [f"diloco_h{h}" for h in diloco_h]
+          + ["float16_dynamic"])
+
+
+def _need(name: str, method: str):
+  """``jaxdp.<name>``, or a clear error saying which method needs it (a branch not merged yet)."""
+  try:
+    return getattr(jaxdp, name)
+  except AttributeError:
+    raise RuntimeError(f"method {method!r} needs jaxdp.{name}, which this jaxdp does not have; "
+                       f"leave {method!r} out of --methods.") from None
+
+
+def traffic(hlo: str, n: int) -> float:
+  """Bytes each device sends in the collectives of HLO text (ring algorithm; all kinds)."""
+  return float(sum(c.traffic_bytes for c in jaxdp.collectives_from_hlo(hlo, n).values()))
+
+
+def lowered_bytes(lowered) -> dict:
+  """``{"bytes", "compiled_bytes"}`` of a ``jax.stages.Lowered`` step (before and after XLA's optimisation)."""
+  return {"bytes": traffic(lowered.as_text(dialect="hlo"), DEVICES),
+          "compiled_bytes": traffic(lowered.compile().as_text(), DEVICES)}
+
+
+@dataclasses.dataclass
+class Method:
+  """One way to train: its mesh, state, step, the params it is evaluated on and its bytes per step."""
+
+  name: str
+  mesh: Mesh
+  axis_name: Any
+  state: Any
+  step: Callable  # (state, batch, weights) -> (state, metrics)
+  params: Callable  # state -> params to evaluate
+  step_bytes: Callable  # (state, batch, weights) -> (bytes of step i, compiled bytes of step i) as functions of i
+  notes: str = ""
+
+
+def _mesh(axes: dict[str, int]) -> Mesh:
+  devices = np.asarray(jax.devices()[:math.prod(axes.values())]).reshape(tuple(axes.values()))
+  return Mesh(devices, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+def make_optimizer(config: train_lm.Config) -> optax.GradientTransformation:
+  """train_lm's AdamW (warm-up over a tenth of ``config.steps``, cosine decay), decaying to a tenth of the peak.
+
+  train_lm decays to 0, where every run stops moving at its last step; a floor
+  of ``lr / 10`` (held after ``config.steps``) lets the tail steps show how
+  many more steps a method needs to reach the exact run's final loss.
+  """
+  warmup = max(1, config.steps // 10)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(config.steps, warmup + 1),
+                                                end_value=config.lr / 10)
+  return optax.adamw(schedule, weight_decay=0.01)
+
+
+def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int) -> Method:
+  """The :class:`Method` called ``name`` (see :func:`method_names`)."""
+  optimizer = make_optimizer(config)
+  if name in ("exact", "bf16", "float16_dynamic") or name.startswith("powersgd_r"):
+    mesh, axis = _mesh({"data": DEVICES}), "data"
+    options, state_options, notes = {}, {}, ""
+    if name == "bf16":
+      options["grad_reduce_dtype"] = jnp.bfloat16
+    elif name == "float16_dynamic":
+      options = {"compute_dtype": jnp.float16, "loss_scaling": _need("dynamic_loss_scale", name)()}
+      state_options = {"loss_scale": options["loss_scaling"].init()}
+    elif name.startswith("powersgd_r"):
+      rank = int(name.removeprefix("powersgd_r"))
+      compression = _need("powersgd", name)(rank=rank, start_iter=start_iter)
+      options, state_options = {"compression": compression}, {"compression": compression}
+    step = jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis, **options)
+    state = jaxdp.init_state(params, optimizer, mesh, axis_name=axis, **state_options)
+
+    def step_bytes(state, batch, weights):
+      measured = lowered_bytes(step.lower(state, batch, weights))
+      if not name.startswith("powersgd_r"):
+        return lambda i: measured["bytes"], lambda i: measured["compiled_bytes"]
+      # The exact warm-up steps' bytes come from the exact program, the compressed ones from start_iter=0's.
+      warm = lowered_bytes(jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis).lower(
+          jaxdp.init_state(params, optimizer, mesh, axis_name=axis), batch, weights))
+      s0 = compression._replace(start_iter=0)
+      hot_step = jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis, compression=s0)
+      hot = lowered_bytes(hot_step.lower(
+          jaxdp.init_state(params, optimizer, mesh, axis_name=axis, compression=s0), batch, weights))
+      return ((lambda i: warm["bytes"] if i < start_iter else hot["bytes"]),
+              (lambda i: warm["compiled_bytes"] if i < start_iter else hot["compiled_bytes"]))
+
+    return Method(name, mesh, axis, state, step, lambda s: s.params, step_bytes, notes)
+  if match := re.fullmatch(r"diloco_h(\d+)", name):
+    h = int(match.group(1))
+    make_step, init = _need("make_diloco_step", name), _need("init_diloco_state", name)
+    outer_params = _need("diloco_params", name)
+    mesh, axis = _mesh({"replica": DEVICES, "data": 1}), ("replica", "data")
+    step = make_step(loss_fn, optimizer, mesh, outer_axis="replica", axis_name="data", inner_steps=h)
+    state = init(params, optimizer, mesh, outer_axis="replica")
+
+    def step_bytes(state, batch, weights):
+      inner = lowered_bytes(step.lower_inner(state, batch, weights))
+      sync = lowered_bytes(step.lower_sync(state, batch, weights))
+      return ((lambda i: sync["bytes"] if (i + 1) % h == 0 else inner["bytes"]),
+              (lambda i: sync["compiled_bytes"] if (i + 1) % h == 0 else inner["compiled_bytes"]))
+
+    return Method(name, mesh, axis, state, step, outer_params, step_bytes)
+  raise ValueError(f"unknown method {name!r}; choose from exact, bf16, powersgd_rR, diloco_hH, float16_dynamic")
+
+
+def run_method(method: Method, config: train_lm.Config, data, loss_fn, eval_every: int, tail: int,
+               progress: bool) -> dict:
+  """Trains ``method`` for ``config.steps + tail`` steps; returns its validation curve and bytes per step."""
+  train_set, val_set = data
+  collate = corpus.make_collate(config.seq_len)
+  per_device = config.batch_size // DEVICES
+  pipeline = DataPipeline(train_set, collate, method.mesh, per_device_batch=per_device, seed=config.seed,
+                          axis_name=method.axis_name)
+  eval_mesh = _mesh({"data": DEVICES})
+  identity = optax.identity()
+
+  def validate(state) -> float:
+    params = jax.tree.map(np.asarray, method.params(state))  # host copy: the next step donates the state
+    held = jaxdp.init_state(params, identity, eval_mesh)
+    return train_lm.evaluate(loss_fn, held, val_set, eval_mesh, collate, per_device_batch=4 * per_device)["loss"]
+
+  state, curve, bytes_of, first = method.state, [], None, None
+  total = config.steps + tail
+  start = time.perf_counter()
+  for i, (batch, weights) in pipeline.iterate(num_steps=total):
+    if first is None:
+      first = jax.device_get(weights)
+      bytes_of = method.step_bytes(state, batch, weights)
+      curve.append({"step": 0, "val_loss": validate(state)})
+    state, metrics = method.step(state, batch, weights)
+    if (i + 1) % eval_every == 0 or i + 1 in (config.steps, total):
+      curve.append({"step": i + 1, "val_loss": validate(state), "train_loss": float(metrics["loss"])})
+      if progress:
+        print(f"  {method.name} step {i + 1}/{total}: val loss {curve[-1]['val_loss']:.4f} "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+  per_step = [bytes_of[0](i) for i in range(total)]
+  per_step_compiled = [bytes_of[1](i) for i in range(total)]
+  cumulative = np.concatenate([[0.0], np.cumsum(per_step)])
+  for point in curve:
+    point["bytes_communicated"] = float(cumulative[point["step"]])
+  return {"curve": curve, "final_val_loss": next(p["val_loss"] for p in curve if p["step"] == config.steps),
+          "per_step": per_step[:config.steps], "per_step_compiled": per_step_compiled[:config.steps], "first_weights": first,
+          "seconds": time.perf_counter() - start}
+
+
+def _period_mean(values: list[float], start: int, period: int) -> float:
+  """Mean of ``values[start:]`` over whole periods of ``period`` steps (all of them if fewer)."""
+  tail = values[start:]
+  whole = len(tail) - len(tail) % period if len(tail) >= period else len(tail)
+  return float(np.mean(tail[:whole])) if whole else float(values[-1])
+
+
+def summarise(name: str, result: dict, start_iter: int) -> dict:
+  """One row of ``communication.json`` (without the comparisons to exact)."""
+  match = re.fullmatch(r"diloco_h(\d+)", name)
+  period = int(match.group(1)) if match else 1
+  skip = start_iter if name.startswith("powersgd_r") else 0
+  per_step, compiled = result["per_step"], result["per_step_compiled"]
+  return {
+      "method": name,
+      "bytes_per_step": _period_mean(per_step, skip, period),
+      "compiled_bytes_per_step": _period_mean(compiled, skip, period),
+      "bytes_per_step_incl_warmup": float(np.mean(per_step)),
+      "final_val_loss": result["final_val_loss"],
+      "curve": result["curve"],
+      "seconds": result["seconds"],
+  }
+
+
+def compare_rows(rows: list[dict]) -> list[dict]:
+  """Adds ``steps_to_target_loss``, ``loss_gap_vs_exact`` and ``bytes_ratio_vs_exact`` (exact's bytes / the row's)."""
+  exact = next((r for r in rows if r["method"] == "exact"), None)
+  if exact is None:
+    raise ValueError("the comparisons need the exact run: keep 'exact' in --methods")
+  target = exact["final_val_loss"]
+  for row in rows:
+    reached = [p["step"] for p in row["curve"] if p["val_loss"] <= target]
+    row["steps_to_target_loss"] = reached[0] if reached else None
+    row["loss_gap_vs_exact"] = (row["final_val_loss"] - target) / target
+    row["bytes_ratio_vs_exact"] = exact["bytes_per_step"] / row["bytes_per_step"] if row["bytes_per_step"] else None
+  return rows
+
+
+def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_iter: int, tail: int = 0,
+            progress: bool = True) -> dict:
+  """Trains every method of ``methods`` from one init on one data order; returns ``{"rows", "setup"}``.
+
+  Each runs ``config.steps`` steps (the schedule's length, where ``final_val_loss`` is read) and ``tail``
+  more at the schedule's floor, which only ``steps_to_target_loss`` looks at.
+  """
+  if config.batch_size % DEVICES:
+    raise ValueError(f"batch_size {config.batch_size} must be a multiple of the {DEVICES} devices")
+  for name in methods:
+    if (match := re.fullmatch(r"diloco_h(\d+)", name)) and config.steps % int(match.group(1)):
+      raise ValueError(f"{name}: steps={config.steps} is not a multiple of H={match.group(1)}, so the run would end "
+                       "between outer syncs; choose steps (or H) so that H divides steps")
+  if jax.device_count() < DEVICES:
+    raise SystemExit(f"{DEVICES} devices are needed but {jax.device_count()} exist; set JAX_NUM_CPU_DEVICES={DEVICES}.")
+  config = dataclasses.replace(config, dropout=0.0, out=None, ckpt_dir=None)
+  data = train_lm.build_dataset(config)
+  definition, params = train_lm.make_model(config)
+  params = jax.tree.map(np.asarray, params)  # every method starts from its own copy (steps donate their state)
+  loss_fn = lm.make_loss_fn(definition)
+  rows, first = [], None
+  for name in methods:
+    if progress:
+      print(f"{name}:", flush=True)
+    method = build(name, config, params, loss_fn, start_iter)
+    result = run_method(method, config, data, loss_fn, eval_every, tail, progress)
+    if first is None:
+      first = result["first_weights"]
+    elif not np.array_equal(first, result["first_weights"]):  # one data order for every mesh
+      raise AssertionError(f"{name} saw another first batch than {methods[0]}")
+    rows.append(summarise(name, result, start_iter))
+  n_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+  setup = {
+      "steps": config.steps, "tail_steps": tail, "batch_size": config.batch_size, "seq_len": config.seq_len,
+      "tokens_per_step": config.batch_size * config.seq_len, "devices": DEVICES,
+      "meshes": {"exact, bf16, powersgd, float16": {"data": DEVICES}, "diloco": {"replica": DEVICES, "data": 1}},
+      "model": {k: getattr(config, k) for k in ("layers", "d_model", "heads", "d_ff")}, "params": n_params,
+      "param_bytes": n_params * 4, "max_bytes": config.max_bytes, "train_sequences": len(data[0]),
+      "val_sequences": len(data[1]), "eval_every": eval_every, "powersgd_start_iter": start_iter,
+      "optimizer": f"adamw lr {config.lr}, weight decay 0.01, warm-up {max(1, config.steps // 10)} steps, cosine "
+                   f"decay to lr/10 at step {config.steps}, then constant",
+      "diloco_outer_optimizer": "sgd lr 0.7, Nesterov momentum 0.9", "dropout": 0.0, "seed": config.seed,
+      "bytes": "per device and step, sent in collectives (ring), from the HLO before backend optimisation",
+  }
+  return {"rows": compare_rows(rows), "setup": setup}
+
+
+def plot(result: dict, path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+  target = next(r for r in result["rows"] if r["method"] == "exact")["final_val_loss"]
+  for i, row in enumerate(result["rows"]):
+    points = [p for p in row["curve"] if p["step"] > 0]
+    style = "-" if row["method"] in ("exact", "bf16", "float16_dynamic") else ("--" if "powersgd" in row["method"] else ":")
+    kw = dict(color=f"C{i}", ls=style, marker=".", label=row["method"])
+    left.plot([p["step"] for p in points], [p["val_loss"] for p in points], **kw)
+    right.plot([max(p["bytes_communicated"], 1.0) for p in points], [p["val_loss"] for p in points], **kw)
+  for ax in (left, right):
+    ax.axhline(target, color="gray", lw=0.8, ls="--")
+  setup = result["setup"]
+  if setup.get("tail_steps"):  # the tail at the schedule's floor, after the point every row is compared at
+    left.axvline(setup["steps"], color="gray", lw=0.8, ls=":")
+  left.set(xlabel=f"step ({setup['tokens_per_step']} tokens each)", ylabel="validation loss (nats/byte)",
+           title=f"byte-level LM, {setup['devices']} devices, same tokens")
+  right.set(xscale="log", xlabel="bytes sent per device, cumulative", ylabel="validation loss (nats/byte)",
+            title="loss against bytes communicated")
+  left.legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_outputs(result: dict, out) -> pathlib.Path:
+  """Writes ``communication.json`` and ``communication.png`` into the folder ``out``; returns it."""
+  out = pathlib.Path(out)
+  common.write_json(out / "communication.json", result)
+  plot(result, out / "communication.png")
+  return out
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help=f"smoke run; defaults become {QUICK}")
+  p.add_argument("--steps", type=int, help=f"training steps per method (default {FULL['steps']})")
+  p.add_argument("--max-bytes", type=int, help=f"corpus budget in bytes (default {FULL['max_bytes']})")
+  p.add_argument("--tail-steps", type=int, help="steps after --steps at the schedule's floor, for steps_to_target_loss "
+                 f"(default {FULL['tail_steps']})")
+  p.add_argument("--eval-every", type=int, help=f"steps between validations (default {FULL['eval_every']})")
+  p.add_argument("--start-iter", type=int, help=f"PowerSGD's exact steps first (default {FULL['start_iter']})")
+  p.add_argument("--diloco-h", help=f"DiLoCo's inner steps per outer sync, comma-separated (default {FULL['diloco_h']})")
+  p.add_argument("--methods", help="comma-separated subset of the methods (default: all; exact is always needed)")
+  p.add_argument("--no-progress", dest="progress", action="store_false")
+  common.add_output_args(p, "out/communication", quick="out/communication_quick")
+  args = p.parse_args(argv)
+  common.check_publish(p, args)
+  common.fill_defaults(args, FULL, QUICK)
+  diloco_h = [int(h) for h in str(args.diloco_h).split(",") if h.strip()]
+  methods = args.methods.split(",") if args.methods else method_names(diloco_h)
+  config = train_lm.Config(steps=args.steps, max_bytes=args.max_bytes, progress=False)
+  start = time.perf_counter()
+  result = compare(config, methods, args.eval_every, args.start_iter, args.tail_steps, progress=args.progress)
+  result["machine"] = common.machine()
+  result["setup"]["command"] = "python experiments/communication.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  result["setup"]["wall_seconds"] = time.perf_counter() - start
+  out = write_outputs(result, args.out)
+  for row in result["rows"]:
+    ratio = row["bytes_ratio_vs_exact"]
+    print(f"{row['method']:>16}: {row['bytes_per_step'] / 1e3:9.1f} kB/step ({'n/a' if ratio is None else f'{ratio:5.1f}'}x fewer), "
+          f"val loss {row['final_val_loss']:.4f} ({100 * row['loss_gap_vs_exact']:+.2f}% vs exact), "
+          f"steps to exact's final loss: {row['steps_to_target_loss']}")
+  print(f"wall time {result['setup']['wall_seconds']:.0f} s; outputs in {out}")
+  common.publish(args, {"communication.json": "data/communication.json", "communication.png": "communication.png"})
+  return result
+
+
+if __name__ == "__main__":
+  main()
