@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="forward/backward dtype (params stay float32)")
   p.add_argument("--grad-reduce-dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the gradient all-reduce")
   p.add_argument("--bucket-bytes", type=int, default=None, help="reduce the gradient in buckets of this size (default: one all-reduce)")
+  p.add_argument("--diloco-inner-steps", type=int, default=None, help="DiLoCo: H inner steps per outer sync across "
+                 "the replica axis (needs --mesh replica=R,data=D); default: the exact step")
+  p.add_argument("--diloco-delta-dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="DiLoCo: dtype of the outer sync's all-reduce of the deltas")
   p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given")
   p.add_argument("--steps", type=int, default=None, help=f"training steps ({FULL['steps']}; {QUICK['steps']} with --quick)")
   p.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
@@ -173,6 +177,8 @@ class Config:
   compute_dtype: str = "float32"
   grad_reduce_dtype: str = "float32"
   bucket_bytes: int | None = None
+  diloco_inner_steps: int | None = None
+  diloco_delta_dtype: str = "float32"
   steps: int = 150
   batch_size: int = 32
   seq_len: int = 64
@@ -361,6 +367,8 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
     params: initial params of the model's layout (default: drawn from ``config.seed``), e.g. the list
       model's weights stacked with ``lm.stack_blocks`` for ``--scan-layers``.
   """
+  if config.diloco_inner_steps is not None:
+    return train_diloco(config, devices=devices, data=data, out=out, desc=desc, params=params)
   mesh = build_mesh(config, devices)
   devices = list(mesh.devices.flat)
   axis_name, n = data_axes(mesh), data_parallel_size(mesh)
@@ -413,6 +421,70 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   if out is not None:
     (pathlib.Path(out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return {"records": records, "summary": summary, "params": state.params}
+
+
+def _diloco_metrics(metrics: dict) -> dict:
+  """The groups' metrics (leading ``[R]``) as one run's: means weighted by each group's tokens, tokens summed."""
+  weight = metrics["weight"]
+  share = weight / jnp.maximum(jnp.sum(weight), 1.0)
+  return {**{k: jnp.sum(v * share) for k, v in metrics.items() if k not in ("weight", "synced")},
+          "weight": jnp.sum(weight), "synced": metrics["synced"]}
+
+
+def train_diloco(config: Config, *, devices=None, data=None, out: str | None = None, desc: str = "train",
+                 params=None) -> dict:
+  """:func:`train` with DiLoCo (``jaxdp.make_diloco_step``): the exact step inside each group of the ``replica``
+  axis, the outer Nesterov step every ``config.diloco_inner_steps`` steps; evaluated on the outer parameters.
+
+  The logged loss, accuracy and gradient norm are the groups' means weighted by their tokens.
+  """
+  mesh = build_mesh(config, devices)
+  if "replica" not in mesh.axis_names or "model" in mesh.axis_names or config.zero_stage or config.scan_layers:
+    raise ValueError(f"--diloco-inner-steps needs --mesh replica=R,data=D (no model axis, ZeRO stage 0, no "
+                     f"--scan-layers), got --mesh {config.mesh} --zero-stage {config.zero_stage}")
+  if config.ckpt_dir is not None:
+    raise ValueError("--diloco-inner-steps does not checkpoint (--ckpt-dir): the DiLoCo state is not a TrainState")
+  devices = list(mesh.devices.flat)
+  n = data_parallel_size(mesh)
+  _check_batch(config, n)
+  train_set, val_set = build_dataset(config) if data is None else data
+  collate = corpus.make_collate(config.seq_len)
+  definition, drawn = make_model(config)
+  params = drawn if params is None else params
+  loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
+  step = jaxdp.make_diloco_step(
+      loss_fn, optimizer, mesh, outer_axis="replica", axis_name="data", inner_steps=config.diloco_inner_steps,
+      delta_dtype=None if config.diloco_delta_dtype == "float32" else jnp.bfloat16, reduction=config.reduction,
+      accum_steps=config.accum_steps, compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
+      grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
+  )
+  per_device = config.batch_size // n
+  axis_name = ("replica", "data")  # the pipeline splits the rows over both axes, as the step does
+  pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
+  rng = jax.random.key(config.seed) if config.dropout > 0 else None
+  state = jaxdp.init_diloco_state(params, optimizer, mesh, outer_axis="replica", axis_name="data")
+
+  def step_fn(state, batch, weights, rng=None):
+    state, metrics = step(state, batch, weights, rng)
+    return state, _diloco_metrics(metrics)
+
+  with _metrics_file(out) as sink:
+    state, records = fit(step_fn, state, pipeline, config, rng, sink, desc)
+  outer = jaxdp.TrainState(jaxdp.diloco_params(state), None, state.inner_step)
+  val = evaluate(loss_fn, outer, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
+  summary = {
+      "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": 0, "scan_layers": False, "layerwise": False,
+      "platform": devices[0].platform, "reduction": config.reduction, "dropout": config.dropout,
+      "diloco_inner_steps": config.diloco_inner_steps, "diloco_delta_dtype": config.diloco_delta_dtype,
+      "train_sequences": len(train_set), "val_sequences": len(val_set), "start_step": 0, "steps": len(records),
+      "final_loss": records[-1]["loss"] if records else None, "val_loss": None if val is None else val["loss"],
+      "val_accuracy": None if val is None else val["accuracy"],
+      "tokens_per_s": _throughput(records), "config": dataclasses.asdict(config),
+  }
+  if out is not None:
+    (pathlib.Path(out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  return {"records": records, "summary": summary, "params": jaxdp.diloco_params(state), "state": state,
+          "step": step}
 
 
 def _metrics_file(out: str | None, append: bool = False):

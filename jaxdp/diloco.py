@@ -1,0 +1,431 @@
+"""DiLoCo (Douillard et al., 2023): exact data parallelism inside replica groups, an outer step every H steps.
+
+The mesh has an outer axis (``"replica"``, R groups) and the data axes
+(``"data"``, D devices per group). One call of the step is one inner step
+on every group: each group runs jaxdp's exact data-parallel step
+(:func:`jaxdp.train_step`, the weighted mean over the group's rows) on its
+own rows of the global batch, with its own parameters and inner optimizer
+state. Nothing crosses the outer axis then. Every ``inner_steps`` calls,
+the outer sync: each group's delta ``outer_params - inner_params_r`` is
+averaged over the outer axis, weighted by the group's summed example (or
+token) weights over the period, the outer optimizer applies that average
+as its gradient to ``outer_params``, and every group restarts from the new
+outer parameters (the inner optimizer states stay per group, as in the
+paper).
+
+Two jitted programs, picked on the host by the state's step count: the
+inner step, and the inner step followed by the sync; each one's compiled
+HLO shows its own collectives (:meth:`DiLoCoStep.comm_report`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdp import _checks
+from jaxdp._checks import check_int, check_optimizer
+from jaxdp.layout import auto_mesh, axis_names, check_mesh_axis, place, replicated
+from jaxdp.loss import check_loss_fn
+from jaxdp.reports import Collective, collectives_from_hlo
+from jaxdp.settings import step_settings
+from jaxdp.state import TrainState
+from jaxdp.step import run_train_step
+
+DELTA_DTYPES = (None, "bfloat16")
+"""What the outer sync may communicate the delta in: ``None`` (the parameters' own dtype) or bfloat16."""
+
+
+class DiLoCoState(NamedTuple):
+  """The state of a DiLoCo run.
+
+  Attributes:
+    inner: a :class:`jaxdp.TrainState` whose every leaf has a leading
+      ``[R]`` dimension, one entry per replica group, split over the outer
+      axis (the groups' parameters differ between syncs); each group's
+      entry is replicated over its data axes.
+    outer_params: the global parameters (replicated), as of the last sync.
+    outer_opt_state: the outer optimizer's state for ``outer_params``.
+    inner_step: int32 scalar, the number of inner steps run (calls of the
+      step); the sync follows every ``inner_steps``-th.
+    period_weight: float32 ``[R]``, each group's summed weight of the
+      inner steps it applied since the last sync (its weight in the
+      average of the deltas).
+  """
+
+  inner: TrainState
+  outer_params: Any
+  outer_opt_state: Any
+  inner_step: Any
+  period_weight: Any
+
+
+def diloco_params(state: DiLoCoState) -> Any:
+  """The outer (global) parameters: what to evaluate and to keep after training."""
+  return state.outer_params
+
+
+def default_outer_optimizer() -> optax.GradientTransformation:
+  """The paper's outer optimizer: Nesterov SGD, learning rate 0.7, momentum 0.9."""
+  return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+def _check_axes(mesh: Any, outer_axis: Any, axis_name: Any) -> Mesh:
+  """The mesh (Auto axes), after checking that it has ``outer_axis`` besides the data axes, and nothing else."""
+  if not isinstance(outer_axis, str):
+    raise TypeError(f"outer_axis must name one mesh axis (a str, e.g. 'replica'), got {outer_axis!r}.")
+  check_mesh_axis(mesh, axis_name)
+  data = axis_names(axis_name)
+  if outer_axis in data:
+    raise ValueError(
+        f"outer_axis={outer_axis!r} is also one of the data axes {data}: DiLoCo needs an outer axis of its own, "
+        f"over which the groups differ between syncs; pass axis_name without it, e.g. axis_name="
+        f"{tuple(a for a in data if a != outer_axis) or 'data'!r}."
+    )
+  if outer_axis not in mesh.axis_names:
+    raise ValueError(
+        f"DiLoCo without an outer axis: mesh has axes {mesh.axis_names} but no {outer_axis!r} (outer_axis). Build "
+        f"a mesh with both, e.g. jax.make_mesh((R, D), ({outer_axis!r}, {data[0]!r}), axis_types=(AxisType.Auto,) * 2)"
+        ", or use jaxdp.make_train_step for exact data parallelism over every device."
+    )
+  others = [a for a in mesh.axis_names if a != outer_axis and a not in data]
+  if others:
+    raise ValueError(
+        f"mesh has axes {others} besides outer_axis={outer_axis!r} and the data axes {data}; the DiLoCo step maps "
+        "over every mesh axis and does not partition the model: build the mesh over those axes only."
+    )
+  return auto_mesh(mesh)
+
+
+def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str) -> DiLoCoState:
+  split = NamedSharding(mesh, P(outer_axis))
+  whole = replicated(mesh)
+  return DiLoCoState(
+      jax.tree.map(lambda _: split, state.inner), jax.tree.map(lambda _: whole, state.outer_params),
+      jax.tree.map(lambda _: whole, state.outer_opt_state), whole, split,
+  )
+
+
+def init_diloco_state(
+    params: Any,
+    inner_optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    outer_axis: str = "replica",
+    axis_name: Any = "data",
+    outer_optimizer: optax.GradientTransformation | None = None,
+    model_state: Any = None,
+) -> DiLoCoState:
+  """The state :func:`make_diloco_step` expects, placed on ``mesh``: every group starts from ``params``.
+
+  Args:
+    params: the initial parameters (a pytree of arrays).
+    inner_optimizer: the groups' optax optimizer (the step's).
+    mesh: a mesh with ``outer_axis`` and the data axes ``axis_name``.
+    outer_axis: the axis of the replica groups.
+    axis_name: the data axis (or axes) inside a group.
+    outer_optimizer: the outer optimizer (the step's); default
+      :func:`default_outer_optimizer`.
+    model_state: the model's non-trainable state, or ``None``; each group
+      keeps its own copy (it is not averaged at the sync).
+
+  Returns:
+    A :class:`DiLoCoState` of fresh buffers.
+  """
+  mesh = _check_axes(mesh, outer_axis, axis_name)
+  check_optimizer(inner_optimizer, "inner_optimizer")
+  outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
+  check_optimizer(outer_optimizer, "outer_optimizer")
+  _checks.check_params_dtypes(params, "params")
+  r = mesh.shape[outer_axis]
+
+  def build(params, model_state):
+    inner = TrainState.create(params, inner_optimizer, model_state)
+    inner = jax.tree.map(lambda x: jnp.broadcast_to(x, (r, *jnp.shape(x))), inner)
+    outer = jax.tree.map(jnp.copy, params)
+    return DiLoCoState(inner, outer, outer_optimizer.init(outer), jnp.zeros((), jnp.int32), jnp.zeros((r,), jnp.float32))
+
+  abstract = jax.eval_shape(build, params, model_state)
+  return jax.jit(build, out_shardings=_state_shardings(abstract, mesh, outer_axis))(params, model_state)
+
+
+class DiLoCoStep:
+  """``step(state, batch, weights=None, rng=None) -> (state, metrics)``; built by :func:`make_diloco_step`.
+
+  ``metrics`` holds each group's metrics of :func:`jaxdp.train_step` with a
+  leading ``[R]`` dimension (``loss`` the group's weighted mean, ``weight``
+  its summed weight, ``skipped``...): the global weighted mean loss is
+  ``sum(loss * weight) / sum(weight)``. ``metrics["synced"]`` is 1 on a
+  call that ended with the outer sync.
+  """
+
+  def __init__(self, settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,
+               donate):
+    self.settings, self.loss_fn = settings, loss_fn
+    self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
+    self.mesh, self.outer_axis, self.axis_name = mesh, outer_axis, settings.axis_name
+    self.inner_steps, self.delta_dtype, self.donate = inner_steps, delta_dtype, donate
+    self.n_groups = mesh.shape[outer_axis]
+    self.group_size = int(np.prod([mesh.shape[a] for a in axis_names(self.axis_name)]))
+    self._programs: dict = {}  # (sync, rng given) -> jitted program
+    self._validated: set = set()
+    self._last = (None, 0)  # (weak reference to the inner_step array last returned, its host value)
+
+  # Host side -------------------------------------------------------------------------------------
+
+  def _count(self, state: DiLoCoState) -> int:
+    ref, count = self._last
+    if ref is not None and ref() is state.inner_step:
+      return count  # the state this step returned: no wait for the device
+    return int(jax.device_get(state.inner_step))
+
+  def _check(self, state, batch, weights, rng) -> None:
+    if not isinstance(state, DiLoCoState):
+      raise TypeError(
+          f"state must be a jaxdp.diloco.DiLoCoState, got {type(state).__name__}; build it with "
+          "jaxdp.init_diloco_state(params, inner_optimizer, mesh, outer_axis=..., outer_optimizer=...)."
+      )
+    _checks.check_not_donated(state)
+    key = (_checks.signature(state), _checks.signature(batch, weights, rng))
+    if key in self._validated:
+      return
+    _checks.check_state(state.inner, "state.inner")
+    r = self.n_groups
+    for path, leaf in jax.tree_util.tree_leaves_with_path((state.inner, state.period_weight)):
+      if np.ndim(leaf) == 0 or np.shape(leaf)[0] != r:
+        raise ValueError(
+            f"state{'.inner' if path[0].idx == 0 else '.period_weight'}{jax.tree_util.keystr(path[1:])} has shape "
+            f"{np.shape(leaf)}; every leaf of state.inner and state.period_weight needs a leading dimension of "
+            f"{r}, the size of outer_axis {self.outer_axis!r}: build the state with jaxdp.init_diloco_state on this "
+            "step's mesh."
+        )
+    group = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner)
+    _checks.check_step_inputs(
+        self.loss_fn, self.inner_optimizer, group, batch, weights, rng, n_replicas=r * self.group_size,
+        accum_steps=self.settings.accum_steps,
+    )
+    if _checks.signature(jax.eval_shape(self.outer_optimizer.init, state.outer_params)) != _checks.signature(
+        state.outer_opt_state):
+      raise ValueError(
+          "state.outer_opt_state does not match outer_optimizer.init(state.outer_params) in structure, shape or "
+          "dtype: the state was built with another outer optimizer; pass the same outer_optimizer to "
+          "jaxdp.init_diloco_state and jaxdp.make_diloco_step."
+      )
+    if _checks.signature(state.outer_params) != _checks.signature(group.params):
+      raise ValueError("state.outer_params and each group's state.inner.params differ in structure, shape or dtype; "
+                       "build the state with jaxdp.init_diloco_state.")
+    self._validated.add(key)
+
+  def _prepare(self, state, batch, weights, rng):
+    weights = _checks.as_array(weights)
+    self._check(state, batch, weights, rng)
+    _checks.check_batch_values(batch, "batch", dtypes=False)
+    _checks.check_weight_values(weights)
+    shardings = _state_shardings(state, self.mesh, self.outer_axis)
+    if self.donate:
+      state = _checks.unshared_buffers(state)
+    state = place(state, shardings)
+    rows = NamedSharding(self.mesh, P((self.outer_axis, *axis_names(self.axis_name))))
+    batch, weights = jax.device_put((batch, weights), rows)
+    rng = None if rng is None else place(rng, replicated(self.mesh))
+    return shardings, (state, batch, weights, rng)
+
+  def _program(self, sync: bool, shardings: DiLoCoState):
+    key = (sync, jax.tree.structure(shardings))
+    if key not in self._programs:
+      self._programs[key] = self._build(sync, shardings)
+    return self._programs[key]
+
+  def __call__(self, state: DiLoCoState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None):
+    shardings, prepared = self._prepare(state, batch, weights, rng)
+    count = self._count(prepared[0])
+    sync = (count + 1) % self.inner_steps == 0
+    new_state, metrics = self._program(sync, shardings)(*prepared)
+    if self.donate:
+      _checks.mark_donated(jax.tree.leaves(prepared[0]))
+    self._last = (weakref.ref(new_state.inner_step), count + 1)
+    return new_state, metrics
+
+  def lower_inner(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
+    """The ``jax.stages.Lowered`` of the inner step (no sync) on these inputs."""
+    shardings, prepared = self._prepare(state, batch, weights, rng)
+    return self._program(False, shardings).lower(*prepared)
+
+  def lower_sync(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
+    """The ``jax.stages.Lowered`` of the inner step followed by the outer sync."""
+    shardings, prepared = self._prepare(state, batch, weights, rng)
+    return self._program(True, shardings).lower(*prepared)
+
+  def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool) -> dict[str, Collective]:
+    """The collectives of the compiled inner program (``sync=False``) or sync program, as
+    :func:`jaxdp.comm_report` counts them (per device)."""
+    lowered = (self.lower_sync if sync else self.lower_inner)(state, batch, weights, rng)
+    return collectives_from_hlo(lowered.compile().as_text(), self.n_groups * self.group_size)
+
+  def bytes_per_step(self, state, batch, weights=None, rng=None, *, field: str = "bytes") -> float:
+    """Per-device collective bytes per call, averaged over an outer period: ``((H - 1) * inner + sync) / H``.
+
+    ``field``: ``"bytes"`` (the buffers reduced or gathered, as
+    :class:`jaxdp.Collective` counts them) or ``"traffic_bytes"`` (ring
+    traffic per device).
+    """
+    if field not in ("bytes", "traffic_bytes"):
+      raise ValueError(f"field must be 'bytes' or 'traffic_bytes', got {field!r}.")
+    totals = [sum(getattr(c, field) for c in self.comm_report(state, batch, weights, rng, sync=s).values())
+              for s in (False, True)]
+    return ((self.inner_steps - 1) * totals[0] + totals[1]) / self.inner_steps
+
+  # Device side -----------------------------------------------------------------------------------
+
+  def _build(self, sync: bool, shardings: DiLoCoState):
+    settings, outer_axis, outer_optimizer = self.settings, self.outer_axis, self.outer_optimizer
+    delta_dtype = self.delta_dtype
+    loss_fn, inner_optimizer = self.loss_fn, self.inner_optimizer
+
+    def group_step(state: DiLoCoState, batch, weights, rng):
+      inner = jax.tree.map(lambda x: x[0], state.inner)  # this group's entry
+      if rng is not None:  # the groups' rows differ: so do their keys
+        rng = jax.random.fold_in(rng, lax.axis_index(outer_axis))
+      inner, metrics = run_train_step(settings, loss_fn, inner_optimizer, inner, batch, weights, rng=rng)
+      applied = metrics["weight"].astype(jnp.float32) * (1 - metrics["skipped"]).astype(jnp.float32)
+      period_weight = state.period_weight[0] + applied
+      outer_params, outer_opt_state = state.outer_params, state.outer_opt_state
+      if sync:
+        outer_params, outer_opt_state, inner = _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner,
+                                                           period_weight, outer_axis, delta_dtype)
+        period_weight = jnp.zeros_like(period_weight)
+      new_state = DiLoCoState(
+          jax.tree.map(lambda x: x[None], inner), outer_params, outer_opt_state, state.inner_step + 1,
+          period_weight[None],
+      )
+      metrics = {name: value[None] for name, value in metrics.items()}
+      return new_state, metrics
+
+    specs = jax.tree.map(lambda s: s.spec, shardings)
+    rows = P((outer_axis, *axis_names(self.axis_name)))
+    mapped = jax.shard_map(
+        group_step, mesh=self.mesh, in_specs=(specs, rows, rows, P()), out_specs=(specs, P(outer_axis)),
+        # Untyped: the groups' parameters vary over the outer axis, and a typed step would take a loss varying
+        # over an axis it does not reduce for a batch split over an unnamed axis (and refuse it). The outer
+        # parameters are replicated by construction: computed from all-reduced values only.
+        check_vma=False,
+    )
+
+    def program(state, batch, weights, rng):
+      new_state, metrics = mapped(state, batch, weights, rng)
+      return new_state, {**metrics, "synced": jnp.asarray(int(sync), jnp.int32)}
+
+    return jax.jit(program, donate_argnums=(0,) if self.donate else (), out_shardings=(shardings, None))
+
+
+def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainState, period_weight, outer_axis: str,
+                delta_dtype):
+  """Per group: the weighted average of the groups' deltas (one all-reduce over ``outer_axis``), the outer
+  update, and the group's restart from the new outer parameters."""
+  total = lax.psum(period_weight, outer_axis)  # 4 bytes
+  share = jnp.where(total > 0, period_weight / jnp.where(total > 0, total, 1.0), 0.0)
+
+  def contribution(outer, current):
+    delta = (outer - current).astype(jnp.float32) * share
+    return delta if delta_dtype is None else delta.astype(delta_dtype)
+
+  contributions = jax.tree.map(contribution, outer_params, inner.params)
+  average = jax.tree.map(lambda d, p: d.astype(p.dtype), lax.psum(contributions, outer_axis), outer_params)
+
+  def update(operand):
+    params, opt_state = operand
+    updates, opt_state = outer_optimizer.update(average, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  # No group applied an inner step over the period (all skipped): nothing to average, the outer state stays.
+  outer_params, outer_opt_state = lax.cond(total > 0, update, lambda operand: operand,
+                                           (outer_params, outer_opt_state))
+  restarted = jax.tree.map(lambda p, q: p.astype(q.dtype), outer_params, inner.params)
+  return outer_params, outer_opt_state, inner._replace(params=restarted)
+
+
+def make_diloco_step(
+    loss_fn: Callable[..., Any],
+    inner_optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    outer_axis: str = "replica",
+    axis_name: Any = "data",
+    inner_steps: int,
+    outer_optimizer: optax.GradientTransformation | None = None,
+    delta_dtype: Any = None,
+    reduction: str = "mean",
+    accum_steps: int = 1,
+    compute_dtype: Any = None,
+    grad_reduce_dtype: Any = None,
+    donate: bool = True,
+) -> DiLoCoStep:
+  """Builds the DiLoCo step: exact data parallelism over ``axis_name`` inside each group of ``outer_axis``, and
+  every ``inner_steps`` calls the outer sync across the groups.
+
+  Rows of the global batch are split over ``(outer_axis, *data axes)``:
+  group ``r`` gets the ``r``-th of R contiguous blocks of rows, split over its
+  devices as :func:`jaxdp.make_train_step` splits a batch. Each call runs
+  :func:`jaxdp.train_step` on every group (the exact weighted mean of the
+  group's rows, reduced over the group's data axes only). The call that
+  completes a period of ``inner_steps`` then averages the groups' deltas
+  ``outer_params - inner_params_r`` with weights proportional to each group's
+  summed weight over the period (weight of skipped steps excluded), and the
+  outer optimizer applies that average as its gradient. With this weighting,
+  ``inner_steps=1``, inner ``optax.sgd(lr)`` and outer ``optax.sgd(1.0)``
+  give the exact step of the global weighted mean (the weighted average of
+  ``lr * group mean gradient`` is ``lr`` times the global mean gradient).
+
+  Args:
+    loss_fn: as for :func:`jaxdp.make_train_step`.
+    inner_optimizer: the groups' optax optimizer; each group keeps its own
+      state, which the sync leaves as it is.
+    mesh: a mesh of ``outer_axis`` and the data axes only.
+    outer_axis: the axis of the replica groups (R of them).
+    axis_name: the data axis (or a tuple of axes) inside a group.
+    inner_steps: H, the inner steps per outer sync (an int >= 1).
+    outer_optimizer: applied to the averaged delta; default
+      :func:`default_outer_optimizer` (Nesterov SGD, lr 0.7, momentum 0.9).
+    delta_dtype: the dtype the deltas are all-reduced in, ``None`` (the
+      parameters' own) or ``jnp.bfloat16`` (half the bytes of float32).
+      The weighting is applied before the cast.
+    reduction, accum_steps, compute_dtype, grad_reduce_dtype: the inner
+      step's, as for :func:`jaxdp.make_train_step` (``reduction="none"`` is
+      refused: a group must stay one replica).
+    donate: donate the input state's buffers to the output state.
+
+  Returns:
+    A :class:`DiLoCoStep`.
+  """
+  inner_steps = check_int(inner_steps, "inner_steps", 1, "the number of inner steps between outer syncs (H).")
+  if reduction == "none":
+    raise ValueError(
+        "reduction='none' leaves each device of a group with its own update, but a DiLoCo group must stay one "
+        "replica between syncs; use reduction='mean' (or 'sum', 'rank_mean')."
+    )
+  settings = step_settings(axis_name=axis_name, reduction=reduction, accum_steps=accum_steps,
+                           compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype)
+  mesh = _check_axes(mesh, outer_axis, axis_name)
+  check_loss_fn(loss_fn)
+  check_optimizer(inner_optimizer, "inner_optimizer")
+  outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
+  check_optimizer(outer_optimizer, "outer_optimizer")
+  if delta_dtype is not None:
+    try:
+      name = jnp.dtype(delta_dtype).name
+    except TypeError:
+      name = None
+    if name != "bfloat16":
+      raise ValueError(f"delta_dtype must be None or jnp.bfloat16, got {delta_dtype!r}.")
+    delta_dtype = jnp.bfloat16
+  if not isinstance(donate, (bool, np.bool_)):
+    raise TypeError(f"donate must be True or False, got {donate!r}.")
+  return DiLoCoStep(settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,
+                    bool(donate))

@@ -1,0 +1,233 @@
+"""DiLoCo over an outer axis, checked against plain single-device references written here.
+
+Each reference is a Python loop: every replica group takes its step on its
+own block of rows (the weighted mean of its rows' losses, one device), and
+every H steps the groups' deltas are averaged, weighted by each group's
+summed weights over the period, and applied by the outer optimizer
+(Nesterov SGD written out by hand). With H = 1, inner SGD and outer SGD at
+learning rate 1 that is the exact step of the global weighted mean, which
+is checked against its own plain reference. The HLO of the two compiled
+programs shows where the outer axis is crossed; bad inputs are refused
+before anything runs or is donated.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import jaxdp
+from jaxdp.reports import hlo_collectives
+
+# Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+FEATURES, HIDDEN = 3, 4
+ROWS = 8  # global batch: 2 groups x 2 devices x 2 rows
+# The step and the references sum the same float32 numbers in other orders (per device, then all-reduced):
+# a few ulps of values of order 1, compounded over at most six steps.
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def loss_fn(params, batch):
+  hidden = jnp.tanh(batch["x"] @ params["w"] + params["b"][None])
+  return (hidden @ params["v"] - batch["y"]) ** 2
+
+
+def make_params(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 2)
+  return {"w": jax.random.normal(keys[0], (FEATURES, HIDDEN)), "b": jnp.zeros((HIDDEN,)),
+          "v": jax.random.normal(keys[1], (HIDDEN,))}
+
+
+def make_batches(n, seed=1):
+  rng = np.random.RandomState(seed)
+  out = []
+  for _ in range(n):
+    batch = {"x": rng.randn(ROWS, FEATURES).astype(np.float32), "y": rng.randn(ROWS).astype(np.float32)}
+    weights = rng.uniform(0.2, 3.0, ROWS).astype(np.float32)
+    weights[rng.randint(ROWS)] = 0.0  # a padding row
+    out.append((batch, weights))
+  return out
+
+
+def mesh_of(replicas, data):
+  devices = np.asarray(jax.devices()[:replicas * data]).reshape(replicas, data)
+  return jax.sharding.Mesh(devices, ("replica", "data"), axis_types=(AxisType.Auto,) * 2)
+
+
+def mean_grad(params, batch, weights):
+  """The plain gradient of ``sum(w * loss) / sum(w)`` on one device, and ``sum(w)``."""
+  def mean_loss(p):
+    return jnp.sum(weights * loss_fn(p, batch)) / jnp.sum(weights)
+  return jax.grad(mean_loss)(params), float(np.sum(weights))
+
+
+def rows_of(group, n_groups, batch, weights):
+  size = ROWS // n_groups
+  block = slice(group * size, (group + 1) * size)
+  return jax.tree.map(lambda x: x[block], batch), weights[block]
+
+
+def nesterov(lr, momentum):
+  """Outer SGD with Nesterov momentum, by hand: ``m = g + mu m``, ``p -= lr (g + mu m)``."""
+  def step(params, grads, m):
+    m = jax.tree.map(lambda g, t: g + momentum * t, grads, m)
+    return jax.tree.map(lambda p, g, t: p - lr * (g + momentum * t), params, grads, m), m
+  return step
+
+
+def close(actual, expected):
+  jax.tree.map(lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=RTOL, atol=ATOL),
+               actual, expected)
+
+
+def test_h1_sgd_is_the_exact_global_step():
+  mesh = mesh_of(2, 2)
+  params, lr = make_params(), 0.3
+  state = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh, outer_optimizer=optax.sgd(1.0))
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0))
+  expected = params
+  for batch, weights in make_batches(3):
+    state, metrics = step(state, batch, weights)
+    grads, total = mean_grad(expected, batch, weights)
+    expected = jax.tree.map(lambda p, g: p - lr * g, expected, grads)
+    close(jaxdp.diloco_params(state), expected)
+    assert int(metrics["synced"]) == 1
+    np.testing.assert_allclose(np.sum(metrics["weight"]), total, rtol=1e-6)
+  # Every group restarts from the outer parameters.
+  close(state.inner.params, jax.tree.map(lambda p: np.stack([p, p]), expected))
+
+
+def test_h3_adam_nesterov_matches_the_plain_loop():
+  mesh, groups, h, lr = mesh_of(2, 2), 2, 3, 0.05
+  params = make_params(2)
+  state = jaxdp.init_diloco_state(params, optax.adam(lr), mesh)
+  step = jaxdp.make_diloco_step(loss_fn, optax.adam(lr), mesh, inner_steps=h)
+  # The reference: each group's own Adam on its own rows; the outer step written out.
+  adam = optax.adam(lr)
+  outer, momentum = params, jax.tree.map(jnp.zeros_like, params)
+  inner = [params] * groups
+  inner_opt = [adam.init(params) for _ in range(groups)]
+  period = [0.0] * groups
+  outer_step = nesterov(0.7, 0.9)
+  for t, (batch, weights) in enumerate(make_batches(2 * h, seed=3)):
+    state, metrics = step(state, batch, weights)
+    for g in range(groups):
+      grads, total = mean_grad(inner[g], *rows_of(g, groups, batch, weights))
+      updates, inner_opt[g] = adam.update(grads, inner_opt[g], inner[g])
+      inner[g] = optax.apply_updates(inner[g], updates)
+      period[g] += total
+    if (t + 1) % h == 0:
+      share = [w / sum(period) for w in period]
+      delta = jax.tree.map(lambda o, *ps: sum(s * (o - p) for s, p in zip(share, ps)), outer, *inner)
+      outer, momentum = outer_step(outer, delta, momentum)
+      inner, period = [outer] * groups, [0.0] * groups
+      assert int(metrics["synced"]) == 1
+    else:
+      assert int(metrics["synced"]) == 0
+    close(state.outer_params, outer)
+    close(state.inner.params, jax.tree.map(lambda *ps: np.stack(ps), *inner))
+    close(state.inner.opt_state, jax.tree.map(lambda *xs: np.stack(xs), *inner_opt))
+    np.testing.assert_allclose(np.asarray(state.period_weight), period, rtol=1e-6)
+  assert int(state.inner_step) == 2 * h
+
+
+def test_groups_agree_after_each_sync_and_differ_between():
+  mesh, h = mesh_of(2, 2), 2
+  state = jaxdp.init_diloco_state(make_params(), optax.adam(0.05), mesh)
+  step = jaxdp.make_diloco_step(loss_fn, optax.adam(0.05), mesh, inner_steps=h)
+  for t, (batch, weights) in enumerate(make_batches(2 * h, seed=4)):
+    state, _ = step(state, batch, weights)
+    # Within a group the devices hold the same values always; the outer state is the same everywhere.
+    jaxdp.assert_replicas_equal(state)
+    first, second = (jax.tree.map(lambda x, i=i: np.asarray(x[i]), state.inner.params) for i in range(2))
+    if (t + 1) % h == 0:
+      jax.tree.map(np.testing.assert_array_equal, first, second)
+      jax.tree.map(np.testing.assert_array_equal, first, jax.tree.map(np.asarray, state.outer_params))
+    else:
+      assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)))
+
+
+def test_bf16_delta_is_close_to_float32():
+  mesh, h = mesh_of(2, 2), 2
+  results = []
+  for delta_dtype in (None, jnp.bfloat16):
+    state = jaxdp.init_diloco_state(make_params(), optax.adam(0.05), mesh)
+    step = jaxdp.make_diloco_step(loss_fn, optax.adam(0.05), mesh, inner_steps=h, delta_dtype=delta_dtype)
+    for batch, weights in make_batches(h, seed=5):
+      state, _ = step(state, batch, weights)
+    results.append(state.outer_params)
+  # bfloat16 keeps 8 bits of each delta (of order lr): the outer parameters move by 0.7 x 1.9 x delta.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-3), *results)
+  assert any(not np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, results)))
+
+
+def test_hlo_inner_stays_in_the_group_and_sync_all_reduces_the_delta():
+  mesh = mesh_of(2, 4)  # groups of 4 devices; the outer axis spans 2
+  params = make_params()
+  state = jaxdp.init_diloco_state(params, optax.sgd(0.1), mesh)
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh, inner_steps=5)
+  batch, weights = make_batches(1)[0]
+  inner = hlo_collectives(step.lower_inner(state, batch, weights).compile().as_text())
+  sync = hlo_collectives(step.lower_sync(state, batch, weights).compile().as_text())
+  param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+  assert inner and all(op.group == 4 for op in inner), [(op.kind, op.group) for op in inner]
+  outer_ops = [op for op in sync if op.group == 2]
+  assert [op.kind for op in outer_ops] == ["all-reduce"] * len(outer_ops)
+  assert sum(op.nbytes for op in outer_ops) == param_bytes + 4  # the delta, and the period's weights
+  assert sorted((op.kind, op.group) for op in sync if op.group == 4) == sorted((op.kind, op.group) for op in inner)
+  period = step.bytes_per_step(state, batch, weights)
+  inner_bytes = sum(op.nbytes for op in inner)
+  np.testing.assert_allclose(period, (5 * inner_bytes + param_bytes + 4) / 5)
+
+
+def _leaves_alive_and_equal(state, copy):
+  for leaf, kept in zip(jax.tree.leaves(state), jax.tree.leaves(copy)):
+    assert not leaf.is_deleted()
+    np.testing.assert_array_equal(np.asarray(leaf), kept)
+
+
+@pytest.mark.parametrize("inner_steps", [0, -2, 1.5, True, None])
+def test_bad_inner_steps(inner_steps):
+  with pytest.raises(ValueError, match="inner_steps must be an integer >= 1"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=inner_steps)
+
+
+def test_bad_meshes_and_options():
+  with pytest.raises(ValueError, match="DiLoCo without an outer axis"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), jaxdp.data_mesh(jax.devices()[:4]), inner_steps=2)
+  with pytest.raises(ValueError, match="DiLoCo without an outer axis"):
+    jaxdp.init_diloco_state(make_params(), optax.sgd(0.1), jaxdp.data_mesh(jax.devices()[:4]))
+  with pytest.raises(ValueError, match="also one of the data axes"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), outer_axis="data", inner_steps=2)
+  with pytest.raises(ValueError, match="also one of the data axes"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), axis_name=("replica", "data"), inner_steps=2)
+  with pytest.raises(ValueError, match="reduction='none'"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=2, reduction="none")
+  with pytest.raises(ValueError, match="delta_dtype"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=2, delta_dtype=jnp.float16)
+
+
+def test_bad_inputs_leave_the_state_untouched():
+  mesh = mesh_of(2, 2)
+  state = jaxdp.init_diloco_state(make_params(), optax.sgd(0.1), mesh)
+  copy = jax.tree.map(np.asarray, state)
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh, inner_steps=2)
+  batch, weights = make_batches(1)[0]
+  six = jax.tree.map(lambda x: x[:6], batch)
+  with pytest.raises(ValueError, match="does not split evenly over 4 devices"):
+    step(state, six, weights[:6])
+  _leaves_alive_and_equal(state, copy)
+  other = jaxdp.init_diloco_state(make_params(), optax.sgd(0.1), mesh_of(4, 2))  # 4 groups, not 2
+  with pytest.raises(ValueError, match="leading dimension of 2"):
+    step(other, batch, weights)
+  with pytest.raises(ValueError, match="outer_opt_state"):
+    step(state._replace(outer_opt_state=optax.adam(0.1).init(state.outer_params)), batch, weights)
+  _leaves_alive_and_equal(state, copy)
+  with pytest.raises(TypeError, match="DiLoCoState"):
+    step(state.inner, batch, weights)
+  _leaves_alive_and_equal(state, copy)
+  state, _ = step(state, batch, weights)  # and the step still runs on it
