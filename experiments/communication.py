@@ -209,9 +209,9 @@ def run_method(method: Method, config: train_lm.Config, data, loss_fn, eval_ever
       first = jax.device_get(weights)
       bytes_of = method.step_bytes(state, batch, weights)
       curve.append({"step": 0, "val_loss": validate(state)})
-    state, metrics = method.step(state, batch, weights)
+    state, _ = method.step(state, batch, weights)
     if (i + 1) % eval_every == 0 or i + 1 in (config.steps, total):
-      curve.append({"step": i + 1, "val_loss": validate(state), "train_loss": float(metrics["loss"])})
+      curve.append({"step": i + 1, "val_loss": validate(state)})
       if progress:
         print(f"  {method.name} step {i + 1}/{total}: val loss {curve[-1]['val_loss']:.4f} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
