@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--bucket-bytes", type=int, default=None, help="reduce the gradient in buckets of this size (default: one all-reduce)")
   p.add_argument("--diloco-inner-steps", type=int, default=None, help="DiLoCo: H inner steps per outer sync across "
                  "the replica axis (needs --mesh replica=R,data=D); default: the exact step")
-  p.add_argument("--diloco-delta-dtype", default="float32", choices=("float32", "bfloat16"),
+  p.add_argument("--diloco-delta-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
                  help="DiLoCo: dtype of the outer sync's all-reduce of the deltas")
   p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given")
   p.add_argument("--steps", type=int, default=None, help=f"training steps ({FULL['steps']}; {QUICK['steps']} with --quick)")
@@ -454,7 +454,7 @@ def train_diloco(config: Config, *, devices=None, data=None, out: str | None = N
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
   step = jaxdp.make_diloco_step(
       loss_fn, optimizer, mesh, outer_axis="replica", axis_name="data", inner_steps=config.diloco_inner_steps,
-      delta_dtype=None if config.diloco_delta_dtype == "float32" else jnp.bfloat16, reduction=config.reduction,
+      delta_dtype=None if config.diloco_delta_dtype == "float32" else jnp.dtype(config.diloco_delta_dtype), reduction=config.reduction,
       accum_steps=config.accum_steps, compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
       grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
   )

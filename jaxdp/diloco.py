@@ -39,8 +39,12 @@ from jaxdp.settings import step_settings
 from jaxdp.state import TrainState
 from jaxdp.step import run_train_step
 
-DELTA_DTYPES = (None, "bfloat16")
-"""What the outer sync may communicate the delta in: ``None`` (the parameters' own dtype) or bfloat16."""
+DELTA_DTYPES = (None, "bfloat16", "int8")
+"""What the outer sync may communicate the delta in: ``None`` (the parameters' own dtype), bfloat16, or int8
+(blocks of :data:`INT8_BLOCK` values, each with a float32 scale)."""
+
+INT8_BLOCK = 256
+"""Values per float32 scale of an int8 delta (1.6% more bytes than the int8 values alone)."""
 
 
 class DiLoCoState(NamedTuple):
@@ -263,24 +267,35 @@ class DiLoCoStep:
     shardings, prepared = self._prepare(state, batch, weights, rng)
     return self._program(True, shardings).lower(*prepared)
 
-  def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool) -> dict[str, Collective]:
-    """The collectives of the compiled inner program (``sync=False``) or sync program, as
-    :func:`jaxdp.comm_report` counts them (per device)."""
+  def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool, compiled: bool = True
+                  ) -> dict[str, Collective]:
+    """The collectives of the inner program (``sync=False``) or of the sync program, per device, as
+    :func:`jaxdp.comm_report` counts them: ``compiled=True`` reads the compiled HLO (on CPU, XLA widens a
+    bfloat16 all-reduce to float32), ``compiled=False`` the HLO before optimisation (the dtypes jaxdp
+    writes: the bytes GPU and TPU backends move)."""
     lowered = (self.lower_sync if sync else self.lower_inner)(state, batch, weights, rng)
-    return collectives_from_hlo(lowered.compile().as_text(), self.n_groups * self.group_size)
+    hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
+    return collectives_from_hlo(hlo, self.n_groups * self.group_size)
 
-  def bytes_per_step(self, state, batch, weights=None, rng=None, *, field: str = "bytes") -> float:
+  def bytes_per_step(self, state, batch, weights=None, rng=None, *, field: str = "bytes", compiled: bool = True,
+                     outer_only: bool = False) -> float:
     """Per-device collective bytes per call, averaged over an outer period: ``((H - 1) * inner + sync) / H``.
 
     ``field``: ``"bytes"`` (the buffers reduced or gathered, as
     :class:`jaxdp.Collective` counts them) or ``"traffic_bytes"`` (ring
-    traffic per device).
+    traffic per device). ``compiled``: as in :meth:`comm_report`.
+    ``outer_only``: only the collectives over the outer axis, ``(sync -
+    inner) / H`` (the sync program is the inner one plus those), the bytes
+    that cross between groups; the rest stay within a group.
     """
     if field not in ("bytes", "traffic_bytes"):
       raise ValueError(f"field must be 'bytes' or 'traffic_bytes', got {field!r}.")
-    totals = [sum(getattr(c, field) for c in self.comm_report(state, batch, weights, rng, sync=s).values())
-              for s in (False, True)]
-    return ((self.inner_steps - 1) * totals[0] + totals[1]) / self.inner_steps
+    inner, sync = [sum(getattr(c, field) for c in self.comm_report(state, batch, weights, rng, sync=s,
+                                                                   compiled=compiled).values())
+                   for s in (False, True)]
+    if outer_only:
+      return (sync - inner) / self.inner_steps
+    return ((self.inner_steps - 1) * inner + sync) / self.inner_steps
 
   # Device side -----------------------------------------------------------------------------------
 
@@ -334,10 +349,11 @@ def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainStat
 
   def contribution(outer, current):
     delta = (outer - current).astype(jnp.float32) * share
-    return delta if delta_dtype is None else delta.astype(delta_dtype)
+    return delta if delta_dtype in (None, jnp.int8) else delta.astype(delta_dtype)
 
   contributions = jax.tree.map(contribution, outer_params, inner.params)
-  average = jax.tree.map(lambda d, p: d.astype(p.dtype), lax.psum(contributions, outer_axis), outer_params)
+  summed = _int8_psum(contributions, outer_axis) if delta_dtype == jnp.int8 else lax.psum(contributions, outer_axis)
+  average = jax.tree.map(lambda d, p: d.astype(p.dtype), summed, outer_params)
 
   def update(operand):
     params, opt_state = operand
@@ -349,6 +365,27 @@ def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainStat
                                            (outer_params, outer_opt_state))
   restarted = jax.tree.map(lambda p, q: p.astype(q.dtype), outer_params, inner.params)
   return outer_params, outer_opt_state, inner._replace(params=restarted)
+
+
+def _int8_psum(tree: Any, axis: str) -> Any:
+  """``lax.psum(tree, axis)`` of float32 leaves, communicated as int8: the leaves flattened into one vector, in
+  blocks of :data:`INT8_BLOCK` values.
+
+  Each block's scale is its largest magnitude over every device (one all-reduce of the scales) over
+  ``127 // R``: each device's rounded values then lie in ``[-(127 // R), 127 // R]`` and their sum over the R
+  devices fits int8, so the all-reduce itself runs in int8. Each value is off by at most half a scale step
+  per device.
+  """
+  levels = 127 // lax.axis_size(axis)
+  leaves, treedef = jax.tree.flatten(tree)
+  flat = jnp.concatenate([x.reshape(-1) for x in leaves])
+  blocks = jnp.pad(flat, (0, -flat.size % INT8_BLOCK)).reshape(-1, INT8_BLOCK)
+  scales = lax.pmax(jnp.max(jnp.abs(blocks), axis=1), axis) / levels
+  scales = jnp.where(scales > 0, scales, 1.0)[:, None]
+  quantized = jnp.clip(jnp.round(blocks / scales), -levels, levels).astype(jnp.int8)
+  summed = (lax.psum(quantized, axis).astype(jnp.float32) * scales).reshape(-1)
+  offsets = np.cumsum([0] + [x.size for x in leaves])
+  return jax.tree.unflatten(treedef, [summed[a:z].reshape(x.shape) for x, a, z in zip(leaves, offsets, offsets[1:])])
 
 
 def make_diloco_step(
@@ -393,9 +430,12 @@ def make_diloco_step(
     inner_steps: H, the inner steps per outer sync (an int >= 1).
     outer_optimizer: applied to the averaged delta; default
       :func:`default_outer_optimizer` (Nesterov SGD, lr 0.7, momentum 0.9).
-    delta_dtype: the dtype the deltas are all-reduced in, ``None`` (the
-      parameters' own) or ``jnp.bfloat16`` (half the bytes of float32).
-      The weighting is applied before the cast.
+    delta_dtype: the dtype the deltas are all-reduced in: ``None`` (the
+      parameters' own), ``jnp.bfloat16`` (half the bytes of float32) or
+      ``jnp.int8`` (a quarter: the leaves in one vector, with a float32
+      scale per block of :data:`INT8_BLOCK` values, the block's largest
+      magnitude over the groups divided by ``127 // R`` so that the int8
+      sum cannot overflow). The weighting is applied before the cast.
     reduction, accum_steps, compute_dtype, grad_reduce_dtype: the inner
       step's, as for :func:`jaxdp.make_train_step` (``reduction="none"`` is
       refused: a group must stay one replica).
@@ -420,11 +460,11 @@ def make_diloco_step(
   if delta_dtype is not None:
     try:
       name = jnp.dtype(delta_dtype).name
-    except TypeError:
+    except (TypeError, ValueError):
       name = None
-    if name != "bfloat16":
-      raise ValueError(f"delta_dtype must be None or jnp.bfloat16, got {delta_dtype!r}.")
-    delta_dtype = jnp.bfloat16
+    if name is None or name not in DELTA_DTYPES:
+      raise ValueError(f"delta_dtype must be None, jnp.bfloat16 or jnp.int8, got {delta_dtype!r}.")
+    delta_dtype = jnp.dtype(name)
   if not isinstance(donate, (bool, np.bool_)):
     raise TypeError(f"donate must be True or False, got {donate!r}.")
   return DiLoCoStep(settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,

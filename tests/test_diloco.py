@@ -151,18 +151,45 @@ def test_groups_agree_after_each_sync_and_differ_between():
       assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)))
 
 
-def test_bf16_delta_is_close_to_float32():
+def test_bf16_and_int8_deltas_are_close_to_float32():
   mesh, h = mesh_of(2, 2), 2
-  results = []
-  for delta_dtype in (None, jnp.bfloat16):
+  results, outer_bytes = [], []
+  for delta_dtype in (None, jnp.bfloat16, jnp.int8):
     state = jaxdp.init_diloco_state(make_params(), optax.adam(0.05), mesh)
     step = jaxdp.make_diloco_step(loss_fn, optax.adam(0.05), mesh, inner_steps=h, delta_dtype=delta_dtype)
     for batch, weights in make_batches(h, seed=5):
       state, _ = step(state, batch, weights)
     results.append(state.outer_params)
-  # bfloat16 keeps 8 bits of each delta (of order lr): the outer parameters move by 0.7 x 1.9 x delta.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-3), *results)
-  assert any(not np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, results)))
+    # Before optimisation (XLA's CPU backend widens a bfloat16 all-reduce to float32 when it compiles).
+    outer_bytes.append(h * step.bytes_per_step(state, batch, weights, compiled=False, outer_only=True))
+  size = sum(x.size for x in jax.tree.leaves(results[0]))
+  blocks = -(-size // jaxdp.diloco.INT8_BLOCK)
+  # The delta, and the period's weights (4 bytes); for int8 the values padded to whole blocks and a scale each.
+  assert outer_bytes == [4 * size + 4, 2 * size + 4, blocks * jaxdp.diloco.INT8_BLOCK + 4 * blocks + 4]
+  # The outer step moves the parameters by about 0.7 x 1.9 x delta, deltas of order lr x h = 0.1: bfloat16 keeps 8
+  # bits of each; int8 rounds each group's share to 1/63 of its block's largest magnitude (2 groups).
+  for result, atol in zip(results[1:], (2e-3, 5e-3)):
+    jax.tree.map(lambda a, b, atol=atol: np.testing.assert_allclose(a, b, atol=atol), result, results[0])
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(results[0])))
+
+
+def test_int8_sum_of_equal_deltas_does_not_overflow():
+  # Four groups on the same rows: equal deltas, each block's largest value the same sign on every group, the
+  # worst case for the int8 sum (4 x 31 <= 127). A wrapped sum would be off by about twice the delta.
+  mesh, lr = mesh_of(4, 1), 0.5
+  batch, weights = make_batches(1, seed=6)[0]
+  batch, weights = jax.tree.map(lambda x: np.concatenate([x[:2]] * 4), (batch, weights))
+  weights[:] = 1.0
+  results = []
+  for delta_dtype in (None, jnp.int8):
+    state = jaxdp.init_diloco_state(make_params(), optax.sgd(lr), mesh, outer_optimizer=optax.sgd(1.0))
+    step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0),
+                                  delta_dtype=delta_dtype)
+    state, _ = step(state, batch, weights)
+    results.append(jax.tree.map(np.asarray, state.outer_params))
+  moved = max(np.max(np.abs(a - b)) for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(make_params())))
+  assert moved > 1e-2
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=moved / 31), results[1], results[0])
 
 
 def test_hlo_inner_stays_in_the_group_and_sync_all_reduces_the_delta():
@@ -182,6 +209,7 @@ def test_hlo_inner_stays_in_the_group_and_sync_all_reduces_the_delta():
   period = step.bytes_per_step(state, batch, weights)
   inner_bytes = sum(op.nbytes for op in inner)
   np.testing.assert_allclose(period, (5 * inner_bytes + param_bytes + 4) / 5)
+  np.testing.assert_allclose(step.bytes_per_step(state, batch, weights, outer_only=True), (param_bytes + 4) / 5)
 
 
 def _leaves_alive_and_equal(state, copy):
@@ -207,8 +235,9 @@ def test_bad_meshes_and_options():
     jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), axis_name=("replica", "data"), inner_steps=2)
   with pytest.raises(ValueError, match="reduction='none'"):
     jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=2, reduction="none")
-  with pytest.raises(ValueError, match="delta_dtype"):
-    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=2, delta_dtype=jnp.float16)
+  for bad in (jnp.float16, jnp.int16, "float8"):
+    with pytest.raises(ValueError, match="delta_dtype must be None, jnp.bfloat16 or jnp.int8"):
+      jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=2, delta_dtype=bad)
 
 
 def test_bad_inputs_leave_the_state_untouched():
