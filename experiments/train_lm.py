@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                  "the replica axis (needs --mesh replica=R,data=D); default: the exact step")
   p.add_argument("--diloco-delta-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
                  help="DiLoCo: dtype of the outer sync's all-reduce of the deltas")
+  p.add_argument("--powersgd-rank", type=int, default=None, help="PowerSGD gradient compression at this rank (default: exact)")
+  p.add_argument("--powersgd-start-iter", type=int, default=10, help="exact steps before PowerSGD compresses")
   p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given")
   p.add_argument("--steps", type=int, default=None, help=f"training steps ({FULL['steps']}; {QUICK['steps']} with --quick)")
   p.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
@@ -179,6 +181,8 @@ class Config:
   bucket_bytes: int | None = None
   diloco_inner_steps: int | None = None
   diloco_delta_dtype: str = "float32"
+  powersgd_rank: int | None = None
+  powersgd_start_iter: int = 10
   steps: int = 150
   batch_size: int = 32
   seq_len: int = 64
@@ -381,22 +385,26 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   layers = layerwise_stack(config, reduction)
   specs = param_specs(params, mesh)
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
+  compression = None if config.powersgd_rank is None else jaxdp.powersgd(
+      config.powersgd_rank, start_iter=config.powersgd_start_iter)
   step_fn = jaxdp.make_train_step(
       loss_fn, optimizer, mesh, axis_name=axis_name, zero_stage=config.zero_stage, reduction=reduction,
       accum_steps=config.accum_steps,
       compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
       grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
-      bucket_bytes=config.bucket_bytes, layers=layers,
+      bucket_bytes=config.bucket_bytes, layers=layers, compression=compression,
   )
   per_device = config.batch_size // n
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
   layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
   with _checkpoints(config) as ckpt:
-    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers, **layout), 0, 0
+    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers,
+                                          compression=compression, **layout), 0, 0
     if ckpt is not None and ckpt.latest_step() is not None:
       if layers is None:
-        restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, **layout)
+        restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline,
+                                compression=compression, **layout)
       else:  # straight into the layer-wise layout (place_state knows only the whole-gather one)
         restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, param_specs=specs,
                                 layers=layers, **layout)

@@ -35,6 +35,7 @@ _EXPORTS_BY_MODULE = {
     "checkpoint": ("CheckpointManager", "Restored"),
     "compiled": ("CompiledStep", "make_train_step"),
     "diloco": ("DiLoCoState", "DiLoCoStep", "diloco_params", "init_diloco_state", "make_diloco_step"),
+    "compression": ("PowerSGD", "PowerSGDState", "init_compression", "powersgd"),
     "data": ("PADS", "DataPipeline", "StreamingPipeline", "addressable_positions", "device_indices",
              "epoch_permutation", "process_positions", "shard_uneven", "split_batch"),
     "evaluation": ("EvalStep", "eval_sums", "make_eval_step", "means_from_sums"),
@@ -55,6 +56,10 @@ _EXPORTS = {name: module for module, names in _EXPORTS_BY_MODULE.items() for nam
 _MODULES = ("batchnorm", "distributed", "layerwise", "layout", "linen", "nnx", "randomness", "scaling")  # public submodules in __all__
 
 __all__ = [
+    "PowerSGD",
+    "PowerSGDState",
+    "init_compression",
+    "powersgd",
     "BACKENDS",
     "CheckpointManager",
     "DataPipeline",

@@ -83,6 +83,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp import _ckpt_record as record_lib
 from jaxdp._checks import check_int, check_not_donated, check_optimizer, check_state
 from jaxdp._ckpt_record import RNG
+from jaxdp.compression import check_compression, init_compression
 from jaxdp.data import DataPipeline
 from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import (
@@ -173,6 +174,25 @@ def _resumed_data_step(record: dict, pipeline: DataPipeline | None, mesh: Mesh, 
         "pipeline= from then on), or start the data from step 0."
     )
   return record["data_step"]
+
+
+def _check_compression_record(record: dict, compression: Any, replicas: int, where: str) -> None:
+  """Refuses a restore whose ``compression=`` does not fit the checkpoint's, or another replica count."""
+  saved = [e for e in record["leaves"] if e["path"][0] == "compression"]
+  if saved and compression is None:
+    raise ValueError(
+        f"{where} holds a PowerSGD state (compression/...); pass the settings it was made with as "
+        "restore(..., compression=jaxdp.powersgd(...))."
+    )
+  if compression is not None and not saved:
+    raise ValueError(f"{where} holds no compression state; restore it with compression=None.")
+  errors = [e for e in saved if e["path"][1] == "error"]
+  if errors and errors[0]["shape"][0] != replicas:
+    raise ValueError(
+        f"{where} holds the error feedback of {errors[0]['shape'][0]} replicas, but the mesh has {replicas} "
+        "data-parallel replicas; the error feedback is per replica. Restore onto the device count it was saved "
+        "from, or restore there and start the compression afresh on the new one."
+    )
 
 
 def _mesh_shape(state: TrainState) -> dict | None:
@@ -507,6 +527,7 @@ class CheckpointManager:
       param_specs: Any = None,
       pipeline: DataPipeline | None = None,
       layers: Any = None,
+      compression: Any = None,
   ) -> Restored:
     """Restores checkpoint ``step`` (default: the latest) onto the layout described by the target.
 
@@ -545,6 +566,10 @@ class CheckpointManager:
         what is compared).
       layers: the stacks of layers (layer-wise stage 3), as given to
         :func:`jaxdp.init_state`; any checkpoint restores with or without it.
+      compression: the :func:`jaxdp.powersgd` settings the state was made
+        with (``None`` for a state without compression). The error feedback
+        is per replica: a checkpoint restores onto the same number of
+        data-parallel replicas only (a ``ValueError`` otherwise).
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``.
@@ -566,7 +591,12 @@ class CheckpointManager:
     model_specs = _target_specs(params, param_specs, mesh, axis_name)
     step = self._resolve_step(step)
     expected = record_lib.abstract_full_state(params, optimizer, model_state)
+    check_compression(compression)
+    replicas = data_size(mesh, axis_name)
+    expected = expected._replace(compression=jax.eval_shape(lambda p: init_compression(p, compression, replicas),
+                                                            expected.params))
     record = self._read_record(step)
+    _check_compression_record(record, compression, replicas, self._where(step))
     record_lib.check_against(record, expected, self._where(step))
     data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
     mesh = auto_mesh(mesh)  # as init_state places a state

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _checks
 from jaxdp._checks import check_int, check_optimizer
+from jaxdp.compression import check_compression_state
 from jaxdp.layout import (
     Layout,
     axis_names,
@@ -72,9 +73,10 @@ class CompiledStep:
 
   def __init__(
       self, build, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage,
-      max_consecutive_skips, donate=True, layers=None,
+      max_consecutive_skips, donate=True, layers=None, compression=None,
   ):
     self._build, self.donate, self.layers = build, donate, layers
+    self.compression = compression
     self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
@@ -185,6 +187,7 @@ class CompiledStep:
       _checks.check_step_inputs(
           self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
       )
+      check_compression_state(state.compression, state.params, self.compression, n)
       if has_more is not None and self.reduction == "none":
         raise ValueError(
             "has_more is summed over the replicas in the step's all-reduce, and reduction='none' has none: every "
@@ -350,6 +353,7 @@ def make_train_step(
     bucket_bytes: int | None = None,
     example_ids: Any = None,
     layers: Any = None,
+    compression: Any = None,
 ) -> CompiledStep:
   """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
 
@@ -438,6 +442,14 @@ def make_train_step(
       the same ``layers`` to place the state so from the start. Whether a
       gathered layer is kept for the backward pass is the loop body's
       checkpoint policy, :func:`jaxdp.gather_policy` (``reshard_after_forward``).
+    compression: ``None`` (the exact reduction) or :func:`jaxdp.powersgd`'s
+      settings: each large matrix leaf is all-reduced as PowerSGD's two
+      rank-``r`` factors with error feedback (:mod:`jaxdp.compression`,
+      ``docs/powersgd.md``), the rest exactly; the state must come from
+      ``jaxdp.init_state(..., compression=)`` with the same settings on
+      this mesh. Needs ``reduction`` ``"mean"`` or ``"sum"``,
+      ``zero_stage`` 0 or 1, ``backend="shard_map"``, no
+      ``grad_reduce_dtype`` and no ``layers``.
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -448,7 +460,7 @@ def make_train_step(
   settings = step_settings(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, zero_stage=zero_stage,
       compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes,
-      example_ids=example_ids,
+      example_ids=example_ids, compression=compression,
   )
   mesh = _checked_mesh(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
                        check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers)
@@ -465,6 +477,12 @@ def _checked_mesh(settings: StepSettings, loss_fn, optimizer, mesh: Mesh | None,
     raise ValueError(
         "layers= at zero_stage=3 reduce-scatters a stacked layer's gradient inside the backward pass, where "
         "reduction='rank_mean' would need each replica's own mean first; use reduction='mean'."
+    )
+  if settings.compression is not None and (backend == "pmap" or layers is not None):
+    raise ValueError(
+        f"compression=powersgd(...) with {'backend=' + repr(backend) if backend == 'pmap' else 'layers='}: "
+        "PowerSGD's error feedback is per replica, split over the data axis, which pmap's replicated state "
+        "cannot hold; layers= reduce-scatters inside the backward pass. Use backend='shard_map' without layers=."
     )
   check_loss_fn(loss_fn)
   check_optimizer(optimizer)
@@ -542,12 +560,15 @@ def _built_train_step(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, *,
       max_consecutive_skips=max_consecutive_skips,
       donate=donate,
       layers=layers,
+      compression=settings.compression,
   )
 
 
 def _manual_specs(layout: Layout, axis_name: str) -> TrainState:
   """The state's specs as ``shard_map`` sees them with only the data axis manual."""
-  return jax.tree.map(lambda s: data_part(s, axis_name), layout.specs)
+  specs = jax.tree.map(lambda s: data_part(s, axis_name), layout.specs)
+  # The compression state names the data axes only (each error split over all of them): kept whole.
+  return specs._replace(compression=layout.specs.compression)
 
 
 def _shard_map_over(replica_step, mesh: Mesh, axis_name: str, layout: Layout, *, check_vma: bool):
@@ -603,8 +624,9 @@ def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, 
   gradient = jax.shard_map(
       per_replica,
       mesh=mesh,
-      in_specs=(TrainState(specs.params, None, P(), P()), batch_spec, batch_spec, P(), batch_spec),
-      out_specs=ReducedGradient(layout.grad_specs, P(), P(), P(), P(), P(), P()),
+      in_specs=(TrainState(specs.params, None, P(), P(), compression=specs.compression), batch_spec, batch_spec, P(),
+                batch_spec),
+      out_specs=ReducedGradient(layout.grad_specs, P(), P(), P(), P(), P(), P(), compression=specs.compression),
       axis_names=set(axis_names(axis_name)),
       check_vma=check_vma,
   )

@@ -39,6 +39,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp._checks import check_not_donated, check_optimizer, check_params_dtypes
+from jaxdp.compression import check_compression, compression_specs, init_compression
 from jaxdp.loss import model_support
 from jaxdp.state import TrainState
 
@@ -525,6 +526,7 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
       opt_state=jax.tree.map(sharded, abstract.opt_state, opt_specs, opt_stacked) if zero_stage >= 1 else opt_specs,
       step=P(),
       model_state=jax.tree.map(lambda _: P(), abstract.model_state),
+      compression=compression_specs(getattr(abstract, "compression", None), axis_name),
   )
   grad_specs = jax.tree.map(lambda s: data_part(s, axis_name) if zero_stage >= 2 else P(), split_specs)
   return Layout(specs, grad_specs, zero_stage, split_specs, None if layers is None else stacked)
@@ -593,6 +595,7 @@ def init_state(
     model_state: Any = None,
     param_specs: Any = None,
     layers: Any = None,
+    compression: Any = None,
 ) -> TrainState:
   """Creates the training state and places it as :func:`make_train_step` expects.
 
@@ -619,6 +622,10 @@ def init_state(
     layers: the stacks of layers, as given to :func:`jaxdp.make_train_step`
       (layer-wise ZeRO-3): their leaves are split along one layer's
       dimensions, never the layer axis.
+    compression: the step's ``compression=`` (:func:`jaxdp.powersgd`), or
+      ``None``: the state then holds :func:`jaxdp.init_compression`'s
+      :class:`jaxdp.PowerSGDState` for the mesh's data-parallel replicas,
+      each error split over the data axes.
 
   Returns:
     A :class:`TrainState` of fresh buffers: a step that donates it never
@@ -628,6 +635,7 @@ def init_state(
   check_zero_stage(zero_stage)
   check_optimizer(optimizer)
   check_layers(layers)
+  check_compression(compression)
   params, boxed_specs = _unboxed(params)
   if param_specs is None:
     param_specs = boxed_specs
@@ -638,6 +646,9 @@ def init_state(
   mesh = auto_mesh(mesh)
   # Host values are placed as the layout says (no leaf is ever whole on one device unless replicated there).
   abstract = abstract_state(params, optimizer, model_state)
+  replicas = data_size(mesh, axis_name)
+  make_compression = lambda p: init_compression(p, compression, replicas)  # noqa: E731
+  abstract = abstract._replace(compression=jax.eval_shape(make_compression, params))
   layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs, layers)
   shardings = layout.shardings(mesh)
   params = place(params, jax.tree.map(
@@ -647,7 +658,8 @@ def init_state(
   model_state = place(model_state, replicated(mesh))
   # Copying inside the jit keeps outputs from aliasing the caller's arrays, which a donating step would consume.
   copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-  build = jax.jit(lambda p, m: TrainState.create(copy(p), optimizer, copy(m)), out_shardings=shardings)
+  build = jax.jit(lambda p, m: TrainState.create(copy(p), optimizer, copy(m), make_compression(p)),
+                  out_shardings=shardings)
   return build(params, model_state)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jax_core
 
+from jaxdp.compression import PowerSGDState, powersgd_sum
 from jaxdp.layout import axis_names, model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
 from jaxdp.randomness import per_example
@@ -66,6 +67,8 @@ class ReducedGradient(NamedTuple):
       gradient is read (its norm, the optimizer update), so the compiler
       fuses the division into those passes instead of writing a divided
       copy of the whole gradient first. The numbers are the same.
+    compression: the new :class:`jaxdp.PowerSGDState` after a compressed
+      reduction (the step installs it with the update), else ``None``.
   """
 
   grads: Any
@@ -75,6 +78,7 @@ class ReducedGradient(NamedTuple):
   model_state: Any = None
   totals: Any = None
   grad_divisor: Any = None
+  compression: Any = None
 
 
 def applied_gradient(reduced: ReducedGradient) -> Any:
@@ -888,6 +892,8 @@ def reduce_gradient(
     reduce_dtype: Any = None,
     divide: bool = True,
     presummed: Any = None,
+    compression: Any = None,
+    compression_state: Any = None,
 ) -> ReducedGradient:
   """Makes the replicas agree on one gradient, loss, metrics and model state, in one all-reduce.
 
@@ -941,6 +947,14 @@ def reduce_gradient(
       the loss (a stacked layer gathered with :func:`jaxdp.gather`, whose
       transpose is that reduce-scatter); such a leaf is only all-reduced
       over the other data axes (hybrid sharding) and divided.
+    compression: ``None`` (exact), or :func:`jaxdp.powersgd`'s settings:
+      the compressed leaves are summed as rank-``r`` approximations with
+      error feedback (see :mod:`jaxdp.compression`; ``"mean"`` or ``"sum"``,
+      no ``scatter``, no ``reduce_dtype``), the rest exactly.
+    compression_state: with ``compression``, this replica's
+      :class:`jaxdp.PowerSGDState` (``q`` whole, each error its own
+      ``[1, *shape]`` block); the new one is returned in the result's
+      ``compression`` field.
 
   Returns:
     A :class:`ReducedGradient`. Every replica holds the same values except
@@ -953,8 +967,9 @@ def reduce_gradient(
     all-reduce).
   """
   settings = step_settings(axis_name=axis_name, reduction=reduction, grad_reduce_dtype=reduce_dtype,
-                           bucket_bytes=bucket_bytes, reduce_dtype_name="reduce_dtype")
-  return compute_reduced_gradient(settings, local, scatter=scatter, totals=totals, divide=divide, presummed=presummed)
+                           bucket_bytes=bucket_bytes, reduce_dtype_name="reduce_dtype", compression=compression)
+  return compute_reduced_gradient(settings, local, scatter=scatter, totals=totals, divide=divide, presummed=presummed,
+                                  compression_state=compression_state)
 
 
 def compute_reduced_gradient(
@@ -965,9 +980,11 @@ def compute_reduced_gradient(
     totals: Any = None,
     divide: bool = True,
     presummed: Any = None,
+    compression_state: Any = None,
 ) -> ReducedGradient:
   """:func:`reduce_gradient` under settings already checked (its ``axis_name``, ``reduction``,
-  ``bucket_bytes`` and ``reduce_dtype``, which is ``settings.grad_reduce_dtype``); the rest as there."""
+  ``bucket_bytes``, ``reduce_dtype``, which is ``settings.grad_reduce_dtype``, and ``compression``); the rest
+  as there."""
   axis_name, reduction, bucket_bytes = settings.axis_name, settings.reduction, settings.bucket_bytes
   reduce_dtype = settings.grad_reduce_dtype
   if presummed is not None and (scatter is False or reduction not in ("mean", "sum")):
@@ -990,6 +1007,9 @@ def compute_reduced_gradient(
     grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), weight_sum, divide)
     return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
   _check_local(grads, loss_sum, axis_name, scatter)
+  compressed = None
+  if settings.compression is not None:  # its leaves leave the exact all-reduce below (None there)
+    grads, compressed = _compressed_sums(grads, settings, compression_state, scatter)
   # Axes the local sums vary over that the reduction does not cover (read before the packed all-reduce, which
   # types the sums as its gradient leaves are: a model-axis split there is not the loss's).
   leftover = (varying_axes(loss_sum) | varying_axes(weight_sum)) - set(axis_names(axis_name))
@@ -1015,6 +1035,9 @@ def compute_reduced_gradient(
     grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum_buckets(grads, small, axis_name, bucket_bytes)
   if reduce_dtype is not None:
     grads = jax.tree.map(lambda x, dtype: x.astype(dtype), grads, dtypes)
+  new_compression = None
+  if compressed is not None:
+    grads, new_compression = _with_compressed(grads, compressed)
   if leftover:  # typed shard_map only (elsewhere nothing is typed as varying)
     raise ValueError(
         f"after the reduction over axis_name={axis_name!r} the loss still varies over {sorted(leftover)}: the batch "
@@ -1024,10 +1047,43 @@ def compute_reduced_gradient(
     )
   model_state = _rebuild_state(jax.tree.leaves(model_state), how, contributions, weight_sum, treedef)
   if reduction == "sum":
-    return ReducedGradient(grads, loss_sum, weight_sum, metric_sums, model_state, totals)
+    return ReducedGradient(grads, loss_sum, weight_sum, metric_sums, model_state, totals, compression=new_compression)
   denominator = weight_sum if reduction == "mean" else jnp.asarray(lax.axis_size(axis_name), jnp.float32)
   grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), denominator, divide)
-  return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
+  return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor, new_compression)
+
+
+def _compressed_sums(grads: Any, settings: StepSettings, state: Any, scatter: Any) -> tuple[Any, tuple]:
+  """``(grads with None at the compressed leaves, (treedef, sums, new state))``: PowerSGD's sums of those leaves."""
+  if not isinstance(state, PowerSGDState):
+    raise ValueError(
+        f"compression={settings.compression} needs the PowerSGD state: pass compression_state= (the state's "
+        f"compression, made by jaxdp.init_state(..., compression=)), got {type(state).__name__}."
+    )
+  if scatter is not False:
+    raise ValueError("compression=powersgd(...) all-reduces whole matrices; it cannot scatter (use scatter=False).")
+  leaves, treedef = jax.tree.flatten(grads)
+  try:
+    qs, errors = treedef.flatten_up_to(state.q), treedef.flatten_up_to(state.error)
+  except (ValueError, TypeError):
+    raise ValueError(
+        "the PowerSGD state's q and error do not have the gradient's (the params') structure; make the state for "
+        "these params (jaxdp.init_state(..., compression=))."
+    ) from None
+  picked = [i for i, q in enumerate(qs) if q is not None]
+  sums, new_qs, new_errors = powersgd_sum([leaves[i] for i in picked], state, settings.compression,
+                                          settings.axis_name, [qs[i] for i in picked], [errors[i] for i in picked])
+  for i, q, e in zip(picked, new_qs, new_errors):
+    leaves[i], qs[i], errors[i] = None, q, e
+  new_state = PowerSGDState(treedef.unflatten(qs), treedef.unflatten(errors), state.iteration + 1)
+  return treedef.unflatten(leaves), (treedef, dict(zip(picked, sums)), new_state)
+
+
+def _with_compressed(grads: Any, compressed: tuple) -> tuple[Any, PowerSGDState]:
+  """The exactly reduced ``grads`` (None at the compressed leaves) completed with PowerSGD's sums."""
+  treedef, sums, new_state = compressed
+  leaves = treedef.flatten_up_to(grads)
+  return treedef.unflatten([sums.get(i, x) for i, x in enumerate(leaves)]), new_state
 
 
 def _scatter_unless_presummed(grads: Any, specs: Any, presummed: Any, axis_name: Any, bucket_bytes: int | None) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from jaxdp._checks import check_float_dtype, check_int, check_reduce_dtype
+from jaxdp.compression import check_compression
 from jaxdp.layout import check_zero_stage
 from jaxdp.randomness import check_example_ids
 
@@ -61,6 +62,8 @@ class StepSettings(NamedTuple):
       all-reduce.
     example_ids: where the rows' ids are (see :mod:`jaxdp.randomness`), or
       ``None``.
+    compression: a :class:`jaxdp.PowerSGD` (the gradient's low-rank
+      reduction, see :mod:`jaxdp.compression`), or ``None`` for the exact one.
   """
 
   axis_name: Any = "data"
@@ -71,6 +74,7 @@ class StepSettings(NamedTuple):
   grad_reduce_dtype: Any = None
   bucket_bytes: int | None = None
   example_ids: Any = None
+  compression: Any = None
 
 
 def step_settings(
@@ -84,6 +88,7 @@ def step_settings(
     bucket_bytes: int | None = None,
     example_ids: Any = None,
     reduce_dtype_name: str = "grad_reduce_dtype",
+    compression: Any = None,
 ) -> StepSettings:
   """Checks a step's settings and returns them as a :class:`StepSettings`.
 
@@ -98,6 +103,9 @@ def step_settings(
     example_ids: ``None``, a key of a dict batch (a str) or a callable.
     reduce_dtype_name: the name an error gives ``grad_reduce_dtype`` (the
       caller's own keyword).
+    compression: ``None`` or :func:`jaxdp.powersgd`'s settings; it needs
+      ``reduction="mean"`` or ``"sum"``, ``zero_stage`` 0 or 1 and no
+      ``grad_reduce_dtype``.
 
   Returns:
     The settings, dtypes resolved to numpy dtypes.
@@ -116,5 +124,28 @@ def step_settings(
   compute_dtype = check_float_dtype(compute_dtype, "compute_dtype")
   grad_reduce_dtype = check_reduce_dtype(grad_reduce_dtype, reduce_dtype_name)
   check_bucket_bytes(bucket_bytes)
+  check_compression(compression)
+  if compression is not None:
+    _check_compressed(reduction, zero_stage, grad_reduce_dtype, reduce_dtype_name)
   return StepSettings(axis_name, reduction, accum_steps, zero_stage, compute_dtype, grad_reduce_dtype, bucket_bytes,
-                      example_ids)
+                      example_ids, compression)
+
+
+def _check_compressed(reduction: str, zero_stage: int, grad_reduce_dtype: Any, reduce_dtype_name: str) -> None:
+  """Refuses what PowerSGD does not combine with (it compresses the sums that "mean" and "sum" reduce)."""
+  if reduction not in ("mean", "sum"):
+    raise ValueError(
+        f"compression=powersgd(...) with reduction={reduction!r}: PowerSGD compresses the all-reduce of the local "
+        "weighted sums, which 'none' does not have and 'rank_mean' replaces by per-replica means; use "
+        "reduction='mean' (or 'sum')."
+    )
+  if zero_stage >= 2:
+    raise ValueError(
+        f"compression=powersgd(...) with zero_stage={zero_stage}: stages 2-3 reduce-scatter the gradient, and "
+        "PowerSGD's low-rank sum is a whole-matrix all-reduce; use zero_stage=0 or 1."
+    )
+  if grad_reduce_dtype is not None:
+    raise ValueError(
+        f"compression=powersgd(...) with {reduce_dtype_name}={grad_reduce_dtype.name}: PowerSGD sends its factors "
+        f"in float32; use one or the other ({reduce_dtype_name}=None with compression=)."
+    )

@@ -26,18 +26,26 @@ class TrainState(NamedTuple):
       nnx ``BatchStat`` variables), or ``None`` for a model without any. The
       step hands it to ``loss_fn`` and keeps it identical on every replica
       (see :func:`jaxdp.train_step`). Always replicated, also under ZeRO.
+    compression: the gradient compression's state, a
+      :class:`jaxdp.PowerSGDState` (made by ``jaxdp.init_state(...,
+      compression=jaxdp.powersgd(...))``), or ``None`` for the exact
+      reduction. Its error feedback is per replica: split over the data axes.
   """
 
   params: Any
   opt_state: Any
   step: Any
   model_state: Any = None
+  compression: Any = None
 
   @classmethod
-  def create(cls, params: Any, optimizer: optax.GradientTransformation, model_state: Any = None) -> TrainState:
-    """Builds a state at step 0 with ``optimizer.init(params)``.
+  def create(cls, params: Any, optimizer: optax.GradientTransformation, model_state: Any = None,
+             compression: Any = None) -> TrainState:
+    """Builds a state at step 0 with ``optimizer.init(params)``; ``compression``: the compression state to hold
+    (e.g. ``jaxdp.init_compression(params, jaxdp.powersgd(), replicas)``), or ``None``.
 
     The arrays are not placed on any mesh; use :func:`jaxdp.init_state` for a
     state placed the way :func:`jaxdp.make_train_step` expects.
     """
-    return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), model_state=model_state)
+    return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), model_state=model_state,
+               compression=compression)

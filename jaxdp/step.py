@@ -58,6 +58,7 @@ def apply_update(
     model_state: Any = None,
     grad_divisor: jax.Array | None = None,
     value: jax.Array | None = None,
+    compression: Any = None,
 ) -> TrainState:
   """Applies ``grads`` with ``optimizer`` (and installs ``model_state``), or returns ``state`` unchanged.
 
@@ -73,13 +74,15 @@ def apply_update(
   ``optimizer.update(..., value=value)`` to optimizers that take extra
   arguments (``optax.polyak_sgd``, ``optax.contrib.reduce_on_plateau``);
   :func:`finish_step` passes the step's agreed loss (under ``"mean"`` the
-  global weighted mean, what one device passes).
+  global weighted mean, what one device passes). ``compression``: the new
+  :class:`jaxdp.PowerSGDState` to install with the update (``None`` keeps
+  ``state.compression``); a skipped step keeps the old one.
   """
 
   check_optimizer(optimizer)
 
   def step(operand):
-    state, new_model_state, grads = operand
+    state, new_model_state, grads, new_compression = operand
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), divide_gradient(grads, grad_divisor), state.params)
     extra = _loss_argument(optimizer, value)
     try:
@@ -95,11 +98,13 @@ def apply_update(
     kept = state.model_state if new_model_state is None else new_model_state
     new_params = optax.apply_updates(state.params, updates)
     _check_update_types(state.params, new_params)
-    return TrainState(new_params, opt_state, state.step + 1, kept)
+    # _replace keeps every other field of the state as it is.
+    new_state = state._replace(params=new_params, opt_state=opt_state, step=state.step + 1, model_state=kept)
+    return new_state if new_compression is None else new_state._replace(compression=new_compression)
 
   # cond rather than a select over the whole state: a select copies every buffer each step.
   # The division and the cast happen inside the branch, fused into the update's pass over the gradient.
-  return lax.cond(apply, step, lambda operand: operand[0], (state, model_state, grads))
+  return lax.cond(apply, step, lambda operand: operand[0], (state, model_state, grads, compression))
 
 
 def _check_update_types(params: Any, new_params: Any) -> None:
@@ -186,6 +191,7 @@ def gradient_step(
     divide: bool = True,
     example_ids: Any = None,
     stacked: Any = None,
+    compression: Any = None,
 ) -> ReducedGradient:
   """This replica's gradient, loss, metrics and model state, reduced over ``axis_name`` (per replica).
 
@@ -203,11 +209,15 @@ def gradient_step(
   layers (:func:`jaxdp.layout.layer_mask`); at stage 3 those arrive split
   and stay so, :func:`jaxdp.gather` gathers one layer at a time inside the
   loss, and their gradient leaves the loss reduce-scattered already
-  (see :mod:`jaxdp.layerwise`).
+  (see :mod:`jaxdp.layerwise`). ``compression``: :func:`jaxdp.powersgd`'s
+  settings, the state's ``compression`` then being this replica's
+  :class:`jaxdp.PowerSGDState` (see :func:`jaxdp.reduce_gradient`); the new
+  one is in the result's ``compression``.
   """
   settings = step_settings(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
       grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
+      compression=compression,
   )
   return run_gradient_step(settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more,
                            params_split=params_split, grads_split=grads_split, divide=divide, stacked=stacked)
@@ -230,6 +240,7 @@ def run_gradient_step(
   """:func:`gradient_step` under settings already checked (:func:`jaxdp.settings.step_settings`); the other
   arguments as there."""
   axis_name, reduction = settings.axis_name, settings.reduction
+  _check_compression_present(settings, state)
   if rng is not None and settings.example_ids is not None:  # the same key on every replica: masks follow the ids
     rng = jax.random.fold_in(rng, state.step)
   elif rng is not None:
@@ -261,7 +272,23 @@ def run_gradient_step(
     local = compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=state.model_state)
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
   return compute_reduced_gradient(settings, local, scatter=False if grads_split is None else grads_split,
-                                  totals=totals, divide=divide, presummed=presummed)
+                                  totals=totals, divide=divide, presummed=presummed,
+                                  compression_state=getattr(state, "compression", None))
+
+
+def _check_compression_present(settings: StepSettings, state: TrainState) -> None:
+  """A state with a PowerSGD state needs a step with compression=, and the other way round."""
+  held = getattr(state, "compression", None) is not None
+  if held and settings.compression is None:
+    raise ValueError(
+        "state.compression holds a PowerSGD state but the step has no compression=; pass the same "
+        "compression=jaxdp.powersgd(...) the state was made with, or state._replace(compression=None)."
+    )
+  if settings.compression is not None and not held:
+    raise ValueError(
+        f"compression={settings.compression} but state.compression is None; make the state with "
+        "jaxdp.init_state(..., compression=) with the same settings."
+    )
 
 
 def finish_step(
@@ -304,7 +331,7 @@ def finish_step(
     nonfinite = nonfinite | jnp.logical_not(reduced.grad_divisor < 2.0**126)
   apply = (reduced.weight > 0) & jnp.logical_not(nonfinite)
   new_state = apply_update(optimizer, state, reduced.grads, apply, reduced.model_state, reduced.grad_divisor,
-                           value=reduced.loss)
+                           value=reduced.loss, compression=reduced.compression)
   metrics = {
       "loss": reduced.loss,
       **(reduced.metrics or {}),
@@ -339,6 +366,7 @@ def train_step(
     grad_reduce_dtype: Any = None,
     bucket_bytes: int | None = None,
     example_ids: Any = None,
+    compression: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
@@ -392,6 +420,11 @@ def train_step(
       on any number of devices, split and ``accum_steps``. A library's own
       ``Dropout`` (linen's, nnx's) is then refused. ``None`` (default):
       per-replica keys.
+    compression: ``None`` (the exact reduction) or :func:`jaxdp.powersgd`'s
+      settings: the large matrix leaves are reduced as PowerSGD's low-rank
+      sums with error feedback (:mod:`jaxdp.compression`); ``state.compression``
+      is then this replica's :class:`jaxdp.PowerSGDState` (``q`` whole, each
+      error its own ``[1, *shape]`` block), updated with the step.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
@@ -409,6 +442,7 @@ def train_step(
   settings = step_settings(
       axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
       grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
+      compression=compression,
   )
   check_optimizer(optimizer)  # before the forward and backward passes are traced
   return run_train_step(settings, loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more)

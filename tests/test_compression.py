@@ -1,0 +1,261 @@
+"""PowerSGD (jaxdp.powersgd): against a plain reference of the algorithm, exact where it must be, its bytes, its
+state's checkpoint and its bad inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+LR = 0.1
+
+
+def _params(seed=0, shapes=None):
+  shapes = shapes or {"w1": (8, 12), "b1": (12,), "w2": (12, 6)}
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return {name: 0.3 * np.asarray(jax.random.normal(k, shape), np.float32) for (name, shape), k in zip(shapes.items(), keys)}
+
+
+def loss_fn(params, batch):
+  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
+  return jnp.sum((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
+
+
+def _batch(rows=16, seed=1):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(rows, 8)).astype(np.float32)
+  y = rng.normal(size=(rows, 6)).astype(np.float32)
+  return {"x": x, "y": y}
+
+
+def _uneven_weights(rows=16, n=4, seed=2):
+  w = np.random.default_rng(seed).uniform(0.2, 2.0, size=rows).astype(np.float32)
+  w[rows - rows // n:] = 0.0  # the last replica holds only padding
+  return w
+
+
+def _mesh(n=4):
+  return jaxdp.data_mesh(jax.devices()[:n])
+
+
+def _run(params, batches, weights, *, n=4, compression=None, zero_stage=0):
+  mesh = _mesh(n)
+  opt = optax.sgd(LR)
+  state = jaxdp.init_state(params, opt, mesh, zero_stage=zero_stage, compression=compression)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, zero_stage=zero_stage, compression=compression)
+  states = [jaxdp.gather_state(state)]
+  for batch in batches:
+    state, _ = step(state, batch, weights)
+    states.append(jaxdp.gather_state(state))
+  return states
+
+
+def _reference(params, q0, batches, weights, n, rank_of):
+  """PowerSGD with error feedback and warm start, one replica at a time, in plain jnp (float32)."""
+  params = {k: jnp.asarray(v) for k, v in params.items()}
+  q = {k: jnp.asarray(v) for k, v in q0.items()}
+  errors = {k: [jnp.zeros(params[k].shape) for _ in range(n)] for k in q}
+  trace = []
+  for batch in batches:
+    rows = len(weights) // n
+    local = []
+    for i in range(n):
+      part = {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
+      w = weights[i * rows:(i + 1) * rows]
+      local.append(jax.grad(lambda p: jnp.sum(w * loss_fn(p, part)))(params))
+    total_weight = float(np.sum(weights))
+    summed = {}
+    for k in params:
+      if k not in q:
+        summed[k] = sum(g[k] for g in local)
+        continue
+      ms = [(local[i][k] + errors[k][i]).reshape(params[k].shape[0], -1) for i in range(n)]
+      p = sum(m @ q[k] for m in ms)
+      p = jnp.linalg.qr(p)[0]
+      q[k] = sum(m.T @ p for m in ms)
+      approx = p @ q[k].T
+      errors[k] = [(m - approx / n).reshape(params[k].shape) for m in ms]
+      summed[k] = approx.reshape(params[k].shape)
+    params = {k: params[k] - LR * summed[k] / total_weight for k in params}
+    trace.append((params, dict(q), {k: list(v) for k, v in errors.items()}))
+  return trace
+
+
+def test_matches_a_plain_reference_with_uneven_weights():
+  params, n = _params(), 4
+  compression = jaxdp.powersgd(rank=2, start_iter=0, min_compression_rate=0)
+  batches = [_batch(seed=s) for s in (1, 2, 3)]
+  weights = _uneven_weights(n=n)
+  states = _run(params, batches, weights, n=n, compression=compression)
+  q0 = {k: v for k, v in states[0].compression.q.items() if v is not None}
+  assert set(q0) == {"w1", "w2"} and states[0].compression.q["b1"] is None
+  trace = _reference(params, q0, batches, weights, n, None)
+  for state, (ref_params, ref_q, ref_errors) in zip(states[1:], trace):
+    for k in params:
+      np.testing.assert_allclose(state.params[k], ref_params[k], rtol=2e-5, atol=2e-6)
+    for k in ref_q:
+      np.testing.assert_allclose(state.compression.q[k], ref_q[k], rtol=2e-4, atol=2e-5)
+      for i in range(n):
+        np.testing.assert_allclose(state.compression.error[k][i], ref_errors[k][i], rtol=2e-4, atol=2e-5)
+  assert int(states[-1].compression.iteration) == 3
+
+
+def test_q_identical_on_every_device_and_errors_split():
+  mesh, opt = _mesh(4), optax.sgd(LR)
+  compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)
+  state = jaxdp.init_state(_params(), opt, mesh, compression=compression)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, compression=compression)
+  state, _ = step(state, _batch(), _uneven_weights())
+  shards = [np.asarray(s.data) for s in state.compression.q["w1"].addressable_shards]
+  assert len(shards) == 4 and all(np.array_equal(shards[0], s) for s in shards[1:])
+  error = state.compression.error["w1"]
+  assert error.shape == (4, 8, 12)
+  assert [s.data.shape for s in error.addressable_shards] == [(1, 8, 12)] * 4  # each device holds its own
+  jaxdp.assert_replicas_equal(state.params)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_full_rank_equals_the_exact_step(zero_stage):
+  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  exact = _run(params, batches, weights)
+  full = _run(params, batches, weights, zero_stage=zero_stage,
+              compression=jaxdp.powersgd(rank=12, start_iter=0, min_compression_rate=0))
+  for k in params:
+    np.testing.assert_allclose(full[-1].params[k], exact[-1].params[k], rtol=1e-5, atol=1e-6)
+
+
+def test_stage_one_equals_stage_zero():
+  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)
+  zero = _run(params, batches, weights, compression=compression)
+  one = _run(params, batches, weights, compression=compression, zero_stage=1)
+  for a, b in zip(jax.tree.leaves(zero[-1]), jax.tree.leaves(one[-1])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_start_iter_steps_are_exact_and_small_leaves_too():
+  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2, 3)], _uneven_weights()
+  exact = _run(params, batches, weights)
+  compression = jaxdp.powersgd(rank=1, start_iter=2, min_compression_rate=0)
+  compressed = _run(params, batches, weights, compression=compression)
+  for k in params:  # the first two steps: the exact step's numbers
+    np.testing.assert_allclose(compressed[2].params[k], exact[2].params[k], rtol=1e-6, atol=1e-7)
+  assert int(compressed[2].compression.iteration) == 2
+  assert all(not np.any(e) for e in jax.tree.leaves(compressed[2].compression.error))
+  # The third is compressed: the matrices move off the exact path, the bias (a vector) is still reduced exactly.
+  assert not np.allclose(compressed[3].params["w1"], exact[3].params["w1"], rtol=1e-4, atol=1e-5)
+  assert np.any(compressed[3].compression.error["w1"])
+  one = _run(params, batches[:1], weights, compression=jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0))
+  np.testing.assert_allclose(one[1].params["b1"], exact[1].params["b1"], rtol=1e-6, atol=1e-7)
+  # min_compression_rate 2 at rank 2: w2 [12, 6] (72 <= 18*2*2) is reduced exactly, w1 [8, 12] (96 > 80) is not.
+  state = jaxdp.init_state(params, optax.sgd(LR), _mesh(), compression=jaxdp.powersgd(rank=2))
+  assert state.compression.q["w2"] is None and state.compression.q["b1"] is None
+  assert state.compression.q["w1"].shape == (12, 2) and state.compression.error["w1"].shape == (4, 8, 12)
+
+
+def _all_reduce_sizes(hlo):
+  from jaxdp.reports import hlo_collectives
+
+  return [size for kind, size, _, _ in hlo_collectives(hlo) if kind == "all-reduce"]
+
+
+def test_hlo_sends_two_small_all_reduces_instead_of_the_matrix():
+  params = _params(shapes={"w1": (8, 64), "b1": (64,), "w2": (64, 48)})
+  batch = _batch()
+  batch["y"] = np.zeros((16, 48), np.float32)
+  mesh, opt = _mesh(4), optax.sgd(LR)
+
+  def hlo(compression):
+    state = jaxdp.init_state(params, opt, mesh, compression=compression)
+    step = jaxdp.make_train_step(loss_fn, opt, mesh, compression=compression)
+    return step.lower(state, batch).compile().as_text()
+
+  exact = _all_reduce_sizes(hlo(None))
+  compressed = _all_reduce_sizes(hlo(jaxdp.powersgd(rank=2, start_iter=0)))
+  assert max(exact) >= 64 * 48 * 4  # the matrix travels whole
+  assert max(compressed) < 64 * 48 * 4 // 4
+  # w2's factors: P [64, 2] and Q' [48, 2] (w1 [8, 64] at rank 2 is compressed too: 8*64 > 72*2*2).
+  assert sum(compressed) <= sum(exact) - 4 * (64 * 48 + 8 * 64) + 4 * 2 * (64 + 48 + 8 + 64) + 64
+  assert sum(compressed) * 5 < sum(exact)
+
+
+def test_checkpoint_round_trip(tmp_path):
+  params, mesh, opt = _params(), _mesh(4), optax.sgd(LR)
+  compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)
+  state = jaxdp.init_state(params, opt, mesh, compression=compression)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, compression=compression)
+  state, _ = step(state, _batch(), _uneven_weights())
+  saved = jaxdp.gather_state(state)
+  with jaxdp.CheckpointManager(tmp_path / "ckpt") as ckpt:
+    ckpt.save(1, state, force=True)
+    ckpt.wait()
+    restored = ckpt.restore(params=params, optimizer=opt, mesh=mesh, compression=compression).state
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(jaxdp.gather_state(restored))):
+      np.testing.assert_array_equal(a, b)
+    assert restored.compression.error["w1"].sharding.spec == jax.sharding.PartitionSpec("data")
+    step(restored, _batch(), _uneven_weights())  # the restored state steps on
+    with pytest.raises(ValueError, match="error feedback of 4 replicas"):
+      ckpt.restore(params=params, optimizer=opt, mesh=_mesh(2), compression=compression)
+    with pytest.raises(ValueError, match="compression"):
+      ckpt.restore(params=params, optimizer=opt, mesh=mesh)
+
+
+@pytest.mark.parametrize("rank", [0, -1, 1.5, True, "2"])
+def test_bad_rank(rank):
+  with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+    jaxdp.powersgd(rank=rank)
+
+
+def test_bad_settings():
+  with pytest.raises(ValueError, match="start_iter"):
+    jaxdp.powersgd(start_iter=-1)
+  with pytest.raises(ValueError, match="min_compression_rate"):
+    jaxdp.powersgd(min_compression_rate=-1.0)
+  opt, compression = optax.sgd(LR), jaxdp.powersgd()
+  for kwargs, match in [({"reduction": "none"}, "reduction='none'"), ({"reduction": "rank_mean"}, "rank_mean"),
+                        ({"zero_stage": 2}, "zero_stage=2"), ({"grad_reduce_dtype": jnp.bfloat16}, "bfloat16"),
+                        ({"backend": "pmap"}, "pmap")]:
+    with pytest.raises(ValueError, match=match):
+      jaxdp.make_train_step(loss_fn, opt, _mesh(4), compression=compression, **kwargs)
+  with pytest.raises(TypeError, match="compression"):
+    jaxdp.make_train_step(loss_fn, opt, _mesh(4), compression={"rank": 2})
+
+
+def test_state_and_step_mismatch_refused_before_donation():
+  params, mesh, opt = _params(), _mesh(4), optax.sgd(LR)
+  compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)
+  plain = jaxdp.init_state(params, opt, mesh)
+  with_state = jaxdp.init_state(params, opt, mesh, compression=compression)
+  before = [jaxdp.gather_state(plain), jaxdp.gather_state(with_state)]
+  cases = [
+      (jaxdp.make_train_step(loss_fn, opt, mesh, compression=compression), plain, "state.compression is None"),
+      (jaxdp.make_train_step(loss_fn, opt, mesh), with_state, "built without compression"),
+      (jaxdp.make_train_step(loss_fn, opt, mesh, compression=jaxdp.powersgd(rank=2, min_compression_rate=0)),
+       with_state, "does not match"),
+      (jaxdp.make_train_step(loss_fn, opt, _mesh(2), compression=compression), with_state, "of 4 replicas"),
+  ]
+  for step, state, match in cases:
+    with pytest.raises(ValueError, match=match):
+      step(state, _batch(), _uneven_weights())
+  for old, state in zip(before, (plain, with_state)):  # nothing donated, nothing changed
+    for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(jaxdp.gather_state(state))):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_hybrid_data_axes_equal_one_data_axis():
+  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)
+  flat = _run(params, batches, weights, compression=compression)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("replica", "data"),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  opt, axes = optax.sgd(LR), ("replica", "data")
+  state = jaxdp.init_state(params, opt, mesh, axis_name=axes, zero_stage=1, compression=compression)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=axes, zero_stage=1, compression=compression)
+  for batch in batches:
+    state, _ = step(state, batch, weights)
+  for a, b in zip(jax.tree.leaves(flat[-1]), jax.tree.leaves(jaxdp.gather_state(state))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
