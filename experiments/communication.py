@@ -74,12 +74,15 @@ FULL = {"steps": 300, "tail_steps": 50, "max_bytes": 1_000_000, "eval_every": 10
 QUICK = {"steps": 20, "tail_steps": 5, "max_bytes": 200_000, "eval_every": 5, "start_iter": 2, "diloco_h": "5,10"}
 DEVICES = 4
 POWERSGD_RANKS = (1, 2, 4)
+DILOCO = re.compile(r"diloco_h(\d+)(?:_(bf16|int8))?")
+"""``diloco_hH``: H inner steps per outer sync, the deltas all-reduced in float32, ``_bf16`` bfloat16, ``_int8`` int8."""
+DELTA_DTYPES = {None: None, "bf16": jnp.bfloat16, "int8": jnp.int8}
 
 
 def method_names(diloco_h) -> list[str]:
   """Every method, in table order, with DiLoCo's periods ``diloco_h``."""
   return (["exact", "bf16"] + [f"powersgd_r{r}" for r in POWERSGD_RANKS] + [f"diloco_h{h}" for h in diloco_h]
-          + ["float16_dynamic"])
+          + [f"diloco_h{max(diloco_h)}_int8", "float16_dynamic"])
 
 
 def _need(name: str, method: str):
@@ -134,8 +137,8 @@ def make_optimizer(config: train_lm.Config) -> optax.GradientTransformation:
   return optax.adamw(schedule, weight_decay=0.01)
 
 
-def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int) -> Method:
-  """The :class:`Method` called ``name`` (see :func:`method_names`)."""
+def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, cache: dict) -> Method:
+  """The :class:`Method` called ``name`` (see :func:`method_names`); ``cache`` keeps the exact program's bytes."""
   optimizer = make_optimizer(config)
   if name in ("exact", "bf16", "float16_dynamic") or name.startswith("powersgd_r"):
     mesh, axis = _mesh({"data": DEVICES}), "data"
@@ -147,32 +150,39 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int) 
       state_options = {"loss_scale": options["loss_scaling"].init()}
     elif name.startswith("powersgd_r"):
       rank = int(name.removeprefix("powersgd_r"))
-      compression = _need("powersgd", name)(rank=rank, start_iter=start_iter)
+      powersgd = _need("powersgd", name)
+      compression = powersgd(rank=rank, start_iter=start_iter)
       options, state_options = {"compression": compression}, {"compression": compression}
     step = jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis, **options)
     state = jaxdp.init_state(params, optimizer, mesh, axis_name=axis, **state_options)
 
     def step_bytes(state, batch, weights):
-      measured = lowered_bytes(step.lower(state, batch, weights))
       if not name.startswith("powersgd_r"):
+        measured = lowered_bytes(step.lower(state, batch, weights))
+        if name == "exact":
+          cache["exact"] = measured
         return lambda i: measured["bytes"], lambda i: measured["compiled_bytes"]
-      # The exact warm-up steps' bytes come from the exact program, the compressed ones from start_iter=0's.
-      warm = lowered_bytes(jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis).lower(
-          jaxdp.init_state(params, optimizer, mesh, axis_name=axis), batch, weights))
-      s0 = compression._replace(start_iter=0)
-      hot_step = jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis, compression=s0)
+      # Before start_iter the step runs its exact branch: the exact program's bytes. After, the compressed
+      # program's, read from a step built with start_iter=0 (the running step's lax.cond holds both branches,
+      # and the HLO text shows the collectives of both).
+      if "exact" not in cache:
+        cache["exact"] = lowered_bytes(jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis).lower(
+            jaxdp.init_state(params, optimizer, mesh, axis_name=axis), batch, weights))
+      warm, hot_settings = cache["exact"], powersgd(rank=rank, start_iter=0)
+      hot_step = jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis, compression=hot_settings)
       hot = lowered_bytes(hot_step.lower(
-          jaxdp.init_state(params, optimizer, mesh, axis_name=axis, compression=s0), batch, weights))
+          jaxdp.init_state(params, optimizer, mesh, axis_name=axis, compression=hot_settings), batch, weights))
       return ((lambda i: warm["bytes"] if i < start_iter else hot["bytes"]),
               (lambda i: warm["compiled_bytes"] if i < start_iter else hot["compiled_bytes"]))
 
     return Method(name, mesh, axis, state, step, lambda s: s.params, step_bytes, notes)
-  if match := re.fullmatch(r"diloco_h(\d+)", name):
-    h = int(match.group(1))
+  if match := DILOCO.fullmatch(name):
+    h, delta_dtype = int(match.group(1)), DELTA_DTYPES[match.group(2)]
     make_step, init = _need("make_diloco_step", name), _need("init_diloco_state", name)
     outer_params = _need("diloco_params", name)
     mesh, axis = _mesh({"replica": DEVICES, "data": 1}), ("replica", "data")
-    step = make_step(loss_fn, optimizer, mesh, outer_axis="replica", axis_name="data", inner_steps=h)
+    step = make_step(loss_fn, optimizer, mesh, outer_axis="replica", axis_name="data", inner_steps=h,
+                     delta_dtype=delta_dtype)
     state = init(params, optimizer, mesh, outer_axis="replica")
 
     def step_bytes(state, batch, weights):
@@ -182,7 +192,8 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int) 
               (lambda i: sync["compiled_bytes"] if (i + 1) % h == 0 else inner["compiled_bytes"]))
 
     return Method(name, mesh, axis, state, step, outer_params, step_bytes)
-  raise ValueError(f"unknown method {name!r}; choose from exact, bf16, powersgd_rR, diloco_hH, float16_dynamic")
+  raise ValueError(f"unknown method {name!r}; choose from exact, bf16, powersgd_rR, diloco_hH, diloco_hH_bf16, "
+                   "diloco_hH_int8, float16_dynamic")
 
 
 def run_method(method: Method, config: train_lm.Config, data, loss_fn, eval_every: int, tail: int,
@@ -234,7 +245,7 @@ def _period_mean(values: list[float], start: int, period: int) -> float:
 
 def summarise(name: str, result: dict, start_iter: int) -> dict:
   """One row of ``communication.json`` (without the comparisons to exact)."""
-  match = re.fullmatch(r"diloco_h(\d+)", name)
+  match = DILOCO.fullmatch(name)
   period = int(match.group(1)) if match else 1
   skip = start_iter if name.startswith("powersgd_r") else 0
   per_step, compiled = result["per_step"], result["per_step_compiled"]
@@ -273,7 +284,7 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
   if config.batch_size % DEVICES:
     raise ValueError(f"batch_size {config.batch_size} must be a multiple of the {DEVICES} devices")
   for name in methods:
-    if (match := re.fullmatch(r"diloco_h(\d+)", name)) and config.steps % int(match.group(1)):
+    if (match := DILOCO.fullmatch(name)) and config.steps % int(match.group(1)):
       raise ValueError(f"{name}: steps={config.steps} is not a multiple of H={match.group(1)}, so the run would end "
                        "between outer syncs; choose steps (or H) so that H divides steps")
   if jax.device_count() < DEVICES:
@@ -283,11 +294,11 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
   definition, params = train_lm.make_model(config)
   params = jax.tree.map(np.asarray, params)  # every method starts from its own copy (steps donate their state)
   loss_fn = lm.make_loss_fn(definition)
-  rows, first = [], None
+  rows, first, cache = [], None, {}
   for name in methods:
     if progress:
       print(f"{name}:", flush=True)
-    method = build(name, config, params, loss_fn, start_iter)
+    method = build(name, config, params, loss_fn, start_iter, cache)
     result = run_method(method, config, data, loss_fn, eval_every, tail, progress)
     if first is None:
       first = result["first_weights"]
@@ -339,6 +350,18 @@ def plot(result: dict, path) -> None:
   plt.close(fig)
 
 
+def markdown_table(result: dict) -> str:
+  """The rows as the Markdown table of ``docs/communication.md``."""
+  lines = ["| method | kB sent per device and step | fewer bytes than exact | final val loss | vs exact | "
+           "steps to exact's final loss |", "|---|---:|---:|---:|---:|---:|"]
+  for row in result["rows"]:
+    ratio, reached = row["bytes_ratio_vs_exact"], row["steps_to_target_loss"]
+    lines.append(f"| `{row['method']}` | {row['bytes_per_step'] / 1e3:.1f} | "
+                 f"{'–' if ratio is None else f'{ratio:.1f}×'} | {row['final_val_loss']:.4f} | "
+                 f"{100 * row['loss_gap_vs_exact']:+.2f}% | {'not reached' if reached is None else reached} |")
+  return "\n".join(lines)
+
+
 def write_outputs(result: dict, out) -> pathlib.Path:
   """Writes ``communication.json`` and ``communication.png`` into the folder ``out``; returns it."""
   out = pathlib.Path(out)
@@ -372,11 +395,7 @@ def main(argv=None) -> dict:
   result["setup"]["command"] = "python experiments/communication.py " + " ".join(sys.argv[1:] if argv is None else argv)
   result["setup"]["wall_seconds"] = time.perf_counter() - start
   out = write_outputs(result, args.out)
-  for row in result["rows"]:
-    ratio = row["bytes_ratio_vs_exact"]
-    print(f"{row['method']:>16}: {row['bytes_per_step'] / 1e3:9.1f} kB/step ({'n/a' if ratio is None else f'{ratio:5.1f}'}x fewer), "
-          f"val loss {row['final_val_loss']:.4f} ({100 * row['loss_gap_vs_exact']:+.2f}% vs exact), "
-          f"steps to exact's final loss: {row['steps_to_target_loss']}")
+  print(markdown_table(result))
   print(f"wall time {result['setup']['wall_seconds']:.0f} s; outputs in {out}")
   common.publish(args, {"communication.json": "data/communication.json", "communication.png": "communication.png"})
   return result
