@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -274,12 +275,32 @@ def compare_rows(rows: list[dict]) -> list[dict]:
   return rows
 
 
+REUSE_KEYS = ("steps", "tail_steps", "batch_size", "seq_len", "devices", "meshes", "model", "params", "max_bytes",
+              "train_sequences", "val_sequences", "eval_every", "powersgd_start_iter", "optimizer",
+              "diloco_outer_optimizer", "dropout", "seed", "bytes")
+"""The settings a reused row must share with the run (``--reuse``)."""
+
+
+def _reusable_rows(reuse: dict | None, setup: dict) -> dict[str, dict]:
+  """``{method: row}`` of an earlier ``communication.json`` made with this ``setup``; a ``ValueError`` if it differs."""
+  if reuse is None:
+    return {}
+  differ = [k for k in REUSE_KEYS if reuse["setup"].get(k) != setup[k]]
+  if differ:
+    raise ValueError(f"--reuse: its setup differs from this run's in {', '.join(differ)}; rerun those methods "
+                     "with the same options, or drop --reuse")
+  keep = ("method", "bytes_per_step", "compiled_bytes_per_step", "bytes_per_step_incl_warmup", "final_val_loss",
+          "curve", "seconds")
+  return {row["method"]: {k: row[k] for k in keep} for row in reuse["rows"]}
+
+
 def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_iter: int, tail: int = 0,
-            progress: bool = True) -> dict:
+            progress: bool = True, reuse: dict | None = None) -> dict:
   """Trains every method of ``methods`` from one init on one data order; returns ``{"rows", "setup"}``.
 
   Each runs ``config.steps`` steps (the schedule's length, where ``final_val_loss`` is read) and ``tail``
-  more at the schedule's floor, which only ``steps_to_target_loss`` looks at.
+  more at the schedule's floor, which only ``steps_to_target_loss`` looks at. ``reuse``: an earlier result
+  of the same setup whose rows are taken as they are for the methods it has.
   """
   if config.batch_size % DEVICES:
     raise ValueError(f"batch_size {config.batch_size} must be a multiple of the {DEVICES} devices")
@@ -294,17 +315,6 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
   definition, params = train_lm.make_model(config)
   params = jax.tree.map(np.asarray, params)  # every method starts from its own copy (steps donate their state)
   loss_fn = lm.make_loss_fn(definition)
-  rows, first, cache = [], None, {}
-  for name in methods:
-    if progress:
-      print(f"{name}:", flush=True)
-    method = build(name, config, params, loss_fn, start_iter, cache)
-    result = run_method(method, config, data, loss_fn, eval_every, tail, progress)
-    if first is None:
-      first = result["first_weights"]
-    elif not np.array_equal(first, result["first_weights"]):  # one data order for every mesh
-      raise AssertionError(f"{name} saw another first batch than {methods[0]}")
-    rows.append(summarise(name, result, start_iter))
   n_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
   setup = {
       "steps": config.steps, "tail_steps": tail, "batch_size": config.batch_size, "seq_len": config.seq_len,
@@ -318,6 +328,23 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
       "diloco_outer_optimizer": "sgd lr 0.7, Nesterov momentum 0.9", "dropout": 0.0, "seed": config.seed,
       "bytes": "per device and step, sent in collectives (ring), from the HLO before backend optimisation",
   }
+  reused = _reusable_rows(reuse, setup)
+  rows, first, cache = [], None, {}
+  for name in methods:
+    if name in reused:
+      rows.append(reused[name])
+      if progress:
+        print(f"{name}: row taken from --reuse", flush=True)
+      continue
+    if progress:
+      print(f"{name}:", flush=True)
+    method = build(name, config, params, loss_fn, start_iter, cache)
+    result = run_method(method, config, data, loss_fn, eval_every, tail, progress)
+    if first is None:
+      first = result["first_weights"]
+    elif not np.array_equal(first, result["first_weights"]):  # one data order for every mesh
+      raise AssertionError(f"{name} saw another first batch than {methods[0]}")
+    rows.append(summarise(name, result, start_iter))
   return {"rows": compare_rows(rows), "setup": setup}
 
 
@@ -381,6 +408,8 @@ def main(argv=None) -> dict:
   p.add_argument("--start-iter", type=int, help=f"PowerSGD's exact steps first (default {FULL['start_iter']})")
   p.add_argument("--diloco-h", help=f"DiLoCo's inner steps per outer sync, comma-separated (default {FULL['diloco_h']})")
   p.add_argument("--methods", help="comma-separated subset of the methods (default: all; exact is always needed)")
+  p.add_argument("--reuse", help="an earlier communication.json of the same setup: its methods' rows are kept, "
+                 "only the others are trained (the runs are deterministic on CPU)")
   p.add_argument("--no-progress", dest="progress", action="store_false")
   common.add_output_args(p, "out/communication", quick="out/communication_quick")
   args = p.parse_args(argv)
@@ -390,7 +419,9 @@ def main(argv=None) -> dict:
   methods = args.methods.split(",") if args.methods else method_names(diloco_h)
   config = train_lm.Config(steps=args.steps, max_bytes=args.max_bytes, progress=False)
   start = time.perf_counter()
-  result = compare(config, methods, args.eval_every, args.start_iter, args.tail_steps, progress=args.progress)
+  reuse = json.loads(pathlib.Path(args.reuse).read_text()) if args.reuse else None
+  result = compare(config, methods, args.eval_every, args.start_iter, args.tail_steps, progress=args.progress,
+                   reuse=reuse)
   result["machine"] = common.machine()
   result["setup"]["command"] = "python experiments/communication.py " + " ".join(sys.argv[1:] if argv is None else argv)
   result["setup"]["wall_seconds"] = time.perf_counter() - start
