@@ -281,26 +281,29 @@ REUSE_KEYS = ("steps", "tail_steps", "batch_size", "seq_len", "devices", "meshes
 """The settings a reused row must share with the run (``--reuse``)."""
 
 
-def _reusable_rows(reuse: dict | None, setup: dict) -> dict[str, dict]:
-  """``{method: row}`` of an earlier ``communication.json`` made with this ``setup``; a ``ValueError`` if it differs."""
-  if reuse is None:
-    return {}
-  differ = [k for k in REUSE_KEYS if reuse["setup"].get(k) != setup[k]]
-  if differ:
-    raise ValueError(f"--reuse: its setup differs from this run's in {', '.join(differ)}; rerun those methods "
-                     "with the same options, or drop --reuse")
+def _reusable_rows(reuse: list[dict] | None, setup: dict) -> dict[str, dict]:
+  """``{method: row}`` of earlier ``communication.json`` results made with this ``setup`` (the first one having a
+  method gives its row); a ``ValueError`` if a setup differs."""
+  rows = {}
   keep = ("method", "bytes_per_step", "compiled_bytes_per_step", "bytes_per_step_incl_warmup", "final_val_loss",
           "curve", "seconds")
-  return {row["method"]: {k: row[k] for k in keep} for row in reuse["rows"]}
+  for earlier in reuse or []:
+    differ = [k for k in REUSE_KEYS if earlier["setup"].get(k) != setup[k]]
+    if differ:
+      raise ValueError(f"--reuse: a setup differs from this run's in {', '.join(differ)}; rerun those methods "
+                       "with the same options, or drop --reuse")
+    for row in earlier["rows"]:
+      rows.setdefault(row["method"], {k: row[k] for k in keep})
+  return rows
 
 
 def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_iter: int, tail: int = 0,
-            progress: bool = True, reuse: dict | None = None) -> dict:
+            progress: bool = True, reuse: list[dict] | None = None) -> dict:
   """Trains every method of ``methods`` from one init on one data order; returns ``{"rows", "setup"}``.
 
   Each runs ``config.steps`` steps (the schedule's length, where ``final_val_loss`` is read) and ``tail``
-  more at the schedule's floor, which only ``steps_to_target_loss`` looks at. ``reuse``: an earlier result
-  of the same setup whose rows are taken as they are for the methods it has.
+  more at the schedule's floor, which only ``steps_to_target_loss`` looks at. ``reuse``: earlier results
+  of the same setup whose rows are taken as they are for the methods they have.
   """
   if config.batch_size % DEVICES:
     raise ValueError(f"batch_size {config.batch_size} must be a multiple of the {DEVICES} devices")
@@ -408,8 +411,8 @@ def main(argv=None) -> dict:
   p.add_argument("--start-iter", type=int, help=f"PowerSGD's exact steps first (default {FULL['start_iter']})")
   p.add_argument("--diloco-h", help=f"DiLoCo's inner steps per outer sync, comma-separated (default {FULL['diloco_h']})")
   p.add_argument("--methods", help="comma-separated subset of the methods (default: all; exact is always needed)")
-  p.add_argument("--reuse", help="an earlier communication.json of the same setup: its methods' rows are kept, "
-                 "only the others are trained (the runs are deterministic on CPU)")
+  p.add_argument("--reuse", help="earlier communication.json files of the same setup, comma-separated: their methods' "
+                 "rows are kept, only the others are trained (the runs are deterministic on CPU)")
   p.add_argument("--no-progress", dest="progress", action="store_false")
   common.add_output_args(p, "out/communication", quick="out/communication_quick")
   args = p.parse_args(argv)
@@ -419,7 +422,7 @@ def main(argv=None) -> dict:
   methods = args.methods.split(",") if args.methods else method_names(diloco_h)
   config = train_lm.Config(steps=args.steps, max_bytes=args.max_bytes, progress=False)
   start = time.perf_counter()
-  reuse = json.loads(pathlib.Path(args.reuse).read_text()) if args.reuse else None
+  reuse = [json.loads(pathlib.Path(f).read_text()) for f in args.reuse.split(",")] if args.reuse else None
   result = compare(config, methods, args.eval_every, args.start_iter, args.tail_steps, progress=args.progress,
                    reuse=reuse)
   result["machine"] = common.machine()
