@@ -1,22 +1,28 @@
 """Less communication, measured: bytes per step against the loss they cost, side by side with the exact step.
 
 Every method trains the byte-level LM of ``experiments/train_lm.py`` (its
-model, corpus, AdamW schedule and validation loss) from one init on one data
-order, with the same global batch and tokens per step, dropout 0:
+model, corpus, AdamW and validation loss) from one init on one data order,
+with the same global batch and tokens per step, dropout 0:
 
 - ``exact``: jaxdp's default step, the weighted-mean gradient all-reduced in float32;
 - ``bf16``: the same gradient all-reduced in bfloat16 (``grad_reduce_dtype``);
 - ``powersgd_rR``: PowerSGD of rank R with error feedback
   (``compression=jaxdp.powersgd(rank=R, start_iter=S)``; the first S steps exact);
 - ``diloco_hH``: DiLoCo (``jaxdp.make_diloco_step``): exact inner steps within a
-  replica group, an outer Nesterov step on the replicas' averaged delta every H steps;
+  replica group, an outer Nesterov step on the groups' averaged delta every H
+  steps; ``diloco_hH_bf16`` / ``diloco_hH_int8`` send the delta in bfloat16 / int8;
 - ``float16_dynamic``: float16 compute with dynamic loss scaling
-  (``loss_scaling=jaxdp.dynamic_loss_scale()``): the same bytes as exact, its row shows the quality.
+  (``loss_scaling=jaxdp.dynamic_loss_scale()``): the exact step's bytes, its row shows the quality.
 
 Mesh: 4 simulated CPU devices. exact, bf16, PowerSGD and float16 split the
 batch over ``data=4``. DiLoCo runs on ``replica=4, data=1``: each replica group
 is one device, so its only cross-device traffic is the outer sync (and the
-step's scalar sums); each device still gets the same rows as under ``data=4``.
+step's scalar sums); each device gets the same rows as under ``data=4``.
+
+The learning rate warms up over a tenth of ``--steps`` and decays (cosine) to
+lr/10 at ``--steps``, where every row's ``final_val_loss`` is read; then
+``--tail-steps`` more steps at lr/10, which only ``steps_to_target_loss``
+sees (train_lm decays to 0, after which no run could catch up).
 
 ``bytes_per_step`` counts the bytes each device sends in the step's collectives
 (all-reduce, reduce-scatter, all-gather; ring algorithm, ``traffic_bytes`` of
@@ -26,8 +32,8 @@ optimisation: the dtype jaxdp communicates in, as GPU and TPU backends move it
 ``compiled_bytes_per_step``). PowerSGD's is its compressed program (after
 ``start_iter``); ``bytes_per_step_incl_warmup`` averages the exact warm-up steps in.
 DiLoCo's is averaged over an outer period: ``((H - 1) inner + 1 sync) / H``.
-``final_val_loss`` is the validation loss after the last step (DiLoCo: of the
-outer parameters); ``steps_to_target_loss`` the first evaluation step whose
+``final_val_loss`` is the validation loss after step ``--steps`` (DiLoCo: of
+its outer parameters); ``steps_to_target_loss`` the first evaluation step whose
 validation loss is at most exact's final one (``null`` if none);
 ``loss_gap_vs_exact`` is ``(final - exact_final) / exact_final``. Writes
 ``communication.json`` (``{"rows", "setup", "machine"}``) and
@@ -36,10 +42,11 @@ bytes) under ``--out`` (default ``out/communication``); ``--publish`` copies the
 to ``docs/data/communication.json`` and ``docs/communication.png``.
 
   python experiments/communication.py [--steps 300] [--out out/communication] [--publish]
-  python experiments/communication.py --quick     # 20 steps on a 200 kB corpus, DiLoCo H = 5, 10
+  python experiments/communication.py --quick     # 20 (+5) steps on a 200 kB corpus, DiLoCo H = 5, 10
   python experiments/communication.py --methods exact,powersgd_r2,diloco_h50
+  python experiments/communication.py --reuse A/communication.json,B/communication.json   # rows already run
 
---quick: about N s on an idle 2-core CPU machine.
+--quick: QUICK_TIME
 """
 
 from __future__ import annotations
@@ -293,7 +300,7 @@ def _reusable_rows(reuse: list[dict] | None, setup: dict) -> dict[str, dict]:
       raise ValueError(f"--reuse: a setup differs from this run's in {', '.join(differ)}; rerun those methods "
                        "with the same options, or drop --reuse")
     for row in earlier["rows"]:
-      rows.setdefault(row["method"], {k: row[k] for k in keep})
+      rows.setdefault(row["method"], {**{k: row[k] for k in keep}, "run_by": earlier["setup"].get("command")})
   return rows
 
 
@@ -335,7 +342,9 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
   rows, first, cache = [], None, {}
   for name in methods:
     if name in reused:
-      rows.append(reused[name])
+      row = dict(reused[name])
+      setup.setdefault("rows_run_by", {})[name] = row.pop("run_by")
+      rows.append(row)
       if progress:
         print(f"{name}: row taken from --reuse", flush=True)
       continue
