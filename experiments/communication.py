@@ -102,6 +102,20 @@ def _need(name: str, method: str):
                        f"leave {method!r} out of --methods.") from None
 
 
+def _check_available(name: str) -> None:
+  """Raises :func:`_need`'s error now, before any method trains, if ``name`` needs an API this jaxdp lacks."""
+  if name.startswith("powersgd_r"):
+    _need("powersgd", name)
+  elif DILOCO.fullmatch(name):
+    for api in ("make_diloco_step", "init_diloco_state", "diloco_params"):
+      _need(api, name)
+  elif name == "float16_dynamic":
+    _need("dynamic_loss_scale", name)
+  elif name not in ("exact", "bf16"):
+    raise ValueError(f"unknown method {name!r}; choose from exact, bf16, powersgd_rR, diloco_hH, diloco_hH_bf16, "
+                     "diloco_hH_int8, float16_dynamic")
+
+
 def traffic(hlo: str, n: int) -> float:
   """Bytes each device sends in the collectives of HLO text (ring algorithm; all kinds)."""
   return float(sum(c.traffic_bytes for c in jaxdp.collectives_from_hlo(hlo, n).values()))
@@ -339,6 +353,9 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
       "bytes": "per device and step, sent in collectives (ring), from the HLO before backend optimisation",
   }
   reused = _reusable_rows(reuse, setup)
+  for name in methods:
+    if name not in reused:
+      _check_available(name)
   rows, first, cache = [], None, {}
   for name in methods:
     if name in reused:
