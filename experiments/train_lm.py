@@ -372,7 +372,7 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
       model's weights stacked with ``lm.stack_blocks`` for ``--scan-layers``.
   """
   if config.diloco_inner_steps is not None:
-    return train_diloco(config, devices=devices, data=data, out=out, desc=desc, params=params)
+    return train_diloco(config, devices=devices, reduction=reduction, data=data, out=out, desc=desc, params=params)
   mesh = build_mesh(config, devices)
   devices = list(mesh.devices.flat)
   axis_name, n = data_axes(mesh), data_parallel_size(mesh)
@@ -439,14 +439,15 @@ def _diloco_metrics(metrics: dict) -> dict:
           "weight": jnp.sum(weight), "synced": metrics["synced"]}
 
 
-def train_diloco(config: Config, *, devices=None, data=None, out: str | None = None, desc: str = "train",
-                 params=None) -> dict:
+def train_diloco(config: Config, *, devices=None, reduction: str | None = None, data=None, out: str | None = None,
+                 desc: str = "train", params=None) -> dict:
   """:func:`train` with DiLoCo (``jaxdp.make_diloco_step``): the exact step inside each group of the ``replica``
   axis, the outer Nesterov step every ``config.diloco_inner_steps`` steps; evaluated on the outer parameters.
 
   The logged loss, accuracy and gradient norm are the groups' means weighted by their tokens.
   """
   mesh = build_mesh(config, devices)
+  reduction = reduction or config.reduction
   if "replica" not in mesh.axis_names or "model" in mesh.axis_names or config.zero_stage or config.scan_layers:
     raise ValueError(f"--diloco-inner-steps needs --mesh replica=R,data=D (no model axis, ZeRO stage 0, no "
                      f"--scan-layers), got --mesh {config.mesh} --zero-stage {config.zero_stage}")
@@ -462,7 +463,8 @@ def train_diloco(config: Config, *, devices=None, data=None, out: str | None = N
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
   step = jaxdp.make_diloco_step(
       loss_fn, optimizer, mesh, outer_axis="replica", axis_name="data", inner_steps=config.diloco_inner_steps,
-      delta_dtype=None if config.diloco_delta_dtype == "float32" else jnp.dtype(config.diloco_delta_dtype), reduction=config.reduction,
+      delta_dtype=None if config.diloco_delta_dtype == "float32" else jnp.dtype(config.diloco_delta_dtype),
+      reduction=reduction,
       accum_steps=config.accum_steps, compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
       grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
   )
@@ -482,7 +484,7 @@ def train_diloco(config: Config, *, devices=None, data=None, out: str | None = N
   val = evaluate(loss_fn, outer, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
   summary = {
       "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": 0, "scan_layers": False, "layerwise": False,
-      "platform": devices[0].platform, "reduction": config.reduction, "dropout": config.dropout,
+      "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
       "diloco_inner_steps": config.diloco_inner_steps, "diloco_delta_dtype": config.diloco_delta_dtype,
       "train_sequences": len(train_set), "val_sequences": len(val_set), "start_step": 0, "steps": len(records),
       "final_loss": records[-1]["loss"] if records else None, "val_loss": None if val is None else val["loss"],

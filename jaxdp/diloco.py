@@ -154,7 +154,8 @@ def init_diloco_state(
     inner = TrainState.create(params, inner_optimizer, model_state)
     inner = jax.tree.map(lambda x: jnp.broadcast_to(x, (r, *jnp.shape(x))), inner)
     outer = jax.tree.map(jnp.copy, params)
-    return DiLoCoState(inner, outer, outer_optimizer.init(outer), jnp.zeros((), jnp.int32), jnp.zeros((r,), jnp.float32))
+    step, period_weight = jnp.zeros((), jnp.int32), jnp.zeros((r,), jnp.float32)
+    return DiLoCoState(inner, outer, outer_optimizer.init(outer), step, period_weight)
 
   abstract = jax.eval_shape(build, params, model_state)
   return jax.jit(build, out_shardings=_state_shardings(abstract, mesh, outer_axis))(params, model_state)
@@ -178,7 +179,7 @@ class DiLoCoStep:
     self.inner_steps, self.delta_dtype, self.donate = inner_steps, delta_dtype, donate
     self.n_groups = mesh.shape[outer_axis]
     self.group_size = int(np.prod([mesh.shape[a] for a in axis_names(self.axis_name)]))
-    self._programs: dict = {}  # (sync, rng given) -> jitted program
+    self._programs: dict = {}  # (sync, the state's structure) -> jitted program
     self._validated: set = set()
     self._last = (None, 0)  # (weak reference to the inner_step array last returned, its host value)
 

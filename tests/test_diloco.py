@@ -11,6 +11,8 @@ programs shows where the outer axis is crossed; bad inputs are refused
 before anything runs or is donated.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,3 +262,22 @@ def test_bad_inputs_leave_the_state_untouched():
     step(state.inner, batch, weights)
   _leaves_alive_and_equal(state, copy)
   state, _ = step(state, batch, weights)  # and the step still runs on it
+
+
+def test_train_lm_runs_diloco_and_evaluates_the_outer_params():
+  from experiments import train_lm
+
+  config = train_lm.Config(
+      mesh="replica=2,data=2", diloco_inner_steps=2, diloco_delta_dtype="int8", steps=4, batch_size=8, seq_len=16,
+      layers=1, d_model=16, heads=2, d_ff=32, dropout=0.0, max_bytes=20_000, val_every=2, progress=False, out=None,
+  )
+  result = train_lm.train(config)
+  state = result["state"]
+  assert [r["step"] for r in result["records"]] == [0, 1, 2, 3] and int(state.inner_step) == 4
+  assert np.isfinite(result["summary"]["val_loss"]) and result["summary"]["diloco_inner_steps"] == 2
+  # The last call synced: both groups hold the outer parameters the run returns.
+  for group in range(2):
+    jax.tree.map(lambda x, p, g=group: np.testing.assert_array_equal(np.asarray(x[g]), np.asarray(p)),
+                 state.inner.params, result["params"])
+  with pytest.raises(ValueError, match="needs --mesh replica=R,data=D"):
+    train_lm.train(dataclasses.replace(config, mesh="data=4"))
