@@ -179,9 +179,8 @@ def check_compression_state(state: Any, params: Any, compression: PowerSGD | Non
     if errors and errors[0] != replicas:
       raise ValueError(
           f"{name} holds the error feedback of {errors[0]} replicas, but this step runs {replicas}; the error "
-          "feedback is per replica. Start it afresh on the new device count: state._replace(compression="
-          "jaxdp.init_compression(state.params, compression, replicas)) placed by jaxdp.init_state, or restore "
-          "onto the device count it was saved from."
+          "feedback is per replica. Start it afresh for this device count, state._replace(compression="
+          f"jaxdp.init_compression(params, compression, {replicas})), or run on {errors[0]} replicas."
       )
     raise ValueError(
         f"{name} does not match the step's compression={compression} for these params (its leaves' shapes, or which "

@@ -259,3 +259,26 @@ def test_hybrid_data_axes_equal_one_data_axis():
     state, _ = step(state, batch, weights)
   for a, b in zip(jax.tree.leaves(flat[-1]), jax.tree.leaves(jaxdp.gather_state(state))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_train_step_in_your_own_shard_map_equals_make_train_step():
+  from jax.sharding import PartitionSpec as P
+
+  params, batch, weights = _params(), _batch(), _uneven_weights()
+  mesh, opt = _mesh(4), optax.sgd(LR)
+  compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)
+  expected = _run(params, [batch, batch], weights, compression=compression)[-1]
+  state = jaxdp.gather_state(jaxdp.init_state(params, opt, mesh, compression=compression))
+  state_specs = jaxdp.TrainState(P(), P(), P(), None, jaxdp.PowerSGDState(
+      jax.tree.map(lambda _: P(), state.compression.q), jax.tree.map(lambda _: P("data"), state.compression.error),
+      P()))
+
+  def replica(state, batch, weights):  # each device: q whole, its own [1, *shape] row of each error
+    return jaxdp.train_step(loss_fn, opt, state, batch, weights, compression=compression)[0]
+
+  step = jax.jit(jax.shard_map(replica, mesh=mesh, in_specs=(state_specs, P("data"), P("data")),
+                               out_specs=state_specs))
+  for _ in range(2):
+    state = step(state, batch, weights)
+  for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(state)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
