@@ -46,11 +46,8 @@ to ``docs/data/communication.json`` and ``docs/communication.png``.
   python experiments/communication.py --methods exact,powersgd_r2,diloco_h50
   python experiments/communication.py --reuse A/communication.json,B/communication.json   # rows already run
 
---quick: 70 s on the 2-core CPU machine, nearly idle (load average 1.5),
-for its seven methods other than float16_dynamic (measured where loss scaling
-was not merged yet); float16_dynamic adds about one exact run (8 s).
-The full run: about 55 s per method on the same machine lightly loaded
-(seven methods in 6 min 16 s), so about 8 minutes for all nine.
+--quick: 74 s on an idle 2-core CPU machine (all nine methods). The full run:
+6 min 35 s there.
 """
 
 from __future__ import annotations
@@ -98,7 +95,7 @@ def method_names(diloco_h) -> list[str]:
 
 
 def _need(name: str, method: str):
-  """``jaxdp.<name>``, or a clear error saying which method needs it (a branch not merged yet)."""
+  """``jaxdp.<name>``, or a clear error saying which method needs it (a jaxdp without it)."""
   try:
     return getattr(jaxdp, name)
   except AttributeError:
