@@ -332,8 +332,7 @@ def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis
     return None
   pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0, axis_name=axis_name)
   batches = (data for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch))
-  evaluation = (jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers) if pipeline_plan is None else
-                jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers, pipeline=pipeline_plan))
+  evaluation = jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers, pipeline=pipeline_plan)
   return evaluation.evaluate(state, batches)
 
 
@@ -441,30 +440,30 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   compression = None if config.powersgd_rank is None else jaxdp.powersgd(
       config.powersgd_rank, start_iter=config.powersgd_start_iter)
   pipeline_plan = make_pipeline(config)
-  extra = {} if pipeline_plan is None else {"pipeline": pipeline_plan}  # the keyword only where it is used
   step_fn = jaxdp.make_train_step(
       loss_fn, optimizer, mesh, axis_name=axis_name, zero_stage=config.zero_stage, reduction=reduction,
       accum_steps=config.accum_steps,
       compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
       grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
-      bucket_bytes=config.bucket_bytes, layers=layers, loss_scaling=scaling, compression=compression, **extra,
+      bucket_bytes=config.bucket_bytes, layers=layers, loss_scaling=scaling, compression=compression,
+      pipeline=pipeline_plan,
   )
   per_device = config.batch_size // n
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
   layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
-  staged = {} if pipeline_plan is None else {"stage_axis": STAGE_AXIS}  # the stacks placed over the stages at once
+  stage_axis = None if pipeline_plan is None else STAGE_AXIS  # the stacks placed over the stages at once
   with _checkpoints(config) as ckpt:
     state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers,
                                           loss_scale=None if scaling is None else scaling.init(),
-                                          compression=compression, **layout, **staged), 0, 0
+                                          compression=compression, stage_axis=stage_axis, **layout), 0, 0
     if ckpt is not None and ckpt.latest_step() is not None:
       if layers is None:
         restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline,
                                 compression=compression, **layout)
       else:  # straight into the layer-wise layout (place_state knows only the whole-gather one)
         restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, param_specs=specs,
-                                layers=layers, **layout, **staged)
+                                layers=layers, stage_axis=stage_axis, **layout)
       state, start, done = restored.state, restored.data_step, restored.step
       if specs is not None and layers is None:  # restore places the params replicated over "model"; split them again
         state = jaxdp.place_state(state, optimizer, mesh, param_specs=specs, **layout)
