@@ -28,127 +28,108 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 
 # Where each public name lives; imported on first access by ``__getattr__``.
 _EXPORTS_BY_MODULE = {
-    "batchnorm": ("Moments", "masked_moments"),
-    "checkpoint": ("CheckpointManager", "Restored"),
-    "compiled": ("CompiledStep", "make_train_step"),
-    "diloco": ("DiLoCoState", "DiLoCoStep", "diloco_params", "init_diloco_state", "make_diloco_step"),
-    "compression": ("PowerSGD", "PowerSGDState", "init_compression", "powersgd"),
-    "data": ("PADS", "DataPipeline", "StreamingPipeline", "addressable_positions", "device_indices",
-             "epoch_permutation", "process_positions", "shard_uneven", "split_batch"),
-    "evaluation": ("EvalStep", "eval_sums", "make_eval_step", "means_from_sums"),
-    "layerwise": ("gather", "gather_policy", "scan_layers"),
-    "loss": ("LOSS_KEYWORDS", "LossOutput"),
-    "loss_scaling": ("DynamicLossScale", "LossScale", "dynamic_loss_scale", "update_loss_scale"),
-    "pipelining": ("Pipeline", "pipeline"),
-    "layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "data_mesh", "gather_state", "init_state",
-               "place_state", "state_specs"),
-    "randomness": ("example_keys", "use_example_ids"),
-    "reduction": ("REDUCTIONS", "LocalGradient", "ReducedGradient", "applied_gradient", "as_varying",
-                  "divide_gradient", "global_norm", "local_gradient", "loss_sums", "reduce_gradient",
-                  "reduce_model_state"),
+    "checkpoint": ("CheckpointManager",),
+    "compiled": ("make_train_step",),
+    "data": ("DataPipeline", "StreamingPipeline", "shard_uneven", "split_batch"),
+    "diloco": ("DiLoCoState", "init_diloco_state", "make_diloco_step"),
+    "evaluation": ("eval_sums", "make_eval_step"),
+    "layerwise": ("gather", "scan_layers"),
+    "layout": ("data_mesh", "gather_state"),
+    "loss": ("LossOutput",),
+    "loss_scaling": ("dynamic_loss_scale",),
+    "parallel": ("DataParallel", "data_parallel", "init_state", "place_state"),
+    "pipelining": ("pipeline",),
+    "mixed_precision": ("Precision", "precision"),
+    "randomness": ("example_keys",),
+    "reduction": ("local_gradient", "loss_sums", "reduce_gradient"),
     "replicas": ("assert_replicas_equal", "per_replica", "replica_divergence"),
-    "reports": ("Collective", "MemoryReport", "collectives_from_hlo", "comm_report", "memory_report"),
+    "reports": ("comm_report", "memory_report"),
     "state": ("TrainState",),
     "step": ("apply_update", "finish_step", "gradient_step", "train_step"),
 }
 _EXPORTS = {name: module for module, names in _EXPORTS_BY_MODULE.items() for name in names}
-_MODULES = ("batchnorm", "distributed", "layerwise", "layout", "linen", "nnx", "pipelining", "randomness", "scaling")  # public submodules in __all__
+
+# Names of jaxdp 0.1's top level that now live in a module only: still reachable here, with a warning.
+_MOVED_BY_MODULE = {
+    "batchnorm": ("Moments", "masked_moments"),
+    "checkpoint": ("Restored",),
+    "compiled": ("CompiledStep",),
+    "compression": ("PowerSGD", "PowerSGDState", "init_compression", "powersgd"),
+    "data": ("PADS", "addressable_positions", "device_indices", "epoch_permutation", "process_positions"),
+    "diloco": ("DiLoCoStep", "diloco_params"),
+    "evaluation": ("EvalStep", "means_from_sums"),
+    "layerwise": ("gather_policy",),
+    "layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "state_specs"),
+    "loss": ("LOSS_KEYWORDS",),
+    "loss_scaling": ("DynamicLossScale", "LossScale", "update_loss_scale"),
+    "pipelining": ("Pipeline",),
+    "randomness": ("use_example_ids",),
+    "reduction": ("LocalGradient", "ReducedGradient", "applied_gradient", "as_varying", "divide_gradient",
+                  "global_norm", "reduce_model_state"),
+    "reductions": ("REDUCTIONS",),
+    "reports": ("Collective", "MemoryReport", "collectives_from_hlo"),
+}
+_MOVED = {name: module for module, names in _MOVED_BY_MODULE.items() for name in names}
+_RENAMED = {"REDUCTIONS": "MODES"}  # old top-level name -> its name in the module
 
 __all__ = [
-    "BACKENDS",
     "CheckpointManager",
-    "Collective",
-    "CompiledStep",
+    "DataParallel",
     "DataPipeline",
     "DiLoCoState",
-    "DiLoCoStep",
-    "DynamicLossScale",
-    "EvalStep",
-    "LOSS_KEYWORDS",
-    "Layout",
-    "LocalGradient",
     "LossOutput",
-    "LossScale",
-    "MemoryReport",
-    "Moments",
-    "PADS",
-    "Pipeline",
-    "PowerSGD",
-    "PowerSGDState",
-    "REDUCTIONS",
-    "ReducedGradient",
-    "Restored",
+    "Precision",
     "StreamingPipeline",
     "TrainState",
-    "ZERO_STAGES",
-    "addressable_positions",
-    "applied_gradient",
     "apply_update",
-    "as_varying",
     "assert_replicas_equal",
-    "auto_mesh",
-    "batchnorm",
-    "collectives_from_hlo",
     "comm_report",
     "data_mesh",
-    "device_indices",
-    "diloco_params",
-    "distributed",
-    "divide_gradient",
+    "data_parallel",
     "dynamic_loss_scale",
-    "epoch_permutation",
     "eval_sums",
     "example_keys",
     "finish_step",
     "gather",
-    "gather_policy",
     "gather_state",
-    "global_norm",
     "gradient_step",
-    "init_compression",
     "init_diloco_state",
     "init_state",
-    "layerwise",
-    "layout",
-    "linen",
     "local_gradient",
     "loss_sums",
     "make_diloco_step",
     "make_eval_step",
     "make_train_step",
-    "masked_moments",
-    "means_from_sums",
     "memory_report",
-    "nnx",
     "per_replica",
     "pipeline",
-    "pipelining",
     "place_state",
-    "powersgd",
-    "process_positions",
-    "randomness",
+    "precision",
     "reduce_gradient",
-    "reduce_model_state",
+    "reductions",
     "replica_divergence",
-    "scaling",
     "scan_layers",
     "shard_uneven",
     "split_batch",
-    "state_specs",
     "train_step",
-    "update_loss_scale",
-    "use_example_ids",
 ]
 
 
 def __getattr__(name: str):
   if name in _EXPORTS:
     value = getattr(importlib.import_module(f"jaxdp.{_EXPORTS[name]}"), name)
-  elif name in _MODULES or (not name.startswith("_") and importlib.util.find_spec(f"jaxdp.{name}") is not None):
-    value = importlib.import_module(f"jaxdp.{name}")  # any submodule, as when they were all imported eagerly
+  elif name in _MOVED:
+    module = _MOVED[name]
+    value = getattr(importlib.import_module(f"jaxdp.{module}"), _RENAMED.get(name, name))
+    warnings.warn(f"jaxdp.{name} moved to jaxdp.{module}.{_RENAMED.get(name, name)}; import it from there.",
+                  DeprecationWarning, stacklevel=2)
+    return value  # not cached: each access warns
+  elif not name.startswith("_") and importlib.util.find_spec(f"jaxdp.{name}") is not None:
+    value = importlib.import_module(f"jaxdp.{name}")  # a submodule (jaxdp.nnx, jaxdp.reductions, ...)
   else:
     raise AttributeError(f"module 'jaxdp' has no attribute {name!r}")
   globals()[name] = value  # later accesses skip this function

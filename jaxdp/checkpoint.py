@@ -83,7 +83,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp import _ckpt_record as record_lib
 from jaxdp._checks import check_int, check_not_donated, check_optimizer, check_state
 from jaxdp._ckpt_record import RNG
-from jaxdp.compression import check_compression, init_compression
 from jaxdp.data import DataPipeline
 from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import (
@@ -97,6 +96,9 @@ from jaxdp.layout import (
     model_specs_of,
 )
 from jaxdp.loss_scaling import abstract_loss_scale
+from jaxdp.parallel import as_layout
+from jaxdp.reductions import init_state as reduction_state, resolve
+from jaxdp._legacy import accepts_legacy_keywords
 from jaxdp.state import TrainState
 
 FORMAT, FORMAT_VERSION = record_lib.FORMAT, record_lib.FORMAT_VERSION
@@ -177,16 +179,17 @@ def _resumed_data_step(record: dict, pipeline: DataPipeline | None, mesh: Mesh, 
   return record["data_step"]
 
 
-def _check_compression_record(record: dict, compression: Any, replicas: int, where: str) -> None:
-  """Refuses a restore whose ``compression=`` does not fit the checkpoint's, or another replica count."""
+def _check_compression_record(record: dict, reduction: Any, replicas: int, where: str) -> None:
+  """Refuses a restore whose ``reduction=`` does not fit the checkpoint's reduction state, or another replica
+  count."""
   saved = [e for e in record["leaves"] if e["path"][0] == "compression"]
-  if saved and compression is None:
+  if saved and not reduction.stateful:
     raise ValueError(
-        f"{where} holds a PowerSGD state (compression/...); pass the settings it was made with as "
-        "restore(..., compression=jaxdp.powersgd(...))."
+        f"{where} holds a reduction's state (compression/..., e.g. PowerSGD's); pass the reduction it was made "
+        "with as restore(..., reduction=jaxdp.reductions.powersgd(...))."
     )
-  if compression is not None and not saved:
-    raise ValueError(f"{where} holds no compression state; restore it with compression=None.")
+  if reduction.compression is not None and not saved:
+    raise ValueError(f"{where} holds no reduction state; restore it with reduction=None.")
   errors = [e for e in saved if e["path"][1] == "error"]
   if errors and errors[0]["shape"][0] != replicas:
     raise ValueError(
@@ -386,6 +389,7 @@ class CheckpointManager:
     """Whether :meth:`save` at ``step`` (not forced) writes a checkpoint."""
     return self._manager.should_save(check_int(step, "step", 0, "steps count from 0."))
 
+  @accepts_legacy_keywords("save", ("self", "step", "state"), layout_argument=None)
   def save(
       self,
       step: int,
@@ -393,7 +397,7 @@ class CheckpointManager:
       *,
       rng: jax.Array | None = None,
       data_step: int | None = None,
-      pipeline: DataPipeline | None = None,
+      data: DataPipeline | None = None,
       metadata: Any = None,
       force: bool = False,
   ) -> bool:
@@ -413,7 +417,7 @@ class CheckpointManager:
       rng: the PRNG key the loop carries (typed or raw ``uint32``), or ``None``.
       data_step: the input pipeline's position to resume from (the
         ``start_step`` of ``DataPipeline.iterate``); default ``step``.
-      pipeline: the :class:`jaxdp.DataPipeline` that ``data_step`` counts
+      data: the :class:`jaxdp.DataPipeline` that ``data_step`` counts
         batches of: its position is then recorded in examples
         (:meth:`DataPipeline.position`), so that ``restore(...,
         pipeline=)`` resumes at the same example with another global batch
@@ -440,6 +444,7 @@ class CheckpointManager:
     step = check_int(step, "step", 0, "steps count from 0.")
     check_state(state)
     data_step = step if data_step is None else check_int(data_step, "data_step", 0, "pass the pipeline's next step.")
+    pipeline = data
     _check_pipeline(pipeline)
     record_lib.check_metadata(metadata)
     if rng is not None:
@@ -515,22 +520,18 @@ class CheckpointManager:
       self._current = None
     return newer
 
+  @accepts_legacy_keywords("restore", ("self", "step"))
   def restore(
       self,
       step: int | None = None,
       *,
       params: Any,
       optimizer: optax.GradientTransformation,
-      mesh: Mesh,
-      zero_stage: int = 0,
-      axis_name: str = "data",
+      layout: Any = None,
       model_state: Any = None,
-      param_specs: Any = None,
-      pipeline: DataPipeline | None = None,
-      layers: Any = None,
-      compression: Any = None,
-      stage_axis: str | None = None,
-  ) -> Restored:
+      reduction: Any = None,
+      data: DataPipeline | None = None,
+) -> Restored:
     """Restores checkpoint ``step`` (default: the latest) onto the layout described by the target.
 
     The layout need not be the one saved from: another device count, process
@@ -546,36 +547,31 @@ class CheckpointManager:
         arrays or ``ShapeDtypeStruct``s with such a sharding on a mesh with
         ``mesh``'s axis names), as given to :func:`jaxdp.init_state`.
       optimizer: the optax optimizer of the run.
-      mesh: the mesh to place the state on (it may have model axes).
-      zero_stage: the layout wanted (0-3).
-      axis_name: the data-parallel axis.
-      model_state: the model state's template (arrays or ``ShapeDtypeStruct``s,
+      layout: the :class:`jaxdp.DataParallel` to restore onto (a ``Mesh`` or
+        ``None`` as for :func:`jaxdp.init_state`): its ZeRO stage, stacks of
+        layers and pipeline stage axis place the state as the step expects;
+        its ``param_specs`` (default: read off ``params``) the model-axis
+        splits. Any checkpoint restores onto any layout.
+      model_state: the model state's structure (arrays or ``ShapeDtypeStruct``s,
         as given to :func:`jaxdp.init_state`) if the checkpoint was saved
         from a state with model state, else ``None``. Placed replicated.
-      param_specs: the params' tree of ``PartitionSpec``s over the model axes
-        (as for :func:`jaxdp.init_state`); default: read off ``params``.
-      pipeline: the :class:`jaxdp.DataPipeline` the run resumes with. For a
-        checkpoint saved with ``pipeline=``, ``data_step`` is then this
+      reduction: the reduction the state was made with
+        (:func:`jaxdp.init_state`'s), for a state whose ``compression``
+        holds its state (PowerSGD's, a user reduction's), else ``None``.
+        That state is per replica: a checkpoint restores onto the same
+        number of data-parallel replicas only (a ``ValueError`` otherwise).
+      data: the :class:`jaxdp.DataPipeline` the run resumes with. For a
+        checkpoint saved with ``data=``, ``data_step`` is then this
         pipeline's step at the saved example (:meth:`DataPipeline.step_at`:
         a ``ValueError`` if another dataset length or seed, or if the
         example falls inside one of its batches). Without it, such a
         checkpoint restored onto another number of data-parallel devices is
         refused (its ``data_step`` counts batches of another size unless
         ``per_device_batch`` changed to match, which nothing here can see).
-        A checkpoint saved without ``pipeline=`` restored with it onto
+        A checkpoint saved without ``data=`` restored with it onto
         another number of data-parallel devices is refused too (read off
         the saved mesh; for a record without one, the total device count is
         what is compared).
-      layers: the stacks of layers (layer-wise stage 3), as given to
-        :func:`jaxdp.init_state`; any checkpoint restores with or without it.
-      compression: the :func:`jaxdp.powersgd` settings the state was made
-        with (``None`` for a state without compression). The error feedback
-        is per replica: a checkpoint restores onto the same number of
-        data-parallel replicas only (a ``ValueError`` otherwise).
-      stage_axis: a pipeline's stage axis (:mod:`jaxdp.pipelining`): the
-        stacks named by ``layers`` are placed split over it along their layer
-        axis, as a pipelined step holds them; any checkpoint restores with
-        or without it.
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``. The
@@ -593,20 +589,20 @@ class CheckpointManager:
         nothing is returned before every array has passed its checksum.
     """
     check_optimizer(optimizer)  # else optimizer.init's failure would be blamed on params
-    check_mesh_axis(mesh, axis_name)
-    check_zero_stage(zero_stage)
+    layout, resolved, pipeline = as_layout(layout), resolve(reduction), data
+    mesh, axis_name, zero_stage, layers = layout.mesh, layout.axis_name, layout.zero_stage, layout.layers
+    param_specs, stage_axis, compression = layout.param_specs, layout.stage_axis, resolved.compression
     _check_pipeline(pipeline)
     model_specs = _target_specs(params, param_specs, mesh, axis_name)
     step = self._resolve_step(step)
     expected = record_lib.abstract_full_state(params, optimizer, model_state)
-    check_compression(compression)
     replicas = data_size(mesh, axis_name)
-    expected = expected._replace(compression=jax.eval_shape(lambda p: init_compression(p, compression, replicas),
+    expected = expected._replace(compression=jax.eval_shape(lambda p: reduction_state(resolved, p, layout),
                                                             expected.params))
     record = self._read_record(step)
     if any(e["path"][0] == "loss_scale" for e in record["leaves"]):  # a dynamic loss scale's two scalars
       expected = expected._replace(loss_scale=abstract_loss_scale())
-    _check_compression_record(record, compression, replicas, self._where(step))
+    _check_compression_record(record, resolved, replicas, self._where(step))
     record_lib.check_against(record, expected, self._where(step))
     data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
     mesh = auto_mesh(mesh)  # as init_state places a state

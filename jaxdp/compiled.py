@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _checks, pipelining
 from jaxdp._checks import check_int, check_optimizer
-from jaxdp.compression import check_compression_state
+from jaxdp.reductions import check_state as check_reduction_state
 from jaxdp.layout import (
     Layout,
     axis_names,
@@ -60,8 +60,10 @@ from jaxdp.loss import check_loss_fn, model_support
 from jaxdp.loss_scaling import check_loss_scale
 from jaxdp.reduction import ReducedGradient
 from jaxdp.replicas import divergence_over_mesh, replica_divergence
-from jaxdp.settings import StepSettings, step_settings
-from jaxdp.step import finish_step, gather_params, run_gradient_step, run_train_step
+from jaxdp._config import StepConfig, step_config
+from jaxdp._legacy import accepts_legacy_keywords
+from jaxdp.parallel import DataParallel, as_layout, check_step
+from jaxdp.step import finish_step, gather_params, sharded_gradient_step, train_step
 from jaxdp.state import TrainState
 
 _MAX_UNREAD_FLAGS = 2  # non-finite flags of earlier steps read at the latest two calls later
@@ -77,23 +79,22 @@ class CompiledStep:
   and ``memory_analysis()``.
   """
 
-  def __init__(
-      self, build, *, loss_fn, optimizer, mesh, axis_name, reduction, backend, accum_steps, zero_stage,
-      max_consecutive_skips, donate=True, layers=None, loss_scaling=None, compression=None, pipeline=None,
-  ):
-    self._build, self.donate, self.layers, self.pipeline = build, donate, layers, pipeline
-    self.compression = compression
-    self._stage_axis = None if pipeline is None else pipeline.axis_name
+  def __init__(self, build, loss_fn, optimizer, layout: DataParallel, config: StepConfig, *,
+               max_consecutive_skips: int | None, donate: bool = True):
+    self._build, self.donate, self.layers, self.pipeline = build, donate, layout.layers, layout.pipeline
+    self.layout_value, self.config = layout, config
+    self.compression = config.compression
+    self._stage_axis = layout.stage_axis
     self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
     checks = [support.before_step(loss_fn) for support in model_support() if support.before_step is not None]
     self._before_step = [check for check in checks if check is not None]
-    self.mesh, self.axis_name = mesh, axis_name
-    self.reduction, self.backend = reduction, backend
-    self.accum_steps, self.zero_stage = accum_steps, zero_stage
+    self.mesh, self.axis_name = layout.mesh, layout.axis_name
+    self.reduction, self.backend = config.mode, layout.backend
+    self.accum_steps, self.zero_stage = config.accum_steps, layout.zero_stage
     self.max_consecutive_skips = max_consecutive_skips
-    self.loss_scaling = loss_scaling
+    self.loss_scaling = config.loss_scaling
     self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
     self._skips_padded = False  # whether one of those steps had padding rows (all-zero weight)
     self._validated: set = set()
@@ -196,7 +197,7 @@ class CompiledStep:
           self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
       )
       check_loss_scale(self.loss_scaling, state.loss_scale)
-      check_compression_state(state.compression, state.params, self.compression, n)
+      check_reduction_state(state.compression, state.params, self.config.reduction, self.layout_value)
       if has_more is not None and self.reduction == "none":
         raise ValueError(
             "has_more is summed over the replicas in the step's all-reduce, and reduction='none' has none: every "
@@ -347,65 +348,54 @@ def _unshared_inputs(inputs: Any, kinds: frozenset, donated: Callable[[], list])
   return jax.tree.map(own, inputs)
 
 
+@accepts_legacy_keywords("make_train_step", ("loss_fn", "optimizer", "layout"))
 def make_train_step(
     loss_fn: Callable[..., jax.Array],
     optimizer: optax.GradientTransformation,
-    mesh: Mesh | None = None,
+    layout: DataParallel | Mesh | None = None,
     *,
-    axis_name: str = "data",
-    reduction: str = "mean",
-    backend: str = "shard_map",
+    reduction: Any = None,
+    precision: Any = None,
+    accum_steps: int = 1,
+    example_ids: Any = None,
+    max_consecutive_skips: int | None = 10,
     donate: bool = True,
     check_replicas: bool = False,
-    accum_steps: int = 1,
-    zero_stage: int = 0,
-    max_consecutive_skips: int | None = 10,
-    compute_dtype: Any = None,
-    grad_reduce_dtype: Any = None,
-    bucket_bytes: int | None = None,
-    example_ids: Any = None,
-    layers: Any = None,
-    loss_scaling: Any = None,
-    compression: Any = None,
-    pipeline: pipelining.Pipeline | None = None,
 ) -> CompiledStep:
-  """Builds the jitted step that runs :func:`train_step` on every device of ``mesh[axis_name]``.
+  """Builds the jitted step that runs :func:`train_step` on every device of the layout's data axes.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
-      or per-token losses ``[b, t]``.
+      or per-token losses ``[b, t]``, or a :class:`jaxdp.LossOutput` (see
+      :mod:`jaxdp.loss`).
     optimizer: an optax ``GradientTransformation``.
-    mesh: the device mesh; default ``jaxdp.data_mesh()`` over every device.
-      It may have more axes than ``axis_name`` (tensor parallelism: e.g.
-      ``("data", "model")``): only the data axes are manual in the step, the
-      compiler partitions the others as the parameters' shardings say, and
-      the batch is replicated over them.
-    axis_name: the data-parallel axis, or several (a tuple): pure data
-      parallelism over a 2-D device grid, or hybrid sharding with
-      ``("replica", "data")``: ZeRO splits the state over the last axis only
-      and the gradient is all-reduced over the others.
-    reduction: one of :data:`jaxdp.REDUCTIONS`.
-    backend: ``"shard_map"`` (``jit`` of ``jax.shard_map``) or ``"pmap"``
-      (``jit`` of ``jax.pmap`` with the state passed unmapped); both take and
-      return the same global arrays and compute the same numbers. ``"pmap"``
-      needs a mesh whose only axis is ``axis_name`` and ``zero_stage=0``.
-      One difference: ``pmap`` has no replication types, so a non-floating
-      model-state leaf that differs between replicas (a per-replica count)
-      takes replica 0's value there (DDP's behaviour), where ``shard_map``
-      refuses it (:func:`jaxdp.reduce_model_state`).
-    donate: donate the input state's buffers to the output state.
-    check_replicas: add ``metrics["replica_divergence"]`` (see
-      :func:`jaxdp.replica_divergence`), computed in the graph over every
-      mesh axis that holds copies of a leaf: the data axes, a model axis
-      for a leaf not split over it, ``"replica"`` for a hybrid ZeRO chunk.
+    layout: a :class:`jaxdp.DataParallel` (:func:`jaxdp.data_parallel`: the
+      mesh, its data axes, the ZeRO stage, layer stacks, a pipeline, the
+      backend), a ``Mesh`` (``data_parallel(mesh)``), or ``None`` (every
+      device on one ``"data"`` axis). Only the data axes (and a pipeline's
+      stage axis) are manual in the step; the compiler partitions any other
+      axis as the parameters' shardings say, and the batch is replicated
+      over them. At ZeRO stages 1-3 the optimizer sees whole leaves (the
+      update runs on the global arrays, partitioned as the state is
+      sharded), so every optax optimizer gives stage 0's numbers. Any state
+      of the right structure is accepted: one laid out otherwise (another
+      stage, device count or mesh) is moved into this layout first.
+    reduction: a :class:`jaxdp.reductions.Reduction` (default
+      :func:`jaxdp.reductions.mean`, exact); see :func:`jaxdp.train_step`.
+    precision: a :class:`jaxdp.Precision` (default: the params' dtypes, no
+      loss scaling); a policy with ``loss_scaling`` needs the state made by
+      ``jaxdp.init_state(..., precision=)``, and ``metrics["loss_scale"]``
+      reports the scale each step used.
     accum_steps: gradient accumulation: each device's slice is split into
       this many contiguous micro-batches, scanned, and reduced once per step.
-    zero_stage: 0 (replicated, DDP), 1 (sharded optimizer state), 2 (also
-      reduce-scattered gradients) or 3 (also sharded parameters); see
-      :mod:`jaxdp.layout`. Leaves keep their shapes at every stage, so any
-      state of the right structure is accepted: one laid out otherwise
-      (another stage, device count or mesh) is moved into this step's
-      layout first. The optimizer sees whole leaves at every stage.
+    example_ids: layout-invariant dropout (see :mod:`jaxdp.randomness`):
+      the key of each row's global id in a dict batch (e.g. ``"id"``) or a
+      callable ``batch -> [b]`` integer ids. ``loss_fn`` then gets
+      ``fold_in(rng, state.step)`` on every replica and micro-batch, and
+      :class:`jaxdp.nnx.Dropout` / :class:`jaxdp.linen.Dropout` draw each
+      row's mask from its id: the same masks on any mesh, split and
+      ``accum_steps``, and as one device's. A library's own ``Dropout``
+      (linen's, nnx's) is refused with it.
     max_consecutive_skips: a step whose gradient or loss is NaN/Inf on any
       replica is skipped by every replica (``metrics["skipped"]``). After
       this many such steps in a row the next call raises
@@ -415,75 +405,11 @@ def make_train_step(
       waits for the previous step's, so dispatch stays asynchronous: the
       error comes one call after the limit is reached when the steps keep
       up, at the latest three calls after.
-    compute_dtype: mixed precision: forward and backward in this floating
-      dtype (e.g. ``jnp.bfloat16``); params, optimizer state and every sum
-      stay as they are (float32 master weights).
-    grad_reduce_dtype: communicate the gradient in this floating dtype
-      (``jnp.bfloat16`` halves the bytes); default: the gradient's own
-      (float32 at least). The loss, weights and the division stay float32.
-      float16 is refused: the gradient travels as weighted sums, which
-      overflow its range.
-    bucket_bytes: reduce the gradient in buckets of about this many bytes,
-      in reverse layer order, one all-reduce each (DDP's ``bucket_cap_mb``);
-      ``None`` (default) reduces it in one; ``0`` per leaf. Bitwise the same
-      results. At ZeRO stages 1-3 the parameters' all-gathers (by default
-      one per dtype for the leaves of up to ``jaxdp.reduction.PACK_BYTES``,
-      256 KiB, and one per larger leaf, or one per leaf on a mesh with
-      model axes; ``0``: one per leaf) are cut the same way,
-      one per bucket of flattened
-      slices (FSDP's flat parameters): after the update at stages 1-2,
-      before the forward pass at stage 3; at stages 2-3 so is the
-      gradient's reduce-scatter (packed the same way by default). Far fewer collectives for a model of many
-      leaves; the same sums, equal to the per-leaf step up to float32
-      round-off (XLA may compile the backward pass that feeds a flat
-      bucket differently; see :func:`jaxdp.reduce_gradient`).
-    example_ids: layout-invariant dropout (see :mod:`jaxdp.randomness`):
-      the key of each row's global id in a dict batch (e.g. ``"id"``) or a
-      callable ``batch -> [b]`` integer ids. ``loss_fn`` then gets
-      ``fold_in(rng, state.step)`` on every replica and micro-batch, and
-      :class:`jaxdp.nnx.Dropout` / :class:`jaxdp.linen.Dropout` draw each
-      row's mask from its id: the same masks on any mesh, split and
-      ``accum_steps``, and as one device's. A library's own ``Dropout``
-      (linen's, nnx's) is refused with it.
-    layers: layer-wise ZeRO-3 (see :mod:`jaxdp.layerwise`): the key path
-      (``"layers"``, ``("decoder", "layers")``) or a list of them naming the
-      stacks of layers in the params (leaves with a leading layer axis). At
-      ``zero_stage=3`` those leaves are split along one layer's dimensions,
-      reach ``loss_fn`` split, and the loop body gathers one layer at a time
-      with :func:`jaxdp.gather`; the rest are gathered whole before the
-      forward pass as without it. Below stage 3 nothing is split and
-      :func:`jaxdp.gather` returns its argument. Give :func:`jaxdp.init_state`
-      the same ``layers`` to place the state so from the start. Whether a
-      gathered layer is kept for the backward pass is the loop body's
-      checkpoint policy, :func:`jaxdp.gather_policy` (``reshard_after_forward``).
-    loss_scaling: dynamic loss scaling for float16 (:mod:`jaxdp.loss_scaling`):
-      a :class:`jaxdp.DynamicLossScale` (:func:`jaxdp.dynamic_loss_scale`),
-      with a state built with ``jaxdp.init_state(..., loss_scale=scaling.init())``.
-      The backward pass is scaled, the float32 gradient unscaled before the
-      reduction, a non-finite step is skipped and lowers the scale, and
-      ``metrics["loss_scale"]`` reports the scale each step used. The
-      skipped steps count towards ``max_consecutive_skips``. ``None``
-      (default): none, and a state with a ``loss_scale`` is refused.
-    compression: ``None`` (the exact reduction) or :func:`jaxdp.powersgd`'s
-      settings: each large matrix leaf is all-reduced as PowerSGD's two
-      rank-``r`` factors with error feedback (:mod:`jaxdp.compression`,
-      ``docs/powersgd.md``), the rest exactly; the state must come from
-      ``jaxdp.init_state(..., compression=)`` with the same settings on
-      this mesh. Needs ``reduction`` ``"mean"`` or ``"sum"``,
-      ``zero_stage`` 0 or 1, ``backend="shard_map"``, no
-      ``grad_reduce_dtype`` and no ``layers``.
-    pipeline: pipeline parallelism over the mesh axis ``pipeline.axis_name``
-      (a :class:`jaxdp.Pipeline` from :func:`jaxdp.pipeline`; see
-      :mod:`jaxdp.pipelining`). The stacks named by ``layers`` (required)
-      are split into ``P`` stages along their layer axis, and the loss's
-      :func:`jaxdp.scan_layers` runs them on ``M`` microbatches of each
-      device's rows; the rest of the loss runs on every stage alike. The
-      gradient is reduced over the data axes once per step and the update
-      runs on the global arrays (ZeRO stages 0-2; stage 3 is refused). Under
-      ``"circular"`` the state keeps the layers in their natural order: each
-      step permutes the stacked parameters into the circular assignment and
-      the gradient back (one all-to-all over the stage axis per stacked
-      leaf, each way).
+    donate: donate the input state's buffers to the output state.
+    check_replicas: add ``metrics["replica_divergence"]`` (see
+      :func:`jaxdp.replica_divergence`), computed in the graph over every
+      mesh axis that holds copies of a leaf: the data axes, a model axis
+      for a leaf not split over it, ``"replica"`` for a hybrid ZeRO chunk.
 
   Returns:
     A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
@@ -491,77 +417,38 @@ def make_train_step(
     ``loss_fn(params, batch, key)`` with a key per replica, step and
     micro-batch (one key for all with ``example_ids``).
   """
-  settings = step_settings(
-      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, zero_stage=zero_stage,
-      compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes,
-      example_ids=example_ids, loss_scaling=loss_scaling, compression=compression,
-  )
-  mesh = _checked_mesh(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
-                       check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers)
-  pipelining.check_pipeline(pipeline, mesh, settings.axis_name, layers=layers, zero_stage=settings.zero_stage,
-                            backend=backend, reduction=settings.reduction)
-  return _built_train_step(settings, loss_fn, optimizer, mesh, backend=backend, donate=donate,
-                           check_replicas=check_replicas, max_consecutive_skips=max_consecutive_skips, layers=layers,
-                           pipeline=pipeline)
+  layout = as_layout(layout)
+  config = step_config(layout, reduction, precision, accum_steps, example_ids)
+  check_step(layout, config.reduction, config.precision)
+  _check_step_arguments(loss_fn, optimizer, max_consecutive_skips, donate, check_replicas)
+  return _built_train_step(config, layout, loss_fn, optimizer, donate=donate, check_replicas=check_replicas,
+                           max_consecutive_skips=max_consecutive_skips)
 
 
-def _checked_mesh(settings: StepSettings, loss_fn, optimizer, mesh: Mesh | None, *, backend: str, donate: Any,
-                  check_replicas: Any, max_consecutive_skips: Any, layers: Any) -> Mesh:
-  """Checks :func:`make_train_step`'s arguments beyond ``settings`` and returns the mesh the step runs on."""
-  axis_name = settings.axis_name
-  check_layers(layers)
-  if layers is not None and settings.zero_stage == 3 and settings.reduction == "rank_mean":
-    raise ValueError(
-        "layers= at zero_stage=3 reduce-scatters a stacked layer's gradient inside the backward pass, where "
-        "reduction='rank_mean' would need each replica's own mean first; use reduction='mean'."
-    )
-  if settings.compression is not None and (backend == "pmap" or layers is not None):
-    raise ValueError(
-        f"compression=powersgd(...) with {'backend=' + repr(backend) if backend == 'pmap' else 'layers='}: "
-        "PowerSGD's error feedback is per replica, split over the data axis, which pmap's replicated state "
-        "cannot hold; layers= reduce-scatters inside the backward pass. Use backend='shard_map' without layers=."
-    )
+def _check_step_arguments(loss_fn, optimizer, max_consecutive_skips: Any, donate: Any, check_replicas: Any) -> None:
+  """Checks :func:`make_train_step`'s arguments beyond the layout, reduction and precision."""
   check_loss_fn(loss_fn)
   check_optimizer(optimizer)
-  mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
-  check_mesh_axis(mesh, axis_name)
-  mesh = auto_mesh(mesh)
-  check_backend(backend, mesh, axis_name)
-  if backend == "pmap" and settings.zero_stage:
-    raise ValueError(
-        "backend='pmap' passes the state unmapped (replicated), so it cannot hold a ZeRO-sharded state; "
-        "use backend='shard_map' with zero_stage > 0."
-    )
   if max_consecutive_skips is not None:
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
   for name, flag in (("donate", donate), ("check_replicas", check_replicas)):
     if not isinstance(flag, (bool, np.bool_)):  # donate="no" would donate
       raise TypeError(f"{name} must be True or False, got {flag!r}.")
-  grad_reduce_dtype = settings.grad_reduce_dtype
-  other_axes = [a for a in mesh.axis_names if a not in axis_names(axis_name)]
-  if (grad_reduce_dtype is not None and grad_reduce_dtype.itemsize < 4 and other_axes
-      and data_size(mesh, axis_name) > 1 and mesh.devices.flat[0].platform == "cpu"):
-    raise ValueError(
-        f"grad_reduce_dtype={grad_reduce_dtype.name} on a CPU mesh with other axes {other_axes}: XLA's CPU backend "
-        "aborts the whole process compiling a 16-bit all-reduce inside a shard_map that leaves other mesh axes to "
-        "the compiler (reproduced in plain JAX, jax 0.10.2). On CPU keep the float32 reduction (the default), or "
-        "use a mesh of data axes only."
-    )
-  return mesh
 
 
-def _built_train_step(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, *, backend: str, donate: bool,
-                      check_replicas: bool, max_consecutive_skips: int | None, layers: Any,
-                      pipeline: pipelining.Pipeline | None = None) -> CompiledStep:
+def _built_train_step(settings: StepConfig, layout_value: DataParallel, loss_fn, optimizer, *, donate: bool,
+                      check_replicas: bool, max_consecutive_skips: int | None) -> CompiledStep:
   """The :class:`CompiledStep` of checked arguments: it builds one jitted step per state layout."""
-  axis_name, reduction = settings.axis_name, settings.reduction
+  axis_name, reduction = settings.axis_name, settings.mode
+  mesh, backend, pipeline = layout_value.mesh, layout_value.backend, layout_value.pipeline
   # Typed on any number of devices, so that a program that fails at scale fails on one device too. Under
   # "none" every replica keeps its own update, which the types would refuse to return as one state.
   check_vma = reduction != "none"
+  values = dict(layout=axis_name, reduction=settings.reduction, precision=settings.precision,
+                accum_steps=settings.accum_steps, example_ids=settings.example_ids)
 
   def replica_step(state, batch, weights, rng, has_more):
-    new_state, metrics = run_train_step(settings, loss_fn, optimizer, state, batch, weights, rng=rng,
-                                        has_more=has_more)
+    new_state, metrics = train_step(loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more, **values)
     if reduction == "none":
       # Each replica's metrics are its own, and the host reads device 0's: the non-finite guard must see a NaN
       # on any replica (one 4-byte all-reduce), else a replica stuck on non-finite steps goes unnoticed.
@@ -586,23 +473,8 @@ def _built_train_step(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, *,
         out_shardings=(layout.shardings(mesh), replicated(mesh), replicated(mesh)),
     )
 
-  return CompiledStep(
-      build,
-      loss_fn=loss_fn,
-      optimizer=optimizer,
-      mesh=mesh,
-      axis_name=axis_name,
-      reduction=reduction,
-      backend=backend,
-      accum_steps=settings.accum_steps,
-      zero_stage=settings.zero_stage,
-      max_consecutive_skips=max_consecutive_skips,
-      donate=donate,
-      layers=layers,
-      loss_scaling=settings.loss_scaling,
-      compression=settings.compression,
-      pipeline=pipeline,
-  )
+  return CompiledStep(build, loss_fn, optimizer, layout_value, settings, max_consecutive_skips=max_consecutive_skips,
+                      donate=donate)
 
 
 def _manual_specs(layout: Layout, axis_name: str) -> TrainState:
@@ -647,7 +519,7 @@ def _with_divergence(step, layout: Layout, mesh: Mesh):
   return checked
 
 
-def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, layout: Layout, *, check_vma: bool,
+def _global_update_over(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, layout: Layout, *, check_vma: bool,
                         pipeline: pipelining.Pipeline | None = None):
   """ZeRO stages 1-3 (and any stage with a pipeline): the reduced gradient per replica (and stage), then the
   update on the global (sharded) arrays."""
@@ -657,7 +529,7 @@ def _global_update_over(settings: StepSettings, loss_fn, optimizer, mesh: Mesh, 
   # Full specs (model axes too): the data-axis gather and scatter then run per model shard.
   params_split = layout.split_specs if stage == 3 else None
   grads_split = layout.split_specs if stage >= 2 else None
-  params_specs, grad_specs, manual, run = specs.params, layout.grad_specs, set(axis_names(axis_name)), run_gradient_step
+  params_specs, grad_specs, manual, run = specs.params, layout.grad_specs, set(axis_names(axis_name)), sharded_gradient_step
   if pipeline is not None:
     # Manual over the stage axis too: each stage sees its block of the stacks; the loss's scan_layers pipelines it.
     stage_axis = pipeline.axis_name
@@ -722,7 +594,7 @@ def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout
              if is_layer]
     with pipelining.running(pipeline, stages, [shape[0] * stages for shape in local], axis_names(axis_name),
                             local) as record:
-      return run_gradient_step(settings, pipelining.checked_loss(loss_fn, record), state, *args, **kwargs)
+      return sharded_gradient_step(settings, pipelining.checked_loss(loss_fn, record), state, *args, **kwargs)
 
   return run
 

@@ -148,6 +148,8 @@ def compression_specs(state: Any, axis_name: Any) -> Any:
     return None
   names = _names(axis_name)
   split = P(names[0] if len(names) == 1 else names)
+  if not isinstance(state, PowerSGDState):  # a user reduction's state: one copy per replica on the leading axis
+    return jax.tree.map(lambda _: split, state)
   return PowerSGDState(jax.tree.map(lambda _: P(), state.q), jax.tree.map(lambda _: split, state.error), P())
 
 

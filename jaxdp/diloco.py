@@ -35,9 +35,11 @@ from jaxdp._checks import check_int, check_optimizer
 from jaxdp.layout import auto_mesh, axis_names, check_mesh_axis, place, replicated
 from jaxdp.loss import check_loss_fn
 from jaxdp.reports import Collective, collectives_from_hlo
-from jaxdp.settings import step_settings
+from jaxdp._config import step_config
+from jaxdp._legacy import accepts_legacy_keywords
+from jaxdp.parallel import DataParallel, as_layout
 from jaxdp.state import TrainState
-from jaxdp.step import run_train_step
+from jaxdp.step import train_step
 
 DELTA_DTYPES = (None, "bfloat16", "int8")
 """What the outer sync may communicate the delta in: ``None`` (the parameters' own dtype), bfloat16, or int8
@@ -108,6 +110,25 @@ def _check_axes(mesh: Any, outer_axis: Any, axis_name: Any) -> Mesh:
   return auto_mesh(mesh)
 
 
+def _group_mesh(layout: Any, outer_axis: Any) -> Mesh:
+  """The mesh of a DiLoCo layout (checked: the outer axis, the data axes, nothing else, no ZeRO or stacks)."""
+  if isinstance(layout, Mesh) or layout is None:
+    mesh, axis_name = layout, "data"
+  elif isinstance(layout, DataParallel):
+    mesh, axis_name = layout.mesh, layout.axis_name
+    if layout.zero_stage or layout.layers is not None or layout.pipeline is not None or layout.backend != "shard_map":
+      raise ValueError(
+          "make_diloco_step's groups each hold a whole replica: give it a jaxdp.data_parallel(mesh, axis_name=...) "
+          "without zero_stage, layers, pipeline or backend."
+      )
+  else:
+    as_layout(layout)  # raises the TypeError that names what a layout is
+  if mesh is None:
+    raise ValueError("DiLoCo needs a mesh with the outer axis of its groups; pass jaxdp.data_parallel(mesh) with e.g. "
+                     f"jax.make_mesh((R, D), ({outer_axis!r}, 'data'), axis_types=(AxisType.Auto,) * 2).")
+  return _check_axes(mesh, outer_axis, axis_name)
+
+
 def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str) -> DiLoCoState:
   split = NamedSharding(mesh, P(outer_axis))
   whole = replicated(mesh)
@@ -117,13 +138,13 @@ def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str) -> DiLoCoS
   )
 
 
+@accepts_legacy_keywords("init_diloco_state", ("params", "inner_optimizer", "layout"))
 def init_diloco_state(
     params: Any,
     inner_optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    layout: DataParallel | Mesh | None = None,
     *,
     outer_axis: str = "replica",
-    axis_name: Any = "data",
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
 ) -> DiLoCoState:
@@ -132,9 +153,10 @@ def init_diloco_state(
   Args:
     params: the initial parameters (a pytree of arrays).
     inner_optimizer: the groups' optax optimizer (the step's).
-    mesh: a mesh with ``outer_axis`` and the data axes ``axis_name``.
+    layout: a :class:`jaxdp.DataParallel` (or a ``Mesh``, its data axis
+      ``"data"``) whose mesh has ``outer_axis`` and the data axes inside a
+      group.
     outer_axis: the axis of the replica groups.
-    axis_name: the data axis (or axes) inside a group.
     outer_optimizer: the outer optimizer (the step's); default
       :func:`default_outer_optimizer`.
     model_state: the model's non-trainable state, or ``None``; each group
@@ -143,7 +165,7 @@ def init_diloco_state(
   Returns:
     A :class:`DiLoCoState` of fresh buffers.
   """
-  mesh = _check_axes(mesh, outer_axis, axis_name)
+  mesh = _group_mesh(layout, outer_axis)
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
   check_optimizer(outer_optimizer, "outer_optimizer")
@@ -309,7 +331,9 @@ class DiLoCoStep:
       inner = jax.tree.map(lambda x: x[0], state.inner)  # this group's entry
       if rng is not None:  # the groups' rows differ: so do their keys
         rng = jax.random.fold_in(rng, lax.axis_index(outer_axis))
-      inner, metrics = run_train_step(settings, loss_fn, inner_optimizer, inner, batch, weights, rng=rng)
+      inner, metrics = train_step(loss_fn, inner_optimizer, inner, batch, weights, rng=rng, layout=settings.axis_name,
+                                  reduction=settings.reduction, precision=settings.precision,
+                                  accum_steps=settings.accum_steps)
       applied = metrics["weight"].astype(jnp.float32) * (1 - metrics["skipped"]).astype(jnp.float32)
       period_weight = state.period_weight[0] + applied
       outer_params, outer_opt_state = state.outer_params, state.outer_opt_state
@@ -389,20 +413,19 @@ def _int8_psum(tree: Any, axis: str) -> Any:
   return jax.tree.unflatten(treedef, [summed[a:z].reshape(x.shape) for x, a, z in zip(leaves, offsets, offsets[1:])])
 
 
+@accepts_legacy_keywords("make_diloco_step", ("loss_fn", "inner_optimizer", "layout"))
 def make_diloco_step(
     loss_fn: Callable[..., Any],
     inner_optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    layout: DataParallel | Mesh | None = None,
     *,
-    outer_axis: str = "replica",
-    axis_name: Any = "data",
     inner_steps: int,
+    outer_axis: str = "replica",
     outer_optimizer: optax.GradientTransformation | None = None,
     delta_dtype: Any = None,
-    reduction: str = "mean",
+    reduction: Any = None,
+    precision: Any = None,
     accum_steps: int = 1,
-    compute_dtype: Any = None,
-    grad_reduce_dtype: Any = None,
     donate: bool = True,
 ) -> DiLoCoStep:
   """Builds the DiLoCo step: exact data parallelism over ``axis_name`` inside each group of ``outer_axis``, and
@@ -437,23 +460,28 @@ def make_diloco_step(
       scale per block of :data:`INT8_BLOCK` values, the block's largest
       magnitude over the groups divided by ``127 // R`` so that the int8
       sum cannot overflow). The weighting is applied before the cast.
-    reduction, accum_steps, compute_dtype, grad_reduce_dtype: the inner
-      step's, as for :func:`jaxdp.make_train_step` (``reduction="none"`` is
-      refused: a group must stay one replica).
+    reduction, precision, accum_steps: the inner step's, as for
+      :func:`jaxdp.make_train_step` (``reductions.none()`` is refused: a
+      group must stay one replica; so are reductions with a state).
     donate: donate the input state's buffers to the output state.
 
   Returns:
     A :class:`DiLoCoStep`.
   """
   inner_steps = check_int(inner_steps, "inner_steps", 1, "the number of inner steps between outer syncs (H).")
-  if reduction == "none":
+  mesh = _group_mesh(layout, outer_axis)
+  axis_name = layout.axis_name if isinstance(layout, DataParallel) else "data"
+  settings = step_config(axis_name, reduction, precision, accum_steps)
+  if settings.mode == "none":
     raise ValueError(
         "reduction='none' leaves each device of a group with its own update, but a DiLoCo group must stay one "
         "replica between syncs; use reduction='mean' (or 'sum', 'rank_mean')."
     )
-  settings = step_settings(axis_name=axis_name, reduction=reduction, accum_steps=accum_steps,
-                           compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype)
-  mesh = _check_axes(mesh, outer_axis, axis_name)
+  if settings.reduction.stateful or settings.loss_scaling is not None:
+    raise ValueError(
+        "make_diloco_step's inner step takes no reduction with a state (powersgd, a user's) and no loss scaling: "
+        "DiLoCoState holds neither; use the exact reduction and precision(loss_scaling=None)."
+    )
   check_loss_fn(loss_fn)
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer

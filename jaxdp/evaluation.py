@@ -35,38 +35,68 @@ from jaxdp.layout import (
     place,
     split_along,
 )
-from jaxdp.reduction import cast_floating, compute_reduced_gradient, loss_sums, safe_divide
-from jaxdp.settings import StepSettings
+from jaxdp._config import StepConfig, axis_of
+from jaxdp._legacy import accepts_legacy_keywords
+from jaxdp.parallel import DataParallel, as_layout
+from jaxdp.mixed_precision import as_precision
+from jaxdp.reduction import cast_floating, loss_sums, reduce_scattered, safe_divide
+from jaxdp.reductions import resolve, sum as sum_reduction
 from jaxdp.state import TrainState
 from jaxdp.step import gather_params
 
 
+@accepts_legacy_keywords("eval_sums", ("loss_fn", "state", "batch", "weights"),
+                         internal=lambda **kw: _legacy_sharded_eval(**kw),
+                         internal_keywords=("params_split", "stacked"))
 def eval_sums(
     loss_fn: Callable[..., Any],
     state: TrainState,
     batch: Any,
     weights: jax.Array | None = None,
     *,
-    axis_name: str = "data",
+    layout: Any = "data",
+    precision: Any = None,
+) -> dict[str, jax.Array]:
+  """Global sums ``{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}`` of one batch, as seen by one replica.
+
+  Call it inside ``shard_map`` over the data axes of ``layout`` (a
+  :class:`jaxdp.DataParallel` or the axis' name; batch split); one
+  all-reduce. Dividing by ``"weight"`` gives the exact global weighted
+  means; adding sums over batches first gives those of a whole dataset.
+  ``precision``: the forward pass in its ``compute_dtype``, as the training
+  step's (the floating params and batch leaves cast; the sums stay float32).
+  """
+  policy = as_precision(precision)
+  return sharded_eval_sums(loss_fn, state, batch, weights, axis_name=axis_of(layout),
+                           compute_dtype=policy.compute_dtype)
+
+
+def _legacy_sharded_eval(loss_fn, state, batch, weights=None, *, layout="data", precision=None, **splits):
+  """``eval_sums(..., params_split=, stacked=)`` of jaxdp 0.1 (ZeRO's splits left the public signature)."""
+  return sharded_eval_sums(loss_fn, state, batch, weights, axis_name=axis_of(layout),
+                           compute_dtype=as_precision(precision).compute_dtype, **splits)
+
+
+def sharded_eval_sums(
+    loss_fn: Callable[..., Any],
+    state: TrainState,
+    batch: Any,
+    weights: jax.Array | None = None,
+    *,
+    axis_name: Any = "data",
     params_split: Any = None,
     bucket_bytes: int | None = None,
     compute_dtype: Any = None,
     stacked: Any = None,
 ) -> dict[str, jax.Array]:
-  """Global sums ``{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}`` of one batch, as seen by one replica.
+  """:func:`eval_sums` with ZeRO's splits (what :func:`make_eval_step` runs per replica).
 
-  Call it inside ``shard_map`` over ``axis_name`` (batch split); one
-  all-reduce. ``params_split``: the params' tree of data-axis specs of
-  parameters that arrive split over ``axis_name`` (ZeRO stage 3), gathered
-  first: one all-gather per larger leaf and one for the small ones, or one per flat bucket of about
-  ``bucket_bytes`` (see :func:`jaxdp.make_eval_step`). Dividing by
-  ``"weight"`` gives the exact global weighted means; adding sums over
-  batches first gives those of a whole dataset. ``compute_dtype``: the
-  forward pass in this floating dtype, as the training step's (the floating
-  params and batch leaves cast; the sums stay float32). ``stacked``: the
-  params' tree of bools marking the stacks of layers (layer-wise stage 3):
-  those leaves stay split and the loss gathers them a layer at a time
-  (:func:`jaxdp.gather`).
+  ``params_split``: the params' tree of data-axis specs of parameters that
+  arrive split over ``axis_name`` (ZeRO stage 3), gathered first: one
+  all-gather per larger leaf and one for the small ones, or one per flat
+  bucket of about ``bucket_bytes``. ``stacked``: the params' tree of bools
+  marking the stacks of layers (layer-wise stage 3): those leaves stay split
+  and the loss gathers them a layer at a time (:func:`jaxdp.gather`).
   """
   specs = params_split
   if stacked is not None and params_split is not None:  # stacks of layers: gathered a layer at a time in the loss
@@ -82,7 +112,7 @@ def eval_sums(
         loss_fn, params, batch, weights, model_state=state.model_state, axis_name=axis_name, train=False
     )
   # A fixed reduction without dtype or buckets: nothing to check.
-  reduced = compute_reduced_gradient(StepSettings(axis_name, "sum"), local._replace(model_state=None))
+  reduced = reduce_scattered(StepConfig(axis_name, resolve(sum_reduction())), local._replace(model_state=None))
   return {"loss": reduced.loss, "weight": reduced.weight, **reduced.metrics}
 
 
@@ -192,55 +222,42 @@ class EvalStep:
     return {**{k: 0.0 if weight == 0 else float(v / weight) for k, v in totals.items()}, "weight": float(weight)}
 
 
-def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axis_name: str = "data",
-                   backend: str = "shard_map", bucket_bytes: int | None = None,
-                   compute_dtype: Any = None, layers: Any = None,
-                   pipeline: pipelining.Pipeline | None = None) -> EvalStep:
-  """Builds the jitted evaluation step over every device of ``mesh[axis_name]``.
+@accepts_legacy_keywords("make_eval_step", ("loss_fn", "layout"))
+def make_eval_step(loss_fn: Callable[..., Any], layout: DataParallel | Mesh | None = None, *, reduction: Any = None,
+                   precision: Any = None) -> EvalStep:
+  """Builds the jitted evaluation step over every device of the layout's data axes.
 
   Args:
     loss_fn: the training ``loss_fn`` (see :mod:`jaxdp.loss`); it is called
       with ``train=False`` if it declares ``train``, with the state's
       ``model_state`` if it declares ``model_state``, and without a PRNG key.
-    mesh: the device mesh; default ``jaxdp.data_mesh()`` over every device.
-    axis_name: the data-parallel axis.
-    backend: ``"shard_map"`` (default) or ``"pmap"``, as in
-      :func:`jaxdp.make_train_step`; the same sums either way. Under
-      ``"pmap"`` parameters split over the data axis (ZeRO stage 3) are
-      gathered onto every device before the call.
-    bucket_bytes: parameters that arrive split over the data axis (ZeRO
-      stage 3) are gathered in flat buckets of about this many bytes, one
-      all-gather each, as :func:`jaxdp.make_train_step` does with the same
-      argument; ``None`` (default): one all-gather for the leaves of up to
-      ``jaxdp.reduction.PACK_BYTES`` and one per larger leaf. The gathered
-      parameters are the same, bit for bit; the sums equal the per-leaf
-      step's up to float32 round-off (XLA may compile the forward pass that
-      reads a bucket differently).
-    compute_dtype: evaluate in this floating dtype (e.g. ``jnp.bfloat16``),
-      as a model trained with ``make_train_step(..., compute_dtype=)`` runs
-      its forward pass; ``None`` (default): the params' own dtypes.
-    layers: the stacks of layers, as given to :func:`jaxdp.make_train_step`:
-      a stage-3 state's stacked leaves are gathered a layer at a time by
-      :func:`jaxdp.gather` in the loss instead of whole before it.
-    pipeline: run the stacks named by ``layers`` as a pipeline over the mesh
-      axis ``pipeline.axis_name``, as :func:`jaxdp.make_train_step` with the
-      same argument does; the state may come from any layout (its stacks are
-      moved onto the stage axis inside the step).
+    layout: a :class:`jaxdp.DataParallel`, a ``Mesh`` or ``None``, as for
+      :func:`jaxdp.make_train_step` (its ZeRO stage does not matter: the
+      step takes a state of any stage). With ``layers`` a stage-3 state's
+      stacked leaves are gathered a layer at a time by :func:`jaxdp.gather`
+      in the loss; with a ``pipeline`` the stacks run as that pipeline (the
+      state may come from any layout: its stacks are moved onto the stage
+      axis inside the step). Under ``backend="pmap"`` parameters split over
+      the data axis are gathered onto every device before the call.
+    reduction: the training step's reduction: of it only
+      :func:`jaxdp.reductions.bucketed` matters here (parameters split over
+      the data axis are gathered in flat buckets of about that many bytes,
+      one all-gather each, as the training step does); without it one
+      all-gather for the leaves of up to ``jaxdp.reduction.PACK_BYTES`` and
+      one per larger leaf. The gathered parameters are the same, bit for
+      bit.
+    precision: the training step's :class:`jaxdp.Precision`: the forward
+      pass in its ``compute_dtype`` (``None``: the params' own dtypes).
 
   Returns:
     An :class:`EvalStep`. It takes a :class:`jaxdp.TrainState` of any ZeRO
     stage and never changes it (nothing is donated).
   """
   check_loss_fn(loss_fn)
-  compute_dtype = _checks.check_float_dtype(compute_dtype, "compute_dtype")
-  if bucket_bytes is not None:
-    _checks.check_int(bucket_bytes, "bucket_bytes", 0, "or None to gather split parameters one leaf at a time.")
-  mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
-  check_mesh_axis(mesh, axis_name)
-  mesh = auto_mesh(mesh)
-  check_backend(backend, mesh, axis_name)
-  check_layers(layers)
-  pipelining.check_pipeline(pipeline, mesh, axis_name, layers=layers, zero_stage=0, backend=backend)
+  layout = as_layout(layout)
+  compute_dtype, bucket_bytes = as_precision(precision).compute_dtype, resolve(reduction).bucket_bytes
+  mesh, axis_name, backend, layers, pipeline = (layout.mesh, layout.axis_name, layout.backend, layout.layers,
+                                                layout.pipeline)
   batch_spec = split_along(mesh, axis_name).spec
 
   def build(params_split, stacked):
@@ -248,8 +265,8 @@ def make_eval_step(loss_fn: Callable[..., Any], mesh: Mesh | None = None, *, axi
       return _pipelined_eval(loss_fn, mesh, axis_name, pipeline, stacked, compute_dtype)
 
     def replica(s, b, w):
-      return eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split, bucket_bytes=bucket_bytes,
-                       compute_dtype=compute_dtype, stacked=stacked)
+      return sharded_eval_sums(loss_fn, s, b, w, axis_name=axis_name, params_split=params_split,
+                               bucket_bytes=bucket_bytes, compute_dtype=compute_dtype, stacked=stacked)
 
     if backend == "pmap":
       return _pmap_eval(replica, mesh, axis_name)
@@ -276,8 +293,8 @@ def _pipelined_eval(loss_fn: Callable[..., Any], mesh: Mesh, axis_name: Any, pip
     local = [tuple(x.shape) for x, is_layer in zip(jax.tree.leaves(state.params), jax.tree.leaves(stacked)) if is_layer]
     with pipelining.running(pipeline, stages, [shape[0] * stages for shape in local], axis_names(axis_name),
                             local) as record:
-      return eval_sums(pipelining.checked_loss(loss_fn, record), state, batch, weights, axis_name=axis_name,
-                       compute_dtype=compute_dtype)
+      return sharded_eval_sums(pipelining.checked_loss(loss_fn, record), state, batch, weights, axis_name=axis_name,
+                               compute_dtype=compute_dtype)
 
   mapped = jax.shard_map(
       replica, mesh=mesh, in_specs=(TrainState(params_specs, None, P(), P()), batch_spec, batch_spec), out_specs=P(),

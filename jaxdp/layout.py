@@ -596,7 +596,7 @@ def abstract_state(params: Any, optimizer: optax.GradientTransformation, model_s
   return jax.eval_shape(lambda p, m, s: TrainState.create(p, optimizer, m, s), params, model_state, loss_scale)
 
 
-def _assert_same_values(params: Any, model_state: Any) -> None:
+def assert_same_values(params: Any, model_state: Any) -> None:
   """Every process must start from the same values: compares a CRC-32 of each leaf across processes."""
   from jaxdp.distributed import assert_same_across_processes
 
@@ -608,13 +608,13 @@ def _assert_same_values(params: Any, model_state: Any) -> None:
   assert_same_across_processes(jax.tree.map(crc, {"params": params, "model_state": model_state}), "initial values")
 
 
-def _model_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -> Any:
+def model_specs_for(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -> Any:
   if param_specs is not None:
     return check_param_specs(param_specs, params, mesh, axis_name)
   return model_specs_of(params, mesh, axis_name)
 
 
-def _unboxed(params: Any) -> tuple[Any, Any]:
+def unboxed(params: Any) -> tuple[Any, Any]:
   """``(params, specs)``: a model library's metadata boxes removed and the specs they carried (``None`` if none)."""
   for support in model_support():
     if support.unbox is not None:
@@ -622,149 +622,6 @@ def _unboxed(params: Any) -> tuple[Any, Any]:
       if specs is not None:
         return unboxed, specs
   return params, None
-
-
-def init_state(
-    params: Any,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    axis_name: Any = "data",
-    zero_stage: int = 0,
-    model_state: Any = None,
-    param_specs: Any = None,
-    layers: Any = None,
-    loss_scale: Any = None,
-    compression: Any = None,
-    stage_axis: str | None = None,
-) -> TrainState:
-  """Creates the training state and places it as :func:`make_train_step` expects.
-
-  Args:
-    params: the initial parameters (a pytree of arrays, the same on every
-      process). Leaves that are ``NamedSharding`` arrays on ``mesh`` keep
-      their split over the mesh's other (model) axes; a model library's
-      partitioning boxes (linen's ``nn.with_partitioning``) are unboxed and
-      their specs used.
-    optimizer: an optax ``GradientTransformation``.
-    mesh: the mesh to place the state on; it may have model axes besides
-      ``axis_name`` (tensor parallelism).
-    axis_name: the data-parallel axis, or several (a tuple): hybrid
-      sharding splits the state over the last one only (:func:`zero_axis`).
-    zero_stage: 0 replicates every leaf over the data axis (a full replica
-      per device, as in DDP); 1 and 2 split the optimizer state over
-      ``axis_name``; 3 splits the parameters too (see :mod:`jaxdp.layout`
-      for the dimension rule).
-    model_state: the model's non-trainable state (BatchNorm statistics), or
-      ``None``; replicated at every stage.
-    param_specs: optional params' tree of ``PartitionSpec``s over the model
-      axes (e.g. from ``jaxdp.nnx.partition_specs(model)`` or
-      ``nnx.get_partition_spec``); default: read off the params' shardings.
-    layers: the stacks of layers, as given to :func:`jaxdp.make_train_step`
-      (layer-wise ZeRO-3): their leaves are split along one layer's
-      dimensions, never the layer axis.
-    loss_scale: the initial :class:`jaxdp.LossScale` for a step with
-      ``loss_scaling=`` (``scaling.init()``), or ``None``; replicated at
-      every stage.
-    compression: the step's ``compression=`` (:func:`jaxdp.powersgd`), or
-      ``None``: the state then holds :func:`jaxdp.init_compression`'s
-      :class:`jaxdp.PowerSGDState` for the mesh's data-parallel replicas,
-      each error split over the data axes.
-    stage_axis: a pipeline's stage axis (``make_train_step(...,
-      pipeline=)``, :mod:`jaxdp.pipelining`): the stacks named by ``layers``
-      are split over it along their layer axis, as the pipelined step holds
-      them (without it the step moves them there at its first call).
-
-  Returns:
-    A :class:`TrainState` of fresh buffers: a step that donates it never
-    consumes the caller's ``params``.
-  """
-  check_mesh_axis(mesh, axis_name)
-  check_zero_stage(zero_stage)
-  check_optimizer(optimizer)
-  check_layers(layers)
-  if loss_scale is not None:
-    check_loss_scale_value(loss_scale)
-  check_compression(compression)
-  params, boxed_specs = _unboxed(params)
-  if param_specs is None:
-    param_specs = boxed_specs
-  check_params_dtypes(params, "params")
-  model_specs = _model_specs(params, param_specs, mesh, axis_name)
-  if jax.process_count() > 1:
-    _assert_same_values(params, model_state)
-  mesh = auto_mesh(mesh)
-  # Host values are placed as the layout says (no leaf is ever whole on one device unless replicated there).
-  abstract = abstract_state(params, optimizer, model_state, loss_scale)
-  replicas = data_size(mesh, axis_name)
-  make_compression = lambda p: init_compression(p, compression, replicas)  # noqa: E731
-  abstract = abstract._replace(compression=jax.eval_shape(make_compression, params))
-  if stage_axis is not None and (layers is None or stage_axis not in mesh.axis_names):
-    raise ValueError(f"stage_axis={stage_axis!r} needs layers= naming the stacks to split over it and a mesh with that "
-                     f"axis (mesh axes {mesh.axis_names}, layers={layers!r}).")
-  layout = make_layout(abstract, mesh, axis_name, zero_stage, model_specs, layers, stage_axis)
-  shardings = layout.shardings(mesh)
-  params = place(params, jax.tree.map(
-      # Kept only on this mesh's devices in this order (a mesh over the same devices reordered is another layout).
-      lambda x, s: x.sharding if _is_global(x) and _same_devices(x.sharding.mesh, s.mesh) else s,
-      params, shardings.params))
-  model_state, loss_scale = place((model_state, loss_scale), replicated(mesh))
-  # Copying inside the jit keeps outputs from aliasing the caller's arrays, which a donating step would consume.
-  copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-  build = jax.jit(lambda p, m, s: TrainState.create(copy(p), optimizer, copy(m), copy(s), make_compression(p)),
-                  out_shardings=shardings)
-  return build(params, model_state, loss_scale)
-
-
-def _same_devices(a: Any, b: Any) -> bool:
-  return tuple(a.devices.flat) == tuple(b.devices.flat)
-
-
-def _is_global(x: Any) -> bool:
-  return isinstance(x, jax.Array) and isinstance(getattr(x, "sharding", None), NamedSharding) and (
-      len(x.sharding.device_set) > 1
-  )
-
-
-def place_state(
-    full_state: TrainState,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    zero_stage: int = 0,
-    axis_name: str = "data",
-    param_specs: Any = None,
-) -> TrainState:
-  """Places a state (gathered on the host, or placed in any other layout) in the layout of ``zero_stage``.
-
-  Nothing is recomputed: each leaf is moved as it is, so
-  ``gather_state(place_state(full, ...))`` equals ``full`` bitwise, on any
-  device count, mesh shape and stage. Each process places only the shards of
-  its own devices; with host arrays every process must pass the same values.
-
-  Args:
-    full_state: a :class:`jaxdp.TrainState`, e.g. ``jaxdp.gather_state(state)``.
-    optimizer: the optax optimizer the state belongs to (its state's
-      structure, shapes and dtypes are checked against ``optimizer.init``).
-    mesh: the mesh to place the state on.
-    zero_stage: the layout wanted (see :func:`jaxdp.init_state`).
-    axis_name: the data-parallel axis.
-    param_specs: the params' model-axis ``PartitionSpec``s (default: read
-      off ``full_state.params``' shardings when they are on a mesh with the
-      same axis names, else replicated).
-  """
-  from jaxdp._checks import check_opt_state, check_state
-
-  check_state(full_state, "full_state")
-  check_not_donated(full_state, name="full_state")
-  check_optimizer(optimizer)
-  check_opt_state(full_state, optimizer, "full_state")
-  check_mesh_axis(mesh, axis_name)
-  check_zero_stage(zero_stage)
-  mesh = auto_mesh(mesh)
-  model_specs = _model_specs(full_state.params, param_specs, mesh, axis_name)
-  layout = make_layout(full_state, mesh, axis_name, zero_stage, model_specs)
-  return place(full_state, layout.shardings(mesh))
 
 
 def gather_state(state: TrainState) -> TrainState:

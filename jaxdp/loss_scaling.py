@@ -193,3 +193,13 @@ def check_loss_scale_value(loss_scale: Any, name: str = "loss_scale") -> None:
 def abstract_loss_scale() -> LossScale:
   """A :class:`LossScale` of ``ShapeDtypeStruct``s (a checkpoint's restore target)."""
   return LossScale(jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def static_loss_scale(scale: float) -> DynamicLossScale:
+  """A loss scale that never changes: the backward pass is scaled by ``scale``, a non-finite step is skipped.
+
+  A :class:`DynamicLossScale` whose factors are 1, so the same state
+  (:class:`LossScale`) and checkpoints hold it.
+  """
+  scale = _positive_finite(scale, "loss_scaling", "a static scale such as 1024.0, or jaxdp.dynamic_loss_scale().")
+  return DynamicLossScale(scale, 1.0, 1.0, np.iinfo(np.int32).max)

@@ -27,7 +27,9 @@ from jaxdp.compression import PowerSGDState, powersgd_sum
 from jaxdp.layout import axis_names, model_part, per_model_shard
 from jaxdp.loss import call_loss, in_step
 from jaxdp.randomness import per_example
-from jaxdp.settings import REDUCTIONS, StepSettings, check_reduction, step_settings  # noqa: F401 (REDUCTIONS, check_reduction: also read from here)
+from jaxdp._config import StepConfig, step_config
+from jaxdp._legacy import accepts_legacy_keywords
+from jaxdp.reductions import resolve
 
 class LocalGradient(NamedTuple):
   """What one replica knows before any communication.
@@ -265,19 +267,21 @@ def loss_sums(
   return LocalGradient(None, loss_sum, poisoned(jnp.sum(w)), metric_sums, out.model_state)
 
 
+@accepts_legacy_keywords("local_gradient", ("loss_fn", "params", "batch", "weights"))
 def local_gradient(
     loss_fn: Callable[..., Any],
     params: Any,
     batch: Any,
     weights: jax.Array | None = None,
     *,
-    axis_name: str | None = None,
+    layout: Any = None,
     accum_steps: int = 1,
     rng: jax.Array | None = None,
     model_state: Any = None,
     train: bool = True,
-    compute_dtype: Any = None,
+    precision: Any = None,
     example_ids: Any = None,
+    loss_scale: jax.Array | None = None,
 ) -> LocalGradient:
   """Gradient of this replica's weighted loss *sum*, with no communication of its own.
 
@@ -290,10 +294,12 @@ def local_gradient(
     batch: this replica's slice of the batch.
     weights: ``None`` (all ones) or an array of the losses' shape with values
       ``>= 0``; zero marks padding.
-    axis_name: when called inside ``shard_map`` over this axis, the name of
-      the axis; the params are then differentiated as a per-replica value, so
-      that the result is the local gradient and not an implicit all-reduce.
-      (A ``loss_fn`` may still communicate, e.g. for exact BatchNorm statistics.)
+    layout: when called inside ``shard_map`` over the data axes, the
+      :class:`jaxdp.DataParallel` (or the data axis' name); the params are
+      then differentiated as a per-replica value, so that the result is the
+      local gradient and not an implicit all-reduce. ``None``: outside any
+      map. (A ``loss_fn`` may still communicate, e.g. for exact BatchNorm
+      statistics.)
     accum_steps: split the batch into this many contiguous micro-batches and
       accumulate their gradient *sums* with ``lax.scan`` (activation memory
       of one micro-batch). The result equals the whole-batch one: sums add
@@ -304,8 +310,8 @@ def local_gradient(
     model_state: the model state given to ``loss_fn`` (``None`` if the model
       has none).
     train: the ``train`` flag for a ``loss_fn`` that declares it.
-    compute_dtype: mixed precision: the floating params and batch leaves are
-      cast to this dtype (e.g. ``jnp.bfloat16``) for the forward and backward
+    precision: a :class:`jaxdp.Precision`; its ``compute_dtype`` is mixed
+      precision: the floating params and batch leaves are cast to that dtype (e.g. ``jnp.bfloat16``) for the forward and backward
       pass, while the gradient is taken with respect to the params as they
       are (float32 master weights) and the sums stay float32. Where the
       backward pass runs in 16 bits (this dtype, 16-bit params, or 16-bit
@@ -326,31 +332,12 @@ def local_gradient(
       the key of the ids in a dict batch (e.g. ``"id"``) or a callable
       ``batch -> [b]`` integer ids. Each micro-batch's ids are set while
       ``loss_fn`` runs, and every micro-batch gets ``rng`` itself.
+    loss_scale: the current loss scale (a float32 scalar: the state's
+      ``loss_scale.scale`` under a policy with ``loss_scaling``), or ``None``.
 
   Returns:
     A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
     ``Σ w``, the metric sums and the new model state.
-  """
-  settings = step_settings(axis_name=axis_name, accum_steps=accum_steps, compute_dtype=compute_dtype,
-                           example_ids=example_ids)
-  return compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=model_state,
-                                train=train)
-
-
-def compute_local_gradient(
-    settings: StepSettings,
-    loss_fn: Callable[..., Any],
-    params: Any,
-    batch: Any,
-    weights: jax.Array | None = None,
-    *,
-    rng: jax.Array | None = None,
-    model_state: Any = None,
-    train: bool = True,
-    loss_scale: jax.Array | None = None,
-) -> LocalGradient:
-  """:func:`local_gradient` under settings already checked (its ``axis_name``, ``accum_steps``,
-  ``compute_dtype`` and ``example_ids``); the other arguments as there.
 
   The 16-bit plan first (:func:`_sixteen_bit_plan`), then one micro-batch's
   gradient (:func:`_micro_gradient`), or the accumulation of ``accum_steps``
@@ -361,6 +348,7 @@ def compute_local_gradient(
   scales it) instead of the ``√n`` normalisation. Each micro-batch's float32
   gradient is divided by both again before it is accumulated or reduced.
   """
+  settings = step_config(layout, None, precision, accum_steps, example_ids)
   if settings.axis_name is not None:
     check_axis_bound(settings.axis_name)
     params = as_varying(params, settings.axis_name)
@@ -391,7 +379,7 @@ class _SixteenBitPlan(NamedTuple):
   loss_scale: jax.Array | None = None
 
 
-def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], params: Any, batch: Any, weights: Any, *,
+def _sixteen_bit_plan(settings: StepConfig, loss_fn: Callable[..., Any], params: Any, batch: Any, weights: Any, *,
                       rng: Any, model_state: Any, train: bool, scaled: bool = False) -> _SixteenBitPlan:
   """Whether the backward pass runs in 16 bits and, if so, the scale it divides the weighted sum by.
 
@@ -429,7 +417,7 @@ def _sixteen_bit_plan(settings: StepSettings, loss_fn: Callable[..., Any], param
                                                             1 if scaled else np.size(weights) / accum_steps))
 
 
-def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _SixteenBitPlan, params: Any,
+def _micro_gradient(settings: StepConfig, loss_fn: Callable[..., Any], plan: _SixteenBitPlan, params: Any,
                     micro_batch: Any, micro_weights: Any, micro_rng: Any, state: Any, *, train: bool) -> LocalGradient:
   """One micro-batch's :class:`LocalGradient`: its sums and the gradient of ``Σ w·l``, float32 at least."""
 
@@ -460,7 +448,7 @@ def _micro_gradient(settings: StepSettings, loss_fn: Callable[..., Any], plan: _
   return sums._replace(grads=jax.tree.map(widen, grads))
 
 
-def _accumulated(settings: StepSettings, micro_gradient: Callable[..., LocalGradient], batch: Any, weights: Any,
+def _accumulated(settings: StepConfig, micro_gradient: Callable[..., LocalGradient], batch: Any, weights: Any,
                  rng: Any, model_state: Any) -> LocalGradient:
   """The sums of ``accum_steps`` contiguous micro-batches, scanned; the model state flows through them in order.
 
@@ -904,19 +892,17 @@ def _psum_buckets(grads: Any, small: Any, axis_name: str, bucket_bytes: int | No
   return jax.tree.unflatten(treedef, reduced), _psum(_after(small, previous), axis_name)
 
 
+@accepts_legacy_keywords("reduce_gradient", ("local", "state"), internal=lambda **kw: _legacy_scattered(**kw),
+                         internal_keywords=("scatter", "presummed"))
 def reduce_gradient(
     local: LocalGradient,
+    state: Any = None,
     *,
-    axis_name: str,
-    reduction: str = "mean",
-    scatter: Any = False,
+    layout: Any = "data",
+    reduction: Any = None,
+    precision: Any = None,
     totals: Any = None,
-    bucket_bytes: int | None = None,
-    reduce_dtype: Any = None,
     divide: bool = True,
-    presummed: Any = None,
-    compression: Any = None,
-    compression_state: Any = None,
 ) -> ReducedGradient:
   """Makes the replicas agree on one gradient, loss, metrics and model state, in one all-reduce.
 
@@ -925,59 +911,40 @@ def reduce_gradient(
 
   Args:
     local: this replica's :class:`LocalGradient`.
-    axis_name: the data-parallel mesh axis.
-    reduction: one of :data:`REDUCTIONS`; metrics are reduced like the loss.
-    scatter: reduce-scatter the gradient instead of all-reducing it (ZeRO
-      stages 2 and 3): a tree of ``PartitionSpec``s like the gradient's,
-      each naming ``axis_name`` at the dimension that leaf is split along
-      (each device receives its slice of the reduced leaf; a fully reduced
-      leaf never exists), or ``P()`` for a leaf to all-reduce. ``True``
-      splits every leaf along its first dimension. ``False``: all-reduce.
+    state: this replica's state of ``reduction`` (``TrainState.compression``
+      as the step hands it over: PowerSGD's with each error its own
+      ``[1, *shape]`` block, a user reduction's likewise), or ``None``; the
+      new one is in the result's ``compression`` field.
+    layout: the :class:`jaxdp.DataParallel` (or the data axis' name) this
+      runs over.
+    reduction: a :class:`jaxdp.reductions.Reduction` (default
+      :func:`jaxdp.reductions.mean`): the mode (``mean``, ``rank_mean``,
+      ``sum``, ``none``; metrics are reduced like the loss), and how the
+      gradient's sums travel. :func:`jaxdp.reductions.bucketed` reduces them
+      in buckets of about that many bytes, in reverse order of the leaves
+      (the order the backward pass produces them), one all-reduce each, as
+      DDP's 25 MB buckets do, plus one all-reduce of the loss, weight,
+      metrics and model state after the last: on GPU and TPU XLA's scheduler
+      can then overlap a bucket's all-reduce with the rest of the backward
+      pass. The sums are the same, element by element (bitwise on CPU).
+      :func:`jaxdp.reductions.powersgd` sums the large matrices as low-rank
+      approximations with error feedback; a user's reduction replaces the
+      all-reduce of the gradient's sums with its own ``reduce``.
+    precision: a :class:`jaxdp.Precision`: its ``reduce_dtype`` (e.g.
+      ``jnp.bfloat16``, half the bytes of float32) is the dtype the gradient
+      is communicated in, cast back after the sum; ``None`` keeps the local
+      gradient's dtype (float32 at least). The loss, weights, metrics and
+      the weighted-mean division stay float32; complex leaves travel as they
+      are.
     totals: optional pytree of per-replica values to sum over replicas in the
       same all-reduce (e.g. the streaming input's "has more data" flags);
       refused under ``"none"``, which has no all-reduce.
-    bucket_bytes: ``None`` reduces the whole gradient in one all-reduce.
-      An integer reduces it in buckets of about that many bytes, in reverse
-      order of the leaves (the order the backward pass produces them), one
-      all-reduce each (the bucket's leaves as one flat vector), as DDP's
-      25 MB buckets do, plus one all-reduce of the loss, weight, metrics and
-      model state after the last bucket: on GPU and TPU XLA's scheduler can
-      then overlap a bucket's all-reduce with the rest of the backward pass.
-      The sums are the same, element by element (bitwise on CPU). ``0``
-      gives one bucket per leaf. With ``scatter``, the leaves split over the
-      data axis only are reduce-scattered in flat buckets instead (each
-      leaf's scatter dimension moved to the front, the bucket's slices
-      concatenated: one reduce-scatter per bucket, as FSDP's flat
-      parameters, where the default gives the leaves of up to
-      :data:`PACK_BYTES` one reduce-scatter and each larger leaf its own); leaves also split
-      over model axes stay one reduce-scatter each. Each element is the
-      same sum; XLA may compile the backward pass feeding the concatenation
-      differently, so the result can differ from the per-leaf reduction in
-      the last bits.
-    reduce_dtype: communicate the gradient in this dtype (e.g.
-      ``jnp.bfloat16``, half the bytes of float32) and cast it back after the
-      sum; ``None`` keeps the local gradient's dtype (float32 at least). The
-      loss, weights, metrics and the weighted-mean division stay float32;
-      complex leaves travel as they are.
     divide: ``True`` returns the normalised gradient. ``False`` leaves the
       gradient as the reduced sums and sets ``grad_divisor`` (the global
       weight under ``"mean"``, the replica count under ``"rank_mean"``): for
       :func:`jaxdp.finish_step`, which divides where it reads the gradient,
       saving a pass over it (``jaxdp.train_step`` does this). The loss and
       metrics are divided either way.
-    presummed: with ``scatter``, a tree of bools like the gradient's:
-      ``True`` for a leaf already reduce-scattered over ZeRO's axis inside
-      the loss (a stacked layer gathered with :func:`jaxdp.gather`, whose
-      transpose is that reduce-scatter); such a leaf is only all-reduced
-      over the other data axes (hybrid sharding) and divided.
-    compression: ``None`` (exact), or :func:`jaxdp.powersgd`'s settings:
-      the compressed leaves are summed as rank-``r`` approximations with
-      error feedback (see :mod:`jaxdp.compression`; ``"mean"`` or ``"sum"``,
-      no ``scatter``, no ``reduce_dtype``), the rest exactly.
-    compression_state: with ``compression``, this replica's
-      :class:`jaxdp.PowerSGDState` (``q`` whole, each error its own
-      ``[1, *shape]`` block); the new one is returned in the result's
-      ``compression`` field.
 
   Returns:
     A :class:`ReducedGradient`. Every replica holds the same values except
@@ -989,26 +956,49 @@ def reduce_gradient(
     sending replica 0's value too would double the state's share of every
     all-reduce).
   """
-  settings = step_settings(axis_name=axis_name, reduction=reduction, grad_reduce_dtype=reduce_dtype,
-                           bucket_bytes=bucket_bytes, reduce_dtype_name="reduce_dtype", compression=compression)
-  return compute_reduced_gradient(settings, local, scatter=scatter, totals=totals, divide=divide, presummed=presummed,
-                                  compression_state=compression_state)
+  config = step_config(layout, reduction, precision)
+  return reduce_scattered(config, local, state, totals=totals, divide=divide)
 
 
-def compute_reduced_gradient(
-    settings: StepSettings,
+def _legacy_scattered(local, state=None, *, layout="data", reduction=None, precision=None, **rest):
+  """``reduce_gradient(..., scatter=, presummed=)`` of jaxdp 0.1: ZeRO's scatter, which left the public
+  signature, runs through :func:`reduce_scattered`."""
+  return reduce_scattered(step_config(layout, reduction, precision), local, state, **rest)
+
+
+def reduce_scattered(
+    settings: StepConfig,
     local: LocalGradient,
+    compression_state: Any = None,
     *,
     scatter: Any = False,
     totals: Any = None,
     divide: bool = True,
     presummed: Any = None,
-    compression_state: Any = None,
 ) -> ReducedGradient:
-  """:func:`reduce_gradient` under settings already checked (its ``axis_name``, ``reduction``,
-  ``bucket_bytes``, ``reduce_dtype``, which is ``settings.grad_reduce_dtype``, and ``compression``); the rest
-  as there."""
-  axis_name, reduction, bucket_bytes = settings.axis_name, settings.reduction, settings.bucket_bytes
+  """:func:`reduce_gradient` under a checked :class:`StepConfig`, with ZeRO's scatter.
+
+  ``scatter``: reduce-scatter the gradient instead of all-reducing it (ZeRO
+  stages 2 and 3): a tree of ``PartitionSpec``s like the gradient's, each
+  naming the data axis at the dimension that leaf is split along (each
+  device receives its slice of the reduced leaf; a fully reduced leaf never
+  exists), or ``P()`` for a leaf to all-reduce; ``True`` splits every leaf
+  along its first dimension; ``False``: all-reduce. With buckets the leaves
+  split over the data axis only are reduce-scattered in flat buckets (each
+  leaf's scatter dimension moved to the front, the bucket's slices
+  concatenated: one reduce-scatter per bucket, as FSDP's flat parameters,
+  where the default gives the leaves of up to :data:`PACK_BYTES` one
+  reduce-scatter and each larger leaf its own); leaves also split over model
+  axes stay one reduce-scatter each. Each element is the same sum; XLA may
+  compile the backward pass feeding the concatenation differently, so the
+  result can differ from the per-leaf reduction in the last bits.
+  ``presummed``: with ``scatter``, a tree of bools like the gradient's:
+  ``True`` for a leaf already reduce-scattered over ZeRO's axis inside the
+  loss (a stacked layer gathered with :func:`jaxdp.gather`, whose transpose
+  is that reduce-scatter); such a leaf is only all-reduced over the other
+  data axes (hybrid sharding) and divided.
+  """
+  axis_name, reduction, bucket_bytes = settings.axis_name, settings.mode, settings.bucket_bytes
   reduce_dtype = settings.grad_reduce_dtype
   if presummed is not None and (scatter is False or reduction not in ("mean", "sum")):
     raise ValueError(
@@ -1054,12 +1044,17 @@ def compute_reduced_gradient(
     else:
       grads = _scatter_unless_presummed(grads, specs, presummed, axis_name, bucket_bytes)
     loss_sum, weight_sum, metric_sums, contributions, totals = _psum(small, axis_name)
+  elif settings.user is not None:  # the user's reduce replaces jaxdp's all-reduce of the gradient's sums
+    loss_sum, weight_sum, metric_sums, contributions, totals = _psum(small, axis_name)
+    grads, compressed = _user_sums(grads, settings, compression_state)
   else:
     grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum_buckets(grads, small, axis_name, bucket_bytes)
   if reduce_dtype is not None:
     grads = jax.tree.map(lambda x, dtype: x.astype(dtype), grads, dtypes)
   new_compression = None
-  if compressed is not None:
+  if settings.user is not None:
+    new_compression = compressed
+  elif compressed is not None:
     grads, new_compression = _with_compressed(grads, compressed)
   if leftover:  # typed shard_map only (elsewhere nothing is typed as varying)
     raise ValueError(
@@ -1076,7 +1071,7 @@ def compute_reduced_gradient(
   return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor, new_compression)
 
 
-def _compressed_sums(grads: Any, settings: StepSettings, state: Any, scatter: Any) -> tuple[Any, tuple]:
+def _compressed_sums(grads: Any, settings: StepConfig, state: Any, scatter: Any) -> tuple[Any, tuple]:
   """``(grads with None at the compressed leaves, (treedef, sums, new state))``: PowerSGD's sums of those leaves."""
   if not isinstance(state, PowerSGDState):
     raise ValueError(
@@ -1100,6 +1095,30 @@ def _compressed_sums(grads: Any, settings: StepSettings, state: Any, scatter: An
     leaves[i], qs[i], errors[i] = None, q, e
   new_state = PowerSGDState(treedef.unflatten(qs), treedef.unflatten(errors), state.iteration + 1)
   return treedef.unflatten(leaves), (treedef, dict(zip(picked, sums)), new_state)
+
+
+def powersgd_reduce(sums: Any, state: PowerSGDState, compression: Any, axis_name: Any) -> tuple[Any, PowerSGDState]:
+  """PowerSGD's reduction on its own (:func:`jaxdp.reductions.powersgd`'s ``reduce``): the compressed leaves'
+  low-rank sums, the others' exact ``psum``; ``state`` is this replica's (each error a ``[1, *shape]`` block)."""
+  config = StepConfig(axis_name, resolve(compression))
+  rest, compressed = _compressed_sums(sums, config, state, False)
+  return _with_compressed(_psum(rest, axis_name), compressed)
+
+
+def _user_sums(grads: Any, settings: StepConfig, state: Any) -> tuple[Any, Any]:
+  """A user reduction's sums of ``grads`` and its new state (this replica's block of the stacked state)."""
+  own = jax.tree.map(lambda x: x[0], state)  # the step hands over [1, ...] blocks: the reduction sees its own
+  summed, new = settings.user.reduce(grads, own, axis_name=settings.axis_name)
+  try:
+    jax.tree.map(lambda a, b: None, grads, summed)
+  except (ValueError, TypeError):
+    raise ValueError(
+        f"the user reduction returned sums of another structure than the gradient's ({jax.tree.structure(summed)} "
+        f"for {jax.tree.structure(grads)}): reduce(sums, state, axis_name) must return (summed, state) with summed "
+        "like sums."
+    ) from None
+  summed = jax.tree.map(lambda s, g: s.astype(g.dtype), summed, grads)
+  return summed, jax.tree.map(lambda x: x[None], new)
 
 
 def _with_compressed(grads: Any, compressed: tuple) -> tuple[Any, PowerSGDState]:

@@ -31,16 +31,17 @@ from jaxdp.reduction import (
     buckets,
     check_axis_bound,
     checks_vma,
-    compute_local_gradient,
-    compute_reduced_gradient,
     divide_gradient,
     global_norm,
+    local_gradient,
+    reduce_scattered,
     to_row,
     varies,
     varying_axes,
     with_flat_buckets,
 )
-from jaxdp.settings import StepSettings, step_settings
+from jaxdp._config import StepConfig, step_config
+from jaxdp._legacy import accepts_legacy_keywords
 from jaxdp.state import TrainState
 
 
@@ -173,61 +174,37 @@ def _all_gather_invariant(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
     return lax.all_gather(x, axis_name, axis=dim, tiled=True, to="invariant")
 
 
+@accepts_legacy_keywords("gradient_step", ("loss_fn", "state", "batch", "weights"), internal=lambda **kw: _legacy_sharded(**kw),
+                         internal_keywords=("params_split", "grads_split", "divide", "stacked"))
 def gradient_step(
     loss_fn: Callable[..., Any],
     state: TrainState,
     batch: Any,
     weights: jax.Array | None = None,
     *,
-    axis_name: str = "data",
-    reduction: str = "mean",
+    layout: Any = "data",
+    reduction: Any = None,
+    precision: Any = None,
     accum_steps: int = 1,
+    example_ids: Any = None,
     rng: jax.Array | None = None,
     has_more: jax.Array | None = None,
-    compute_dtype: Any = None,
-    grad_reduce_dtype: Any = None,
-    bucket_bytes: int | None = None,
-    params_split: Any = None,
-    grads_split: Any = None,
-    divide: bool = True,
-    example_ids: Any = None,
-    stacked: Any = None,
-    compression: Any = None,
 ) -> ReducedGradient:
-  """This replica's gradient, loss, metrics and model state, reduced over ``axis_name`` (per replica).
+  """This replica's gradient, loss, metrics and model state, reduced over the data axes (per replica).
 
-  ``local_gradient`` then ``reduce_gradient``: see :func:`train_step` for
-  the arguments. ``state.opt_state`` is not read. For ZeRO layouts:
-  ``params_split`` is the params' tree of ``PartitionSpec``s of parameters
-  that arrive split over ``axis_name`` (stage 3: all-gathered here, once,
-  before the forward pass); ``grads_split`` the same for the gradient
-  (stages 2-3: reduce-scattered, so each device keeps only its slice of each
-  reduced leaf). A state with a ``loss_scale`` (:mod:`jaxdp.loss_scaling`)
-  has its backward pass scaled by it and the gradient unscaled before the
-  reduction. Specs may also name the model axes a leaf is split over
-  (the full spec): the gather and scatter then run per model shard.
-  ``divide=False`` leaves the gradient undivided for :func:`finish_step`
-  (see :func:`jaxdp.reduce_gradient`). ``example_ids``: see :func:`train_step`.
-  ``stacked``: the params' tree of bools marking the leaves of stacks of
-  layers (:func:`jaxdp.layout.layer_mask`); at stage 3 those arrive split
-  and stay so, :func:`jaxdp.gather` gathers one layer at a time inside the
-  loss, and their gradient leaves the loss reduce-scattered already
-  (see :mod:`jaxdp.layerwise`). ``compression``: :func:`jaxdp.powersgd`'s
-  settings, the state's ``compression`` then being this replica's
-  :class:`jaxdp.PowerSGDState` (see :func:`jaxdp.reduce_gradient`); the new
-  one is in the result's ``compression``.
+  :func:`jaxdp.local_gradient` then :func:`jaxdp.reduce_gradient`: see
+  :func:`train_step` for the arguments. ``state.opt_state`` is not read. A
+  state with a ``loss_scale`` (:mod:`jaxdp.loss_scaling`) has its backward
+  pass scaled by it and the gradient unscaled before the reduction. The
+  reduction's new state (``state.compression``'s) is in the result's
+  ``compression``.
   """
-  settings = step_settings(
-      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
-      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
-      compression=compression,
-  )
-  return run_gradient_step(settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more,
-                           params_split=params_split, grads_split=grads_split, divide=divide, stacked=stacked)
+  config = step_config(layout, reduction, precision, accum_steps, example_ids)
+  return sharded_gradient_step(config, loss_fn, state, batch, weights, rng=rng, has_more=has_more)
 
 
-def run_gradient_step(
-    settings: StepSettings,
+def sharded_gradient_step(
+    settings: StepConfig,
     loss_fn: Callable[..., Any],
     state: TrainState,
     batch: Any,
@@ -240,9 +217,23 @@ def run_gradient_step(
     divide: bool = True,
     stacked: Any = None,
 ) -> ReducedGradient:
-  """:func:`gradient_step` under settings already checked (:func:`jaxdp.settings.step_settings`); the other
-  arguments as there."""
-  axis_name, reduction = settings.axis_name, settings.reduction
+  """:func:`gradient_step` under a checked :class:`StepConfig`, with ZeRO's splits (what
+  :func:`jaxdp.make_train_step` runs per replica at stages 1-3 and in pipelines).
+
+  ``params_split`` is the params' tree of ``PartitionSpec``s of parameters
+  that arrive split over the data axis (stage 3: all-gathered here, once,
+  before the forward pass); ``grads_split`` the same for the gradient
+  (stages 2-3: reduce-scattered, so each device keeps only its slice of each
+  reduced leaf). Specs may also name the model axes a leaf is split over
+  (the full spec): the gather and scatter then run per model shard.
+  ``divide=False`` leaves the gradient undivided for :func:`finish_step`.
+  ``stacked``: the params' tree of bools marking the leaves of stacks of
+  layers (:func:`jaxdp.layout.layer_mask`); at stage 3 those arrive split
+  and stay so, :func:`jaxdp.gather` gathers one layer at a time inside the
+  loss, and their gradient leaves the loss reduce-scattered already (see
+  :mod:`jaxdp.layerwise`).
+  """
+  axis_name, reduction = settings.axis_name, settings.mode
   _check_compression_present(settings, state)
   if rng is not None and settings.example_ids is not None:  # the same key on every replica: masks follow the ids
     rng = jax.random.fold_in(rng, state.step)
@@ -272,26 +263,28 @@ def run_gradient_step(
   params = gather_params(state.params, params_split, axis_name, settings.bucket_bytes)
   with gathering(params, specs, stacked, axis_name) if presummed is not None else (
       contextlib.nullcontext()):
-    local = compute_local_gradient(settings, loss_fn, params, batch, weights, rng=rng, model_state=state.model_state,
-                                   loss_scale=None if state.loss_scale is None else state.loss_scale.scale)
+    local = local_gradient(loss_fn, params, batch, weights, layout=axis_name, accum_steps=settings.accum_steps, rng=rng,
+                           model_state=state.model_state, precision=settings.precision,
+                           example_ids=settings.example_ids,
+                           loss_scale=None if state.loss_scale is None else state.loss_scale.scale)
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
-  return compute_reduced_gradient(settings, local, scatter=False if grads_split is None else grads_split,
-                                  totals=totals, divide=divide, presummed=presummed,
-                                  compression_state=getattr(state, "compression", None))
+  return reduce_scattered(settings, local, getattr(state, "compression", None),
+                          scatter=False if grads_split is None else grads_split, totals=totals, divide=divide,
+                          presummed=presummed)
 
 
-def _check_compression_present(settings: StepSettings, state: TrainState) -> None:
-  """A state with a PowerSGD state needs a step with compression=, and the other way round."""
+def _check_compression_present(settings: StepConfig, state: TrainState) -> None:
+  """A state with a PowerSGD state needs a step with that reduction, and the other way round."""
   held = getattr(state, "compression", None) is not None
-  if held and settings.compression is None:
+  if held and not settings.reduction.stateful:
     raise ValueError(
-        "state.compression holds a PowerSGD state but the step has no compression=; pass the same "
-        "compression=jaxdp.powersgd(...) the state was made with, or state._replace(compression=None)."
+        "state.compression holds a reduction's state (PowerSGD's) but the step's reduction has none; pass the same "
+        "reduction=jaxdp.reductions.powersgd(...) the state was made with, or state._replace(compression=None)."
     )
   if settings.compression is not None and not held:
     raise ValueError(
-        f"compression={settings.compression} but state.compression is None; make the state with "
-        "jaxdp.init_state(..., compression=) with the same settings."
+        f"reduction=powersgd({settings.compression}) but state.compression is None; make the state with "
+        "jaxdp.init_state(..., reduction=) with the same reduction."
     )
 
 
@@ -365,6 +358,7 @@ def _bound_and_typed(axis_name: str) -> bool:
   return checks_vma(axis_name)
 
 
+@accepts_legacy_keywords("train_step", ("loss_fn", "optimizer", "state", "batch", "weights"))
 def train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -372,17 +366,13 @@ def train_step(
     batch: Any,
     weights: jax.Array | None = None,
     *,
-    axis_name: str = "data",
-    reduction: str = "mean",
+    layout: Any = "data",
+    reduction: Any = None,
+    precision: Any = None,
     accum_steps: int = 1,
+    example_ids: Any = None,
     rng: jax.Array | None = None,
     has_more: jax.Array | None = None,
-    compute_dtype: Any = None,
-    grad_reduce_dtype: Any = None,
-    bucket_bytes: int | None = None,
-    example_ids: Any = None,
-    loss_scaling: Any = None,
-    compression: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
@@ -406,9 +396,22 @@ def train_step(
     batch: this replica's slice of the batch.
     weights: ``None`` (all ones) or an array of the losses' shape, ``>= 0``,
       zero for padding.
-    axis_name: the data-parallel axis to reduce over.
-    reduction: one of :data:`jaxdp.REDUCTIONS`; ``"mean"`` (the default) is
-      the exact gradient of the global weighted mean.
+    layout: the :class:`jaxdp.DataParallel` of the step (or the data axis'
+      name, a str or a tuple): the axes to reduce over.
+    reduction: a :class:`jaxdp.reductions.Reduction`; default
+      :func:`jaxdp.reductions.mean`, the exact gradient of the global
+      weighted mean. :func:`~jaxdp.reductions.rank_mean` (DDP's),
+      :func:`~jaxdp.reductions.sum`, :func:`~jaxdp.reductions.none`,
+      :func:`~jaxdp.reductions.bucketed`, :func:`~jaxdp.reductions.powersgd`
+      (``state.compression`` then holds its state) or a user's own, composed
+      with :func:`jaxdp.reductions.chain`.
+    precision: a :class:`jaxdp.Precision` (:func:`jaxdp.precision`): the
+      compute dtype of the forward and backward passes (params, optimizer
+      state and sums stay as they are), the dtype the gradient is all-reduced
+      in, and loss scaling (the state's ``loss_scale`` then holds the scale:
+      the backward pass differentiates the loss multiplied by it, the
+      float32 gradient is divided by it before the reduction, and the scale
+      is updated from the step's non-finite flag).
     accum_steps: number of micro-batches this replica's batch is split into;
       their gradient sums are accumulated locally and reduced once.
     rng: optional PRNG key, the same on every replica. Each replica derives
@@ -421,13 +424,6 @@ def train_step(
     has_more: optional per-replica count (e.g. 1 if this replica's input
       stream has data after this batch), summed over replicas in the step's
       own all-reduce into ``metrics["has_more"]``.
-    compute_dtype: mixed precision (see :func:`jaxdp.local_gradient`):
-      forward and backward in this dtype, e.g. ``jnp.bfloat16``, with the
-      params, optimizer state and sums kept as they are (float32).
-    grad_reduce_dtype: all-reduce (or reduce-scatter) the gradient in this
-      dtype, e.g. ``jnp.bfloat16`` for half the bytes; default float32.
-    bucket_bytes: reduce the gradient in buckets of about this many bytes
-      (see :func:`jaxdp.reduce_gradient`); ``None``: one all-reduce.
     example_ids: layout-invariant randomness (:mod:`jaxdp.randomness`): the
       key of each row's global id in a dict batch (e.g. ``"id"``), or a
       callable ``batch -> [b]`` integer ids. ``loss_fn`` gets the same key
@@ -436,19 +432,6 @@ def train_step(
       on any number of devices, split and ``accum_steps``. A library's own
       ``Dropout`` (linen's, nnx's) is then refused. ``None`` (default):
       per-replica keys.
-    loss_scaling: dynamic loss scaling for float16 (:mod:`jaxdp.loss_scaling`):
-      a :class:`jaxdp.DynamicLossScale` from :func:`jaxdp.dynamic_loss_scale`,
-      with a state whose ``loss_scale`` holds the current scale
-      (``scaling.init()`` at the start). The backward pass differentiates the
-      loss multiplied by the scale, the float32 gradient is divided by it
-      before the reduction, and the scale is updated from the step's
-      non-finite flag. ``None`` (default): no scaling (the state's
-      ``loss_scale`` must be ``None``).
-    compression: ``None`` (the exact reduction) or :func:`jaxdp.powersgd`'s
-      settings: the large matrix leaves are reduced as PowerSGD's low-rank
-      sums with error feedback (:mod:`jaxdp.compression`); ``state.compression``
-      is then this replica's :class:`jaxdp.PowerSGDState` (``q`` whole, each
-      error its own ``[1, *shape]`` block), updated with the step.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
@@ -464,28 +447,9 @@ def train_step(
     on every replica (see :func:`jaxdp.reduce_model_state`), and with
     ``loss_scaling`` ``loss_scale``, the scale this step used.
   """
-  settings = step_settings(
-      axis_name=axis_name, reduction=reduction, accum_steps=accum_steps, compute_dtype=compute_dtype,
-      grad_reduce_dtype=grad_reduce_dtype, bucket_bytes=bucket_bytes, example_ids=example_ids,
-      loss_scaling=loss_scaling, compression=compression,
-  )
+  settings = step_config(layout, reduction, precision, accum_steps, example_ids)
   check_optimizer(optimizer)  # before the forward and backward passes are traced
-  return run_train_step(settings, loss_fn, optimizer, state, batch, weights, rng=rng, has_more=has_more)
-
-
-def run_train_step(
-    settings: StepSettings,
-    loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
-    state: TrainState,
-    batch: Any,
-    weights: jax.Array | None = None,
-    *,
-    rng: jax.Array | None = None,
-    has_more: jax.Array | None = None,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-  """:func:`train_step` under settings and an optimizer already checked; the other arguments as there."""
-  axis_name, reduction = settings.axis_name, settings.reduction
+  axis_name, reduction = settings.axis_name, settings.mode
   check_loss_scale(settings.loss_scaling, state.loss_scale)  # before the forward and backward passes are traced
   if reduction == "none" and _bound_and_typed(axis_name) and not all(varies(p, axis_name) for p in jax.tree.leaves(state.params)):
     raise ValueError(
@@ -493,8 +457,16 @@ def run_train_step(
         "which its replicated type cannot hold. Pass jaxdp.as_varying(state, axis_name) (and out_specs that keep "
         "the replicas), or use shard_map(..., check_vma=False) as make_train_step does."
     )
-  reduced = run_gradient_step(settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more, divide=False)
+  reduced = sharded_gradient_step(settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more, divide=False)
   # Under "none" the replicas' gradients differ: each takes the norm of its own.
   if reduction == "none":
     return finish_step(optimizer, state, reduced)
   return finish_step(optimizer, state, reduced, axis_name=axis_name, agreed=True, loss_scaling=settings.loss_scaling)
+
+
+def _legacy_sharded(loss_fn, state, batch, weights=None, *, layout="data", reduction=None, precision=None, accum_steps=1,
+                    example_ids=None, **splits):
+  """``gradient_step(..., params_split=, grads_split=, divide=, stacked=)`` of jaxdp 0.1: ZeRO's splits, which
+  left the public signature, run through :func:`sharded_gradient_step`."""
+  config = step_config(layout, reduction, precision, accum_steps, example_ids)
+  return sharded_gradient_step(config, loss_fn, state, batch, weights, **splits)

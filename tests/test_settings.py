@@ -1,4 +1,4 @@
-"""The step's settings are checked once on the compiled path, and still when a user calls a function directly;
+"""The step's values are checked once on the compiled path, and still when a user calls a function directly;
 the core modules know nothing of flax, whose guards still hold in a program that never imports jaxdp's flax
 modules."""
 
@@ -14,40 +14,42 @@ import optax
 import pytest
 
 import jaxdp
-from jaxdp import settings as settings_lib
+from jaxdp import _config, reductions
 
-CORE = ("loss", "reduction", "step", "layout", "compiled")
+CORE = ("loss", "reduction", "reductions", "step", "layout", "compiled", "parallel", "mixed_precision", "_config")
 
 
 def loss_fn(params, batch):
   return (batch["x"] @ params["w"] - batch["y"]) ** 2
 
 
-def test_step_settings_rejects_what_the_steps_rejected():
-  with pytest.raises(ValueError, match="reduction='avg'"):
-    settings_lib.step_settings(reduction="avg")
+def test_step_config_rejects_what_the_steps_rejected():
+  with pytest.raises(TypeError, match="jaxdp.reductions.Reduction"):
+    _config.step_config(reduction="mean")  # a name is the old keyword API's (translated at the edge only)
   with pytest.raises(ValueError, match="reduction='none' keeps independent replicas"):
-    settings_lib.step_settings(reduction="none", zero_stage=1)
+    _config.step_config(jaxdp.data_parallel(jaxdp.data_mesh(jax.devices()[:2]), zero_stage=1),
+                        reduction=reductions.none())
   with pytest.raises(ValueError, match="accum_steps"):
-    settings_lib.step_settings(accum_steps=0)
+    _config.step_config(accum_steps=0)
   with pytest.raises(ValueError, match="reduce_dtype=.*float16"):
-    settings_lib.step_settings(grad_reduce_dtype=jnp.float16, reduce_dtype_name="reduce_dtype")
-  settings = settings_lib.step_settings(compute_dtype="bfloat16", bucket_bytes=0)
-  assert settings.compute_dtype == np.dtype(jnp.bfloat16) and settings.bucket_bytes == 0
+    jaxdp.precision(reduce_dtype=jnp.float16)
+  config = _config.step_config(precision=jaxdp.precision("bfloat16"), reduction=reductions.bucketed(0))
+  assert config.compute_dtype == np.dtype(jnp.bfloat16) and config.bucket_bytes == 0
 
 
-def test_the_compiled_step_checks_its_settings_once(monkeypatch):
+def test_the_compiled_step_checks_its_values_once(monkeypatch):
   calls = []
-  check = settings_lib.check_reduction
-  monkeypatch.setattr(settings_lib, "check_reduction", lambda r: (calls.append(r), check(r)))
+  fold = reductions._fold
+  monkeypatch.setattr(reductions, "_fold", lambda pieces: (calls.append(len(pieces)), fold(pieces))[1])
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   params = {"w": jnp.ones((3,), jnp.float32)}
   state = jaxdp.init_state(params, optax.sgd(0.1), mesh)
-  step = jaxdp.make_train_step(loss_fn, optax.sgd(0.1), mesh, accum_steps=2)
-  assert calls == ["mean"]  # make_train_step's entry
+  calls.clear()
+  step = jaxdp.make_train_step(loss_fn, optax.sgd(0.1), mesh, reduction=reductions.mean(), accum_steps=2)
+  assert calls == [1]  # make_train_step's entry
   batch = {"x": np.ones((4, 3), np.float32), "y": np.zeros((4,), np.float32)}
   state, metrics = step(state, batch)
-  assert np.isfinite(float(metrics["loss"])) and calls == ["mean"]  # tracing the step checks nothing again
+  assert np.isfinite(float(metrics["loss"])) and calls == [1]  # tracing the step checks nothing again
 
 
 def test_public_functions_called_directly_still_check():
@@ -56,11 +58,13 @@ def test_public_functions_called_directly_still_check():
   with pytest.raises(ValueError, match="accum_steps"):
     jaxdp.local_gradient(loss_fn, params, batch, accum_steps=0)
   with pytest.raises(ValueError, match="compute_dtype"):
-    jaxdp.local_gradient(loss_fn, params, batch, compute_dtype=jnp.int32)
+    jaxdp.local_gradient(loss_fn, params, batch, precision=jaxdp.precision(jnp.int32))
   local = jaxdp.local_gradient(loss_fn, params, batch)
-  with pytest.raises(ValueError, match="reduction='avg'"):
-    jaxdp.reduce_gradient(local, axis_name="data", reduction="avg")
-  with pytest.raises(ValueError, match="reduce_dtype="):
+  with pytest.raises(TypeError, match="reduction must be"):
+    jaxdp.reduce_gradient(local, layout="data", reduction=optax.sgd(0.1))
+  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="reduction='avg'"):
+    jaxdp.reduce_gradient(local, axis_name="data", reduction="avg")  # the old keywords: the old message
+  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="reduce_dtype="):
     jaxdp.reduce_gradient(local, axis_name="data", reduce_dtype=jnp.float16)
 
 
