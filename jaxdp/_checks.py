@@ -7,7 +7,9 @@ caller's state usable. Results are cached per input signature by the caller.
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -32,6 +34,13 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   """Raises ``TypeError`` unless ``optimizer`` is an optax ``GradientTransformation`` (has ``init`` and ``update``)."""
   if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
     return
+  nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
+  if nnx is not None and isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        f"{name} is a flax nnx.Optimizer, which holds a model and its optimizer state; jaxdp keeps both in the "
+        f"TrainState. Pass the optax GradientTransformation itself, the tx given to nnx.Optimizer ({name}=tx, e.g. "
+        f"optax.adam(1e-3); this one's is {name}.tx), and the model's params from jaxdp.nnx.split(model)."
+    )
   if callable(optimizer):
     what = getattr(optimizer, "__qualname__", type(optimizer).__name__)
     raise TypeError(
@@ -39,6 +48,98 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
         f"call it, e.g. {name}=optax.adam(learning_rate=1e-3)."
     )
   raise TypeError(f"{name} must be an optax.GradientTransformation (init, update), got {type(optimizer).__name__}.")
+
+
+# Collections a flax linen model's variables hold besides "params" (linen's own names): a variables dict passed
+# where the params go would train them as parameters.
+_LINEN_COLLECTIONS = ("batch_stats", "cache", "intermediates", "perturbations", "losses")
+
+
+def check_params(params: Any, name: str = "params") -> None:
+  """Refuses the natural mistakes of a flax user where a parameter tree goes, naming the jaxdp call that fixes them:
+  an nnx Module (or Optimizer), an nnx State with RNG or other non-parameter variables, and a linen variables dict
+  holding collections besides ``"params"``. The Module would otherwise be flattened, RNG counters and all."""
+  nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
+  if nnx is not None and isinstance(params, (nnx.Module, nnx.Optimizer)):
+    raise TypeError(
+        f"{name} is an nnx {'Optimizer' if isinstance(params, nnx.Optimizer) else 'Module'} "
+        f"({type(params).__name__}), not a parameter tree; split the model first: definition, params, model_state = "
+        f"jaxdp.nnx.split(model), then jaxdp.init_state(params, optax_transformation, mesh, model_state=model_state) "
+        "and jaxdp.nnx.loss_fn(definition, ...) for the loss (see docs/porting-nnx.md)."
+    )
+  if nnx is not None and isinstance(params, nnx.State):
+    kinds = {type(v).__name__ for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+             if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)}
+    if kinds:
+      raise TypeError(
+          f"{name} is an nnx State holding {', '.join(sorted(kinds))} variables besides the nnx.Param ones (e.g. "
+          f"nnx.state(model)): only parameters are trained. Pass the params of jaxdp.nnx.split(model), and its "
+          "model_state as model_state= (RNG streams are reseeded by the step)."
+      )
+  if isinstance(params, Mapping) and "params" in params:
+    others = [k for k in params if k in _LINEN_COLLECTIONS]
+    if others:
+      each = [f"variables[{k!r}]" for k in others]
+      state = each[0] if len(others) == 1 else "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(others, each)) + "}"
+      raise ValueError(
+          f"{name} is a flax linen variables dict (collections {', '.join(map(repr, params))}): only "
+          f"variables['params'] is trained, and the other collections would be updated by the optimizer as "
+          f"parameters. Pass jaxdp.init_state(variables['params'], optimizer, mesh, model_state={state}) (see "
+          "docs/porting-linen.md)."
+      )
+
+
+def check_has_more(has_more: Any) -> None:
+  """Refuses ``has_more`` counts that are not integers (a fractional one was truncated silently) or, on the host,
+  negative; called where ``has_more`` enters a step (shapes are the step's own check)."""
+  if has_more is None:
+    return
+  dtype = getattr(has_more, "dtype", None)
+  dtype = np.asarray(has_more).dtype if dtype is None else np.dtype(dtype)
+  if not (np.issubdtype(dtype, np.integer) or dtype == np.bool_):
+    raise ValueError(
+        f"has_more must hold integer counts (int32, one per device, as jaxdp.StreamingPipeline yields them), got "
+        f"dtype {dtype}: a fractional count would be truncated. Pass whole counts, e.g. np.asarray(counts, "
+        "np.int32). Nothing ran and nothing was donated."
+    )
+  if not isinstance(has_more, jax.Array):  # host values (a jax.Array is not read: that would wait for the device)
+    values = np.asarray(has_more)
+    if values.size and values.min() < 0:
+      raise ValueError(f"has_more holds negative counts ({values.min()}); counts are >= 0 (1 where a process's "
+                       "stream has more examples, else 0). Nothing ran and nothing was donated.")
+
+
+# The batches jaxdp padded (split_batch, shard_uneven, the pipelines), by the id of each of their arrays. Such a
+# batch is correct only with its weights (0 on the padding rows), and a jax.Array cannot carry them (it takes no
+# attributes and cannot be subclassed; a wrapper would change what the user's batch is), so a step given one
+# without weights recognises it by identity. Weak references: an entry goes with its array and keeps nothing
+# alive; a global because the batch may reach any step or process-wide helper (as _donated below).
+_padded: dict[int, weakref.ref] = {}
+
+
+def mark_padded(batch: Any) -> None:
+  """Records the arrays of ``batch`` as jaxdp-padded: a step refuses them without weights."""
+  for leaf in jax.tree.leaves(batch):
+    if isinstance(leaf, jax.Array):
+      key = id(leaf)
+      _padded[key] = weakref.ref(leaf, lambda _, key=key: _padded.pop(key, None))
+
+
+def check_padded_weights(batch: Any, weights: Any) -> None:
+  """Refuses a batch that :func:`jaxdp.split_batch`, :func:`jaxdp.shard_uneven` or a pipeline padded, given without
+  its weights: its padding rows would train as real rows (``weights=None`` means all ones). Identity checks only,
+  and none when weights are given."""
+  if weights is not None or not _padded:
+    return
+  for leaf in jax.tree.leaves(batch):
+    ref = _padded.get(id(leaf))
+    if ref is not None and ref() is leaf:
+      raise ValueError(
+          "weights is None, but batch was padded by jaxdp.split_batch, jaxdp.shard_uneven or a jaxdp pipeline, "
+          "whose padding rows have weight 0: without its weights the step would count them as real rows (None "
+          "means weight 1 for every row). Pass the weights that came with it: batch, weights = "
+          "jaxdp.split_batch(data, mesh); step(state, batch, weights). Nothing ran and nothing was donated."
+      )
 
 
 def check_float_dtype(dtype: Any, name: str, examples: str = "jnp.bfloat16, jnp.float16 or jnp.float32") -> Any:

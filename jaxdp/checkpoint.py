@@ -85,7 +85,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _ckpt_record as record_lib
-from jaxdp._checks import check_int, check_not_donated, check_optimizer, check_state
+from jaxdp._checks import check_int, check_not_donated, check_optimizer, check_params, check_state
 from jaxdp._ckpt_record import RNG
 from jaxdp.compression import check_compression, init_compression
 from jaxdp.data import DataPipeline
@@ -650,6 +650,7 @@ class CheckpointManager:
         array is read before the record and the target are checked, and
         nothing is returned before every array has passed its checksum.
     """
+    check_params(params)
     check_optimizer(optimizer)  # else optimizer.init's failure would be blamed on params
     check_mesh_axis(mesh, axis_name)
     check_zero_stage(zero_stage)

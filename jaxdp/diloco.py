@@ -157,6 +157,7 @@ def init_diloco_state(
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
   check_optimizer(outer_optimizer, "outer_optimizer")
+  _checks.check_params(params)
   _checks.check_params_dtypes(params, "params")
   r = mesh.shape[outer_axis]
 
@@ -240,6 +241,7 @@ class DiLoCoStep:
 
   def _prepare(self, state, batch, weights, rng):
     weights = _checks.as_array(weights)
+    _checks.check_padded_weights(batch, weights)
     self._check(state, batch, weights, rng)
     _checks.check_batch_values(batch, "batch", dtypes=False)
     _checks.check_weight_values(weights)

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp._checks import check_not_donated, check_optimizer, check_params_dtypes
+from jaxdp._checks import check_not_donated, check_optimizer, check_params, check_params_dtypes
 from jaxdp.compression import check_compression, compression_specs, init_compression
 from jaxdp.loss import model_support
 from jaxdp.loss_scaling import check_loss_scale_value
@@ -681,6 +681,7 @@ def init_state(
   """
   check_mesh_axis(mesh, axis_name)
   check_zero_stage(zero_stage)
+  check_params(params)
   check_optimizer(optimizer)
   check_layers(layers)
   if loss_scale is not None:
