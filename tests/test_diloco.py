@@ -271,6 +271,9 @@ def test_bad_inputs_leave_the_state_untouched():
   _leaves_alive_and_equal(state, copy)
   with pytest.raises(TypeError, match="DiLoCoState"):
     step(state.inner, batch, weights)
+  padded, _ = jaxdp.split_batch(six, jaxdp.data_mesh(jax.devices()[:4]))  # 6 rows padded to 8: needs its weights
+  with pytest.raises(ValueError, match="weights is None, but batch was padded by jaxdp.split_batch"):
+    step(state, padded)
   _leaves_alive_and_equal(state, copy)
   state, _ = step(state, batch, weights)  # and the step still runs on it
 
