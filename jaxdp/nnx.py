@@ -434,9 +434,9 @@ def update(model: nnx.Module, state: TrainState) -> nnx.Module:
     raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
   if not isinstance(state, TrainState):
     raise TypeError(f"state must be a jaxdp.TrainState, got {type(state).__name__}.")
-  _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+  _, params, _, _, rest = nnx.split(model, nnx.Param, nnx.RngState, nnx.Intermediate, ...)  # as split() sees it
   _check_matches(params, state.params, "state.params")
-  _check_matches(rest if jax.tree.leaves(rest) else None, state.model_state, "state.model_state")
+  _check_matches(rest if jax.tree.leaves(rest) else None, state.model_state, "state.model_state", subset=True)
   full = jax.tree.map(jnp.asarray, gather_state(state._replace(opt_state=None)))
   if full.model_state is None:
     nnx.update(model, full.params)
@@ -450,14 +450,15 @@ def _path(path: tuple) -> str:
   return jax.tree_util.keystr(tuple(k for k in path if getattr(k, "name", None) != "value"))
 
 
-def _check_matches(expected: Any, got: Any, name: str) -> None:
+def _check_matches(expected: Any, got: Any, name: str, subset: bool = False) -> None:
   """Raises ``ValueError`` naming the first leaf of ``got`` whose presence, shape or dtype is not ``expected``'s
-  (the model's own variables, as :func:`split` returns them): written into the model, it would replace them."""
+  (the model's own variables, as :func:`split` returns them): written into the model, it would replace them.
+  ``subset``: ``got`` may lack some of ``expected``'s leaves (those are left as they are)."""
   if expected is None or got is None:
     return  # what nnx.update does with one side only is flax's (a state without model state writes params only)
   want = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
   have = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(got)}
-  for path in [*want, *(p for p in have if p not in want)]:
+  for path in [*(p for p in want if not subset or p in have), *(p for p in have if p not in want)]:
     if path not in have or path not in want:
       where = "the state" if path in want else "the model"
       raise ValueError(f"{name}{path} is missing from {where}: the state was built for another model (its variables "

@@ -193,3 +193,16 @@ def test_nnx_update_refuses_a_state_of_another_model_naming_the_leaf(mesh):
   with pytest.raises(TypeError, match="model must be an nnx.Module"):
     jaxdp.nnx.update(params, state)
   jaxdp.nnx.update(other, state)  # its own state: written
+
+
+def test_example_ids_given_by_hand_must_be_integers_one_per_row():
+  """use_example_ids and example_keys took float ids (truncated by fold_in) and ids of any shape."""
+  key = jax.random.key(0)
+  for bad in (np.array([0.5, 1.5]), np.array([[1, 2]])):
+    with pytest.raises(ValueError, match=r"ids must be \[b\] integer ids, one per row"):
+      with jaxdp.use_example_ids(bad):
+        pass
+    with pytest.raises(ValueError, match=r"ids must be \[b\] integer ids"):
+      jaxdp.example_keys(key, bad)
+  with jaxdp.use_example_ids(np.array([3, 1], np.int32)):
+    assert jaxdp.example_keys(key).shape == (2,)
