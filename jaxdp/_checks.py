@@ -7,15 +7,13 @@ caller's state usable. Results are cached per input signature by the caller.
 from __future__ import annotations
 
 import operator
-import sys
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxdp.loss import check_loss_fn
+from jaxdp.loss import check_loss_fn, model_support
 from jaxdp.state import TrainState
 
 
@@ -34,13 +32,9 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   """Raises ``TypeError`` unless ``optimizer`` is an optax ``GradientTransformation`` (has ``init`` and ``update``)."""
   if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
     return
-  nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
-  if nnx is not None and isinstance(optimizer, nnx.Optimizer):
-    raise TypeError(
-        f"{name} is a flax nnx.Optimizer, which holds a model and its optimizer state; jaxdp keeps both in the "
-        f"TrainState. Pass the optax GradientTransformation itself, the tx given to nnx.Optimizer ({name}=tx, e.g. "
-        f"optax.adam(1e-3); this one's is {name}.tx), and the model's params from jaxdp.nnx.split(model)."
-    )
+  for support in model_support():  # a model library's own optimizer object (flax's nnx.Optimizer)
+    if support.check_optimizer is not None:
+      support.check_optimizer(optimizer, name)
   if callable(optimizer):
     what = getattr(optimizer, "__qualname__", type(optimizer).__name__)
     raise TypeError(
@@ -50,43 +44,12 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   raise TypeError(f"{name} must be an optax.GradientTransformation (init, update), got {type(optimizer).__name__}.")
 
 
-# Collections a flax linen model's variables hold besides "params" (linen's own names): a variables dict passed
-# where the params go would train them as parameters.
-_LINEN_COLLECTIONS = ("batch_stats", "cache", "intermediates", "perturbations", "losses")
-
-
 def check_params(params: Any, name: str = "params") -> None:
-  """Refuses the natural mistakes of a flax user where a parameter tree goes, naming the jaxdp call that fixes them:
-  an nnx Module (or Optimizer), an nnx State with RNG or other non-parameter variables, and a linen variables dict
-  holding collections besides ``"params"``. The Module would otherwise be flattened, RNG counters and all."""
-  nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
-  if nnx is not None and isinstance(params, (nnx.Module, nnx.Optimizer)):
-    raise TypeError(
-        f"{name} is an nnx {'Optimizer' if isinstance(params, nnx.Optimizer) else 'Module'} "
-        f"({type(params).__name__}), not a parameter tree; split the model first: definition, params, model_state = "
-        f"jaxdp.nnx.split(model), then jaxdp.init_state(params, optax_transformation, mesh, model_state=model_state) "
-        "and jaxdp.nnx.loss_fn(definition, ...) for the loss (see docs/porting-nnx.md)."
-    )
-  if nnx is not None and isinstance(params, nnx.State):
-    kinds = {type(v).__name__ for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-             if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)}
-    if kinds:
-      raise TypeError(
-          f"{name} is an nnx State holding {', '.join(sorted(kinds))} variables besides the nnx.Param ones (e.g. "
-          f"nnx.state(model)): only parameters are trained. Pass the params of jaxdp.nnx.split(model), and its "
-          "model_state as model_state= (RNG streams are reseeded by the step)."
-      )
-  if isinstance(params, Mapping) and "params" in params:
-    others = [k for k in params if k in _LINEN_COLLECTIONS]
-    if others:
-      each = [f"variables[{k!r}]" for k in others]
-      state = each[0] if len(others) == 1 else "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(others, each)) + "}"
-      raise ValueError(
-          f"{name} is a flax linen variables dict (collections {', '.join(map(repr, params))}): only "
-          f"variables['params'] is trained, and the other collections would be updated by the optimizer as "
-          f"parameters. Pass jaxdp.init_state(variables['params'], optimizer, mesh, model_state={state}) (see "
-          "docs/porting-linen.md)."
-      )
+  """Refuses what a model library's integration recognises as a natural mistake where a parameter tree goes (flax:
+  an nnx Module, an nnx State with RNG variables, a linen variables dict), with the jaxdp call that fixes it."""
+  for support in model_support():
+    if support.check_params is not None:
+      support.check_params(params, name)
 
 
 def check_has_more(has_more: Any) -> None:
