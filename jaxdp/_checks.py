@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdp.loss import check_loss_fn
+from jaxdp.loss import check_loss_fn, model_support
 from jaxdp.state import TrainState
 
 
@@ -32,6 +32,9 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   """Raises ``TypeError`` unless ``optimizer`` is an optax ``GradientTransformation`` (has ``init`` and ``update``)."""
   if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
     return
+  for support in model_support():  # a model library's own optimizer object (flax's nnx.Optimizer)
+    if support.check_optimizer is not None:
+      support.check_optimizer(optimizer, name)
   if callable(optimizer):
     what = getattr(optimizer, "__qualname__", type(optimizer).__name__)
     raise TypeError(
@@ -39,6 +42,67 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
         f"call it, e.g. {name}=optax.adam(learning_rate=1e-3)."
     )
   raise TypeError(f"{name} must be an optax.GradientTransformation (init, update), got {type(optimizer).__name__}.")
+
+
+def check_params(params: Any, name: str = "params") -> None:
+  """Refuses what a model library's integration recognises as a natural mistake where a parameter tree goes (flax:
+  an nnx Module, an nnx State with RNG variables, a linen variables dict), with the jaxdp call that fixes it."""
+  for support in model_support():
+    if support.check_params is not None:
+      support.check_params(params, name)
+
+
+def check_has_more(has_more: Any) -> None:
+  """Refuses ``has_more`` counts that are not integers (a fractional one was truncated silently) or, on the host,
+  negative; called where ``has_more`` enters a step (shapes are the step's own check)."""
+  if has_more is None:
+    return
+  dtype = getattr(has_more, "dtype", None)
+  dtype = np.asarray(has_more).dtype if dtype is None else np.dtype(dtype)
+  if not (np.issubdtype(dtype, np.integer) or dtype == np.bool_):
+    raise ValueError(
+        f"has_more must hold integer counts (int32, one per device, as jaxdp.StreamingPipeline yields them), got "
+        f"dtype {dtype}: a fractional count would be truncated. Pass whole counts, e.g. np.asarray(counts, "
+        "np.int32). Nothing ran and nothing was donated."
+    )
+  if not isinstance(has_more, jax.Array):  # host values (a jax.Array is not read: that would wait for the device)
+    values = np.asarray(has_more)
+    if values.size and values.min() < 0:
+      raise ValueError(f"has_more holds negative counts ({values.min()}); counts are >= 0 (1 where a process's "
+                       "stream has more examples, else 0). Nothing ran and nothing was donated.")
+
+
+# The batches jaxdp padded (split_batch, shard_uneven, the pipelines), by the id of each of their arrays. Such a
+# batch is correct only with its weights (0 on the padding rows), and a jax.Array cannot carry them (it takes no
+# attributes and cannot be subclassed; a wrapper would change what the user's batch is), so a step given one
+# without weights recognises it by identity. Weak references: an entry goes with its array and keeps nothing
+# alive; a global because the batch may reach any step or process-wide helper (as _donated below).
+_padded: dict[int, weakref.ref] = {}
+
+
+def mark_padded(batch: Any) -> None:
+  """Records the arrays of ``batch`` as jaxdp-padded: a step refuses them without weights."""
+  for leaf in jax.tree.leaves(batch):
+    if isinstance(leaf, jax.Array):
+      key = id(leaf)
+      _padded[key] = weakref.ref(leaf, lambda _, key=key: _padded.pop(key, None))
+
+
+def check_padded_weights(batch: Any, weights: Any) -> None:
+  """Refuses a batch that :func:`jaxdp.split_batch`, :func:`jaxdp.shard_uneven` or a pipeline padded, given without
+  its weights: its padding rows would train as real rows (``weights=None`` means all ones). Identity checks only,
+  and none when weights are given."""
+  if weights is not None or not _padded:
+    return
+  for leaf in jax.tree.leaves(batch):
+    ref = _padded.get(id(leaf))
+    if ref is not None and ref() is leaf:
+      raise ValueError(
+          "weights is None, but batch was padded by jaxdp.split_batch, jaxdp.shard_uneven or a jaxdp pipeline, "
+          "whose padding rows have weight 0: without its weights the step would count them as real rows (None "
+          "means weight 1 for every row). Pass the weights that came with it: batch, weights = "
+          "jaxdp.split_batch(data, mesh); step(state, batch, weights). Nothing ran and nothing was donated."
+      )
 
 
 def check_float_dtype(dtype: Any, name: str, examples: str = "jnp.bfloat16, jnp.float16 or jnp.float32") -> Any:

@@ -55,10 +55,14 @@ Atomicity and retention are orbax's: a step is written to
 a save leaves the previous checkpoints intact and the unfinished one is
 ignored (and removed when the next manager opens the directory). The list of
 steps is re-read from the directory when it is asked for, so a step deleted
-by hand is not offered for restoring. An asynchronous save that fails raises
-its error at the next :meth:`CheckpointManager.wait`, :meth:`~CheckpointManager.close`
-or :meth:`~CheckpointManager.save`, and leaves no thread behind that would
-delay the process's exit.
+by hand is not offered for restoring. A save that fails before its commit,
+at whatever point, leaves the manager as if it had never been attempted (its
+threads awaited, its temporary directory removed, the list of steps re-read),
+so ``save(step, ...)`` retries it. Its error is raised once: by
+:meth:`CheckpointManager.save`, or for an asynchronous save failing in
+orbax's threads by the next :meth:`~CheckpointManager.wait`,
+:meth:`~CheckpointManager.close` or :meth:`~CheckpointManager.save`; no thread
+is left behind that would delay the process's exit.
 
 This module holds the orbax lifecycle (saving, restoring, waiting, closing);
 the record's format, its checks and the checksums are in
@@ -81,7 +85,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp import _ckpt_record as record_lib
-from jaxdp._checks import check_int, check_not_donated, check_optimizer, check_state
+from jaxdp._checks import check_int, check_not_donated, check_optimizer, check_params, check_state
 from jaxdp._ckpt_record import RNG
 from jaxdp.data import DataPipeline
 from jaxdp.distributed import assert_same_across_processes
@@ -120,11 +124,14 @@ def _join(threads: list[threading.Thread]) -> None:
   """Waits (boundedly) for a save's threads, without raising its failure.
 
   Also for a failed save: when one write fails orbax leaves the others running, and they would write into
-  (even re-create) the temporary directory of a retry of the same step.
+  (even re-create) the temporary directory of a retry of the same step. ``threading.Thread.join`` itself, not
+  the threads' own ``join``: orbax's write threads re-raise the save's failure from every ``join``, and its
+  finalising thread raises it from the first ``join`` of each calling thread, which would take it from
+  :meth:`CheckpointManager.wait` (the one call that reports it) whenever a thread was still alive.
   """
   deadline = time.monotonic() + _STRAGGLER_SECONDS
   for thread in threads:
-    thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    threading.Thread.join(thread, timeout=max(0.0, deadline - time.monotonic()))
 
 
 class Restored(NamedTuple):
@@ -282,7 +289,8 @@ class CheckpointManager:
       before relying on a save, and :meth:`close` (or use ``with``) before
       the process exits, else the last save is lost (never half-written).
       A background save that fails raises its error at the next
-      :meth:`wait`, :meth:`close` or :meth:`save`.
+      :meth:`wait`, :meth:`close` or :meth:`save`, once; the manager is then
+      as if it had never been attempted, and :meth:`save` retries that step.
   """
 
   def __init__(
@@ -326,6 +334,10 @@ class CheckpointManager:
     getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
     self._current: int | None = None  # the step this manager last restored or wrote: the run it is on
     self._save_threads: list[threading.Thread] = []
+    self._asynchronous = enable_async_checkpointing
+    # The asynchronous save in flight, as (its step, self._current before it, whether its directory existed), until
+    # wait() reports how it ended.
+    self._pending: tuple[int, int | None, bool] | None = None
 
   def __enter__(self) -> CheckpointManager:
     return self
@@ -356,10 +368,7 @@ class CheckpointManager:
     is in flight. One process removes them, and the others wait for it (a shared directory).
     """
     if jax.process_index() == 0:
-      prefix = f"{step}.orbax-checkpoint-tmp"
-      for name in os.listdir(self.directory):
-        if name == prefix or name.startswith(prefix + "-"):
-          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      self._remove_tmp(step)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
 
@@ -382,8 +391,53 @@ class CheckpointManager:
     """
     if wait:
       self.wait()
-    if not self._manager.is_saving_in_progress():
+    if not self._saving():
       self._manager.reload()
+
+  def _saving(self) -> bool:
+    """Whether an asynchronous save of this manager is still being written.
+
+    jaxdp's own record, not orbax's ``is_saving_in_progress()``: orbax leaves that set for ever after a save that
+    failed in its calling thread, and the list would never be re-read again.
+    """
+    return self._pending is not None and any(t.is_alive() for t in self._save_threads)
+
+  def _undo(self, step: int, current: int | None, existed: bool, error: BaseException, asynchronous: bool) -> None:
+    """Leaves the manager as if the failed save of ``step`` had never been attempted, and notes so on ``error``.
+
+    Its threads are awaited (not raising again), what it wrote is removed (``<step>.orbax-checkpoint-tmp``, by
+    one process), ``current`` (the step of the run before it) is restored and the list of steps is re-read from
+    the directory. A failure after the step's directory was committed (orbax removing the checkpoints
+    ``max_to_keep`` drops) leaves the step, which is complete, as the one this manager last wrote.
+    """
+    _join(self._save_threads)
+    self._save_threads, self._pending = [], None
+    committed = not existed and os.path.isdir(self._step_path(step))
+    self._current = step if committed else current
+    try:
+      if not committed and jax.process_index() == 0:
+        self._remove_tmp(step)
+      self._manager.reload()
+    except Exception:  # noqa: BLE001 - e.g. the directory is gone; the save's own failure is the one raised
+      pass
+    if committed:
+      error.add_note(
+          f"jaxdp.CheckpointManager: step {step} was written and committed in {self.directory}; what failed came "
+          "after its commit (orbax removing the older checkpoints that max_to_keep drops), so some of those may "
+          "remain, or be partly removed."
+      )
+    else:
+      error.add_note(
+          f"jaxdp.CheckpointManager: {'an asynchronous' if asynchronous else 'the'} save of step {step} into "
+          f"{self.directory} failed, so that step was not written; the earlier checkpoints are intact. Retry it "
+          f"with save({step}, ...)."
+      )
+
+  def _remove_tmp(self, step: int) -> None:
+    prefix = f"{step}.orbax-checkpoint-tmp"
+    for name in os.listdir(self.directory):
+      if name == prefix or name.startswith(prefix + "-"):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def should_save(self, step: int) -> bool:
     """Whether :meth:`save` at ``step`` (not forced) writes a checkpoint."""
@@ -430,7 +484,8 @@ class CheckpointManager:
       Whether a checkpoint was written (or, asynchronously, started):
       ``False`` for a step not due (neither a multiple of
       ``save_interval_steps`` nor a preemption sync point), or for the step
-      this manager restored or last wrote (the same state again).
+      this manager restored or last wrote (the same state again). A save
+      that failed wrote nothing: retrying its step writes it (``True``).
 
     Raises:
       ValueError: if ``step`` is not after the latest checkpoint's (and is
@@ -493,14 +548,17 @@ class CheckpointManager:
     args = ocp.args.Composite(
         **{_STATE_ITEM: ocp.args.StandardSave(record_lib.nested(stored)), _RECORD_ITEM: ocp.args.JsonSave(record)}
     )
-    before = set(threading.enumerate())
+    before, current, existed = set(threading.enumerate()), self._current, os.path.isdir(self._step_path(step))
     try:
       written = bool(self._manager.save(step, args=args, force=force))
-    except Exception:
-      _join(_operation_threads(before))
+    except Exception as e:
+      self._save_threads = _operation_threads(before)
+      self._undo(step, current, existed, e, asynchronous=False)
       raise
     self._save_threads = _operation_threads(before)  # those of an asynchronous save, awaited if it fails
-    self._current = step if written else self._current
+    if written:
+      self._current = step
+      self._pending = (step, current, existed) if self._asynchronous else None
     return written
 
   def discard_after(self, step: int) -> list[int]:
@@ -588,6 +646,7 @@ class CheckpointManager:
         array is read before the record and the target are checked, and
         nothing is returned before every array has passed its checksum.
     """
+    check_params(params)
     check_optimizer(optimizer)  # else optimizer.init's failure would be blamed on params
     layout, resolved, pipeline = as_layout(layout), resolve(reduction), data
     mesh, axis_name, zero_stage, layers = layout.mesh, layout.axis_name, layout.zero_stage, layout.layers
@@ -707,18 +766,23 @@ class CheckpointManager:
 
     Raises:
       Exception: the error of an asynchronous save that failed (an ``OSError``
-        such as ``NotADirectoryError``, ...), once. That step is not written;
-        the earlier checkpoints are intact.
+        such as ``NotADirectoryError``, ...), once. That step is not written
+        (the manager is as if it had never been attempted: ``save(step, ...)``
+        writes it and returns ``True``); the earlier checkpoints are intact.
+        A failure after the step's commit (orbax removing the checkpoints
+        ``max_to_keep`` drops) is raised once too, and the step is kept.
     """
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      _join(self._save_threads)
-      e.add_note(
-          f"jaxdp.CheckpointManager: an asynchronous save into {self.directory} failed, so that step was not "
-          "written; the earlier checkpoints are intact."
-      )
+      pending, self._pending = self._pending, None
+      if pending is None:  # not a save this manager started (orbax raised anyway): nothing to undo
+        _join(self._save_threads)
+        e.add_note(f"jaxdp.CheckpointManager: a save into {self.directory} failed; the earlier checkpoints are intact.")
+        raise
+      self._undo(*pending, e, asynchronous=True)
       raise
+    self._pending = None
 
   def close(self) -> None:
     """Waits for saves in flight (raising a failed one's error, see :meth:`wait`) and releases orbax's resources."""

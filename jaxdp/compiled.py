@@ -76,7 +76,10 @@ class CompiledStep:
   and structure only, cached per signature) before anything runs or is
   donated, then placed on the mesh. ``lower(...)`` validates and places the
   same way and returns the ``jax.stages.Lowered`` of the jitted step, for HLO
-  and ``memory_analysis()``.
+  and ``memory_analysis()``. ``weights=None`` means weight 1 for every row,
+  except that a batch padded by :func:`jaxdp.split_batch`,
+  :func:`jaxdp.shard_uneven` or a pipeline is refused without its weights
+  (``ValueError`` naming ``weights``); ``has_more`` must hold integer counts.
   """
 
   def __init__(self, build, loss_fn, optimizer, layout: DataParallel, config: StepConfig, *,
@@ -170,6 +173,8 @@ class CompiledStep:
     for check in self._before_step:  # a model library's (e.g. the model's mode must not have changed)
       check()
     weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
+    _checks.check_padded_weights(batch, weights)
+    _checks.check_has_more(has_more)
     _checks.check_state(state)
     leaves, treedef = jax.tree.flatten(state)
     _checks.check_not_donated(state, leaves)  # also a state this step returned: another step may have consumed it

@@ -34,6 +34,9 @@ from jax.sharding import PartitionSpec as P
 from jaxdp._checks import check_int
 
 
+MAX_START_ITER = int(np.iinfo(np.int32).max)  # PowerSGDState.iteration is an int32 counter
+
+
 class PowerSGD(NamedTuple):
   """The settings of a PowerSGD reduction; build it with :func:`powersgd`, which checks them.
 
@@ -73,15 +76,19 @@ def powersgd(rank: int = 2, *, start_iter: int = 10, min_compression_rate: float
 
   Args:
     rank: an integer ``>= 1``; 1-4 is the usual range (``min(m, n)`` reproduces the exact sum).
-    start_iter: an integer ``>= 0``: the first ``start_iter`` steps are exact.
+    start_iter: an integer from 0 to ``2**31 - 1`` (the state's counter is
+      an int32): the first ``start_iter`` steps are exact.
     min_compression_rate: a number ``>= 0``; 0 compresses every matrix leaf.
-    seed: an integer, the seed of the initial ``Q``.
+    seed: an integer in ``[0, 2**32)``, the seed of the initial ``Q``.
 
   Raises:
     ValueError: a setting out of its range.
   """
   rank = check_int(rank, "rank", 1, "the rank of the low-rank approximation, e.g. powersgd(rank=2).")
   start_iter = check_int(start_iter, "start_iter", 0, "the number of exact steps before compressing (0: none).")
+  if start_iter > MAX_START_ITER:
+    raise ValueError(f"start_iter must be <= {MAX_START_ITER} (2**31 - 1: the state counts steps in an int32), got "
+                     f"{start_iter}; the number of exact steps before compressing (0: none).")
   if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float, np.number)) or not (
       math.isfinite(min_compression_rate) and min_compression_rate >= 0):
     raise ValueError(
@@ -89,15 +96,22 @@ def powersgd(rank: int = 2, *, start_iter: int = 10, min_compression_rate: float
         "compressed only if m*n > (m+n)*rank*min_compression_rate (0 compresses every matrix)."
     )
   seed = check_int(seed, "seed", 0, "the seed of the initial Q.")
+  if seed >= 2**32:
+    raise ValueError(f"seed must be < 2**32, got {seed}: without jax_enable_x64 jax.random.key keeps only a seed's "
+                     "low 32 bits, so larger seeds would give the same Q as smaller ones. Use a seed in [0, 2**32).")
   return PowerSGD(rank, start_iter, float(min_compression_rate), seed)
 
 
 def check_compression(compression: Any) -> None:
-  """Raises ``TypeError`` unless ``compression`` is ``None`` or a :class:`PowerSGD` (from :func:`powersgd`)."""
+  """Raises ``TypeError`` unless ``compression`` is ``None`` or a :class:`PowerSGD` (from :func:`powersgd`);
+  ``ValueError`` for one built by hand with a setting :func:`powersgd` refuses."""
   if compression is not None and not isinstance(compression, PowerSGD):
     raise TypeError(
         f"compression must be None (the exact reduction) or jaxdp.powersgd(...), got {type(compression).__name__}."
     )
+  if compression is not None:
+    powersgd(compression.rank, start_iter=compression.start_iter,
+             min_compression_rate=compression.min_compression_rate, seed=compression.seed)
 
 
 def leaf_rank(shape: tuple, compression: PowerSGD, dtype: Any = jnp.float32) -> int | None:

@@ -5,6 +5,13 @@ has; :class:`DataPipeline` decides which examples each device gets (an
 epoch-shuffled, resumable plan) and loads only this process's portions;
 :class:`StreamingPipeline` batches per-process streams of unknown, unequal
 lengths and ends the loop on every process at the same step.
+
+Every batch they make (and :func:`split_batch`'s) comes with its weights and
+is correct only with them: a step or evaluation step given such a batch
+with ``weights=None`` refuses it (recognised by the identity of its arrays,
+an O(leaves) check made only when no weights are given), where ``None``
+would give its padding rows weight 1. A batch of your own without weights
+still means weight 1 for every row.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxdp._checks import batch_size, check_batch_values, check_int
+from jaxdp._checks import batch_size, check_batch_values, check_int, mark_padded
 from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import check_mesh_axis, data_rows, data_size, global_array, split_along
 
@@ -94,11 +101,14 @@ def _place_blocks(blocks: Mapping[int, np.ndarray], n: int, sharding) -> jax.Arr
 
 
 def _place_portions(portions: Mapping[int, Any], n: int, sharding) -> Any:
-  """Places equally shaped per-device pytrees ``{mesh position: tree}`` as global arrays."""
+  """Places equally shaped per-device ``{mesh position: (batch, weights, ...)}`` as global arrays; the batch is
+  recorded as padded, so that a step refuses it without its weights."""
   positions = list(portions)
-  return jax.tree.map(
+  placed = jax.tree.map(
       lambda *blocks: _place_blocks(dict(zip(positions, blocks)), n, sharding), *(portions[p] for p in positions)
   )
+  mark_padded(placed[0])
+  return placed
 
 
 def shard_uneven(
@@ -141,7 +151,10 @@ def shard_uneven(
     of real rows by default because the model still runs on them: a zero
     row can give NaN (a length mask over no position), and the gradient of
     a weight-0 row is 0 times that NaN, i.e. NaN. ``weights`` is float32
-    ``[n_devices * max_len]`` or ``[n_devices * max_len, t]``.
+    ``[n_devices * max_len]`` or ``[n_devices * max_len, t]``. The batch is
+    correct only with them: the steps refuse it without weights (a
+    ``ValueError`` naming ``weights``), where ``weights=None`` would count
+    the padding rows as real ones.
   """
   check_mesh_axis(mesh, axis_name)
   check_pad(pad)
@@ -214,7 +227,8 @@ def split_batch(
   Returns:
     ``(batch, weights)`` as :func:`shard_uneven` returns them: global
     arrays with leading size ``N * rows`` split over ``axis_name``, ready
-    for the step; ``weights`` float32, 0 on padding rows.
+    for the step; ``weights`` float32, 0 on padding rows. Pass both: the
+    steps refuse this batch without its weights.
   """
   check_mesh_axis(mesh, axis_name)
   check_pad(pad)

@@ -83,6 +83,16 @@ def default_outer_optimizer() -> optax.GradientTransformation:
   return optax.sgd(0.7, momentum=0.9, nesterov=True)
 
 
+def check_int8_groups(delta_dtype: Any, groups: int) -> None:
+  """Refuses an int8 delta over more than 127 groups: each group's values are rounded to ``127 // R`` levels so
+  that their int8 sum cannot overflow, and ``R > 127`` leaves none (every scale would divide by zero)."""
+  if delta_dtype == jnp.int8 and groups > 127:
+    raise ValueError(
+        f"delta_dtype=jnp.int8 over {groups} replica groups: the int8 sum of R groups fits only with 127 // R "
+        "levels per group, none for R > 127. Use delta_dtype=jnp.bfloat16 (or None), or at most 127 groups."
+    )
+
+
 def _check_axes(mesh: Any, outer_axis: Any, axis_name: Any) -> Mesh:
   """The mesh (Auto axes), after checking that it has ``outer_axis`` besides the data axes, and nothing else."""
   if not isinstance(outer_axis, str):
@@ -169,6 +179,7 @@ def init_diloco_state(
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
   check_optimizer(outer_optimizer, "outer_optimizer")
+  _checks.check_params(params)
   _checks.check_params_dtypes(params, "params")
   r = mesh.shape[outer_axis]
 
@@ -252,6 +263,7 @@ class DiLoCoStep:
 
   def _prepare(self, state, batch, weights, rng):
     weights = _checks.as_array(weights)
+    _checks.check_padded_weights(batch, weights)
     self._check(state, batch, weights, rng)
     _checks.check_batch_values(batch, "batch", dtypes=False)
     _checks.check_weight_values(weights)
@@ -459,7 +471,8 @@ def make_diloco_step(
       ``jnp.int8`` (a quarter: the leaves in one vector, with a float32
       scale per block of :data:`INT8_BLOCK` values, the block's largest
       magnitude over the groups divided by ``127 // R`` so that the int8
-      sum cannot overflow). The weighting is applied before the cast.
+      sum cannot overflow; refused for more than 127 groups). The
+      weighting is applied before the cast.
     reduction, precision, accum_steps: the inner step's, as for
       :func:`jaxdp.make_train_step` (``reductions.none()`` is refused: a
       group must stay one replica; so are reductions with a state).
@@ -494,6 +507,7 @@ def make_diloco_step(
     if name is None or name not in DELTA_DTYPES:
       raise ValueError(f"delta_dtype must be None, jnp.bfloat16 or jnp.int8, got {delta_dtype!r}.")
     delta_dtype = jnp.dtype(name)
+  check_int8_groups(delta_dtype, mesh.shape[outer_axis])
   if not isinstance(donate, (bool, np.bool_)):
     raise TypeError(f"donate must be True or False, got {donate!r}.")
   return DiLoCoStep(settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,

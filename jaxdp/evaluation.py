@@ -131,7 +131,9 @@ class EvalStep:
   device scalars; ``eval_step.evaluate(state, batches)`` runs over an
   iterable of ``(batch, weights)`` (e.g. one pass of a
   :class:`jaxdp.DataPipeline`) and returns the exact weighted means over all
-  of it as Python floats, the per-batch float32 sums added in float64.
+  of it as Python floats, the per-batch float32 sums added in float64. A
+  batch padded by :func:`jaxdp.split_batch`, :func:`jaxdp.shard_uneven` or a
+  pipeline is refused without its weights, as the training step refuses it.
   """
 
   def __init__(self, build, *, loss_fn, mesh: Mesh, axis_name: str, gather_split: bool = False, layers: Any = None,
@@ -144,6 +146,7 @@ class EvalStep:
 
   def _prepare(self, state, batch, weights):
     weights = _checks.as_array(weights)
+    _checks.check_padded_weights(batch, weights)
     _checks.check_state(state)
     _checks.check_not_donated(state)  # a deleted buffer passed to a compiled step can crash the process
     key = _checks.signature(state, batch, weights)

@@ -3,13 +3,17 @@
 Imported by the core as soon as a program has imported flax (see
 :mod:`jaxdp.integrations`): from then on every training step refuses flax
 linen's ``BatchNorm`` statistics over padding rows, errors in a ``loss_fn``
-get flax-specific notes, and :func:`jaxdp.init_state` unboxes linen's
-``nn.with_partitioning`` parameters.
+get flax-specific notes, :func:`jaxdp.init_state` unboxes linen's
+``nn.with_partitioning`` parameters, and a flax object where params or an
+optax transformation go (an nnx Module or State, a linen variables dict, an
+``nnx.Optimizer``) is refused naming the jaxdp call that fixes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -55,4 +59,55 @@ def before_step(loss_fn: Callable) -> Callable[[], None] | None:
   return getattr(loss_fn, BEFORE_STEP_ATTRIBUTE, None)
 
 
-register_model_support(ModelSupport(tracing=tracing, notes=notes, unbox=unbox, before_step=before_step))
+# Collections a flax linen model's variables hold besides "params" (linen's own names): a variables dict passed
+# where the params go would train them as parameters.
+_LINEN_COLLECTIONS = ("batch_stats", "cache", "intermediates", "perturbations", "losses")
+
+
+def check_params(params: Any, name: str) -> None:
+  """Refuses the natural mistakes of a flax user where a parameter tree goes, naming the jaxdp call that fixes them:
+  an nnx Module (or Optimizer), an nnx State with RNG or other non-parameter variables, and a linen variables dict
+  holding collections besides ``"params"``. The Module would otherwise be flattened, RNG counters and all."""
+  nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
+  if nnx is not None and isinstance(params, (nnx.Module, nnx.Optimizer)):
+    raise TypeError(
+        f"{name} is an nnx {'Optimizer' if isinstance(params, nnx.Optimizer) else 'Module'} "
+        f"({type(params).__name__}), not a parameter tree; split the model first: definition, params, model_state = "
+        f"jaxdp.nnx.split(model), then jaxdp.init_state(params, optax_transformation, mesh, model_state=model_state) "
+        "and jaxdp.nnx.loss_fn(definition, ...) for the loss (see docs/porting-nnx.md)."
+    )
+  if nnx is not None and isinstance(params, nnx.State):
+    kinds = {type(v).__name__ for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+             if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)}
+    if kinds:
+      raise TypeError(
+          f"{name} is an nnx State holding {', '.join(sorted(kinds))} variables besides the nnx.Param ones (e.g. "
+          f"nnx.state(model)): only parameters are trained. Pass the params of jaxdp.nnx.split(model), and its "
+          "model_state as model_state= (RNG streams are reseeded by the step)."
+      )
+  if isinstance(params, Mapping) and "params" in params:
+    others = [k for k in params if k in _LINEN_COLLECTIONS]
+    if others:
+      each = [f"variables[{k!r}]" for k in others]
+      state = each[0] if len(others) == 1 else "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(others, each)) + "}"
+      raise ValueError(
+          f"{name} is a flax linen variables dict (collections {', '.join(map(repr, params))}): only "
+          f"variables['params'] is trained, and the other collections would be updated by the optimizer as "
+          f"parameters. Pass jaxdp.init_state(variables['params'], optimizer, mesh, model_state={state}) (see "
+          "docs/porting-linen.md)."
+      )
+
+
+def check_optimizer(optimizer: Any, name: str) -> None:
+  """Refuses flax's ``nnx.Optimizer`` where an optax transformation goes, naming the transformation it wraps."""
+  nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
+  if nnx is not None and isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        f"{name} is a flax nnx.Optimizer, which holds a model and its optimizer state; jaxdp keeps both in the "
+        f"TrainState. Pass the optax GradientTransformation itself, the tx given to nnx.Optimizer ({name}=tx, e.g. "
+        f"optax.adam(1e-3); this one's is {name}.tx), and the model's params from jaxdp.nnx.split(model)."
+    )
+
+
+register_model_support(ModelSupport(tracing=tracing, notes=notes, unbox=unbox, before_step=before_step,
+                                    check_params=check_params, check_optimizer=check_optimizer))

@@ -84,12 +84,20 @@ class ModelSupport(NamedTuple):
     before_step: ``before_step(loss_fn) -> check``: a check that
       :func:`jaxdp.make_train_step`'s step calls with no arguments on every
       call, before anything runs, or ``None`` for none.
+    check_params: ``check_params(params, name)``: raises for the library's
+      objects given where a parameter tree goes (e.g. a whole model), naming
+      the call that fixes it; ``None`` for none.
+    check_optimizer: ``check_optimizer(optimizer, name)``: raises for the
+      library's objects given where an optax transformation goes (called
+      only for what is not one); ``None`` for none.
   """
 
   tracing: Callable[[bool], ContextManager] | None = None
   notes: Callable[[BaseException, Callable, list], Iterable[str]] | None = None
   unbox: Callable[[Any], tuple[Any, Any]] | None = None
   before_step: Callable[[Callable], Callable[[], None] | None] | None = None
+  check_params: Callable[[Any, str], None] | None = None
+  check_optimizer: Callable[[Any, str], None] | None = None
 
 
 _SUPPORT: list[ModelSupport] = []

@@ -48,7 +48,7 @@ def precision(compute_dtype: Any = None, reduce_dtype: Any = None, loss_scaling:
     reduce_dtype: ``None`` or a floating dtype with float32's exponent range (``jnp.bfloat16``): the gradient
       travels as weighted sums, which overflow float16.
     loss_scaling: ``None``, a :class:`jaxdp.DynamicLossScale` (:func:`jaxdp.dynamic_loss_scale`), or a positive
-      number: a static scale (non-finite steps are skipped; the scale never changes).
+      power of two: a static scale (non-finite steps are skipped; the scale never changes).
 
   Raises:
     ValueError, TypeError: a setting out of its range, naming it.

@@ -422,15 +422,54 @@ def update(model: nnx.Module, state: TrainState) -> nnx.Module:
   process): the state is gathered to the host (:func:`jaxdp.gather_state`)
   and placed on the default device, so the Module can be called on host
   batches, passed to ``nnx.jit`` or saved like any other. Returns ``model``.
+
+  Raises:
+    TypeError: ``model`` is not an ``nnx.Module`` or ``state`` not a
+      :class:`jaxdp.TrainState`.
+    ValueError: the state's params (or model state) differ from the
+      model's in structure, shape or dtype, naming the first leaf that
+      differs; the model is left unchanged.
   """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
   if not isinstance(state, TrainState):
     raise TypeError(f"state must be a jaxdp.TrainState, got {type(state).__name__}.")
+  _, params, _, _, rest = nnx.split(model, nnx.Param, nnx.RngState, nnx.Intermediate, ...)  # as split() sees it
+  _check_matches(params, state.params, "state.params")
+  _check_matches(rest if jax.tree.leaves(rest) else None, state.model_state, "state.model_state", subset=True)
   full = jax.tree.map(jnp.asarray, gather_state(state._replace(opt_state=None)))
   if full.model_state is None:
     nnx.update(model, full.params)
   else:
     nnx.update(model, full.params, full.model_state)
   return model
+
+
+def _path(path: tuple) -> str:
+  """``path`` as ``['l']['kernel']``, without an nnx Variable's ``.value`` (an nnx State and a pure dict agree)."""
+  return jax.tree_util.keystr(tuple(k for k in path if getattr(k, "name", None) != "value"))
+
+
+def _check_matches(expected: Any, got: Any, name: str, subset: bool = False) -> None:
+  """Raises ``ValueError`` naming the first leaf of ``got`` whose presence, shape or dtype is not ``expected``'s
+  (the model's own variables, as :func:`split` returns them): written into the model, it would replace them.
+  ``subset``: ``got`` may lack some of ``expected``'s leaves (those are left as they are)."""
+  if expected is None or got is None:
+    return  # what nnx.update does with one side only is flax's (a state without model state writes params only)
+  want = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+  have = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(got)}
+  for path in [*(p for p in want if not subset or p in have), *(p for p in have if p not in want)]:
+    if path not in have or path not in want:
+      where = "the state" if path in want else "the model"
+      raise ValueError(f"{name}{path} is missing from {where}: the state was built for another model (its variables "
+                       "differ); nothing was written into the model.")
+    a, b = want[path], have[path]
+    if np.shape(a) != np.shape(b) or np.dtype(a.dtype) != np.dtype(b.dtype):
+      raise ValueError(
+          f"{name}{path} has shape {np.shape(b)} and dtype {np.dtype(b.dtype)}, the model's has {np.shape(a)} and "
+          f"{np.dtype(a.dtype)}: the state was trained for another model (or its params were changed); nothing was "
+          "written into the model."
+      )
 
 
 def gather(layer: nnx.Module) -> nnx.Module:

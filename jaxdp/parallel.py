@@ -23,7 +23,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdp import pipelining
-from jaxdp._checks import check_not_donated, check_opt_state, check_optimizer, check_params_dtypes, check_state
+from jaxdp._checks import (
+    check_not_donated,
+    check_opt_state,
+    check_optimizer,
+    check_params,
+    check_params_dtypes,
+    check_state,
+)
 from jaxdp._config import check_values
 from jaxdp._legacy import accepts_legacy_keywords
 from jaxdp.layout import (
@@ -235,6 +242,7 @@ def init_state(
   """
   layout = as_layout(layout)
   mesh, axis_name, layers = layout.mesh, layout.axis_name, layout.layers
+  check_params(params)
   check_optimizer(optimizer)
   resolved, policy = resolve(reduction), as_precision(precision)
   check_step(layout, resolved, policy)

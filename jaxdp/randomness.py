@@ -83,6 +83,17 @@ def ids_of(batch: Any, example_ids: str | Callable[[Any], Any]) -> jax.Array:
   return ids
 
 
+def _checked_ids(ids: Any, name: str) -> jax.Array:
+  """``ids`` as an array, or a ``ValueError`` unless they are ``[b]`` integers (a float id was truncated silently)."""
+  ids = jnp.asarray(ids)
+  if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(
+        f"{name} must be [b] integer ids, one per row (e.g. each example's index in the dataset), got shape "
+        f"{ids.shape} and dtype {ids.dtype}; cast whole-number ids with .astype(np.int32)."
+    )
+  return ids
+
+
 @contextlib.contextmanager
 def use_example_ids(ids: Any):
   """Within this context, :func:`example_keys` and jaxdp's ``Dropout`` layers draw per example with ``ids``.
@@ -93,7 +104,7 @@ def use_example_ids(ids: Any):
   integers, one per row of the batch the model is called on. ``None``
   clears the ids (jaxdp's layers then behave as flax's).
   """
-  token = _IDS.set(None if ids is None else jnp.asarray(ids))
+  token = _IDS.set(None if ids is None else _checked_ids(ids, "ids"))
   try:
     yield
   finally:
@@ -119,7 +130,7 @@ def example_keys(key: jax.Array, ids: Any = None) -> jax.Array:
     ``[b]`` keys: draw row ``r``'s numbers from ``keys[r]`` (e.g. with
     ``jax.vmap``).
   """
-  ids = current_example_ids() if ids is None else jnp.asarray(ids)
+  ids = current_example_ids() if ids is None else _checked_ids(ids, "ids")
   if ids is None:
     raise ValueError(
         "example_keys needs the rows' ids: call it inside a step built with example_ids= (make_train_step(..., "

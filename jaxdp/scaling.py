@@ -147,6 +147,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from fractions import Fraction
 from typing import NamedTuple
 
 ALGORITHMS = ("ring", "tree", "hierarchical")
@@ -907,7 +908,14 @@ def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precisio
   per_n_devices = (replicated * of + held * precision.param_bytes) * n + sharded * of
   if per_n_devices == 0:
     raise ValueError(f"precision={precision!r} stores 0 bytes per parameter: every model fits.")
-  return math.floor((memory - reserved) * n * of / per_n_devices)
+  # Rounded down twice: the exact floor (Fractions of the given floats), then down to where memory_per_device's
+  # own float rounding fits the budget too (M = 16e9, N = 24, stage 1, FP32_ADAM: the exact 1.92e9 computes to
+  # 16000000000.000002 bytes).
+  psi = math.floor((Fraction(memory) - Fraction(reserved)) * n * of / per_n_devices)
+  budget = memory - reserved
+  while psi > 0 and memory_per_device(psi, n, zero_stage, precision, schedule=schedule, layers=layers) > budget:
+    psi -= max(1, psi >> 50)  # one parameter, or a few ulps of Ψ where Ψ is beyond float's integers
+  return psi
 
 
 def seconds_per_example(flops_per_example: float, peak_flops: float, utilization: float) -> float:

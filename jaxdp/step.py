@@ -20,7 +20,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._checks import check_optimizer
+from jaxdp._checks import check_has_more, check_optimizer
 from jaxdp.layerwise import gathering
 from jaxdp.layout import data_dim, model_part, per_model_shard, zero_axis
 from jaxdp.loss import declared_keywords
@@ -235,6 +235,7 @@ def sharded_gradient_step(
   """
   axis_name, reduction = settings.axis_name, settings.mode
   _check_compression_present(settings, state)
+  check_has_more(has_more)  # its dtype, while tracing (train_step in the user's own shard_map)
   if rng is not None and settings.example_ids is not None:  # the same key on every replica: masks follow the ids
     rng = jax.random.fold_in(rng, state.step)
   elif rng is not None:

@@ -724,6 +724,144 @@ def test_all_steps_never_lists_a_save_in_flight(tmp_path, monkeypatch):
     assert ckpt.all_steps() == [1] and (tmp_path / "1").is_dir(), "listed only once committed"
 
 
+# Where a save can fail, as (module or class, attribute, whether it is a coroutine function), from the first write
+# to the commit: the step's temporary directory, the arrays (at the call, and in orbax's threads), the jaxdp record
+# (at the call, and in orbax's threads), the asynchronous commit callback, and the commit's rename itself.
+def _save_failure_points():
+  import orbax.checkpoint as ocp
+  from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler
+  from orbax.checkpoint._src.path import atomicity, deleter
+
+  return {
+      "directory": (atomicity, "_create_tmp_directory", True),
+      "arrays": (ocp.StandardCheckpointHandler, "async_save", True),
+      "arrays in the background": (base_pytree_checkpoint_handler.BasePyTreeCheckpointHandler,
+                                   "_write_metadata_file", True),
+      "record": (ocp.JsonCheckpointHandler, "async_save", True),
+      "record in the background": (ocp.JsonCheckpointHandler, "_save_fn", True),
+      "finalisation": (atomicity, "on_commit_callback", True),
+      "commit": (os, "rename", False),
+      # after the commit: orbax's finalisation removing the steps max_to_keep drops, and its bookkeeping
+      "retention": (deleter.StandardCheckpointDeleter, "delete_steps", False),
+      "bookkeeping": (ocp.CheckpointManager, "_finalize_checkpoint", False),
+  }
+
+
+BEFORE_THE_COMMIT = ["directory", "arrays", "arrays in the background", "record", "record in the background",
+                     "finalisation", "commit"]
+
+
+class _Injected:
+  """Makes the next call of ``point`` raise ``ENOSPC``, once per :meth:`arm`."""
+
+  def __init__(self, monkeypatch, point: str):
+    import errno
+
+    owner, name, coroutine = _save_failure_points()[point]
+    original, self.armed, self.raised = getattr(owner, name), False, 0
+
+    def fail(args):
+      commit = name != "rename" or "orbax-checkpoint-tmp" in os.path.basename(os.fspath(args[0]))
+      if self.armed and commit:
+        self.armed, self.raised = False, self.raised + 1
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
+
+    if coroutine:
+      async def injected(*args, **kwargs):
+        fail(args)
+        return await original(*args, **kwargs)
+    else:
+      def injected(*args, **kwargs):
+        fail(args)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, name, injected)
+
+  def arm(self):
+    self.armed = True
+
+
+def _raised(call) -> str | None:
+  """The type of what ``call()`` raised, with ``+note`` if jaxdp noted it, or ``None``."""
+  try:
+    call()
+  except Exception as e:  # the test counts what was raised
+    notes = " ".join(getattr(e, "__notes__", []))
+    return type(e).__name__ + ("+note" if "jaxdp.CheckpointManager" in notes else "")
+  return None
+
+
+@pytest.fixture(scope="module")
+def small_states():
+  """States of one small model whose params differ by step: a restored step's bits tell which save wrote it."""
+  mesh = mesh_of(1)
+  base = jaxdp.init_state({"w": np.arange(6, dtype=np.float32)}, OPT, mesh)
+  return mesh, lambda k: base._replace(params={"w": base.params["w"] + np.float32(k)})
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("point", BEFORE_THE_COMMIT)
+def test_a_save_that_failed_anywhere_is_as_if_never_attempted_and_retried(point, asynchronous, small_states, tmp_path,
+                                                                           monkeypatch):
+  """A failed save of step k is raised once (by save, or by wait for an asynchronous one; never by all_steps,
+  a second wait or close), lists nothing, leaves no files, and save(k) (or save(k, force=True)) then writes it
+  and returns True; the last retried step restores bitwise. A failure in orbax's threads is repeated 20 times
+  with max_to_keep=1: orbax's threads re-raised it from all_steps() in 3 of 5 runs of that case."""
+  mesh, state = small_states
+  injected = _Injected(monkeypatch, point)
+  background = asynchronous and point not in ("directory", "arrays", "record")  # else raised by save() itself
+  for keep, runs in ((1, 20 if background else 3), (None, 3)):
+    directory, injected.raised = tmp_path / f"keep{keep}", 0
+    ckpt = CheckpointManager(directory, max_to_keep=keep, enable_async_checkpointing=asynchronous)
+    assert ckpt.save(1, state(1))
+    ckpt.wait()
+    for k in range(2, 2 + runs):
+      steps = ckpt.all_steps()
+      injected.arm()
+      raised = [_raised(lambda: ckpt.save(k, state(k))), _raised(ckpt.wait), _raised(ckpt.all_steps),
+                _raised(ckpt.wait), _raised(ckpt.all_steps)]
+      assert injected.raised == k - 1 and [r for r in raised if r] == ["OSError+note"], (point, k, raised)
+      assert raised[1 if background else 0], ("raised by wait()" if background else "raised by save()", raised)
+      assert ckpt.all_steps() == steps and ckpt.latest_step() == steps[-1], (k, ckpt.all_steps())
+      assert sorted(os.listdir(directory), key=int) == [str(s) for s in steps], "the failed save left files"
+      assert ckpt.save(k, state(k), force=k % 2 == 0) is True, k
+      ckpt.wait()
+      assert ckpt.all_steps() == ([k] if keep == 1 else list(range(1, k + 1)))
+    restored = ckpt.restore(params={"w": np.zeros(6, np.float32)}, optimizer=OPT, mesh=mesh)
+    assert restored.step == k
+    assert_bitwise_equal(restored.state, jaxdp.gather_state(state(k)))
+    assert _raised(ckpt.close) is None
+  assert sorted(os.listdir(directory), key=int) == [str(s) for s in range(1, k + 1)]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("point", ["retention", "bookkeeping"])
+def test_a_failure_after_the_commit_is_raised_once_and_keeps_the_complete_step(point, asynchronous, small_states,
+                                                                             tmp_path, monkeypatch):
+  """After the commit only orbax's finalisation is left (removing the steps max_to_keep drops): the failure is
+  raised once, noted as such, and the committed step stays the checkpoint this manager last wrote."""
+  mesh, state = small_states
+  injected = _Injected(monkeypatch, point)
+  ckpt = CheckpointManager(tmp_path, max_to_keep=1, enable_async_checkpointing=asynchronous)
+  ckpt.save(1, state(1))
+  ckpt.wait()
+  for k in range(2, 7 if asynchronous else 3):
+    injected.arm()
+    try:
+      ckpt.save(k, state(k))
+      ckpt.wait()
+    except OSError as e:
+      assert f"step {k} was written and committed" in " ".join(e.__notes__)
+    else:
+      raise AssertionError("the failure was not raised")
+    assert _raised(ckpt.all_steps) is None and _raised(ckpt.wait) is None
+    assert ckpt.all_steps()[-1] == k and os.path.isdir(tmp_path / str(k))
+    assert ckpt.save(k, state(k)) is False, "the same step again: already written"
+  restored = ckpt.restore(params={"w": np.zeros(6, np.float32)}, optimizer=OPT, mesh=mesh)
+  assert_bitwise_equal(restored.state, jaxdp.gather_state(state(k)))
+  assert ckpt.save(k + 1, state(k + 1)) and _raised(ckpt.close) is None
+  assert sorted(os.listdir(tmp_path)) == [str(k + 1)], "the next save removes what max_to_keep drops"
+
+
 # --- Bad checkpoints -------------------------------------------------------------------------------
 
 

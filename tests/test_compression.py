@@ -225,6 +225,18 @@ def test_bad_settings():
     jaxdp.make_train_step(loss_fn, opt, _mesh(4), compression={"rank": 2})
 
 
+def test_settings_the_int32_state_or_the_key_cannot_hold_are_refused():
+  """The state counts steps in an int32 (start_iter beyond it raised an OverflowError naming 'y' at the first
+  step); jax.random.key keeps a seed's low 32 bits (2**32 gave seed 0's Q). A PowerSGD built by hand is checked."""
+  assert jaxdp.powersgd(start_iter=2**31 - 1, seed=2**32 - 1).start_iter == 2**31 - 1
+  with pytest.raises(ValueError, match=r"start_iter must be <= 2147483647 \(2\*\*31 - 1.*int32"):
+    jaxdp.powersgd(start_iter=2**40)
+  with pytest.raises(ValueError, match=r"seed must be < 2\*\*32.*low 32 bits"):
+    jaxdp.powersgd(seed=2**32)
+  with pytest.raises(ValueError, match="start_iter must be <= 2147483647"):
+    jaxdp.make_train_step(loss_fn, optax.sgd(LR), _mesh(2), compression=jaxdp.PowerSGD(start_iter=2**40))
+
+
 def test_state_and_step_mismatch_refused_before_donation():
   params, mesh, opt = _params(), _mesh(4), optax.sgd(LR)
   compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)

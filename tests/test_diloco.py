@@ -242,6 +242,17 @@ def test_bad_meshes_and_options():
       jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=2, delta_dtype=bad)
 
 
+def test_an_int8_delta_over_more_groups_than_its_levels_is_refused():
+  """The int8 sum of R groups has 127 // R levels per group: none past 127 groups (every scale would be x / 0).
+  No test mesh has 128 groups: the check make_diloco_step calls with the mesh's group count is tested alone."""
+  from jaxdp import diloco
+
+  diloco.check_int8_groups(jnp.dtype(jnp.int8), 127)
+  diloco.check_int8_groups(jnp.dtype(jnp.bfloat16), 1000)
+  with pytest.raises(ValueError, match=r"delta_dtype=jnp.int8 over 128 replica groups.*127 // R"):
+    diloco.check_int8_groups(jnp.dtype(jnp.int8), 128)
+
+
 def test_bad_inputs_leave_the_state_untouched():
   mesh = mesh_of(2, 2)
   state = jaxdp.init_diloco_state(make_params(), optax.sgd(0.1), mesh)
@@ -260,6 +271,9 @@ def test_bad_inputs_leave_the_state_untouched():
   _leaves_alive_and_equal(state, copy)
   with pytest.raises(TypeError, match="DiLoCoState"):
     step(state.inner, batch, weights)
+  padded, _ = jaxdp.split_batch(six, jaxdp.data_mesh(jax.devices()[:4]))  # 6 rows padded to 8: needs its weights
+  with pytest.raises(ValueError, match="weights is None, but batch was padded by jaxdp.split_batch"):
+    step(state, padded)
   _leaves_alive_and_equal(state, copy)
   state, _ = step(state, batch, weights)  # and the step still runs on it
 

@@ -134,10 +134,12 @@ def test_float16_overflows_from_two_to_the_sixteen_back_off():
   assert 1.0 in flags and 0.0 in flags  # overflows of its own, and steps that fit after the backoff
 
 
-def test_power_of_two_scaling_in_float32_changes_no_bit():
-  """In float32 the scale and its division are exact powers of two: the same bits as the unscaled step."""
+@pytest.mark.parametrize("init_scale", [2.0**10, 2.0**100])
+def test_power_of_two_scaling_in_float32_changes_no_bit(init_scale):
+  """In float32 the scale and its division are exact powers of two: the same bits as the unscaled step (also at
+  2**100; 2**127, whose reciprocal is subnormal, is refused)."""
   mesh = mesh_of(2)
-  scaling = jaxdp.dynamic_loss_scale(init_scale=2.0**10)
+  scaling = jaxdp.dynamic_loss_scale(init_scale=init_scale)
   plain = jaxdp.make_train_step(loss_fn, OPT, mesh)
   scaled = jaxdp.make_train_step(loss_fn, OPT, mesh, loss_scaling=scaling)
   a = jaxdp.init_state(init_params(), OPT, mesh)
@@ -147,7 +149,7 @@ def test_power_of_two_scaling_in_float32_changes_no_bit():
     b, metrics = scaled(b, batch_at(i))
   for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params, b.opt_state))):
     np.testing.assert_array_equal(x, y)
-  assert float(metrics["loss_scale"]) == 2.0**10 and int(b.loss_scale.good_steps) == 2
+  assert float(metrics["loss_scale"]) == init_scale and int(b.loss_scale.good_steps) == 2
 
 
 SHORT = ["ok", "inf", "ok", "ok", "ok"]
@@ -208,10 +210,38 @@ def test_per_replica_train_step_matches_make_train_step():
     ({"init_scale": float("inf")}, "init_scale must be positive, finite"),
     ({"init_scale": float("nan")}, "init_scale must be positive, finite"),
     ({"init_scale": 1e39}, "within float32's range"),
+    # what the float32 state cannot hold exactly, or whose reciprocal is subnormal: the message names the range
+    ({"init_scale": 2.0**127}, r"init_scale must be a power of two from 2\*\*-126 to 2\*\*126, got 2\*\*127"),
+    ({"init_scale": 1e-40}, r"init_scale must be a power of two from 2\*\*-126 to 2\*\*126.*subnormal"),
+    ({"init_scale": 2.0**-127}, r"init_scale must be a power of two from 2\*\*-126"),
+    ({"init_scale": 1000.0}, r"init_scale must be a power of two.*got 1000.0.*exact only for a power of two"),
+    ({"growth_factor": 3.0}, r"growth_factor must be a power of two from 2\*\*1 to 2\*\*126, got 3.0"),
+    ({"growth_factor": 2.0**127}, r"growth_factor must be a power of two"),
+    ({"backoff_factor": 0.3}, r"backoff_factor must be a power of two from 2\*\*-126 to 2\*\*-1, got 0.3"),
+    ({"backoff_factor": 1e-40}, r"backoff_factor must be a power of two from 2\*\*-126"),
+    ({"growth_interval": 2**31}, r"growth_interval must be an integer >= 1 and <= 2147483647 \(2\*\*31 - 1.*int32"),
+    ({"growth_interval": 2**40}, r"growth_interval must be an integer >= 1 and <= 2147483647"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
     jaxdp.dynamic_loss_scale(**kwargs)
+
+
+def test_the_extreme_settings_are_accepted_and_the_scale_stays_where_its_reciprocal_is_normal():
+  """2**-126 and 2**126 are the scales whose reciprocals are normal float32 numbers: accepted, and the update rule
+  neither grows past 2**126 (torch would, to 2**127) nor backs off below 2**-126; a DynamicLossScale built by hand
+  is checked as the factory checks it."""
+  top = jaxdp.dynamic_loss_scale(init_scale=2.0**126, growth_interval=2**31 - 1)
+  bottom = jaxdp.dynamic_loss_scale(init_scale=2.0**-126, backoff_factor=2.0**-126, growth_factor=2.0**126)
+  assert (top.init_scale, bottom.init_scale) == (2.0**126, 2.0**-126)
+  grow = jaxdp.update_loss_scale(top._replace(growth_interval=1), top.init(), nonfinite=False, applied=True)
+  assert (float(grow.scale), int(grow.good_steps)) == (2.0**126, 0)
+  back = jaxdp.update_loss_scale(bottom, bottom.init(), nonfinite=True, applied=False)
+  assert (float(back.scale), int(back.good_steps)) == (2.0**-126, 0)
+  half = jaxdp.update_loss_scale(top, top.init(), nonfinite=True, applied=False)
+  assert float(half.scale) == 2.0**125
+  with pytest.raises(ValueError, match=r"init_scale must be a power of two.*got 2\*\*127"):
+    jaxdp.make_train_step(loss_fn, OPT, mesh_of(1), loss_scaling=jaxdp.DynamicLossScale(init_scale=2.0**127))
 
 
 def test_state_and_step_that_disagree_are_refused_before_donation():
