@@ -92,9 +92,7 @@ from jaxdp.distributed import assert_same_across_processes
 from jaxdp.layout import (
     axis_names,
     auto_mesh,
-    check_mesh_axis,
     check_param_specs,
-    check_zero_stage,
     data_size,
     make_layout,
     model_specs_of,
@@ -650,7 +648,7 @@ class CheckpointManager:
     check_optimizer(optimizer)  # else optimizer.init's failure would be blamed on params
     layout, resolved, pipeline = as_layout(layout), resolve(reduction), data
     mesh, axis_name, zero_stage, layers = layout.mesh, layout.axis_name, layout.zero_stage, layout.layers
-    param_specs, stage_axis, compression = layout.param_specs, layout.stage_axis, resolved.compression
+    param_specs, stage_axis = layout.param_specs, layout.stage_axis
     _check_pipeline(pipeline)
     model_specs = _target_specs(params, param_specs, mesh, axis_name)
     step = self._resolve_step(step)

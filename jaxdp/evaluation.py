@@ -22,12 +22,7 @@ from jaxdp import _checks, pipelining
 from jaxdp.layerwise import gathering
 from jaxdp.loss import check_loss_fn
 from jaxdp.layout import (
-    auto_mesh,
     axis_names,
-    check_backend,
-    check_layers,
-    check_mesh_axis,
-    data_mesh,
     data_part,
     data_dim,
     data_size,

@@ -33,15 +33,13 @@ import zlib
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp._checks import check_not_donated, check_optimizer, check_params_dtypes
-from jaxdp.compression import check_compression, compression_specs, init_compression
+from jaxdp._checks import check_not_donated
+from jaxdp.compression import compression_specs
 from jaxdp.loss import model_support
-from jaxdp.loss_scaling import check_loss_scale_value
 from jaxdp.state import TrainState
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -39,16 +39,13 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdp
+from helpers import mesh_of
 from jaxdp.batchnorm import BatchNorm, Moments, masked_moments
 
 ROWS, S, C = 4, 2, 3  # padded rows per device, a spatial axis reduced too, features
 EPS = 1e-5
 STAT_TOL = 2e-6
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def mesh_of(k):
-  return jaxdp.data_mesh(jax.devices()[:k])
 
 
 def put(mesh, tree, spec):

@@ -19,6 +19,7 @@ from flax import nnx
 from jax import lax
 
 import jaxdp
+from helpers import assert_close_to_scale as assert_close
 
 # Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -135,13 +136,6 @@ def one_device(loss_fn, params, batch, steps=STEPS):
 def portions(batch, sizes):
   bounds = np.cumsum([0, *sizes])
   return [jax.tree.map(lambda x: x[bounds[i]:bounds[i + 1]], batch) for i in range(len(sizes))]
-
-
-def assert_close(params, reference, rtol=1e-6):
-  for path, got, want in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params),
-                             jax.tree.leaves(reference)):
-    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-    assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative difference {err:.2e} > {rtol}"
 
 
 def train_and_evaluate(loss_fn, params, n, backend="shard_map"):

@@ -36,6 +36,7 @@ from jax._src import array as jax_array
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
+from helpers import mesh_of
 from jaxdp import _ckpt_record, checkpoint, layout
 from jaxdp.checkpoint import CheckpointManager
 from jaxdp.layout import abstract_state, auto_mesh, make_layout
@@ -62,10 +63,6 @@ MODEL_STATE = {"bn": {"mean": np.array([0.5, -1.25, 3.0], np.float32), "count": 
 
 def loss_fn(params, batch):
   return 0.5 * ((batch["x"] @ params["w"] + params["b"][None, :] - batch["y"]) ** 2).sum(axis=-1)
-
-
-def mesh_of(n: int):
-  return jaxdp.data_mesh(jax.devices()[:n])
 
 
 def batch_for(mesh, seed: int = 0):

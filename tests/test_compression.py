@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jaxdp
+from helpers import mesh_of as _mesh
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -36,10 +37,6 @@ def _uneven_weights(rows=16, n=4, seed=2):
   w = np.random.default_rng(seed).uniform(0.2, 2.0, size=rows).astype(np.float32)
   w[rows - rows // n:] = 0.0  # the last replica holds only padding
   return w
-
-
-def _mesh(n=4):
-  return jaxdp.data_mesh(jax.devices()[:n])
 
 
 def _run(params, batches, weights, *, n=4, compression=None, zero_stage=0):
@@ -152,7 +149,7 @@ def test_start_iter_steps_are_exact_and_small_leaves_too():
   one = _run(params, batches[:1], weights, compression=jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0))
   np.testing.assert_allclose(one[1].params["b1"], exact[1].params["b1"], rtol=1e-6, atol=1e-7)
   # min_compression_rate 2 at rank 2: w2 [12, 6] (72 <= 18*2*2) is reduced exactly, w1 [8, 12] (96 > 80) is not.
-  state = jaxdp.init_state(params, optax.sgd(LR), _mesh(), compression=jaxdp.powersgd(rank=2))
+  state = jaxdp.init_state(params, optax.sgd(LR), _mesh(4), compression=jaxdp.powersgd(rank=2))
   assert state.compression.q["w2"] is None and state.compression.q["b1"] is None
   assert state.compression.q["w1"].shape == (12, 2) and state.compression.error["w1"].shape == (4, 8, 12)
 

@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
+from helpers import assert_close_to_scale as assert_close
 
 # Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -86,12 +87,6 @@ def one_device(loss_fn, params, optimizer, steps=STEPS):
 def portions(sizes):
   bounds = np.cumsum([0, *sizes])
   return [jax.tree.map(lambda x: x[bounds[i]:bounds[i + 1]], data()) for i in range(len(sizes))]
-
-
-def assert_close(params, reference, rtol=1e-6):
-  for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(reference)):
-    err = float(jnp.max(jnp.abs(np.asarray(got) - np.asarray(want))) / jnp.max(jnp.abs(np.asarray(want))))
-    assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative difference {err:.2e} > {rtol}"
 
 
 def train(loss_fn, params, optimizer, mesh, n, *, layers="layers", model_state=None, rng=None, **options):

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jaxdp
+from helpers import mesh_of
 from jaxdp import CheckpointManager
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -17,10 +18,6 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 LR, MOMENTUM = 0.05, 0.9
 OPT = optax.sgd(LR, momentum=MOMENTUM)
 D_IN, D_HID, D_OUT, BATCH = 4, 8, 2, 16
-
-
-def mesh_of(n):
-  return Mesh(np.array(jax.devices()[:n]), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def init_params():

@@ -33,6 +33,7 @@ from flax import nnx
 from hypothesis import example, given, settings, strategies as st
 
 import jaxdp
+from helpers import assert_close as assert_close_elementwise
 
 # Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -164,10 +165,6 @@ def run_reference(case):
 def compiled_step(k, accum, zero_stage):
   mesh = jaxdp.data_mesh(jax.devices()[:k])
   return jaxdp.make_train_step(loss_fn, OPT, mesh, accum_steps=accum, zero_stage=zero_stage, check_replicas=True)
-
-
-def assert_close(actual, expected):
-  jax.tree.map(lambda a, e: np.testing.assert_allclose(np.asarray(a), e, rtol=RTOL, atol=ATOL), actual, expected)
 
 
 MIXED = Case(k=8, counts=(4, 0, 2, 3, 1, 4, 0, 2), random_weights=True, accum=2, zero_stage=2, steps=3, seed=5)
@@ -526,3 +523,7 @@ def test_the_readmes_ema_of_params_in_the_optimizer_state_is_one_devices(zero_st
   for k in params:
     np.testing.assert_allclose(np.asarray(got.opt_state[-1].ema[k]), np.asarray(ema[k]), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(np.asarray(got.params[k]), np.asarray(ref_params[k]), rtol=RTOL, atol=ATOL)
+
+
+def assert_close(actual, expected):
+  assert_close_elementwise(actual, expected, rtol=RTOL, atol=ATOL)

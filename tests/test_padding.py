@@ -25,17 +25,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxdp
+from helpers import mesh_of as _mesh
 from jaxdp.data import DataPipeline, StreamingPipeline, device_indices, process_positions
 
 VOCAB, T, D, C = 7, 4, 4, 3  # tokens, positions, embedding width, classes
 ROWS = 4  # rows per device in the portion tests: a multiple of every accum_steps used
 OPT = optax.sgd(0.1, momentum=0.9)
 REL = 1e-6
-
-
-@functools.cache
-def _mesh(k: int):
-  return jaxdp.data_mesh(jax.devices()[:k])
 
 
 def forward(params, tokens, lengths):

@@ -20,14 +20,10 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
+from helpers import mesh_of as _mesh
 from jaxdp.data import DataPipeline, addressable_positions, device_indices, epoch_permutation, process_positions
 
 T = 3  # tokens per example in the token-mask collate
-
-
-@functools.cache
-def _mesh(k: int) -> Mesh:
-  return jaxdp.data_mesh(jax.devices()[:k])
 
 
 def _steps(n_examples: int, n_devices: int, b: int) -> int:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 
 import jaxdp
+from helpers import assert_close_to_scale as assert_close
 from jaxdp import pipelining
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -114,13 +115,6 @@ def train(step, mesh, opt, data, axis_name="data", zero_stage=0):
   for batch, w in data:
     state, metrics = step(state, batch, w)
   return state, metrics
-
-
-def assert_close(params, reference, rtol=1e-6):
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(reference)):
-    a, b = np.asarray(a), np.asarray(b)
-    err = np.max(np.abs(a - b)) / np.max(np.abs(b))
-    assert err <= rtol, (jax.tree_util.keystr(path), err)
 
 
 def test_circular_assignment():

@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 import jaxdp
+from helpers import assert_close as assert_close_elementwise
 
 D, H, B, STEPS = 3, 8, 12, 3
 RTOL, ATOL = 1e-6, 5e-7
@@ -135,11 +136,6 @@ def train(loss_fn, params, batches, rng, layout, example_ids="id"):
     state, metrics = step(state, *split(batch, counts, mesh, accum), rng=rng)
     assert int(metrics["skipped"]) == 0
   return jaxdp.gather_state(state).params
-
-
-def assert_close(ours, reference):
-  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l[0]}dev-{'-'.join(map(str, l[1]))}-accum{l[2]}")
@@ -260,3 +256,7 @@ def test_layers_under_scan_keep_their_own_keys_and_the_masks_follow_the_ids():
   for loss_fn, p in ((linen_fn, params), (nnx_fn, nnx_params)):
     one = train(loss_fn, p, batches, rng, (1, (12,), 1))
     assert_close(train(loss_fn, p, batches, rng, (3, (5, 4, 3), 2)), one)
+
+
+def assert_close(actual, expected):
+  assert_close_elementwise(actual, expected, rtol=RTOL, atol=ATOL)

@@ -40,6 +40,8 @@ from hypothesis import example, given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
+from helpers import mesh_of
+from helpers import assert_close as assert_close_elementwise
 
 # Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -83,11 +85,6 @@ def make_optimizer(name, reduction):
   if name == "momentum":
     return optax.sgd(lr, momentum=0.9)
   return optax.adam(0.01, eps=1e-3)
-
-
-@functools.lru_cache(maxsize=None)
-def mesh_of(k):
-  return jaxdp.data_mesh(jax.devices()[:k])
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,10 +216,6 @@ def run_jaxdp(case, reduction, backend):
       jax.tree.map(np.testing.assert_array_equal, to_host(state), before)
     history.append((to_host(state), to_host(metrics)))
   return history
-
-
-def assert_close(actual, expected):
-  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL), actual, expected)
 
 
 def assert_matches_reference(history, reference):
@@ -396,3 +389,7 @@ def test_global_norm_never_mixes_replicas_it_cannot_tell_apart():
   agreed = jax.pmap(lambda t: jaxdp.global_norm(t, "data", agreed=True), axis_name="data", devices=jax.devices()[:n])
   np.testing.assert_allclose(np.asarray(agreed(same)), np.full(n, own[0]), rtol=1e-6)
   assert "all-reduce" in agreed.lower(same).compile().as_text()  # split and added, not summed whole
+
+
+def assert_close(actual, expected):
+  assert_close_elementwise(actual, expected, rtol=RTOL, atol=ATOL)

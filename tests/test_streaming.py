@@ -26,17 +26,13 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
+from helpers import mesh_of as _mesh
 from jaxdp.data import StreamingPipeline, process_positions
 from mp_workers import harness, problem
 from mp_workers import streaming as worker
 
 RTOL, ATOL = 1e-5, 2e-6
 JOB_SECONDS = 90  # a generous bound on one launched job
-
-
-@functools.cache
-def _mesh(k: int) -> Mesh:
-  return jaxdp.data_mesh(jax.devices()[:k])
 
 
 def _steps(counts, local_batch: int) -> int:
