@@ -504,7 +504,7 @@ def plot(out, path):
               label="measured no-comm step + model comm (psum fit)")
   cpu_ax.plot(ns, [r["hybrid_step"] * MS for r in check], "v-", color="C4",
               label="measured no-comm step + model comm (bandwidth fitted to steps)")
-  cpu_ax.plot(ns, [r["no_comm"] * MS for r in check], ":", color="grey", label="measured, reduction='none'")
+  cpu_ax.plot(ns, [r["no_comm"] * MS for r in check], ":", color="grey", label="measured, reductions.none()")
   cpu_ax.set(title="measured here: MLP 1.86M params, batch 512, 2 cores", xlabel="devices N",
              ylabel="ms per step")
   cpu_ax.set_xscale("log", base=2)
