@@ -3,13 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-# The smoke run: the README's and the docs' blocks, the seed example, and one equivalence test each for flax nnx,
-# flax linen and ZeRO against one device.
-FAST_TESTS := README.md docs tests/test_docs.py tests/test_seed_example.py \
-  tests/test_nnx.py::test_training_an_nnx_module_matches_the_ordinary_single_device_program \
-  tests/test_linen.py::test_trained_on_four_devices_equals_flax_on_one_device \
-  "tests/test_zero.py::test_per_token_weights_with_accumulation[3]"
-
 .PHONY: demo test test-fast docs bench
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -33,8 +26,10 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# The smoke run: the tests marked fast (pytest -m fast): the README's and the docs' blocks, the seed example, and
+# one equivalence test each for flax nnx, flax linen and ZeRO against one device.
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q $(FAST_TESTS)
+	$(PY) -m pytest -q -m fast
 
 docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

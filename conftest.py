@@ -54,6 +54,13 @@ def pytest_collect_file(file_path, parent):
   return [node for node in collected if not isinstance(node, MarkdownDocstringCodeModule)]
 
 
+def pytest_collection_modifyitems(items):
+  """The README's and the docs' blocks are in the smoke run (``make test-fast``, ``-m fast``)."""
+  for item in items:
+    if item.path.suffix == ".md":
+      item.add_marker(pytest.mark.fast)
+
+
 @pytest.fixture(autouse=True)
 def _markdown_blocks_as_users_run_them(request):
   """A README or docs block runs under JAX's default rank promotion, as in a user's program.

@@ -6,18 +6,16 @@ gradient of its own examples, the replicas agree on one gradient with
 reduction is the exact gradient of the global weighted mean, whatever the
 split of examples or tokens over devices.
 
+The step's options are three values: the layout (:func:`data_parallel`: the
+mesh, data axes, ZeRO stage, stacks of layers, pipeline), the reduction
+(:mod:`jaxdp.reductions`) and the precision policy (:func:`precision`).
 Functional core (compose these inside your own ``shard_map``/``pmap``):
 :func:`loss_sums`, :func:`local_gradient`, :func:`reduce_gradient`,
 :func:`gradient_step`, :func:`finish_step`, :func:`apply_update`,
-:func:`train_step`, :func:`eval_sums`. Edges:
-:func:`make_train_step`, :func:`make_eval_step`, :func:`data_mesh`,
-:func:`init_state`, :func:`shard_uneven`, :func:`split_batch`, :class:`DataPipeline`,
-:func:`per_replica`, :func:`assert_replicas_equal`. Real programs: the
-loss protocol (:class:`LossOutput`, :mod:`jaxdp.loss`: model state,
-metrics, padding weights), :mod:`jaxdp.nnx` (flax nnx Modules), :mod:`jaxdp.linen` (flax linen's
-BatchNorm, exact), :mod:`jaxdp.batchnorm` (exact cross-replica BatchNorm)
-and :mod:`jaxdp.randomness` (dropout masks that follow example ids, the same
-on any layout).
+:func:`train_step`, :func:`eval_sums`. Edges: :func:`make_train_step`,
+:func:`make_eval_step`, :func:`init_state`, :func:`split_batch`,
+:class:`DataPipeline`, :class:`CheckpointManager`. Model libraries:
+:mod:`jaxdp.nnx`, :mod:`jaxdp.linen`, :mod:`jaxdp.batchnorm`.
 
 The names are imported on first use (PEP 562), so that ``python -m
 jaxdp.launch``, which imports this package first, starts its workers without

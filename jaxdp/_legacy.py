@@ -56,15 +56,23 @@ def _reduction(old: dict, reduction: Any) -> Any:
   if old.get("bucket_bytes") is not None:
     pieces.append(reductions.bucketed(old["bucket_bytes"]))
   if old.get("compression") is not None:
+    from jaxdp.compression import check_compression
+
+    check_compression(old["compression"])  # named as the caller named it
     pieces.append(old["compression"])
   return reductions.chain(*pieces) if pieces else None
 
 
 def _precision(old: dict) -> Any:
-  from jaxdp.loss_scaling import LossScale, static_loss_scale
+  from jaxdp._checks import check_float_dtype, check_reduce_dtype
+  from jaxdp.loss_scaling import LossScale, check_loss_scaling, static_loss_scale
   from jaxdp.mixed_precision import precision
 
   scaling = old.get("loss_scaling")
+  check_loss_scaling(scaling)  # 0.1's loss_scaling= took a DynamicLossScale only (a number is a TypeError there)
+  check_float_dtype(old.get("compute_dtype"), "compute_dtype")
+  for name in ("grad_reduce_dtype", "reduce_dtype"):  # named as the caller named it
+    check_reduce_dtype(old.get(name), name)
   given = old.get("loss_scale")
   if given is not None and scaling is None:  # init_state(loss_scale=scaling.init()): the state's first scale
     if not isinstance(given, LossScale):

@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 
 import math
 from types import MappingProxyType
@@ -142,7 +143,7 @@ def training_batch_guards():
   :class:`BatchNorm` / :class:`jaxdp.linen.BatchNorm` refuse to compute statistics without a mask."""
   token = _PADDED_STEP.set(True)
   try:
-    with linen.intercept_methods(_refuse_linen_batchnorm):
+    with linen.intercept_methods(_refuse_linen_batchnorm), _nnx_batchnorm_guarded():
       yield
   finally:
     _PADDED_STEP.reset(token)
@@ -352,8 +353,26 @@ def _refuse_flax_nnx_batchnorm(call):
   return checked
 
 
-if not getattr(nnx.BatchNorm.__call__, "__jaxdp_checked__", False):
-  nnx.BatchNorm.__call__ = _refuse_flax_nnx_batchnorm(nnx.BatchNorm.__call__)
+# nnx has no method interceptor, so flax's nnx.BatchNorm.__call__ is wrapped, but only while a jaxdp training step
+# traces loss_fn (nothing is patched when jaxdp is imported): the traces under way share one wrapper, counted here.
+_GUARD_LOCK = threading.Lock()
+_guarded_traces = [0]
+
+
+@contextlib.contextmanager
+def _nnx_batchnorm_guarded():
+  """flax's ``nnx.BatchNorm.__call__`` wrapped by :func:`_refuse_flax_nnx_batchnorm` while this is entered."""
+  with _GUARD_LOCK:
+    if _guarded_traces[0] == 0 and not getattr(nnx.BatchNorm.__call__, "__jaxdp_checked__", False):
+      nnx.BatchNorm.__call__ = _refuse_flax_nnx_batchnorm(nnx.BatchNorm.__call__)
+    _guarded_traces[0] += 1
+  try:
+    yield
+  finally:
+    with _GUARD_LOCK:
+      _guarded_traces[0] -= 1
+      if _guarded_traces[0] == 0 and getattr(nnx.BatchNorm.__call__, "__jaxdp_checked__", False):
+        nnx.BatchNorm.__call__ = nnx.BatchNorm.__call__.__wrapped__
 
 
 def running_update(running: jax.Array, batch: jax.Array, count: jax.Array, momentum: float) -> jax.Array:

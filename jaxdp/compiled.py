@@ -62,7 +62,7 @@ from jaxdp.reduction import ReducedGradient
 from jaxdp.replicas import divergence_over_mesh, replica_divergence
 from jaxdp._config import StepConfig, step_config
 from jaxdp._legacy import accepts_legacy_keywords
-from jaxdp.parallel import DataParallel, as_layout, check_step
+from jaxdp.parallel import DataParallel, as_layout, check_stages_used, check_step
 from jaxdp.step import finish_step, gather_params, sharded_gradient_step, train_step
 from jaxdp.state import TrainState
 
@@ -420,6 +420,7 @@ def make_train_step(
   layout = as_layout(layout)
   config = step_config(layout, reduction, precision, accum_steps, example_ids)
   check_step(layout, config.reduction, config.precision)
+  check_stages_used(layout)
   _check_step_arguments(loss_fn, optimizer, max_consecutive_skips, donate, check_replicas)
   return _built_train_step(config, layout, loss_fn, optimizer, donate=donate, check_replicas=check_replicas,
                            max_consecutive_skips=max_consecutive_skips)

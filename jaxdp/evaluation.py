@@ -37,7 +37,7 @@ from jaxdp.layout import (
 )
 from jaxdp._config import StepConfig, axis_of
 from jaxdp._legacy import accepts_legacy_keywords
-from jaxdp.parallel import DataParallel, as_layout
+from jaxdp.parallel import DataParallel, as_layout, check_stages_used
 from jaxdp.mixed_precision import as_precision
 from jaxdp.reduction import cast_floating, loss_sums, reduce_scattered, safe_divide
 from jaxdp.reductions import resolve, sum as sum_reduction
@@ -255,6 +255,7 @@ def make_eval_step(loss_fn: Callable[..., Any], layout: DataParallel | Mesh | No
   """
   check_loss_fn(loss_fn)
   layout = as_layout(layout)
+  check_stages_used(layout)
   compute_dtype, bucket_bytes = as_precision(precision).compute_dtype, resolve(reduction).bucket_bytes
   mesh, axis_name, backend, layers, pipeline = (layout.mesh, layout.axis_name, layout.backend, layout.layers,
                                                 layout.pipeline)

@@ -129,7 +129,8 @@ def data_parallel(
         "use backend='shard_map' with zero_stage > 0."
     )
   check_layers(layers)
-  pipelining.check_pipeline(pipeline, mesh, axis_name, layers=layers, zero_stage=zero_stage, backend=backend)
+  if pipeline is not None:  # a stage axis without a pipeline is the step's refusal (check_step): a state may live there
+    pipelining.check_pipeline(pipeline, mesh, axis_name, layers=layers, zero_stage=zero_stage, backend=backend)
   return DataParallel(mesh, axis_name, zero_stage, layers, pipeline, param_specs, backend)
 
 
@@ -144,6 +145,13 @@ def as_layout(value: Any, *, axis_name: Any = None) -> DataParallel:
       f"layout must be a jaxdp.DataParallel (from jaxdp.data_parallel(mesh, zero_stage=..., ...)), a "
       f"jax.sharding.Mesh or None, got {type(value).__name__}."
   )
+
+
+def check_stages_used(layout: DataParallel) -> None:
+  """Refuses a step on a mesh with a ``stage`` axis but no pipeline (it would replicate the work over it)."""
+  if layout.pipeline is None:
+    pipelining.check_pipeline(None, layout.mesh, layout.axis_name, layers=layout.layers, zero_stage=layout.zero_stage,
+                              backend=layout.backend)
 
 
 def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:

@@ -206,7 +206,7 @@ def _fold(pieces: list[Reduction]) -> Resolved:
   if resolved.stateful and resolved.mode not in ("mean", "sum"):
     which = "powersgd(...)" if resolved.compression is not None else "a user reduction"
     raise ValueError(
-        f"{which} with mode {resolved.mode!r}: it replaces the all-reduce of the local weighted sums, which 'none' "
+        f"{which} with reduction={resolved.mode!r}: it replaces the all-reduce of the local weighted sums, which 'none' "
         "does not have and 'rank_mean' replaces by per-replica means; chain it with mean() (or sum())."
     )
   if resolved.user is not None and resolved.bucket_bytes is not None:

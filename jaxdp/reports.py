@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -190,7 +191,8 @@ class MemoryReport(NamedTuple):
     grads: gradient bytes the step keeps per device after reduction: the
       whole gradient at stages 0-1, each leaf's slice at stages 2-3 (derived
       from the layout: gradients are not part of the state).
-    model_state: ``params + opt_state + grads``, the quantity of the ZeRO paper.
+    training_state: ``params + opt_state + grads``, what the ZeRO paper calls the model states (not
+      ``TrainState.model_state``, the BatchNorm statistics).
     argument, output, temp: the compiled step's ``memory_analysis()``.
     unsplit: ``{key path: bytes}`` of the state's leaves (parameters at stage
       3, optimizer state at stages 1-3) that the ZeRO stage would split over
@@ -201,11 +203,17 @@ class MemoryReport(NamedTuple):
   params: int
   opt_state: int
   grads: int
-  model_state: int
+  training_state: int
   argument: int
   output: int
   temp: int
   unsplit: dict = {}
+
+  @property
+  def model_state(self) -> int:
+    """jaxdp 0.1's name of :attr:`training_state` (it clashed with ``TrainState.model_state``)."""
+    warnings.warn("MemoryReport.model_state is MemoryReport.training_state now.", DeprecationWarning, stacklevel=2)
+    return self.training_state
 
 
 def _bytes_per_device(tree: Any, shardings: Any) -> int:
@@ -252,7 +260,7 @@ def memory_report(step, state, batch, weights=None, rng=None) -> MemoryReport:
       params=params,
       opt_state=opt_state,
       grads=grads,
-      model_state=params + opt_state + grads,
+      training_state=params + opt_state + grads,
       argument=int(analysis.argument_size_in_bytes),
       output=int(analysis.output_size_in_bytes),
       temp=int(analysis.temp_size_in_bytes),

@@ -38,7 +38,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import jaxdp
 from jaxdp import _ckpt_record, checkpoint, layout
 from jaxdp.checkpoint import CheckpointManager
-from jaxdp.layout import abstract_state, auto_mesh, make_layout, place_state
+from jaxdp.layout import abstract_state, auto_mesh, make_layout
+from jaxdp.parallel import place_state
 
 from ckpt_workers import crash_save, train_resume
 from mp_workers import harness

@@ -3,6 +3,10 @@
 import pathlib
 import re
 
+import pytest
+
+pytestmark = pytest.mark.fast  # in the smoke run (make test-fast)
+
 ROOT = pathlib.Path(__file__).parents[1]
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 

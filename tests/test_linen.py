@@ -77,6 +77,7 @@ def test_same_variables_and_outputs_as_flax_on_one_device():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), *outs)
 
 
+@pytest.mark.fast
 def test_trained_on_four_devices_equals_flax_on_one_device():
   """3/0/5/1 real rows, padded: the linen program trained through make_train_step equals flax's BatchNorm on one
   device over the 9 real rows, step by step (loss, params, batch_stats), and so does evaluation."""

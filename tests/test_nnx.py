@@ -66,6 +66,7 @@ def single_device_reference(steps_data, seed=0):
   return model, losses
 
 
+@pytest.mark.fast
 def test_training_an_nnx_module_matches_the_ordinary_single_device_program():
   """split -> init_state -> make_train_step -> update: the same params, BatchNorm statistics and losses."""
   mesh = jaxdp.data_mesh(jax.devices()[:4])

@@ -517,7 +517,7 @@ def test_a_16_bit_reduction_with_model_axes_on_cpu_is_refused_not_a_crash():
   from jax.sharding import AxisType, Mesh
 
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-  with pytest.raises(ValueError, match=r"grad_reduce_dtype=bfloat16 on a CPU mesh with other axes \['model'\]"):
+  with pytest.raises(ValueError, match=r"reduce_dtype=bfloat16 on a CPU mesh with other axes \['model'\]"):
     jaxdp.make_train_step(loss_fn, OPT, mesh, grad_reduce_dtype=jnp.bfloat16)
   jaxdp.make_train_step(loss_fn, OPT, MESH, grad_reduce_dtype=jnp.bfloat16)  # data axes only: fine
 

@@ -9,6 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.fast  # in the smoke run (make test-fast)
+
 from experiments import seed_example
 
 

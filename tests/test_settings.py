@@ -106,3 +106,19 @@ def test_the_linen_batchnorm_guard_holds_without_importing_jaxdp_flax_modules():
   env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(pathlib.Path(jaxdp.__file__).parents[1])}
   run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
   assert run.returncode == 0 and run.stdout.strip() == "refused", run.stderr[-3000:]
+
+
+def test_importing_jaxdp_patches_no_model_library():
+  program = textwrap.dedent("""
+      import flax.nnx as nnx
+      before = nnx.BatchNorm.__call__
+      import jaxdp, jaxdp.nnx, jaxdp.linen, jaxdp.batchnorm
+      assert nnx.BatchNorm.__call__ is before, "jaxdp patched nnx.BatchNorm at import"
+      with jaxdp.batchnorm.training_batch_guards():  # only while a jaxdp training step traces loss_fn
+        assert nnx.BatchNorm.__call__ is not before
+      assert nnx.BatchNorm.__call__ is before
+      print("unpatched")
+  """)
+  env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(pathlib.Path(jaxdp.__file__).parents[1])}
+  run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
+  assert run.returncode == 0 and run.stdout.strip() == "unpatched", run.stderr[-3000:]
