@@ -240,6 +240,7 @@ def jaxdp_case(w: Workload, devices, backend: str = "shard_map", zero_stage: int
               lambda s: step.lower(s, batch))
   if memory:
     case.memory = jaxdp.memory_report(step, state, batch)._asdict()
+    case.memory["model_state"] = case.memory.pop("training_state")  # results.json keeps 0.1's field name
   return case
 
 

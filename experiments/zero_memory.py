@@ -8,7 +8,7 @@ elements): jaxdp splits each leaf along one dimension that divides by N
 (no padding). For each device count N (sub-mesh over ``jax.devices()[:N]``)
 and stage it measures, from the library's own reports:
 
-* model-state bytes per device (``jaxdp.memory_report(...).model_state``:
+* model-state bytes per device (``jaxdp.memory_report(...).training_state``:
   params + optimizer state + gradients), next to the formulas of Rajbhandari
   et al. (2020) with Psi params, fp32 and Adam (K = 8 bytes/param):
   stage 0 (4+4+8)Psi, 1 (4+4)Psi + 8Psi/N, 2 4Psi + (4+8)Psi/N, 3 16Psi/N,
@@ -112,7 +112,7 @@ def split_of(layers, n, specs=None):
 def formula_bytes(layers, n, stage) -> float:
   """The ZeRO paper's model state per device, for the leaves that split; the others whole."""
   psi = common.param_count(layers)
-  # The persistent state only (schedule="paper"): what memory_report's model_state measures.
+  # The persistent state only (schedule="paper"): what memory_report's training_state measures.
   return scaling.memory_per_device(psi, n, stage, PRECISION, split_params=split_of(layers, n)[0], schedule="paper")
 
 
@@ -145,7 +145,7 @@ def _comm_fields(comm):
 
 def _memory_fields(memory):
   return {
-      "model_state": memory.model_state, "params": memory.params, "opt_state": memory.opt_state,
+      "model_state": memory.training_state, "params": memory.params,  # the JSON keeps 0.1's field name "opt_state": memory.opt_state,
       "grads": memory.grads, "temp": memory.temp, "unsplit": dict(memory.unsplit),
       "unsplit_bytes": sum(memory.unsplit.values()),
   }
@@ -256,7 +256,7 @@ def budget_rows(budget_mb, n, optimizer):
     layers = square_layers(width)
     step, state, _ = setup(layers, n, stage, optimizer)
     batch = common.mlp_batch(layers, n)  # one row per device: the memory question is the model state
-    measured = jaxdp.memory_report(step, state, batch).model_state
+    measured = jaxdp.memory_report(step, state, batch).training_state
     del state
     rows.append({
         "stage": stage, "width": width, "params": common.param_count(layers),
