@@ -144,8 +144,9 @@ def _comm_fields(comm):
 
 
 def _memory_fields(memory):
+  # The JSON keeps 0.1's field name "model_state" for MemoryReport.training_state.
   return {
-      "model_state": memory.training_state, "params": memory.params,  # the JSON keeps 0.1's field name "opt_state": memory.opt_state,
+      "model_state": memory.training_state, "params": memory.params, "opt_state": memory.opt_state,
       "grads": memory.grads, "temp": memory.temp, "unsplit": dict(memory.unsplit),
       "unsplit_bytes": sum(memory.unsplit.values()),
   }
