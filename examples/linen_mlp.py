@@ -5,7 +5,7 @@ epoch, a data loader that cannot split evenly). jaxdp pads them with
 weight-0 rows, its BatchNorm ignores those rows, and the default reduction
 is the gradient of the global batch's mean loss: the same update as one
 device on the concatenated batch. DDP's mean of per-device means
-(``reduction="rank_mean"``) is printed next to it for contrast.
+(``reduction=jaxdp.reductions.rank_mean()``) is printed next to it for contrast.
 
   python examples/linen_mlp.py [--steps 20] [--devices 4]
 """
@@ -66,10 +66,10 @@ def train(devices, reduction, batches):
 n = len(jax.devices())
 sizes = [2 + 3 * i for i in range(n)]  # 2, 5, 8, ... examples: uneven
 batches = [portions(sizes) for _ in range(args.steps)]
-one_loss, one_params = train(jax.devices()[:1], "mean", batches)
-for reduction in ("mean", "rank_mean"):
-  loss, params = train(jax.devices(), reduction, batches)
+one_loss, one_params = train(jax.devices()[:1], jaxdp.reductions.mean(), batches)
+for name in ("mean", "rank_mean"):  # the default (exact) and DDP's mean of per-device means
+  loss, params = train(jax.devices(), getattr(jaxdp.reductions, name)(), batches)
   gap = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params)))
-  print(f"{n} devices, examples {sizes}, reduction={reduction!r}: final loss {loss:.4f}; "
+  print(f"{n} devices, examples {sizes}, reduction=jaxdp.reductions.{name}(): final loss {loss:.4f}; "
         f"largest parameter difference to 1 device: {gap:.1e}")
 print(f"1 device, the same {sum(sizes)} examples per step: final loss {one_loss:.4f} after {args.steps} steps")

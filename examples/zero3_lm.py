@@ -2,7 +2,8 @@
 
 The blocks' weights are stacked along a layer axis ("blocks") and split over
 the devices at rest. Each step gathers one layer at a time inside the scan
-over the stack (``jaxdp.gather`` in the body, named with ``layers=``), and
+over the stack (``jaxdp.gather`` in the body, the stack named by the layout
+``jaxdp.data_parallel(mesh, zero_stage=3, layers="blocks")``), and
 reduce-scatters that layer's gradient in the backward loop: no device ever
 holds the whole stack. The model reads its own source file as its corpus.
 
@@ -54,15 +55,16 @@ def block(h_BxTxD, layer):
 def loss_fn(params, batch):
   tokens = batch["tokens"]  # [B, T + 1] bytes
   h = params["embed"][tokens[:, :-1]] + params["pos"]
-  body = jax.checkpoint(block, policy=jaxdp.gather_policy())  # gather again in the backward pass
+  body = jax.checkpoint(block, policy=jaxdp.layerwise.gather_policy())  # gather again in the backward pass
   h, _ = jax.lax.scan(body, h, params["blocks"])
   logits = rms(h) @ params["embed"].T
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # per token [B, T]
 
 
 mesh, opt = jaxdp.data_mesh(), optax.adamw(3e-3)
-state = jaxdp.init_state(init(jax.random.key(0)), opt, mesh, zero_stage=3, layers="blocks")
-step = jaxdp.make_train_step(loss_fn, opt, mesh, zero_stage=3, layers="blocks")
+dp = jaxdp.data_parallel(mesh, zero_stage=3, layers="blocks")  # the layout: the state's and the step's
+state = jaxdp.init_state(init(jax.random.key(0)), opt, dp)
+step = jaxdp.make_train_step(loss_fn, opt, dp)
 
 text = np.frombuffer(open(__file__, "rb").read(), np.uint8)
 rng = np.random.default_rng(0)

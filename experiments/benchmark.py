@@ -13,10 +13,12 @@ Methods, all on the same initial parameters, batch and split:
 
 * ``jaxdp``: ``jaxdp.make_train_step(loss_fn, opt, mesh)`` (shard_map, state
   donated, validation, metrics, the skip of non-finite steps), called as
-  ``step(state, batch)``; ``jaxdp_pmap``: ``backend="pmap"``;
-  ``jaxdp_zero1..3``: ``zero_stage=s`` with ``jaxdp.init_state(..., zero_stage=s)``;
-  ``jaxdp_buckets``, ``jaxdp_zero1_buckets`` .. ``jaxdp_zero3_buckets``:
-  the same with ``bucket_bytes=25 MiB`` (the gradient all-reduced in flat
+  ``step(state, batch)``; ``jaxdp_pmap``: the layout
+  ``jaxdp.data_parallel(mesh, backend="pmap")``; ``jaxdp_zero1..3``: the
+  layout ``jaxdp.data_parallel(mesh, zero_stage=s)`` for the step and
+  ``jaxdp.init_state``; ``jaxdp_buckets``, ``jaxdp_zero1_buckets`` ..
+  ``jaxdp_zero3_buckets``: the same with
+  ``reduction=jaxdp.reductions.bucketed(25 MiB)`` (the gradient all-reduced in flat
   buckets; at stages 1-3 one parameter gather, and at stages 2-3 one
   reduce-scatter, per bucket of flat slices instead of one per larger leaf
   and one for the leaves of up to 256 KiB);
@@ -50,9 +52,10 @@ it. Each of DDP's N processes gets ``torch.set_num_threads(max(1, cores // N))``
 
 Numerics: one Adam step from the same initial parameters on uneven
 per-rank batches (3, 5, 1 and 7 examples): PyTorch DDP (each rank's mean
-loss, gradients averaged over ranks) against jaxdp ``reduction="rank_mean"``,
-and PyTorch on the concatenated batch in one process against jaxdp
-``"mean"``; with JAX-only references of both rules.
+loss, gradients averaged over ranks) against jaxdp
+``reduction=jaxdp.reductions.rank_mean()``, and PyTorch on the concatenated
+batch in one process against jaxdp ``mean()``; with JAX-only references of
+both rules.
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself; writes
 ``results.json``, ``benchmarks.md`` and the plots under ``--out``;
@@ -228,14 +231,16 @@ def jaxdp_case(w: Workload, devices, backend: str = "shard_map", zero_stage: int
                bucket_bytes: int | None = None) -> Case:
   """``jaxdp.make_train_step`` as a user calls it on an even batch: ``step(state, batch)``."""
   mesh = jaxdp.data_mesh(devices)
-  step = jaxdp.make_train_step(w.loss_fn, w.optimizer, mesh, backend=backend, zero_stage=zero_stage,
-                               bucket_bytes=bucket_bytes)
+  dp = jaxdp.data_parallel(mesh, zero_stage=zero_stage, backend=backend)
+  reduction = None if bucket_bytes is None else jaxdp.reductions.bucketed(bucket_bytes)
+  step = jaxdp.make_train_step(w.loss_fn, w.optimizer, dp, reduction=reduction)
   batch = _split(mesh, w.batch)
-  state = jaxdp.init_state(common.host_copy(w.params), w.optimizer, mesh, zero_stage=zero_stage)
+  state = jaxdp.init_state(common.host_copy(w.params), w.optimizer, dp)
   case = Case(lambda s: step(s, batch)[0], state, lambda s: jaxdp.gather_state(s).params,
               lambda s: step.lower(s, batch))
   if memory:
     case.memory = jaxdp.memory_report(step, state, batch)._asdict()
+    case.memory["model_state"] = case.memory.pop("training_state")  # results.json keeps 0.1's field name
   return case
 
 
@@ -550,13 +555,13 @@ def recording(optimizer: optax.GradientTransformation) -> optax.GradientTransfor
 
 
 def numerics_jax(counts=UNEVEN, layers=common.MLP_LAYERS, lr: float = 1e-3) -> dict[str, dict]:
-  """Gradient and params after one Adam step, per side: jaxdp ``"mean"``/``"rank_mean"`` and plain JAX references.
+  """Gradient and params after one Adam step, per side: jaxdp ``mean()``/``rank_mean()`` and plain JAX references.
 
   jaxdp runs on ``len(counts)`` devices, ``counts[i]`` examples on device
   ``i`` (``jaxdp.shard_uneven``). ``jax_concat`` is the one-device step on
-  the concatenated batch (what ``"mean"`` must equal); ``jax_rank_mean``
+  the concatenated batch (what ``mean()`` must equal); ``jax_rank_mean``
   averages each rank's gradient of its own mean loss over the ranks, DDP's
-  rule (what ``"rank_mean"`` must equal). ``initial`` holds the initial params.
+  rule (what ``rank_mean()`` must equal). ``initial`` holds the initial params.
   """
   params, shards = numerics_setup(counts, layers)
   mesh = jaxdp.data_mesh(jax.devices()[: len(counts)])
@@ -564,7 +569,7 @@ def numerics_jax(counts=UNEVEN, layers=common.MLP_LAYERS, lr: float = 1e-3) -> d
   batch, weights = jaxdp.shard_uneven(shards, mesh)
   out = {"initial": {"params": params}}
   for reduction in ("mean", "rank_mean"):
-    step = jaxdp.make_train_step(common.mlp_loss, optimizer, mesh, reduction=reduction)
+    step = jaxdp.make_train_step(common.mlp_loss, optimizer, mesh, reduction=common.reduction_of(reduction))
     state, _ = step(jaxdp.init_state(params, optimizer, mesh), batch, weights)
     state = jaxdp.gather_state(state)
     out[f"jaxdp_{reduction}"] = {"grads": state.opt_state[0], "params": state.params}
@@ -823,9 +828,10 @@ How the comparison is kept fair:
 - DDP (gloo on CPU, NCCL with a GPU per process) runs for the MLP only: a
   faithful PyTorch port of the Flax transformer was not written. At N = 1
   the PyTorch row is one plain process (no DDP wrapper, no process group).
-- jaxdp's ZeRO rows use the same step with `zero_stage=s` and a state from
-  `jaxdp.init_state(..., zero_stage=s)`; pmap runs at stage 0 only. The
-  "25 MB buckets" rows add `bucket_bytes=25 MiB`: one all-reduce of the
+- jaxdp's ZeRO rows use the same step on the layout
+  `jaxdp.data_parallel(mesh, zero_stage=s)` and a state from
+  `jaxdp.init_state(params, opt, that layout)`; pmap runs at stage 0 only. The
+  "25 MB buckets" rows add `reduction=jaxdp.reductions.bucketed(25 MiB)`: one all-reduce of the
   gradient per flat bucket (stages 0-1), one parameter gather (stages 1-3)
   and one reduce-scatter (stages 2-3) per bucket of flat slices, where the
   plain rows have one all-reduce in all, and one gather and reduce-scatter

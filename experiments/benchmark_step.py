@@ -4,8 +4,8 @@ Model: MLP 784-1024-1024-10 (ReLU), per-example softmax cross-entropy, Adam,
 global batch 512 of random data (fixed seed). Compared at each device count k
 (sub-mesh over ``jax.devices()[:k]``):
 
-* ``shard_map``: ``jaxdp.make_train_step(..., backend="shard_map")``;
-* ``pmap``: ``jaxdp.make_train_step(..., backend="pmap")``;
+* ``shard_map``: ``jaxdp.make_train_step`` on ``jaxdp.data_parallel(mesh, backend="shard_map")``;
+* ``pmap``: the same on ``jaxdp.data_parallel(mesh, backend="pmap")``;
 * ``auto-jit``: plain ``jax.jit`` of a single-device step (value_and_grad of
   the weighted-mean loss + optax update) on a batch sharded with
   ``NamedSharding(mesh, P("data"))`` and replicated params: XLA's automatic
@@ -56,10 +56,10 @@ SHARDED = ("shard_map", "pmap", "auto_jit")  # the methods whose HLO has collect
 
 
 def comm_report(hlo_text: str, n_devices: int) -> dict[str, dict[str, int]]:
-  """``{kind: {"ops": count, "bytes": bytes}}`` per collective kind, via ``jaxdp.collectives_from_hlo``."""
+  """``{kind: {"ops": count, "bytes": bytes}}`` per collective kind, via ``jaxdp.reports.collectives_from_hlo``."""
   return {
       kind: {"ops": c.count, "bytes": c.bytes}
-      for kind, c in jaxdp.collectives_from_hlo(hlo_text, n_devices).items()
+      for kind, c in jaxdp.reports.collectives_from_hlo(hlo_text, n_devices).items()
   }
 
 
@@ -109,10 +109,11 @@ class Case:
 
 def jaxdp_case(backend, devices, params, optimizer, batch, weights) -> Case:
   mesh = jaxdp.data_mesh(devices)
-  step = jaxdp.make_train_step(common.mlp_loss, optimizer, mesh, backend=backend)
+  dp = jaxdp.data_parallel(mesh, backend=backend)
+  step = jaxdp.make_train_step(common.mlp_loss, optimizer, dp)
   sharding = NamedSharding(mesh, P("data"))
   batch, weights = jax.device_put((batch, weights), sharding)
-  return Case(backend, step, jaxdp.init_state(params, optimizer, mesh), batch, weights, step.lower)
+  return Case(backend, step, jaxdp.init_state(params, optimizer, dp), batch, weights, step.lower)
 
 
 def plain_case(name, mesh, params, optimizer, batch, weights) -> Case:

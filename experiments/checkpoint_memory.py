@@ -132,17 +132,17 @@ def _measure(operation: str, directory: str, width: int, layers: int, job: tuple
   }
   # Made in place at stage 3 (no replicated transient that the allocator would keep and reuse, hiding growth).
   abstract = jaxdp.layout.abstract_state(params, optimizer)
-  layout = jaxdp.layout.make_layout(abstract, jaxdp.auto_mesh(mesh), "data", 3)
+  layout = jaxdp.layout.make_layout(abstract, jaxdp.layout.auto_mesh(mesh), "data", 3)
   make = jax.jit(
       lambda: jax.tree.map(lambda s: jax.random.normal(jax.random.key(0), s.shape, s.dtype), params),
-      out_shardings=layout.shardings(jaxdp.auto_mesh(mesh)).params,
+      out_shardings=layout.shardings(jaxdp.layout.auto_mesh(mesh)).params,
   )
   # Moments filled too (as after training), so the saved data is not trivially compressible.
   fill = jax.jit(
       lambda p: jaxdp.TrainState.create(p, optimizer)._replace(
           opt_state=jax.tree.map(lambda x: x + 1 if x.ndim else x, optimizer.init(p))
       ),
-      out_shardings=layout.shardings(jaxdp.auto_mesh(mesh)),
+      out_shardings=layout.shardings(jaxdp.layout.auto_mesh(mesh)),
   )
   state = fill(make())
   jax.block_until_ready(state)
@@ -163,7 +163,7 @@ def _measure(operation: str, directory: str, width: int, layers: int, job: tuple
         manager.wait()
       return None
     with jaxdp.CheckpointManager(ckpt) as manager:
-      restored = manager.restore(params=params, optimizer=optimizer, mesh=mesh, zero_stage=3)
+      restored = manager.restore(params=params, optimizer=optimizer, layout=jaxdp.data_parallel(mesh, zero_stage=3))
       jax.block_until_ready(restored.state)
       return restored
 

@@ -157,6 +157,27 @@ def fmt_ms(s: dict) -> str:
 # --------------------------------------------------------------------------
 
 
+def reduction_of(mode: str = "mean", bucket_bytes: int | None = None, compression: Any = None) -> Any:
+  """An experiment's ``--reduction``/``--bucket-bytes``/PowerSGD flags as the step's reduction value:
+  ``jaxdp.reductions.<mode>()``, chained with ``bucketed(bucket_bytes)`` and a ``powersgd(...)`` piece when given."""
+  import jaxdp
+
+  pieces = [getattr(jaxdp.reductions, mode)()]
+  if bucket_bytes is not None:
+    pieces.append(jaxdp.reductions.bucketed(bucket_bytes))
+  if compression is not None:
+    pieces.append(compression)
+  return pieces[0] if len(pieces) == 1 else jaxdp.reductions.chain(*pieces)
+
+
+def precision_of(compute_dtype: Any = None, reduce_dtype: Any = None, loss_scaling: Any = None) -> Any:
+  """An experiment's dtype flags as the step's precision policy (``"float32"`` or ``None``: the params' own)."""
+  import jaxdp
+
+  own = lambda d: None if d is None or d == "float32" else d  # noqa: E731
+  return jaxdp.precision(compute_dtype=own(compute_dtype), reduce_dtype=own(reduce_dtype), loss_scaling=loss_scaling)
+
+
 def fill_defaults(args: argparse.Namespace, full: dict, quick: dict) -> argparse.Namespace:
   """Sets every option left ``None`` from ``quick`` (under ``--quick``) or ``full``."""
   for name, default in (quick if args.quick else full).items():

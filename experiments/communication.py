@@ -5,14 +5,15 @@ model, corpus, AdamW and validation loss) from one init on one data order,
 with the same global batch and tokens per step, dropout 0:
 
 - ``exact``: jaxdp's default step, the weighted-mean gradient all-reduced in float32;
-- ``bf16``: the same gradient all-reduced in bfloat16 (``grad_reduce_dtype``);
+- ``bf16``: the same gradient all-reduced in bfloat16 (``precision=jaxdp.precision(reduce_dtype=jnp.bfloat16)``);
 - ``powersgd_rR``: PowerSGD of rank R with error feedback
-  (``compression=jaxdp.powersgd(rank=R, start_iter=S)``; the first S steps exact);
+  (``reduction=jaxdp.reductions.powersgd(rank=R, start_iter=S)``; the first S steps exact);
 - ``diloco_hH``: DiLoCo (``jaxdp.make_diloco_step``): exact inner steps within a
   replica group, an outer Nesterov step on the groups' averaged delta every H
   steps; ``diloco_hH_bf16`` / ``diloco_hH_int8`` send the delta in bfloat16 / int8;
 - ``float16_dynamic``: float16 compute with dynamic loss scaling
-  (``loss_scaling=jaxdp.dynamic_loss_scale()``): the exact step's bytes, its row shows the quality.
+  (``precision=jaxdp.precision(jnp.float16, loss_scaling=jaxdp.dynamic_loss_scale())``): the exact step's
+  bytes, its row shows the quality.
 
 Mesh: 4 simulated CPU devices. exact, bf16, PowerSGD and float16 split the
 batch over ``data=4``. DiLoCo runs on ``replica=4, data=1``: each replica group
@@ -26,7 +27,7 @@ sees (train_lm decays to 0, after which no run could catch up).
 
 ``bytes_per_step`` counts the bytes each device sends in the step's collectives
 (all-reduce, reduce-scatter, all-gather; ring algorithm, ``traffic_bytes`` of
-``jaxdp.collectives_from_hlo``) in the HLO jaxdp emits, before the backend's
+``jaxdp.reports.collectives_from_hlo``) in the HLO jaxdp emits, before the backend's
 optimisation: the dtype jaxdp communicates in, as GPU and TPU backends move it
 (the CPU compiler widens bfloat16 all-reduces to float32; its count is
 ``compiled_bytes_per_step``). PowerSGD's is its compressed program (after
@@ -95,9 +96,13 @@ def method_names(diloco_h) -> list[str]:
 
 
 def _need(name: str, method: str):
-  """``jaxdp.<name>``, or a clear error saying which method needs it (a jaxdp without it)."""
+  """``jaxdp.<name>`` (a dotted path: ``reductions.powersgd``), or a clear error saying which method needs it
+  (a jaxdp without it)."""
   try:
-    return getattr(jaxdp, name)
+    value = jaxdp
+    for part in name.split("."):
+      value = getattr(value, part)
+    return value
   except AttributeError:
     raise RuntimeError(f"method {method!r} needs jaxdp.{name}, which this jaxdp does not have; "
                        f"leave {method!r} out of --methods.") from None
@@ -106,9 +111,9 @@ def _need(name: str, method: str):
 def _check_available(name: str) -> None:
   """Raises :func:`_need`'s error now, before any method trains, if ``name`` needs an API this jaxdp lacks."""
   if name.startswith("powersgd_r"):
-    _need("powersgd", name)
+    _need("reductions.powersgd", name)
   elif DILOCO.fullmatch(name):
-    for api in ("make_diloco_step", "init_diloco_state", "diloco_params"):
+    for api in ("make_diloco_step", "init_diloco_state", "diloco.diloco_params"):
       _need(api, name)
   elif name == "float16_dynamic":
     _need("dynamic_loss_scale", name)
@@ -119,7 +124,7 @@ def _check_available(name: str) -> None:
 
 def traffic(hlo: str, n: int) -> float:
   """Bytes each device sends in the collectives of HLO text (ring algorithm; all kinds)."""
-  return float(sum(c.traffic_bytes for c in jaxdp.collectives_from_hlo(hlo, n).values()))
+  return float(sum(c.traffic_bytes for c in jaxdp.reports.collectives_from_hlo(hlo, n).values()))
 
 
 def lowered_bytes(lowered) -> dict:
@@ -165,19 +170,18 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
   optimizer = make_optimizer(config)
   if name in ("exact", "bf16", "float16_dynamic") or name.startswith("powersgd_r"):
     mesh, axis = _mesh({"data": DEVICES}), "data"
-    options, state_options, notes = {}, {}, ""
+    dp = jaxdp.data_parallel(mesh, axis_name=axis)
+    options, notes = {}, ""  # the step's reduction and precision values (the same given to init_state)
     if name == "bf16":
-      options["grad_reduce_dtype"] = jnp.bfloat16
+      options["precision"] = jaxdp.precision(reduce_dtype=jnp.bfloat16)
     elif name == "float16_dynamic":
-      options = {"compute_dtype": jnp.float16, "loss_scaling": _need("dynamic_loss_scale", name)()}
-      state_options = {"loss_scale": options["loss_scaling"].init()}
+      options["precision"] = jaxdp.precision(jnp.float16, loss_scaling=_need("dynamic_loss_scale", name)())
     elif name.startswith("powersgd_r"):
       rank = int(name.removeprefix("powersgd_r"))
-      powersgd = _need("powersgd", name)
-      compression = powersgd(rank=rank, start_iter=start_iter)
-      options, state_options = {"compression": compression}, {"compression": compression}
-    step = jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis, **options)
-    state = jaxdp.init_state(params, optimizer, mesh, axis_name=axis, **state_options)
+      powersgd = _need("reductions.powersgd", name)
+      options["reduction"] = powersgd(rank=rank, start_iter=start_iter)
+    step = jaxdp.make_train_step(loss_fn, optimizer, dp, **options)
+    state = jaxdp.init_state(params, optimizer, dp, **options)
 
     def step_bytes(state, batch, weights):
       if not name.startswith("powersgd_r"):
@@ -189,12 +193,12 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
       # program's, read from a step built with start_iter=0 (the running step's lax.cond holds both branches,
       # and the HLO text shows the collectives of both).
       if "exact" not in cache:
-        cache["exact"] = lowered_bytes(jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis).lower(
-            jaxdp.init_state(params, optimizer, mesh, axis_name=axis), batch, weights))
-      warm, hot_settings = cache["exact"], powersgd(rank=rank, start_iter=0)
-      hot_step = jaxdp.make_train_step(loss_fn, optimizer, mesh, axis_name=axis, compression=hot_settings)
+        cache["exact"] = lowered_bytes(jaxdp.make_train_step(loss_fn, optimizer, dp).lower(
+            jaxdp.init_state(params, optimizer, dp), batch, weights))
+      warm, hot_reduction = cache["exact"], powersgd(rank=rank, start_iter=0)
+      hot_step = jaxdp.make_train_step(loss_fn, optimizer, dp, reduction=hot_reduction)
       hot = lowered_bytes(hot_step.lower(
-          jaxdp.init_state(params, optimizer, mesh, axis_name=axis, compression=hot_settings), batch, weights))
+          jaxdp.init_state(params, optimizer, dp, reduction=hot_reduction), batch, weights))
       return ((lambda i: warm["bytes"] if i < start_iter else hot["bytes"]),
               (lambda i: warm["compiled_bytes"] if i < start_iter else hot["compiled_bytes"]))
 
@@ -202,11 +206,11 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
   if match := DILOCO.fullmatch(name):
     h, delta_dtype = int(match.group(1)), DELTA_DTYPES[match.group(2)]
     make_step, init = _need("make_diloco_step", name), _need("init_diloco_state", name)
-    outer_params = _need("diloco_params", name)
+    outer_params = _need("diloco.diloco_params", name)
     mesh, axis = _mesh({"replica": DEVICES, "data": 1}), ("replica", "data")
-    step = make_step(loss_fn, optimizer, mesh, outer_axis="replica", axis_name="data", inner_steps=h,
-                     delta_dtype=delta_dtype)
-    state = init(params, optimizer, mesh, outer_axis="replica")
+    groups = jaxdp.data_parallel(mesh, axis_name="data")  # each group's data axis; "replica" is the outer one
+    step = make_step(loss_fn, optimizer, groups, outer_axis="replica", inner_steps=h, delta_dtype=delta_dtype)
+    state = init(params, optimizer, groups, outer_axis="replica")
 
     def step_bytes(state, batch, weights):
       inner = lowered_bytes(step.lower_inner(state, batch, weights))

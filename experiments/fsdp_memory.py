@@ -5,7 +5,7 @@ Model: a stack of L pre-norm MLP blocks at fixed width, run under
 learned scale, ``w1`` [D, F], ``w2`` [F, D]; a final norm scale and a head
 [D, 1] outside the stack; a per-token squared error on inputs ``x`` [b, T, D].
 Adam, float32. The loop body calls ``jaxdp.gather(layer)`` and is
-checkpointed with ``jax.checkpoint(body, policy=jaxdp.gather_policy(r))``: the
+checkpointed with ``jax.checkpoint(body, policy=jaxdp.layerwise.gather_policy(r))``: the
 same loss for every schedule but the last (outside a layer-wise step
 ``jaxdp.gather`` returns its argument and the policy saves nothing, so every
 schedule recomputes the body and saves only each layer's input ``h``).
@@ -16,9 +16,9 @@ step of each schedule and records the per-device peak of
 donated state's outputs alias its arguments, so they count once):
 
 * ``stage0``: plain data parallelism (everything replicated);
-* ``stage3``: ZeRO-3 with the whole gather (no ``layers=``: every parameter
+* ``stage3``: ZeRO-3 with the whole gather (``jaxdp.data_parallel(mesh, zero_stage=3)``, no ``layers=``: every parameter
   gathered before the forward pass and kept until the backward pass ends);
-* ``layerwise``: ZeRO-3 with ``layers="layers"``, ``gather_policy(reshard_after_forward=True)``
+* ``layerwise``: ZeRO-3 with ``data_parallel(mesh, zero_stage=3, layers="layers")``, ``gather_policy(reshard_after_forward=True)``
   (each layer gathered in the forward loop, dropped, gathered again in the
   backward loop, its gradient reduce-scattered there);
 * ``layerwise_no_reshard``: the same with ``gather_policy(reshard_after_forward=False)``
@@ -90,7 +90,7 @@ STACK = "layers"
 FULL = {"width": 256, "hidden": 1024, "seq": 64, "batch_per_device": 4}
 QUICK = {"width": 128, "hidden": 512, "seq": 8, "batch_per_device": 2}
 LAYERS = (4, 8, 16, 32)
-SCHEDULES = {  # name: make_train_step / init_state options (beyond the mesh and the optimizer)
+SCHEDULES = {  # name: the layout's settings (jaxdp.data_parallel(mesh, ...)) and the loss's reshard_after_forward
     "stage0": {"zero_stage": 0},
     "stage3": {"zero_stage": 3},
     "layerwise": {"zero_stage": 3, "layers": STACK},
@@ -130,7 +130,7 @@ def block(h, layer):
 
 def make_loss(reshard_after_forward=True):
   """The per-token squared error ``[b, T]``, its loop body checkpointed with ``gather_policy(reshard_after_forward)``."""
-  body = jax.checkpoint(block, policy=jaxdp.gather_policy(reshard_after_forward))
+  body = jax.checkpoint(block, policy=jaxdp.layerwise.gather_policy(reshard_after_forward))
 
   def loss_fn(params, batch):
     h, _ = lax.scan(body, batch["x"], params[STACK])
@@ -164,8 +164,9 @@ def compile_step(params, optimizer, mesh, batch, options):
   """The compiled step of one schedule (lowered from a placed state, never run)."""
   options = dict(options)
   loss = make_loss(options.pop("reshard_after_forward", True))
-  step = jaxdp.make_train_step(loss, optimizer, mesh, **options)
-  state = jaxdp.init_state(params, optimizer, mesh, **options)
+  dp = jaxdp.data_parallel(mesh, **options)  # the layout: the ZeRO stage and the stack
+  step = jaxdp.make_train_step(loss, optimizer, dp)
+  state = jaxdp.init_state(params, optimizer, dp)
   compiled = step.lower(state, batch).compile()
   del state
   return compiled

@@ -7,9 +7,9 @@ softmax cross-entropy with uneven weights (some 0, padding rows included),
 global batch 32, Adam. For each schedule (GPipe; circular with R = 2
 repeats), stage count P in {2, 4}, microbatches M in {1, P, 2P} and data
 axis of size 1 or 2 (mesh ``("stage", "data")`` over the first P·D of the
-8 simulated devices) it trains 5 steps of ``jaxdp.make_train_step(...,
-layers="blocks", pipeline=jaxdp.pipeline(M, schedule, repeats=R))`` and
-records:
+8 simulated devices) it trains 5 steps of ``jaxdp.make_train_step`` on the
+layout ``jaxdp.data_parallel(mesh, layers="blocks", pipeline=jaxdp.pipeline(M,
+schedule, repeats=R))`` and records:
 
 * ``bubble_measured``: the fraction of the stage-iterations that did no work,
   counted in the program that runs. The loss's layer function ``f`` calls a
@@ -190,9 +190,10 @@ def run_row(schedule, stages, microbatches, data, params, batch, weights, refere
   repeats = REPEATS if schedule == "circular" else 1
   mesh = stage_mesh(stages, data)
   plan = jaxdp.pipeline(microbatches, schedule, repeats=repeats)
-  state = jaxdp.init_state(params, optimizer, mesh, layers=STACK)
+  dp = jaxdp.data_parallel(mesh, layers=STACK, pipeline=plan)  # the layout: the stacks over "stage"
+  state = jaxdp.init_state(params, optimizer, dp)
   executed = collections.Counter()
-  step = jaxdp.make_train_step(make_loss(executed), optimizer, mesh, layers=STACK, pipeline=plan)
+  step = jaxdp.make_train_step(make_loss(executed), optimizer, dp)
   memory = step.lower(state, batch, weights).compile().memory_analysis()
   for _ in range(STEPS):
     state, metrics = step(state, batch, weights)

@@ -4,8 +4,8 @@
    params), Adam, fp32, global batch 512, ``jaxdp.make_train_step`` on
    sub-meshes of 1, 2, 4, 8 simulated CPU devices (2 shared cores):
 
-   * step time with the gradient all-reduce (``reduction="mean"``) and
-     without any communication (``reduction="none"``, same work otherwise),
+   * step time with the gradient all-reduce (``jaxdp.reductions.mean()``) and
+     without any communication (``jaxdp.reductions.none()``, same work otherwise),
      every case one runner of ``common.time_interleaved`` (a new shuffled
      order each round) and summarised by ``common.stats``; the communication
      in the step is the median over rounds of (with - without) in the same
@@ -46,7 +46,7 @@
    Memory: jaxdp's schedule (stage 3 keeps every split parameter gathered
    through the step) for the predictions and the fit marks; the largest
    model per stage at 80 GB (H100) and 16 GB (v5e) under jaxdp's whole
-   gather, jaxdp's layer-wise stage 3 (``layers=``, counted with two layers
+   gather, jaxdp's layer-wise stage 3 (``data_parallel(mesh, zero_stage=3, layers=...)``, counted with two layers
    gathered at once, room for prefetch; L = 80 stacked layers, a large transformer's, every
    split parameter counted in the stack) and the paper's layer-by-layer
    stage 3 (one gathered layer, not counted).
@@ -156,10 +156,10 @@ class Case:
   """A step bound to its state and batch; ``run()`` advances it by one step (the state is donated)."""
 
   def __init__(self, n, reduction="mean", batch_size=GLOBAL_BATCH, zero_stage=0):
-    mesh = jaxdp.data_mesh(jax.devices()[:n])
+    dp = jaxdp.data_parallel(jaxdp.data_mesh(jax.devices()[:n]), zero_stage=zero_stage)
     self.optimizer = optax.adam(1e-3)
-    self.step = jaxdp.make_train_step(loss_fn, self.optimizer, mesh, reduction=reduction, zero_stage=zero_stage)
-    self.state = jaxdp.init_state(mlp_params(), self.optimizer, mesh, zero_stage=zero_stage)
+    self.step = jaxdp.make_train_step(loss_fn, self.optimizer, dp, reduction=common.reduction_of(reduction))
+    self.state = jaxdp.init_state(mlp_params(), self.optimizer, dp)
     self.batch = make_batch(batch_size)
 
   def run(self):
@@ -221,7 +221,7 @@ def measure_allreduce(devices, sizes, reps, warmup=2):
     runners, counted = {}, {}
     for nbytes in sizes:
       x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("data")))
-      counted[nbytes] = jaxdp.collectives_from_hlo(psum.lower(x).compile().as_text(), n)["all-reduce"].bytes
+      counted[nbytes] = jaxdp.reports.collectives_from_hlo(psum.lower(x).compile().as_text(), n)["all-reduce"].bytes
       runners[f"psum {nbytes}"] = lambda x=x: jax.block_until_ready(psum(x))
       runners[f"noop {nbytes}"] = lambda x=x: jax.block_until_ready(noop(x))
     times = common.time_interleaved(runners, reps, warmup)
@@ -504,7 +504,7 @@ def plot(out, path):
               label="measured no-comm step + model comm (psum fit)")
   cpu_ax.plot(ns, [r["hybrid_step"] * MS for r in check], "v-", color="C4",
               label="measured no-comm step + model comm (bandwidth fitted to steps)")
-  cpu_ax.plot(ns, [r["no_comm"] * MS for r in check], ":", color="grey", label="measured, reduction='none'")
+  cpu_ax.plot(ns, [r["no_comm"] * MS for r in check], ":", color="grey", label="measured, reductions.none()")
   cpu_ax.set(title="measured here: MLP 1.86M params, batch 512, 2 cores", xlabel="devices N",
              ylabel="ms per step")
   cpu_ax.set_xscale("log", base=2)
@@ -661,7 +661,8 @@ def _predict_md(out):
   lines += ["", "Largest model whose state (mixed-precision Adam, K=12: p = g = 2 bytes) fits the device's "
             "memory (activations not counted). Stages 0–2 are the same under every schedule. Stage 3: jaxdp's "
             "whole gather keeps every gathered parameter through the step (barely more room than stage 2); "
-            "jaxdp's layer-wise stage 3 (`layers=`, the stacks gathered one layer at a time) is counted with two "
+            "jaxdp's layer-wise stage 3 (`data_parallel(mesh, zero_stage=3, layers=...)`, the stacks gathered one "
+            "layer at a time) is counted with two "
             f"layers gathered at once (the current one and the next, prefetched), here L = {PREDICT_LAYERS} "
             "stacked layers with every parameter in the stack (the embeddings and head, gathered whole, "
             "neglected); the paper's layer-by-layer stage 3 counts model state only."]

@@ -25,6 +25,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
+from jaxdp.layout import BACKENDS
+from jaxdp.reduction import as_varying
 
 LR = 0.1
 EVEN = [[0.0], [2.0], [4.0]]  # one example per replica
@@ -36,14 +38,19 @@ def loss_fn(w, batch):
   return 0.5 * (w - batch["y"]) ** 2
 
 
+def _reduction(name: str) -> jaxdp.reductions.Reduction:
+  """``jaxdp.reductions.<name>()``: ``"mean"``, ``"rank_mean"``, ``"sum"`` or ``"none"``."""
+  return getattr(jaxdp.reductions, name)()
+
+
 def _local_and_agreed(mesh, batch, weights, reduction):
-  """Each replica's local mean gradient and the gradient the replicas agree on."""
+  """Each replica's local mean gradient and the gradient the replicas agree on (``reduction``: a mode's name)."""
 
   def per_replica(w, batch, weights):
-    local = jaxdp.local_gradient(loss_fn, w, batch, weights, axis_name="data")
-    local_mean = jaxdp.reduce_gradient(local, axis_name="data", reduction="none").grads
-    agreed = jaxdp.reduce_gradient(local, axis_name="data", reduction=reduction).grads
-    return local_mean[None], jaxdp.as_varying(agreed, "data")[None]
+    local = jaxdp.local_gradient(loss_fn, w, batch, weights, layout="data")
+    local_mean = jaxdp.reduce_gradient(local, layout="data", reduction=jaxdp.reductions.none()).grads
+    agreed = jaxdp.reduce_gradient(local, layout="data", reduction=_reduction(reduction)).grads
+    return local_mean[None], as_varying(agreed, "data")[None]
 
   f = jax.jit(
       jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P("data"), P("data")))
@@ -52,7 +59,7 @@ def _local_and_agreed(mesh, batch, weights, reduction):
   return np.asarray(local), np.asarray(agreed)
 
 
-def run(devices=None, backends=jaxdp.BACKENDS) -> dict:
+def run(devices=None, backends=BACKENDS) -> dict:
   """Runs every case of the seed example and returns the computed values.
 
   Args:
@@ -81,8 +88,9 @@ def run(devices=None, backends=jaxdp.BACKENDS) -> dict:
         ("uneven_mean", uneven, "mean"),
         ("uneven_rank_mean", uneven, "rank_mean"),
     ]:
-      step = jaxdp.make_train_step(loss_fn, sgd, mesh, reduction=reduction, backend=backend, check_replicas=True)
-      state, metrics = step(jaxdp.init_state(jnp.float32(1.0), sgd, mesh), *data)
+      dp = jaxdp.data_parallel(mesh, backend=backend)
+      step = jaxdp.make_train_step(loss_fn, sgd, dp, reduction=_reduction(reduction), check_replicas=True)
+      state, metrics = step(jaxdp.init_state(jnp.float32(1.0), sgd, dp), *data)
       out[f"{backend}/{case}/w"] = jaxdp.per_replica(state.params)
       out[f"{backend}/{case}/divergence"] = np.asarray(metrics["replica_divergence"])
       try:
@@ -97,7 +105,7 @@ def _fmt(values) -> str:
   return ", ".join(f"{v:+.4g}" for v in np.ravel(values))
 
 
-def report(out: dict, backends=jaxdp.BACKENDS) -> str:
+def report(out: dict, backends=BACKENDS) -> str:
   """A plain-text table of the values ``run`` computed."""
   lines = [
       "jaxdp seed example: w = 1, loss = ½(w − y)², SGD lr 0.1, 3 replicas",

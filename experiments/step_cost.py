@@ -8,7 +8,7 @@ a hand-written ``jit(shard_map)`` (state replicated and donated, batch split):
 * ``weighted``: ``jaxdp.gradient_step(divide=False)`` (the exact weighted
   sums and their one all-reduce, the loss metric) and the optax update of
   the divided gradient: no norm, no skip;
-* ``norm``: ``weighted`` plus ``jaxdp.global_norm`` as a metric (1/N of the
+* ``norm``: ``weighted`` plus ``jaxdp.reduction.global_norm`` as a metric (1/N of the
   agreed gradient per device and one 4-byte all-reduce);
 * ``skip``: ``weighted`` with the update under ``jaxdp.apply_update``'s
   ``cond``, skipped on zero weight or a non-finite loss (no norm);
@@ -51,14 +51,15 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from experiments import benchmark, common
+from jaxdp import reduction
 
 VARIANTS = ("bare", "weighted", "norm", "skip", "train_step", "make_train_step", "bare_cond")
 FULL = {"devices": "2,8", "models": "mlp,lm", "steps": 40, "warmup": 3}
 QUICK = {"devices": "2", "models": "mlp", "steps": 3, "warmup": 1}
 
 
-def _update(w: benchmark.Workload, state: jaxdp.TrainState, reduced: jaxdp.ReducedGradient) -> jaxdp.TrainState:
-  grads = jaxdp.divide_gradient(reduced.grads, reduced.grad_divisor)
+def _update(w: benchmark.Workload, state: jaxdp.TrainState, reduced: reduction.ReducedGradient) -> jaxdp.TrainState:
+  grads = reduction.divide_gradient(reduced.grads, reduced.grad_divisor)
   updates, opt_state = w.optimizer.update(grads, state.opt_state, state.params)
   return jaxdp.TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1, state.model_state)
 
@@ -72,7 +73,7 @@ def replica_steps(w: benchmark.Workload) -> dict:
 
   def norm(state, batch):
     reduced = jaxdp.gradient_step(w.loss_fn, state, batch, divide=False)
-    grad_norm = jaxdp.global_norm(reduced.grads, "data", reduced.grad_divisor)
+    grad_norm = reduction.global_norm(reduced.grads, "data", reduced.grad_divisor)
     return _update(w, state, reduced), {"loss": reduced.loss, "grad_norm": grad_norm}
 
   def skip(state, batch):

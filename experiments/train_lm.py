@@ -35,13 +35,15 @@ With a ``replica`` axis the data axes are ``("replica", "data")``: the batch
 is split over both. ``--zero-stage`` (0-3) shards the optimizer state (1, 2)
 and the params (3) over ``data``. ``--scan-layers`` stacks the blocks
 (``nnx.vmap``) and runs them with ``nnx.scan``; at ``--zero-stage 3`` the
-step then gathers one layer at a time inside the loop (``layers="blocks"``,
-jaxdp's layer-wise stage 3; the ``rank_mean`` run of ``--compare`` keeps the
+step then gathers one layer at a time inside the loop (the layout
+``jaxdp.data_parallel(mesh, zero_stage=3, layers="blocks")``, jaxdp's
+layer-wise stage 3; the ``rank_mean`` run of ``--compare`` keeps the
 whole gather, which that reduction needs).
 With a ``stage`` axis the blocks are stacked (``--scan-layers`` is implied)
 and run through ``jaxdp.scan_layers``, which in the step is a pipeline over
-``stage`` (``layers="blocks"``, ``pipeline=jaxdp.pipeline(--microbatches,
---schedule, repeats=--repeats)``; ``--microbatches`` defaults to 2·P): each
+``stage`` (the layout ``jaxdp.data_parallel(mesh, layers="blocks",
+pipeline=jaxdp.pipeline(--microbatches, --schedule, repeats=--repeats))``;
+``--microbatches`` defaults to 2·P): each
 stage holds ``--layers / P`` blocks, the embedding and the head run on every
 stage, and the batch is replicated over ``stage`` (see docs/pipeline.md).
 
@@ -332,7 +334,8 @@ def evaluate(loss_fn, state, dataset, mesh, collate, per_device_batch: int, axis
     return None
   pipeline = DataPipeline(dataset, collate, mesh, per_device_batch=per_device_batch, seed=0, axis_name=axis_name)
   batches = (data for _, data in pipeline.iterate(num_steps=pipeline.steps_per_epoch))
-  evaluation = jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name, layers=layers, pipeline=pipeline_plan)
+  layout = jaxdp.data_parallel(mesh, axis_name=axis_name, layers=layers, pipeline=pipeline_plan)
+  evaluation = jaxdp.make_eval_step(loss_fn, layout)
   return evaluation.evaluate(state, batches)
 
 
@@ -393,7 +396,7 @@ def fit(step_fn, state, pipeline, config: Config, rng, sink=None, desc: str = "t
     for step, (batch, weights) in pipeline.iterate(start_step=start, num_steps=config.steps - start):
       state, metrics = step_fn(state, batch, weights, rng=rng)
       if ckpt is not None:
-        ckpt.save(done + step - start + 1, state, rng=rng, data_step=step + 1, pipeline=pipeline)
+        ckpt.save(done + step - start + 1, state, rng=rng, data_step=step + 1, data=pipeline)
       if pending is not None:
         clock = _log(pending, clock, records, bar, sink)
       pending = (step, metrics, weights)
@@ -437,36 +440,33 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
   specs = param_specs(params, mesh)
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
   scaling = jaxdp.dynamic_loss_scale() if config.loss_scaling == "dynamic" else None
-  compression = None if config.powersgd_rank is None else jaxdp.powersgd(
+  powersgd = None if config.powersgd_rank is None else jaxdp.reductions.powersgd(
       config.powersgd_rank, start_iter=config.powersgd_start_iter)
   pipeline_plan = make_pipeline(config)
-  step_fn = jaxdp.make_train_step(
-      loss_fn, optimizer, mesh, axis_name=axis_name, zero_stage=config.zero_stage, reduction=reduction,
-      accum_steps=config.accum_steps,
-      compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
-      grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
-      bucket_bytes=config.bucket_bytes, layers=layers, loss_scaling=scaling, compression=compression,
-      pipeline=pipeline_plan,
-  )
+  # The step's three values: the layout, the reduction, the precision policy.
+  dp = jaxdp.data_parallel(mesh, axis_name=axis_name, zero_stage=config.zero_stage, layers=layers,
+                           pipeline=pipeline_plan, param_specs=specs)
+  reduction_value = common.reduction_of(reduction, config.bucket_bytes, powersgd)
+  policy = common.precision_of(config.compute_dtype, config.grad_reduce_dtype, scaling)
+  step_fn = jaxdp.make_train_step(loss_fn, optimizer, dp, reduction=reduction_value, precision=policy,
+                                  accum_steps=config.accum_steps)
   per_device = config.batch_size // n
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None  # made per replica/step by jaxdp
-  layout = dict(axis_name=axis_name, zero_stage=config.zero_stage)
-  stage_axis = None if pipeline_plan is None else STAGE_AXIS  # the stacks placed over the stages at once
   with _checkpoints(config) as ckpt:
-    state, start, done = jaxdp.init_state(params, optimizer, mesh, param_specs=specs, layers=layers,
-                                          loss_scale=None if scaling is None else scaling.init(),
-                                          compression=compression, stage_axis=stage_axis, **layout), 0, 0
+    # With a pipeline the layout places the stacks over the stages at once.
+    state, start, done = jaxdp.init_state(params, optimizer, dp, reduction=reduction_value, precision=policy), 0, 0
     if ckpt is not None and ckpt.latest_step() is not None:
       if layers is None:
-        restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline,
-                                compression=compression, **layout)
+        replicated = jaxdp.data_parallel(mesh, axis_name=axis_name, zero_stage=config.zero_stage)  # no model split
+        restored = ckpt.restore(params=params, optimizer=optimizer, layout=replicated, data=pipeline,
+                                reduction=reduction_value)
       else:  # straight into the layer-wise layout (place_state knows only the whole-gather one)
-        restored = ckpt.restore(params=params, optimizer=optimizer, mesh=mesh, pipeline=pipeline, param_specs=specs,
-                                layers=layers, stage_axis=stage_axis, **layout)
+        restored = ckpt.restore(params=params, optimizer=optimizer, layout=dp, data=pipeline,
+                                reduction=reduction_value)
       state, start, done = restored.state, restored.data_step, restored.step
       if specs is not None and layers is None:  # restore places the params replicated over "model"; split them again
-        state = jaxdp.place_state(state, optimizer, mesh, param_specs=specs, **layout)
+        state = jaxdp.place_state(state, optimizer, dp)
       print(f"resuming from {config.ckpt_dir} at step {start}")
     with _metrics_file(out, append=start > 0) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
@@ -521,18 +521,19 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   definition, drawn = make_model(config)
   params = drawn if params is None else params
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
+  groups = jaxdp.data_parallel(mesh, axis_name="data")  # each group's data axis; "replica" is the outer axis
   step = jaxdp.make_diloco_step(
-      loss_fn, optimizer, mesh, outer_axis="replica", axis_name="data", inner_steps=config.diloco_inner_steps,
+      loss_fn, optimizer, groups, outer_axis="replica", inner_steps=config.diloco_inner_steps,
       delta_dtype=None if config.diloco_delta_dtype == "float32" else jnp.dtype(config.diloco_delta_dtype),
-      reduction=reduction,
-      accum_steps=config.accum_steps, compute_dtype=None if config.compute_dtype == "float32" else config.compute_dtype,
-      grad_reduce_dtype=None if config.grad_reduce_dtype == "float32" else config.grad_reduce_dtype,
+      reduction=common.reduction_of(reduction), precision=common.precision_of(config.compute_dtype,
+                                                                             config.grad_reduce_dtype),
+      accum_steps=config.accum_steps,
   )
   per_device = config.batch_size // n
   axis_name = ("replica", "data")  # the pipeline splits the rows over both axes, as the step does
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None
-  state = jaxdp.init_diloco_state(params, optimizer, mesh, outer_axis="replica", axis_name="data")
+  state = jaxdp.init_diloco_state(params, optimizer, groups, outer_axis="replica")
 
   def step_fn(state, batch, weights, rng=None):
     state, metrics = step(state, batch, weights, rng)
@@ -540,7 +541,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
 
   with _metrics_file(out) as sink:
     state, records = fit(step_fn, state, pipeline, config, rng, sink, desc)
-  outer = jaxdp.TrainState(jaxdp.diloco_params(state), None, state.inner_step)
+  outer = jaxdp.TrainState(jaxdp.diloco.diloco_params(state), None, state.inner_step)
   val = evaluate(loss_fn, outer, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
   summary = {
       "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": 0, "scan_layers": False, "layerwise": False,
@@ -553,7 +554,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   }
   if out is not None:
     (pathlib.Path(out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-  return {"records": records, "summary": summary, "params": jaxdp.diloco_params(state), "state": state,
+  return {"records": records, "summary": summary, "params": jaxdp.diloco.diloco_params(state), "state": state,
           "step": step}
 
 

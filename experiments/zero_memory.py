@@ -8,7 +8,7 @@ elements): jaxdp splits each leaf along one dimension that divides by N
 (no padding). For each device count N (sub-mesh over ``jax.devices()[:N]``)
 and stage it measures, from the library's own reports:
 
-* model-state bytes per device (``jaxdp.memory_report(...).model_state``:
+* model-state bytes per device (``jaxdp.memory_report(...).training_state``:
   params + optimizer state + gradients), next to the formulas of Rajbhandari
   et al. (2020) with Psi params, fp32 and Adam (K = 8 bytes/param):
   stage 0 (4+4+8)Psi, 1 (4+4)Psi + 8Psi/N, 2 4Psi + (4+8)Psi/N, 3 16Psi/N,
@@ -80,6 +80,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxdp
 from experiments import checkpoint_memory, common
 from jaxdp import scaling
+from jaxdp.layout import ZERO_STAGES
 
 LAYERS = (256, 1024, 1024, 10)
 QUICK_LAYERS = (64, 256, 256, 10)
@@ -111,7 +112,7 @@ def split_of(layers, n, specs=None):
 def formula_bytes(layers, n, stage) -> float:
   """The ZeRO paper's model state per device, for the leaves that split; the others whole."""
   psi = common.param_count(layers)
-  # The persistent state only (schedule="paper"): what memory_report's model_state measures.
+  # The persistent state only (schedule="paper"): what memory_report's training_state measures.
   return scaling.memory_per_device(psi, n, stage, PRECISION, split_params=split_of(layers, n)[0], schedule="paper")
 
 
@@ -119,7 +120,7 @@ def model_collectives(psi, split, leaves, n, stage, model_axis=False):
   """jaxdp's schedule (``jaxdp.scaling.collectives``): ``{kind: (bytes, ring traffic)}``.
 
   ``model_axis``: the mesh has a model axis left to the compiler, so stage 0 sums the norm on every
-  device instead of all-reducing partial sums (see ``jaxdp.global_norm``).
+  device instead of all-reducing partial sums (see ``jaxdp.reduction.global_norm``).
   """
   ops = scaling.collectives(psi, n, stage, PRECISION, split_params=split, scalar_bytes=SCALAR_BYTES,
                             norm_bytes=scaling.jaxdp_norm_bytes(stage, leaves, model_axis=model_axis))
@@ -129,9 +130,9 @@ def model_collectives(psi, split, leaves, n, stage, model_axis=False):
 
 
 def setup(layers, n, stage, optimizer):
-  mesh = jaxdp.data_mesh(jax.devices()[:n])
-  state = jaxdp.init_state(common.mlp_params(layers), optimizer, mesh, zero_stage=stage)
-  step = jaxdp.make_train_step(common.mlp_loss, optimizer, mesh, zero_stage=stage)
+  dp = jaxdp.data_parallel(jaxdp.data_mesh(jax.devices()[:n]), zero_stage=stage)
+  state = jaxdp.init_state(common.mlp_params(layers), optimizer, dp)
+  step = jaxdp.make_train_step(common.mlp_loss, optimizer, dp)
   return step, state, common.mlp_batch(layers, n * BATCH_PER_DEVICE)
 
 
@@ -143,8 +144,9 @@ def _comm_fields(comm):
 
 
 def _memory_fields(memory):
+  # The JSON keeps 0.1's field name "model_state" for MemoryReport.training_state.
   return {
-      "model_state": memory.model_state, "params": memory.params, "opt_state": memory.opt_state,
+      "model_state": memory.training_state, "params": memory.params, "opt_state": memory.opt_state,
       "grads": memory.grads, "temp": memory.temp, "unsplit": dict(memory.unsplit),
       "unsplit_bytes": sum(memory.unsplit.values()),
   }
@@ -195,8 +197,9 @@ def measure_tp(layers, stage, optimizer):
   mesh = Mesh(np.array(jax.devices()[: np.prod(TP_SHAPE)]).reshape(TP_SHAPE), ("data", "model"))
   n_data, n_model = TP_SHAPE
   specs = tp_specs(layers)
-  state = jaxdp.init_state(common.mlp_params(layers), optimizer, mesh, zero_stage=stage, param_specs=specs)
-  step = jaxdp.make_train_step(common.mlp_loss, optimizer, mesh, zero_stage=stage)
+  dp = jaxdp.data_parallel(mesh, zero_stage=stage, param_specs=specs)
+  state = jaxdp.init_state(common.mlp_params(layers), optimizer, dp)
+  step = jaxdp.make_train_step(common.mlp_loss, optimizer, dp)
   batch = common.mlp_batch(layers, n_data * BATCH_PER_DEVICE)
   memory = jaxdp.memory_report(step, state, batch)
   comm = jaxdp.comm_report(step, state, batch)
@@ -249,12 +252,12 @@ def widest_square_mlp(budget_bytes, n, stage) -> int:
 def budget_rows(budget_mb, n, optimizer):
   """Per stage: the widest square MLP that fits, its formula bytes and its measured model state."""
   rows = []
-  for stage in jaxdp.ZERO_STAGES:
+  for stage in ZERO_STAGES:
     width = widest_square_mlp(budget_mb * MIB, n, stage)
     layers = square_layers(width)
     step, state, _ = setup(layers, n, stage, optimizer)
     batch = common.mlp_batch(layers, n)  # one row per device: the memory question is the model state
-    measured = jaxdp.memory_report(step, state, batch).model_state
+    measured = jaxdp.memory_report(step, state, batch).training_state
     del state
     rows.append({
         "stage": stage, "width": width, "params": common.param_count(layers),
@@ -277,7 +280,7 @@ def plot(results, devices, path):
   from matplotlib.ticker import NullFormatter, ScalarFormatter
 
   fig, (memory_ax, comm_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-  for stage in jaxdp.ZERO_STAGES:
+  for stage in ZERO_STAGES:
     rows = [r for r in results if r["stage"] == stage]
     color = f"C{stage}"
     # The formula as a wide faint dashed band under the measurement: they coincide (+4 bytes of step count).
@@ -325,7 +328,7 @@ def markdown(results, devices, times, budget, budget_mb, tp, goals, layers):
       "|---|" + "---|" * len(devices) + "---|---|---|---|",
   ]
   base = by_key[0, n_max]["traffic_psi"]
-  for stage in jaxdp.ZERO_STAGES:
+  for stage in ZERO_STAGES:
     cells = " | ".join(f"{by_key[stage, n]['model_state'] / MIB:.2f} ({by_key[stage, n]['formula'] / MIB:.2f})" for n in devices)
     r = by_key[stage, n_max]
     ratio = r["traffic_psi"] / base if base else float("nan")
@@ -348,7 +351,7 @@ def markdown(results, devices, times, budget, budget_mb, tp, goals, layers):
       "|---|---|---|---|---|---|---|",
   ]
   base_bytes = by_key[0, n_max]["traffic_bytes"]
-  for stage in jaxdp.ZERO_STAGES:
+  for stage in ZERO_STAGES:
     r = by_key[stage, n_max]
     lines.append(f"| {stage} | {_kinds(r['collectives'])} | {r['traffic_bytes'] / MIB:.4f} | "
                  f"{r['model_traffic_bytes'] / MIB:.4f} | {r['traffic_bytes'] / base_bytes:.4f}× |")
@@ -445,7 +448,7 @@ def main(argv=None) -> dict:
   print(f"MLP {layers}: Psi = {psi:,} params; Adam, fp32; devices {args.devices}")
   results, compiled = [], {}
   for n in args.devices:
-    for stage in jaxdp.ZERO_STAGES:
+    for stage in ZERO_STAGES:
       row, compiled[stage, n] = measure(layers, n, stage, optimizer)
       results.append(row)
       print(
@@ -457,7 +460,7 @@ def main(argv=None) -> dict:
       )
   n_max = max(args.devices)
   print(f"timing {args.steps} steps per stage on N={n_max}", flush=True)
-  times = {stage: time_steps(*compiled[stage, n_max], args.steps) for stage in jaxdp.ZERO_STAGES}
+  times = {stage: time_steps(*compiled[stage, n_max], args.steps) for stage in ZERO_STAGES}
   compiled.clear()
   for stage, t in times.items():
     print(f"N={n_max} stage {stage}: median step {t * 1e3:.1f} ms over {args.steps} steps")
@@ -467,7 +470,7 @@ def main(argv=None) -> dict:
           f"formula {b['formula'] / MIB:.2f} MiB, measured {b['measured'] / MIB:.2f} MiB, fits: {b['fits']}")
   tp = []
   if jax.device_count() >= np.prod(TP_SHAPE):
-    tp = [measure_tp(layers, stage, optimizer) for stage in jaxdp.ZERO_STAGES]
+    tp = [measure_tp(layers, stage, optimizer) for stage in ZERO_STAGES]
     for r in tp:
       print(f"DPxTP {TP_SHAPE} stage {r['stage']}: model state {r['model_state'] / MIB:.3f} MiB, sent/step "
             f"{r['traffic_bytes'] / MIB:.3f} MiB, " + ", ".join(

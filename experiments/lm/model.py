@@ -20,8 +20,8 @@ without them.
 over ``nnx.split_rngs``, so each layer draws its own weights; the stack's
 axis is added to the partitioning metadata unsplit) and runs them with
 ``nnx.scan``; the loop body is rematerialised under
-``jaxdp.gather_policy()`` and calls ``jaxdp.nnx.gather`` on its layer, so at
-ZeRO stage 3 with ``layers=STACK`` a layer's parameters are all-gathered
+``jaxdp.layerwise.gather_policy()`` and calls ``jaxdp.nnx.gather`` on its layer, so at
+ZeRO stage 3 with the layout ``jaxdp.data_parallel(mesh, zero_stage=3, layers=STACK)`` a layer's parameters are all-gathered
 inside the loop and dropped after use (layer-wise stage 3). Dropout keys are
 split per layer and scanned with the stack, as the list of blocks splits
 them: with the same weights (:func:`stack_blocks`) the two models compute
@@ -95,25 +95,25 @@ class Block(nnx.Module):
 
 
 STACK = "blocks"
-"""The key of the blocks in the params: with ``scan_layers`` the stack that ``layers=`` names."""
+"""The key of the blocks in the params: with ``scan_layers`` the stack that the layout's ``layers=`` names."""
 
 
 def _scan_blocks(x_BxTxD: jax.Array, stack: Block, keys: jax.Array | None) -> jax.Array:
   """``x`` through every layer of ``stack`` (an ``nnx.vmap``-made :class:`Block`), one ``nnx.scan`` iteration each.
 
-  The body is rematerialised with ``jaxdp.gather_policy()`` (FSDP2's ``reshard_after_forward=True``): at
+  The body is rematerialised with ``jaxdp.layerwise.gather_policy()`` (FSDP2's ``reshard_after_forward=True``): at
   layer-wise stage 3 the gathered layer is dropped after its forward use and gathered again for the backward.
   """
   if keys is None:
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    @nnx.remat(policy=jaxdp.gather_policy())
+    @nnx.remat(policy=jaxdp.layerwise.gather_policy())
     def run(x, block):
       return jaxdp.nnx.gather(block)(x, None)
 
     return run(x_BxTxD, stack)
 
   @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
-  @nnx.remat(policy=jaxdp.gather_policy())
+  @nnx.remat(policy=jaxdp.layerwise.gather_policy())
   def run_keyed(x, block, key):
     return jaxdp.nnx.gather(block)(x, key)
 
