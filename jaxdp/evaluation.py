@@ -42,7 +42,7 @@ from jaxdp.step import gather_params
 
 @accepts_legacy_keywords("eval_sums", ("loss_fn", "state", "batch", "weights"),
                          internal=lambda **kw: _legacy_sharded_eval(**kw),
-                         internal_keywords=("params_split", "stacked"))
+                         internal_keywords=("params_split", "stacked", "reduction"))
 def eval_sums(
     loss_fn: Callable[..., Any],
     state: TrainState,
@@ -66,10 +66,13 @@ def eval_sums(
                            compute_dtype=policy.compute_dtype)
 
 
-def _legacy_sharded_eval(loss_fn, state, batch, weights=None, *, layout="data", precision=None, **splits):
-  """``eval_sums(..., params_split=, stacked=)`` of jaxdp 0.1 (ZeRO's splits left the public signature)."""
+def _legacy_sharded_eval(loss_fn, state, batch, weights=None, *, layout="data", precision=None, reduction=None,
+                         **splits):
+  """``eval_sums(..., params_split=, stacked=, bucket_bytes=)`` of jaxdp 0.1 (ZeRO's splits left the public
+  signature; ``bucket_bytes=`` arrives translated into a reduction)."""
   return sharded_eval_sums(loss_fn, state, batch, weights, axis_name=axis_of(layout),
-                           compute_dtype=as_precision(precision).compute_dtype, **splits)
+                           compute_dtype=as_precision(precision).compute_dtype,
+                           bucket_bytes=resolve(reduction).bucket_bytes, **splits)
 
 
 def sharded_eval_sums(

@@ -168,3 +168,19 @@ def test_small_signatures_and_a_small_top_level():
   too_many = {name: n for name, n in sizes.items() if n > 12 and name != "batchnorm.__init__"}
   assert not too_many, too_many
   assert len(jaxdp.__all__) <= 40
+
+
+def test_eval_sums_takes_the_old_bucket_bytes_through_the_translation():
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  batch, weights = _data(8)
+  state = jaxdp.init_state({"b": jnp.zeros(()), "w": jnp.ones((3,))}, optax.sgd(0.1), mesh)
+
+  def sums(**keywords):
+    run = jax.shard_map(lambda s, b, w: jaxdp.eval_sums(loss_fn, s, b, w, **keywords), mesh=mesh,
+                        in_specs=(jax.P(), jax.P("data"), jax.P("data")), out_specs=jax.P())
+    return jax.jit(run)(state, batch, weights)
+
+  with pytest.warns(DeprecationWarning, match="bucket_bytes="):
+    old = sums(axis_name="data", bucket_bytes=0)
+  new = sums(layout="data")
+  jax.tree.map(np.testing.assert_array_equal, old, new)
