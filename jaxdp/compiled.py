@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import weakref
 from typing import Any, Callable
 
 import jax
@@ -33,7 +32,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import _checks, pipelining
+from jaxdp import _checks, host_inputs, pipelining
 from jaxdp._checks import check_int, check_optimizer
 from jaxdp.compression import check_compression_state
 from jaxdp.layout import (
@@ -71,10 +70,12 @@ class CompiledStep:
   """A jitted data-parallel step: ``step(state, batch, weights=None, rng=None) -> (state, metrics)``.
 
   Built by :func:`make_train_step`. Inputs are validated on the host (shapes
-  and structure only, cached per signature) before anything runs or is
-  donated, then placed on the mesh. ``lower(...)`` validates and places the
-  same way and returns the ``jax.stages.Lowered`` of the jitted step, for HLO
-  and ``memory_analysis()``.
+  and structure only, once per signature) before anything runs or is
+  donated, then placed on the mesh (:mod:`jaxdp.host_inputs`). A call with
+  the state the previous call returned and inputs of a signature seen before
+  does only what their values need, and dispatches one program.
+  ``lower(...)`` validates and places the same way and returns the
+  ``jax.stages.Lowered`` of that program, for HLO and ``memory_analysis()``.
   """
 
   def __init__(
@@ -84,7 +85,7 @@ class CompiledStep:
     self._build, self.donate, self.layers, self.pipeline = build, donate, layers, pipeline
     self.compression = compression
     self._stage_axis = None if pipeline is None else pipeline.axis_name
-    self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
+    self._programs: dict = {}  # layout key -> the one program for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
     checks = [support.before_step(loss_fn) for support in model_support() if support.before_step is not None]
@@ -96,16 +97,18 @@ class CompiledStep:
     self.loss_scaling = loss_scaling
     self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
     self._skips_padded = False  # whether one of those steps had padding rows (all-zero weight)
-    self._validated: set = set()
     self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
     self._weight_counts: collections.deque = collections.deque()  # device weights' subnormal counts, not read yet
-    self._count_subnormal = None  # built at the first call with device weights
     # id(flag) -> that step's weights, to tell if it is skipped whether padding rows may be the cause.
     self._pending_weights: dict = {}
-    self._returned: tuple = ()  # weak references to the leaves of the state the last call returned
-    self._returned_treedef = None  # and its structure (the same leaves in another tree are not that state)
+    # The host input layer's caches (jaxdp.host_inputs): checked once per signature, then only what values need.
+    self._plans: dict = {}  # (layout key, inputs' signature) -> the InputPlan of inputs validated once
     self._kinds: dict = {}  # layout key -> the state's (shape, dtype) pairs, for inputs that may alias it
-    self._returned_layout = self._prepared_layout = None
+    self._known = None  # the state the last call returned (KnownState): placed, unshared, checked
+    self._placed_rng = host_inputs.PlacedKey()
+    self._split = split_along(mesh, axis_name)  # the batch's sharding
+    self._count_subnormal = _subnormal_counter(mesh, self._split)
+    self.traces = 0  # times JAX traced one of this step's programs (one per layout, once)
 
   def reset_nonfinite_guard(self) -> None:
     """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
@@ -160,88 +163,89 @@ class CompiledStep:
           "step.reset_nonfinite_guard() to run again."
       )
 
-  def _is_returned_state(self, leaves: list, treedef: Any) -> bool:
-    """Whether ``leaves`` are exactly those of the state the last call returned (placed, unshared, checked)."""
-    return (len(leaves) == len(self._returned) and treedef == self._returned_treedef
-            and all(ref() is x for ref, x in zip(self._returned, leaves)))
+  def _prepare(self, state, batch, weights, rng, has_more=None):
+    """Runs the host input layer (:mod:`jaxdp.host_inputs`) on one call's inputs, in this order.
 
-  def _prepare(self, state, batch, weights, rng, has_more=None, count_weights=True):
+    Returns ``(program, args, leaves, treedef, plan, layout_key)``: the program for the state's layout, its
+    arguments, the leaves of the state it gets and that state's structure, the inputs' :class:`InputPlan`, and
+    the layout's key.
+    """
     for check in self._before_step:  # a model library's (e.g. the model's mode must not have changed)
       check()
     weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
-    _checks.check_state(state)
     leaves, treedef = jax.tree.flatten(state)
-    _checks.check_not_donated(state, leaves)  # also a state this step returned: another step may have consumed it
-    ours = self._is_returned_state(leaves, treedef)
-    if not ours and self.donate:
-      state = _checks.unshared_buffers(state)
-    if jax.process_count() > 1:
-      # Every call, on every process: a process whose inputs differ must fail with the others, not
-      # leave them blocked in the step's all-reduce (a per-process cache could desynchronise them).
-      from jaxdp.distributed import assert_same_across_processes
+    layout_key = host_inputs.known_state(self._known, leaves, treedef)  # the state the last call returned
+    known, model_specs = layout_key is not None, None
+    if not known:
+      state, leaves, layout_key, model_specs = self._enter_state(state, leaves)
+    _, inputs_key = host_inputs.input_signature(batch, weights, rng, has_more)
+    # Every call, on every process: a process whose inputs differ must fail with the others.
+    host_inputs.agree_across_processes(
+        {"state": state, "batch": batch, "weights": weights, "rng": rng, "has_more": has_more}, "step inputs")
+    plan = self._plans.get((layout_key, inputs_key))
+    if plan is None:
+      plan = self._plan(layout_key, inputs_key, model_specs, state, batch, weights, rng, has_more)
+    if not known:
+      state = place(state, self._layouts[layout_key].shardings(self.mesh))
+      leaves = jax.tree.leaves(state)
+    rng = self._placed_rng(rng, lambda key: place(key, replicated(self.mesh)))
+    host_inputs.check_input_values(plan, batch, weights)  # each call: the values of host inputs only
+    inputs = host_inputs.place_inputs(plan, (batch, weights, has_more), self._split)
+    if self.donate:
+      inputs = host_inputs.unshare_inputs(plan, inputs, self._kinds[layout_key], lambda: leaves)
+    batch, weights, has_more = inputs
+    return self._program_for(layout_key), (state, batch, weights, rng, has_more), leaves, treedef, plan, layout_key
 
-      inputs = {"state": state, "batch": batch, "weights": weights, "rng": rng, "has_more": has_more}
-      assert_same_across_processes(inputs, "step inputs")
-    if ours:
-      layout_key, model_specs = self._returned_layout, None
-    else:
-      # The layout follows the state's shapes and its params' splits over the model axes (kept as given).
-      model_specs = model_specs_of(state.params, self.mesh, self.axis_name)
-      layout_key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
-    self._prepared_layout = layout_key
-    key = (layout_key, _checks.signature(batch, weights, rng, has_more))
-    if key not in self._validated:
-      n = data_size(self.mesh, self.axis_name)
-      _checks.check_step_inputs(
-          self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
+  def _enter_state(self, state, leaves):
+    """A state this step did not just return: checked, unshared and keyed by its layout (not yet placed)."""
+    _checks.check_state(state)
+    host_inputs.check_state_donation(state, leaves)  # also a state another step has consumed
+    if self.donate:
+      state = _checks.unshared_buffers(state)
+    # The layout follows the state's shapes and its params' splits over the model axes (kept as given).
+    model_specs = model_specs_of(state.params, self.mesh, self.axis_name)
+    layout_key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
+    return state, leaves, layout_key, model_specs
+
+  def _plan(self, layout_key, inputs_key, model_specs, state, batch, weights, rng, has_more):
+    """Validates inputs of a new signature (shapes and structure, never values) and returns their plan."""
+    n = data_size(self.mesh, self.axis_name)
+    _checks.check_step_inputs(
+        self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
+    )
+    check_loss_scale(self.loss_scaling, state.loss_scale)
+    check_compression_state(state.compression, state.params, self.compression, n)
+    if has_more is not None and self.reduction == "none":
+      raise ValueError(
+          "has_more is summed over the replicas in the step's all-reduce, and reduction='none' has none: every "
+          "process would learn only its own flag and the streams would stop at different steps. Use a reducing "
+          "step (reduction='mean', 'sum' or 'rank_mean') with a StreamingPipeline."
       )
-      check_loss_scale(self.loss_scaling, state.loss_scale)
-      check_compression_state(state.compression, state.params, self.compression, n)
-      if has_more is not None and self.reduction == "none":
-        raise ValueError(
-            "has_more is summed over the replicas in the step's all-reduce, and reduction='none' has none: every "
-            "process would learn only its own flag and the streams would stop at different steps. Use a reducing "
-            "step (reduction='mean', 'sum' or 'rank_mean') with a StreamingPipeline."
-        )
-      if has_more is not None and np.shape(has_more) != (n,):
-        raise ValueError(
-            f"has_more has shape {np.shape(has_more)}; pass one count per device of the data axis, shape ({n},) "
-            "(jaxdp.StreamingPipeline yields it), or None."
-        )
-      if self.pipeline is not None:
-        pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self._stage_axis])
-        pipelining.check_rows(batch, self.pipeline, n, self.accum_steps)
-      self._validated.add(key)
+    if has_more is not None and np.shape(has_more) != (n,):
+      raise ValueError(
+          f"has_more has shape {np.shape(has_more)}; pass one count per device of the data axis, shape ({n},) "
+          "(jaxdp.StreamingPipeline yields it), or None."
+      )
+    if self.pipeline is not None:
+      pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self._stage_axis])
+      pipelining.check_rows(batch, self.pipeline, n, self.accum_steps)
     if layout_key not in self._layouts:
       self._layouts[layout_key] = make_layout(state, self.mesh, self.axis_name, self.zero_stage, model_specs,
                                               self.layers, self._stage_axis)
-    layout = self._layouts[layout_key]
-    if not ours:  # the returned state is placed already: skip the placement of each leaf
-      state = place(state, layout.shardings(self.mesh))
-    rng = place(rng, replicated(self.mesh))
-    _checks.check_batch_values(batch, "batch", dtypes=False)  # each call: 64-bit ids out of 32-bit range
-    _checks.check_weight_values(weights)  # each call: host weights the devices would flush to 0
-    on_device = isinstance(weights, jax.Array)
-    batch, weights, has_more = _put_batch((batch, weights, has_more), split_along(self.mesh, self.axis_name))
-    if count_weights and on_device and jax.process_count() == 1 and jax.dtypes.issubdtype(weights.dtype, np.floating):
-      # Not read here (that would wait for the device): counted by a program of its own, read by a later call.
-      # With several processes each would see only its devices' counts, and one raising alone would leave the
-      # others waiting in the next step's all-reduce: not checked there.
-      if self._count_subnormal is None:
-        self._count_subnormal = _subnormal_counter(self.mesh, split_along(self.mesh, self.axis_name))
-      self._weight_counts.append(self._count_subnormal(weights))
-    if self.donate:
-      if layout_key not in self._kinds:  # the state's (shape, dtype) pairs follow from its layout key
-        arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
-        self._kinds[layout_key] = frozenset((x.shape, x.dtype) for x in arrays)
-      batch, weights, rng, has_more = _unshared_inputs(
-          (batch, weights, rng, has_more), self._kinds[layout_key], lambda: leaves if ours else jax.tree.leaves(state))
-    return layout_key, (state, batch, weights, rng, has_more)
+      self._kinds[layout_key] = host_inputs.state_kinds(state)  # the state's (shape, dtype) pairs
+    plan = host_inputs.plan_inputs(batch, weights, has_more, self._split, self._kinds[layout_key])
+    self._plans[layout_key, inputs_key] = plan
+    return plan
 
-  def _jitted_for(self, layout_key):
-    if layout_key not in self._jitted:
-      self._jitted[layout_key] = self._build(self._layouts[layout_key])
-    return self._jitted[layout_key]
+  def _program_for(self, layout_key):
+    """The one program of a layout: the jitted step, its state flat, and the weights' subnormal counts."""
+    if layout_key not in self._programs:
+      self._programs[layout_key] = _program(self._build(self._layouts[layout_key]), self._count_subnormal,
+                                            self.donate, self._traced)
+    return self._programs[layout_key]
+
+  def _traced(self) -> None:
+    self.traces += 1  # the program's Python runs only when JAX traces it
 
   def layout(self, state: TrainState) -> Layout:
     """The :class:`jaxdp.layout.Layout` this step places ``state`` in (model splits kept, ZeRO's added)."""
@@ -262,17 +266,25 @@ class CompiledStep:
       has_more: jax.Array | None = None,
   ):
     self._check_previous_steps()
-    layout_key, prepared = self._prepare(state, batch, weights, rng, has_more)
-    state, metrics, flag = self._jitted_for(layout_key)(*prepared)
+    program, args, leaves, treedef, plan, layout_key = self._prepare(state, batch, weights, rng, has_more)
+    try:
+      new_leaves, metrics, flag, counts = program(*args)
+    except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
+      host_inputs.raise_if_consumed(error, args[0])
+      raise
     if self.donate:
-      _checks.mark_donated(jax.tree.leaves(prepared[0]))
+      host_inputs.mark_donated(leaves)
     if self.max_consecutive_skips is not None:
       self._pending.append(flag)  # its own copy of metrics["nonfinite"]: the user may delete or donate theirs
-      self._pending_weights[id(flag)] = prepared[2]
-    leaves, self._returned_treedef = jax.tree.flatten(state)
-    self._returned = tuple(weakref.ref(x) for x in leaves)
-    self._returned_layout = layout_key  # the output has the input's structure, shapes and layout
-    return state, metrics
+      self._pending_weights[id(flag)] = args[2]
+    if plan.device_weights and jax.process_count() == 1:
+      # Not read here (that would wait for the device): read by a later call. With several processes each
+      # would see only its devices' counts, and one raising alone would leave the others waiting in the next
+      # step's all-reduce: not checked there.
+      self._weight_counts.append(counts)
+    # The output has the input's structure, shapes and layout: the next call knows it.
+    self._known = host_inputs.KnownState(new_leaves, treedef, layout_key)
+    return treedef.unflatten(new_leaves), metrics
 
   def lower(
       self,
@@ -283,14 +295,29 @@ class CompiledStep:
       *,
       has_more: jax.Array | None = None,
   ) -> jax.stages.Lowered:
-    layout_key, prepared = self._prepare(state, batch, weights, rng, has_more, count_weights=False)
-    return self._jitted_for(layout_key).lower(*prepared)
+    """The ``jax.stages.Lowered`` of the program a call with these inputs runs (validated and placed alike)."""
+    program, args, *_ = self._prepare(state, batch, weights, rng, has_more)
+    return program.lower(*args)
+
+
+def _program(jitted: Callable, count: Callable, donate: bool, traced: Callable[[], None]) -> Callable:
+  """The step's one program per layout: ``jitted`` (the step), its new state as a flat list of leaves (the host
+  rebuilds the tree without flattening it again), its flag, and the per-device count of the weights below
+  float32's smallest normal (``None`` without floating weights). The inner jit is inlined: one dispatch."""
+
+  def run(state, batch, weights, rng, has_more):
+    traced()
+    new_state, metrics, flag = jitted(state, batch, weights, rng, has_more)
+    floating = weights is not None and jax.dtypes.issubdtype(weights.dtype, np.floating)
+    return jax.tree.leaves(new_state), metrics, flag, count(weights) if floating else None
+
+  return jax.jit(run, donate_argnums=(0,) if donate else ())
 
 
 def _subnormal_counter(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
   """``count(weights)``: per device, how many of its weights lie in (0, float32's smallest normal), which the
-  devices read as 0. Read from the bits; no collective (a program of all-reduces queued next to the steps' can
-  starve XLA's CPU rendezvous), so the result is one count per device, split like the weights."""
+  devices read as 0. Read from the bits; traced into the step's own program as one more output, with no
+  collective: one count per device, split like the weights, summed on the host when a later call reads it."""
 
   def local(w):
     if w.dtype == np.float64:  # 64-bit mode: such values are normal in float64
@@ -304,8 +331,7 @@ def _subnormal_counter(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Arr
     exponent, mantissa, sign = np.uint32(0x7F800000), np.uint32(0x007FFFFF), np.uint32(0x80000000)
     return jnp.sum(((bits & exponent) == 0) & ((bits & mantissa) != 0) & ((bits & sign) == 0))[None]
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=sharding.spec, out_specs=P(sharding.spec[0]),
-                               check_vma=False))
+  return jax.shard_map(local, mesh=mesh, in_specs=sharding.spec, out_specs=P(sharding.spec[0]), check_vma=False)
 
 
 def _has_padding_rows(weights: Any) -> bool:
@@ -318,33 +344,6 @@ def _has_padding_rows(weights: Any) -> bool:
     if w.shape[0] and np.any(np.all(w.reshape(w.shape[0], -1) == 0, axis=1)):
       return True
   return False
-
-
-def _put_batch(inputs: Any, sharding: jax.sharding.Sharding) -> Any:
-  # A batch placed already (a pipeline's, or the same batch again) skips device_put's dispatch (~0.1 ms per call).
-  if all(isinstance(x, jax.Array) and x.sharding == sharding for x in jax.tree.leaves(inputs)):
-    return inputs
-  return jax.device_put(inputs, sharding)
-
-
-def _unshared_inputs(inputs: Any, kinds: frozenset, donated: Callable[[], list]) -> Any:
-  """``inputs`` with a copy of any array that holds one of the donated state's buffers.
-
-  Such an input (``weights=state.params[...]``, or an array built on its shards) would reach the step twice,
-  once donated, and XLA crashes the process on that. Only an input of a state leaf's (shape, dtype), one of
-  ``kinds``, is compared by buffer with the state's leaves of that kind (``donated()``): the usual call pays
-  one set lookup per input array.
-  """
-
-  def own(x):
-    if not isinstance(x, jax.Array) or (x.shape, x.dtype) not in kinds:
-      return x
-    same_kind = [y for y in donated() if isinstance(y, jax.Array) and (y.shape, y.dtype) == (x.shape, x.dtype)]
-    if any(x is y for y in same_kind) or _checks.buffer_key(x) in {_checks.buffer_key(y) for y in same_kind}:
-      return x.copy()
-    return x
-
-  return jax.tree.map(own, inputs)
 
 
 def make_train_step(

@@ -1,0 +1,188 @@
+"""The host side of a step call, shared by the train, eval and DiLoCo steps: one input layer.
+
+Every call of :class:`jaxdp.compiled.CompiledStep`, :class:`jaxdp.evaluation.EvalStep` and
+:class:`jaxdp.diloco.DiLoCoStep` runs its inputs through the functions of this module, in the order of
+:func:`prepare_inputs`'s callers, each one concern:
+
+- :func:`known_state`: whether the state is the one the step returned (or placed) last, by the identity of
+  its leaves, with no donation anywhere since (:func:`mark_donated` counts them). Such a state skips the
+  checks of its structure, donation and placement: it was checked when it went in, and the step's own
+  program made it.
+- :func:`check_state_donation`: any other state is refused if an earlier step consumed it (by name and fix).
+- :func:`input_signature`: a cheap key of the other inputs (structure, shapes, dtypes, shardings); with the
+  state's layout key it picks the :class:`InputPlan` checked once per signature (:func:`plan_inputs`).
+- :func:`agree_across_processes`: with several processes, on every call, one 32-byte all-gather (a
+  per-process cache could let one process skip it and leave the others waiting).
+- :func:`check_input_values`: only what the values decide (host weights below float32's smallest normal,
+  64-bit host ids out of 32-bit range), and only for the inputs the plan says are on the host.
+- :func:`place_inputs`: the batch split over the data axes unless it is already, the key replicated.
+- :func:`unshare_inputs`: a copy of an input that holds one of the donated state's buffers (only inputs of a
+  state leaf's shape and dtype are compared).
+
+What needs the values on the device is never read here (that would wait for the device): the non-finite
+flag and the count of subnormal device weights are outputs of the step's own program, read by a later call.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxdp import _checks
+
+_donations = 0  # how many times a step has donated a state: a known state is known only while this stays
+
+
+def mark_donated(leaves: list) -> None:
+  """Records that a step consumed ``leaves`` (see :func:`jaxdp._checks.mark_donated`)."""
+  global _donations
+  _donations += 1
+  alive = [x for x in leaves if isinstance(x, jax.Array) and not x.is_deleted()]
+  if alive:  # most are deleted by the donation; a live numpy view keeps some (CPU)
+    _checks.mark_donated(alive)
+
+
+class KnownState:
+  """A state whose leaves a step placed and checked: its own output, or an input it placed as it was.
+
+  Holds weak references only: a state the user drops is freed as before.
+  """
+
+  __slots__ = ("refs", "treedef", "donations", "key")
+
+  def __init__(self, leaves: list, treedef: Any, key: Any):
+    self.refs = list(map(weakref.ref, leaves))
+    self.treedef, self.key, self.donations = treedef, key, _donations
+
+
+def known_state(known: KnownState | None, leaves: list, treedef: Any) -> Any:
+  """``known.key`` if ``leaves`` are exactly ``known``'s (same objects, same tree) and no step donated anything
+  since; else ``None``."""
+  if known is None or known.donations != _donations or len(leaves) != len(known.refs) or treedef != known.treedef:
+    return None
+  if all(map(operator.is_, leaves, [ref() for ref in known.refs])):
+    return known.key
+  return None
+
+
+def check_state_donation(state: Any, leaves: list, name: str = "state") -> None:
+  """Refuses a state an earlier step consumed, naming the leaf and the fix (before anything runs)."""
+  _checks.check_not_donated(state, leaves, name)
+
+
+def _leaf_key(x: Any) -> tuple:
+  if isinstance(x, jax.Array):
+    return (x.shape, x.dtype, x.sharding)
+  return (type(x), np.shape(x), getattr(x, "dtype", None))
+
+
+def input_signature(*trees: Any) -> tuple[list, tuple]:
+  """``(leaves, key)``: the leaves of ``trees`` and a hashable key of their structure, shapes, dtypes and
+  shardings (host leaves by type, shape and dtype)."""
+  leaves, treedef = jax.tree.flatten(trees)
+  return leaves, (treedef, tuple(map(_leaf_key, leaves)))
+
+
+class InputPlan(NamedTuple):
+  """What a call with inputs of one signature has to do, decided once (:func:`plan_inputs`)."""
+
+  place_batch: bool  # a batch, weights or has_more leaf not yet split over the data axes as the step needs
+  check_ids: bool  # a host 64-bit integer batch leaf: its values are checked against 32-bit range each call
+  host_weights: bool  # floating weights on the host: their values are checked each call
+  device_weights: bool  # floating weights given as a JAX array: the program counts subnormals, read later
+  may_alias: bool  # an input array of one of the state's (shape, dtype): compared by buffer each call
+
+
+def plan_inputs(batch: Any, weights: Any, has_more: Any, split: jax.sharding.Sharding,
+                state_kinds: frozenset = frozenset()) -> InputPlan:
+  """The :class:`InputPlan` of these inputs; ``state_kinds``: the donated state's ``(shape, dtype)`` pairs."""
+  inputs = jax.tree.leaves((batch, weights, has_more))
+  floating = weights is not None and jax.dtypes.issubdtype(np.asarray(weights).dtype if not hasattr(
+      weights, "dtype") else weights.dtype, np.floating)
+  wide = jax.dtypes.canonicalize_dtype(np.int64) != np.int64
+  return InputPlan(
+      place_batch=not all(isinstance(x, jax.Array) and x.sharding == split for x in inputs),
+      check_ids=wide and any(not isinstance(x, jax.Array) and np.asarray(x).dtype in (np.int64, np.uint64)
+                             for x in jax.tree.leaves(batch)),
+      host_weights=floating and not isinstance(weights, jax.Array),
+      device_weights=floating and isinstance(weights, jax.Array),
+      may_alias=any(isinstance(x, jax.Array) and (x.shape, x.dtype) in state_kinds for x in inputs),
+  )
+
+
+def check_input_values(plan: InputPlan, batch: Any, weights: Any) -> None:
+  """The checks of values, on the host inputs only: 64-bit ids out of 32-bit range, subnormal host weights."""
+  if plan.check_ids:
+    _checks.check_batch_values(batch, "batch", dtypes=False)
+  if plan.host_weights:
+    _checks.check_weight_values(weights)
+
+
+def agree_across_processes(inputs: dict, name: str) -> None:
+  """With several processes, every call on every process: inputs that differ raise everywhere instead of
+  leaving the other processes blocked in the step's collectives. Returns at once with one process."""
+  if jax.process_count() > 1:
+    from jaxdp.distributed import assert_same_across_processes
+
+    assert_same_across_processes(inputs, name)
+
+
+def place_inputs(plan: InputPlan, inputs: Any, split: jax.sharding.Sharding) -> Any:
+  """``inputs`` (batch, weights, has_more) split over the data axes, unless the plan says they are already."""
+  return jax.device_put(inputs, split) if plan.place_batch else inputs
+
+
+class PlacedKey:
+  """The last PRNG key placed (replicated on the mesh), by identity: a JAX array never changes."""
+
+  __slots__ = ("ref", "placed")
+
+  def __init__(self):
+    self.ref, self.placed = None, None
+
+  def __call__(self, rng: Any, place: Callable[[Any], Any]) -> Any:
+    if rng is None:
+      return None
+    if self.ref is not None and self.ref() is rng:
+      return self.placed
+    placed = place(rng)
+    if isinstance(rng, jax.Array):
+      self.ref, self.placed = weakref.ref(rng), placed
+    return placed
+
+
+def state_kinds(state: Any) -> frozenset:
+  """The ``(shape, dtype)`` pairs of the state's arrays: an input of one of them may share a donated buffer."""
+  return frozenset((x.shape, x.dtype) for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+
+
+def unshare_inputs(plan: InputPlan, inputs: Any, kinds: frozenset, donated: Callable[[], list]) -> Any:
+  """``inputs`` with a copy of any array that holds one of the donated state's buffers.
+
+  Such an input (``weights=state.params[...]``, or an array built on its shards) would reach the step twice,
+  once donated, and XLA crashes the process on that. Only inputs of a state leaf's (shape, dtype) are compared,
+  and only when the plan found some.
+  """
+  if not plan.may_alias:
+    return inputs
+
+  def own(x):
+    if not isinstance(x, jax.Array) or (x.shape, x.dtype) not in kinds:
+      return x
+    same_kind = [y for y in donated() if isinstance(y, jax.Array) and (y.shape, y.dtype) == (x.shape, x.dtype)]
+    if any(x is y for y in same_kind) or _checks.buffer_key(x) in {_checks.buffer_key(y) for y in same_kind}:
+      return x.copy()
+    return x
+
+  return jax.tree.map(own, inputs)
+
+
+def raise_if_consumed(error: RuntimeError, state: Any, name: str = "state") -> None:
+  """After JAX refused a deleted input array (before running or donating anything): jaxdp's message if it is
+  one of the state's leaves; the caller re-raises ``error`` otherwise."""
+  if "deleted" in str(error):
+    check_state_donation(state, jax.tree.leaves(state), name)
