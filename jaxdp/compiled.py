@@ -63,7 +63,8 @@ from jaxdp.settings import StepSettings, step_settings
 from jaxdp.step import finish_step, gather_params, run_gradient_step, run_train_step
 from jaxdp.state import TrainState
 
-_MAX_UNREAD_FLAGS = 2  # non-finite flags of earlier steps read at the latest two calls later
+_MAX_UNREAD_FLAGS = 2  # the non-finite count of an earlier call is read at the latest two calls later
+_COUNTS_READ_EVERY = 16  # the subnormal count of device weights is read at most every this many calls
 
 
 class CompiledStep:
@@ -95,19 +96,23 @@ class CompiledStep:
     self.accum_steps, self.zero_stage = accum_steps, zero_stage
     self.max_consecutive_skips = max_consecutive_skips
     self.loss_scaling = loss_scaling
-    self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
+    self.consecutive_skips = 0  # non-finite steps in a row, as of the last count read
     self._skips_padded = False  # whether one of those steps had padding rows (all-zero weight)
-    self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
-    self._weight_counts: collections.deque = collections.deque()  # device weights' subnormal counts, not read yet
-    # id(flag) -> that step's weights, to tell if it is skipped whether padding rows may be the cause.
-    self._pending_weights: dict = {}
+    # The guards run on the devices (host_inputs.Guard, carried from program to program); the host reads:
+    self._guard = None  # the latest Guard, the next call's input
+    self._pending: collections.deque = collections.deque()  # each call's count of non-finite steps in a row
+    self._pending_padded: dict = {}  # id(count) -> that call's per-device padding-row flags, read if tripped
+    self._weight_counts = None  # the latest running count of subnormal device weights, not read yet
+    self._calls_unread = _COUNTS_READ_EVERY  # calls since that count was last read (the first is read when ready)
     # The host input layer's caches (jaxdp.host_inputs): checked once per signature, then only what values need.
     self._plans: dict = {}  # (layout key, inputs' signature) -> the InputPlan of inputs validated once
+    self._layout_ids: dict = {}  # the state's signature and model splits -> its layout key, a small int
     self._kinds: dict = {}  # layout key -> the state's (shape, dtype) pairs, for inputs that may alias it
     self._known = None  # the state the last call returned (KnownState): placed, unshared, checked
     self._placed_rng = host_inputs.PlacedKey()
     self._split = split_along(mesh, axis_name)  # the batch's sharding
-    self._count_subnormal = _subnormal_counter(mesh, self._split)
+    self._n = data_size(mesh, axis_name)
+    self._per_device = _per_device_weights(mesh, self._split)
     self.traces = 0  # times JAX traced one of this step's programs (one per layout, once)
 
   def reset_nonfinite_guard(self) -> None:
@@ -115,38 +120,46 @@ class CompiledStep:
     self.consecutive_skips = 0
     self._skips_padded = False
     self._pending.clear()
-    self._pending_weights.clear()
+    self._pending_padded.clear()
+    if self._guard is not None:  # the next call starts the count on the devices from zero
+      self._guard = self._guard._replace(skips=None, padded=None)
 
   def _check_previous_weights(self) -> None:
-    # Device weights below float32's smallest normal (the host's are refused before the step): read as the
-    # non-finite flags are, once ready or at the latest two calls later (one process only, see _prepare).
-    while self._weight_counts and (self._weight_counts[0].is_ready() or len(self._weight_counts) >= _MAX_UNREAD_FLAGS):
-      count = int(np.sum(jax.device_get(self._weight_counts.popleft())))
-      if count:
-        self._weight_counts.clear()
-        raise ValueError(_checks.subnormal_weights_message(
-            "the weights (a JAX array) given to an earlier step", count,
-            "that step counted their rows as padding (with no other weight it was skipped: metrics weight 0, "
-            "skipped 1, nonfinite 0)", "This error comes from a later call, which ran nothing; the steps in "
-            "between were applied."))
+    # Device weights below float32's smallest normal (the host's are refused before the step): counted on the
+    # devices by the step's program, the running count read once ready, at the first call after device weights
+    # and then every _COUNTS_READ_EVERY calls (one process only, see __call__).
+    counts = self._weight_counts
+    if counts is None or self._calls_unread < _COUNTS_READ_EVERY or not (
+        counts.is_ready() or self._calls_unread >= 2 * _COUNTS_READ_EVERY):
+      return
+    count, self._weight_counts, self._calls_unread = host_inputs.read_total(counts), None, 0
+    if count:
+      self._guard = self._guard._replace(subnormal=None)  # counted again from zero
+      raise ValueError(_checks.subnormal_weights_message(
+          "the weights (a JAX array) given to an earlier step", count,
+          "that step counted their rows as padding (with no other weight it was skipped: metrics weight 0, "
+          "skipped 1, nonfinite 0)", "This error comes from a later call, which ran nothing; the steps in "
+          "between were applied."))
 
   def _check_previous_steps(self) -> None:
     self._check_previous_weights()
-    # Reads the flags of earlier steps once they are done, and waits only for one two steps old: the
-    # device then still has the previous step to run while this one is prepared and dispatched.
     if self.max_consecutive_skips is None:
       return
-    # With several processes, only by count: whether a flag is ready depends on each process's timing, and every
-    # process must trip at the same call (else one leaves the job while another waits in the next collective).
-    ready = jax.process_count() == 1
-    while self.consecutive_skips < self.max_consecutive_skips and self._pending and (
-        (ready and self._pending[0].is_ready()) or len(self._pending) >= _MAX_UNREAD_FLAGS
-    ):
-      flag = self._pending.popleft()
-      weights = self._pending_weights.pop(id(flag), None)
-      bad = int(jax.device_get(flag)) > 0
-      self.consecutive_skips = self.consecutive_skips + 1 if bad else 0
-      self._skips_padded = bad and (self._skips_padded or _has_padding_rows(weights))
+    # Each call's program leaves the count of non-finite steps in a row (stopped at the limit): the newest one
+    # read supersedes the older. Read once done, waiting only for one two calls old: the device then still has
+    # the previous step to run while this one is prepared and dispatched. With several processes, only by
+    # count: whether a count is ready depends on each process's timing, and every process must trip at the same
+    # call (else one leaves the job while another waits in the next collective).
+    pending, ready = self._pending, jax.process_count() == 1
+    if self.consecutive_skips < self.max_consecutive_skips and pending:
+      newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - _MAX_UNREAD_FLAGS
+      if newest >= 0:
+        for _ in range(newest):
+          self._pending_padded.pop(id(pending.popleft()), None)
+        count = pending.popleft()
+        padded = self._pending_padded.pop(id(count), None)
+        self.consecutive_skips = host_inputs.read_scalar(count)
+        self._skips_padded = bool(self.consecutive_skips and padded is not None and host_inputs.read_total(padded))
     # Once tripped it stays tripped (nothing runs, so no good step can clear it) until reset_nonfinite_guard().
     if self.consecutive_skips >= self.max_consecutive_skips:
       padding = (
@@ -194,7 +207,14 @@ class CompiledStep:
     if self.donate:
       inputs = host_inputs.unshare_inputs(plan, inputs, self._kinds[layout_key], lambda: leaves)
     batch, weights, has_more = inputs
-    return self._program_for(layout_key), (state, batch, weights, rng, has_more), leaves, treedef, plan, layout_key
+    guard = host_inputs.fresh_guard(
+        self._guard, skips=self.max_consecutive_skips is not None, weights=plan.floating_weights,
+        place_scalar=lambda x: place(x, replicated(self.mesh)), place_split=lambda x: place(x, self._split),
+        n=self._n)
+    if self._guard is None:
+      self._guard = host_inputs.Guard()
+    args = (state, batch, weights, rng, has_more, guard)
+    return self._program_for(layout_key), args, leaves, treedef, plan, layout_key
 
   def _enter_state(self, state, leaves):
     """A state this step did not just return: checked, unshared and keyed by its layout (not yet placed)."""
@@ -204,7 +224,9 @@ class CompiledStep:
       state = _checks.unshared_buffers(state)
     # The layout follows the state's shapes and its params' splits over the model axes (kept as given).
     model_specs = model_specs_of(state.params, self.mesh, self.axis_name)
-    layout_key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
+    key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
+    # A small int stands for the (long) key in every cache: hashed on each call.
+    layout_key = self._layout_ids.setdefault(key, len(self._layout_ids))
     return state, leaves, layout_key, model_specs
 
   def _plan(self, layout_key, inputs_key, model_specs, state, batch, weights, rng, has_more):
@@ -240,8 +262,8 @@ class CompiledStep:
   def _program_for(self, layout_key):
     """The one program of a layout: the jitted step, its state flat, and the weights' subnormal counts."""
     if layout_key not in self._programs:
-      self._programs[layout_key] = _program(self._build(self._layouts[layout_key]), self._count_subnormal,
-                                            self.donate, self._traced)
+      self._programs[layout_key] = _program(self._build(self._layouts[layout_key]), self._per_device,
+                                            self.donate, self.max_consecutive_skips, self._traced)
     return self._programs[layout_key]
 
   def _traced(self) -> None:
@@ -268,22 +290,23 @@ class CompiledStep:
     self._check_previous_steps()
     program, args, leaves, treedef, plan, layout_key = self._prepare(state, batch, weights, rng, has_more)
     try:
-      new_leaves, metrics, flag, counts = program(*args)
+      new_leaves, metrics, guard = program(*args)
     except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
       host_inputs.raise_if_consumed(error, args[0])
       raise
     if self.donate:
       host_inputs.mark_donated(leaves)
-    if self.max_consecutive_skips is not None:
-      self._pending.append(flag)  # its own copy of metrics["nonfinite"]: the user may delete or donate theirs
-      self._pending_weights[id(flag)] = args[2]
+    self._guard = host_inputs.Guard(*(new if new is not None else old for new, old in zip(guard, self._guard)))
+    if guard.skips is not None:
+      self._pending.append(guard.skips)  # the guard's own count: the user may delete or donate metrics
+      self._pending_padded[id(guard.skips)] = guard.padded
     if plan.device_weights and jax.process_count() == 1:
       # Not read here (that would wait for the device): read by a later call. With several processes each
       # would see only its devices' counts, and one raising alone would leave the others waiting in the next
       # step's all-reduce: not checked there.
-      self._weight_counts.append(counts)
+      self._weight_counts, self._calls_unread = guard.subnormal, self._calls_unread + 1
     # The output has the input's structure, shapes and layout: the next call knows it.
-    self._known = host_inputs.KnownState(new_leaves, treedef, layout_key)
+    self._known = host_inputs.KnownState(new_leaves, treedef, layout_key, strong=True)
     return treedef.unflatten(new_leaves), metrics
 
   def lower(
@@ -300,28 +323,31 @@ class CompiledStep:
     return program.lower(*args)
 
 
-def _program(jitted: Callable, count: Callable, donate: bool, traced: Callable[[], None]) -> Callable:
+def _program(jitted: Callable, per_device: Callable, donate: bool, limit: int | None,
+             traced: Callable[[], None]) -> Callable:
   """The step's one program per layout: ``jitted`` (the step), its new state as a flat list of leaves (the host
-  rebuilds the tree without flattening it again), its flag, and the per-device count of the weights below
-  float32's smallest normal (``None`` without floating weights). The inner jit is inlined: one dispatch."""
+  rebuilds the tree without flattening it again), its metrics, and the guards' state after the step
+  (:class:`jaxdp.host_inputs.Guard`). The inner jit is inlined: one dispatch per call."""
 
-  def run(state, batch, weights, rng, has_more):
+  def run(state, batch, weights, rng, has_more, guard):
     traced()
     new_state, metrics, flag = jitted(state, batch, weights, rng, has_more)
-    floating = weights is not None and jax.dtypes.issubdtype(weights.dtype, np.floating)
-    return jax.tree.leaves(new_state), metrics, flag, count(weights) if floating else None
+    return jax.tree.leaves(new_state), metrics, host_inputs.update_guard(guard, flag, weights, limit, per_device)
 
   return jax.jit(run, donate_argnums=(0,) if donate else ())
 
 
-def _subnormal_counter(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
-  """``count(weights)``: per device, how many of its weights lie in (0, float32's smallest normal), which the
-  devices read as 0. Read from the bits; traced into the step's own program as one more output, with no
-  collective: one count per device, split like the weights, summed on the host when a later call reads it."""
+def _per_device_weights(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Array], tuple]:
+  """``per_device(weights) -> (zero_rows, subnormal)``, one int32 per device of the data axes, split like the
+  weights: whether the device has a row of weight 0 (padding), and how many of its weights lie in (0,
+  float32's smallest normal), which the devices read as 0 (read from the bits). No collective: traced into
+  the step's own program, summed on the host when a later call reads it."""
 
-  def local(w):
+  def count(w):
+    if not jax.dtypes.issubdtype(w.dtype, np.floating):
+      return jnp.zeros((1,), jnp.int32)
     if w.dtype == np.float64:  # 64-bit mode: such values are normal in float64
-      return jnp.sum((w > 0) & (w < _checks.SMALLEST_WEIGHT))[None]
+      return jnp.sum((w > 0) & (w < _checks.SMALLEST_WEIGHT), dtype=jnp.int32)[None]
     if w.dtype == jnp.bfloat16:  # float32's exponent range: its bits are float32's upper half
       bits = lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32) << np.uint32(16)
     elif w.dtype == np.float32:
@@ -329,21 +355,15 @@ def _subnormal_counter(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Arr
     else:  # float16: every value is a normal float32 (8-bit floats are not checked)
       return jnp.zeros((1,), jnp.int32)
     exponent, mantissa, sign = np.uint32(0x7F800000), np.uint32(0x007FFFFF), np.uint32(0x80000000)
-    return jnp.sum(((bits & exponent) == 0) & ((bits & mantissa) != 0) & ((bits & sign) == 0))[None]
+    return jnp.sum(((bits & exponent) == 0) & ((bits & mantissa) != 0) & ((bits & sign) == 0), dtype=jnp.int32)[None]
 
-  return jax.shard_map(local, mesh=mesh, in_specs=sharding.spec, out_specs=P(sharding.spec[0]), check_vma=False)
+  def local(w):
+    rows = w.reshape(w.shape[0], -1)
+    zero_rows = (jnp.any(jnp.all(rows == 0, axis=1)) if w.shape[0] else jnp.asarray(False)).astype(jnp.int32)
+    return zero_rows[None], count(w)
 
-
-def _has_padding_rows(weights: Any) -> bool:
-  """Whether this process's part of a skipped step's ``weights`` has a row of weight 0 (padding)."""
-  if weights is None or (isinstance(weights, jax.Array) and weights.is_deleted()):
-    return False
-  shards = weights.addressable_shards if isinstance(weights, jax.Array) else [weights]
-  for shard in shards:
-    w = np.asarray(getattr(shard, "data", shard))
-    if w.shape[0] and np.any(np.all(w.reshape(w.shape[0], -1) == 0, axis=1)):
-      return True
-  return False
+  spec = P(sharding.spec[0])
+  return jax.shard_map(local, mesh=mesh, in_specs=sharding.spec, out_specs=(spec, spec), check_vma=False)
 
 
 def make_train_step(

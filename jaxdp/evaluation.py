@@ -114,6 +114,8 @@ class EvalStep:
     self._plans: dict = {}  # (state key, inputs' signature) -> the InputPlan of inputs validated once
     self._programs: dict = {}  # (the params' structure and data-axis splits, "sums" or "means") -> the program
     self._known = None  # the state the last call placed as it was given (KnownState): checked, on the mesh
+    self._state_ids: dict = {}  # the params' structure, splits and state signature -> (id, splits id, splits)
+    self._splits_ids: dict = {}  # the params' structure and splits -> a small int
     self._split = split_along(mesh, axis_name)  # the batch's sharding
 
   def _prepare(self, state, batch, weights, kind: str = "sums"):
@@ -131,7 +133,7 @@ class EvalStep:
     else:
       placed = TrainState(state.params, None, state.step, state.model_state)
     _, inputs_key = host_inputs.input_signature(batch, weights)
-    plan = self._plans.get((split_key, inputs_key))
+    plan = self._plans.get((split_key[0], inputs_key))
     if plan is None:
       plan = self._plan(split_key, inputs_key, state, batch, weights)
     host_inputs.check_input_values(plan, batch, weights)  # each call: the values of host inputs only
@@ -152,7 +154,12 @@ class EvalStep:
     )
     split = jax.tree.map(lambda s: data_part(s, self.axis_name), specs)
     # The params' structure too: two trees with the same specs in another structure need their own program.
-    return (jax.tree.structure(state.params), tuple(jax.tree.leaves(split)), _checks.signature(state)), placed
+    key = (jax.tree.structure(state.params), tuple(jax.tree.leaves(split)), _checks.signature(state))
+    # A small int stands for the (long) key in every cache: hashed on each call.
+    if key not in self._state_ids:
+      splits_id = self._splits_ids.setdefault(key[:2], len(self._splits_ids))
+      self._state_ids[key] = (len(self._state_ids), splits_id, key[:2])
+    return self._state_ids[key], placed
 
   def _plan(self, split_key, inputs_key, state, batch, weights):
     """Validates inputs of a new signature (shapes and structure, never values) and returns their plan."""
@@ -164,17 +171,18 @@ class EvalStep:
       pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self.pipeline.axis_name])
       pipelining.check_rows(batch, self.pipeline, data_size(self.mesh, self.axis_name), 1)
     plan = host_inputs.plan_inputs(batch, weights, None, self._split)
-    self._plans[split_key, inputs_key] = plan
+    self._plans[split_key[0], inputs_key] = plan
     return plan
 
   def _program(self, split_key, kind: str, placed: TrainState):
     """The one program of a layout: the sums of a batch, or (``kind="means"``) their means too."""
-    key = (split_key[:2], kind)  # the program follows the params' structure and splits, not their shapes
+    _, splits_id, splits = split_key  # the program follows the params' structure and splits, not their shapes
+    key = (splits_id, kind)
     if key not in self._programs:
-      sums = self._programs.get((split_key[:2], "sums"))
+      sums = self._programs.get((splits_id, "sums"))
       if sums is None:
-        sums = self._build(jax.tree.unflatten(*split_key[:2]), layer_mask(placed.params, self.layers))
-        self._programs[split_key[:2], "sums"] = sums
+        sums = self._build(jax.tree.unflatten(*splits), layer_mask(placed.params, self.layers))
+        self._programs[splits_id, "sums"] = sums
       self._programs[key] = sums if kind == "sums" else jax.jit(lambda *a: means_from_sums(sums(*a)))
     return self._programs[key]
 

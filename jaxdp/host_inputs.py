@@ -25,6 +25,7 @@ flag and the count of subnormal device weights are outputs of the step's own pro
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -38,35 +39,39 @@ _donations = 0  # how many times a step has donated a state: a known state is kn
 
 
 def mark_donated(leaves: list) -> None:
-  """Records that a step consumed ``leaves`` (see :func:`jaxdp._checks.mark_donated`)."""
+  """Records that a step consumed ``leaves``, the arrays of a placed state (see
+  :func:`jaxdp._checks.mark_donated`)."""
   global _donations
   _donations += 1
-  alive = [x for x in leaves if isinstance(x, jax.Array) and not x.is_deleted()]
+  alive = list(itertools.filterfalse(_is_deleted, leaves))
   if alive:  # most are deleted by the donation; a live numpy view keeps some (CPU)
     _checks.mark_donated(alive)
+
+
+_is_deleted = operator.methodcaller("is_deleted")  # a placed state's leaves are all jax.Arrays
 
 
 class KnownState:
   """A state whose leaves a step placed and checked: its own output, or an input it placed as it was.
 
-  Holds weak references only: a state the user drops is freed as before.
+  ``strong``: hold the leaves themselves (a step's own output, which the next call donates) instead of weak
+  references to them (an input the user may drop).
   """
 
-  __slots__ = ("refs", "treedef", "donations", "key")
+  __slots__ = ("leaves", "strong", "treedef", "donations", "key")
 
-  def __init__(self, leaves: list, treedef: Any, key: Any):
-    self.refs = list(map(weakref.ref, leaves))
+  def __init__(self, leaves: list, treedef: Any, key: Any, strong: bool = False):
+    self.leaves, self.strong = (leaves if strong else list(map(weakref.ref, leaves))), strong
     self.treedef, self.key, self.donations = treedef, key, _donations
 
 
 def known_state(known: KnownState | None, leaves: list, treedef: Any) -> Any:
   """``known.key`` if ``leaves`` are exactly ``known``'s (same objects, same tree) and no step donated anything
   since; else ``None``."""
-  if known is None or known.donations != _donations or len(leaves) != len(known.refs) or treedef != known.treedef:
+  if known is None or known.donations != _donations or len(leaves) != len(known.leaves) or treedef != known.treedef:
     return None
-  if all(map(operator.is_, leaves, [ref() for ref in known.refs])):
-    return known.key
-  return None
+  held = known.leaves if known.strong else [ref() for ref in known.leaves]
+  return known.key if all(map(operator.is_, leaves, held)) else None
 
 
 def check_state_donation(state: Any, leaves: list, name: str = "state") -> None:
@@ -92,8 +97,9 @@ class InputPlan(NamedTuple):
 
   place_batch: bool  # a batch, weights or has_more leaf not yet split over the data axes as the step needs
   check_ids: bool  # a host 64-bit integer batch leaf: its values are checked against 32-bit range each call
+  floating_weights: bool  # floating weights: the program counts those below float32's smallest normal
   host_weights: bool  # floating weights on the host: their values are checked each call
-  device_weights: bool  # floating weights given as a JAX array: the program counts subnormals, read later
+  device_weights: bool  # floating weights given as a JAX array: the program's count is read later
   may_alias: bool  # an input array of one of the state's (shape, dtype): compared by buffer each call
 
 
@@ -108,6 +114,7 @@ def plan_inputs(batch: Any, weights: Any, has_more: Any, split: jax.sharding.Sha
       place_batch=not all(isinstance(x, jax.Array) and x.sharding == split for x in inputs),
       check_ids=wide and any(not isinstance(x, jax.Array) and np.asarray(x).dtype in (np.int64, np.uint64)
                              for x in jax.tree.leaves(batch)),
+      floating_weights=floating,
       host_weights=floating and not isinstance(weights, jax.Array),
       device_weights=floating and isinstance(weights, jax.Array),
       may_alias=any(isinstance(x, jax.Array) and (x.shape, x.dtype) in state_kinds for x in inputs),
@@ -186,3 +193,63 @@ def raise_if_consumed(error: RuntimeError, state: Any, name: str = "state") -> N
   one of the state's leaves; the caller re-raises ``error`` otherwise."""
   if "deleted" in str(error):
     check_state_donation(state, jax.tree.leaves(state), name)
+
+
+# Guards ------------------------------------------------------------------------------------------------------
+# What a check of values on the devices needs is carried from program to program on the devices, as one more
+# input and output of the step's own program: the host reads a small value once ready, never every step's.
+
+
+class Guard(NamedTuple):
+  """The guards' state, carried on the devices from one call's program to the next (``None``: not carried).
+
+  Attributes:
+    skips: int32 ``[]``, replicated: the non-finite steps in a row, counting stopped at the limit (tripped).
+    padded: int32 ``[N]``, one per device of the data axes: whether one of those steps had a padding row
+      (weight 0) on that device.
+    subnormal: int32 ``[N]``: per device, how many weights below float32's smallest normal it was given since
+      the count was last read (no collective: each device counts its own).
+  """
+
+  skips: Any = None
+  padded: Any = None
+  subnormal: Any = None
+
+
+def fresh_guard(guard: Guard | None, *, skips: bool, weights: bool, place_scalar: Callable, place_split: Callable,
+                n: int) -> Guard:
+  """``guard`` with the parts a call carries: ``skips`` and ``padded`` with the non-finite guard on,
+  ``subnormal`` with floating weights; a missing part starts at zero, a part this call does not carry is
+  ``None`` (kept by the caller for a later call)."""
+  guard = Guard() if guard is None else guard
+
+  def part(value, wanted, zeros):
+    return (zeros() if value is None else value) if wanted else None
+
+  return Guard(part(guard.skips, skips, lambda: place_scalar(np.zeros((), np.int32))),
+               part(guard.padded, skips, lambda: place_split(np.zeros((n,), np.int32))),
+               part(guard.subnormal, weights, lambda: place_split(np.zeros((n,), np.int32))))
+
+
+def update_guard(guard: Guard, flag: jax.Array, weights: Any, limit: int | None, per_device: Callable) -> Guard:
+  """The guard after one step (traced in the step's program). ``flag``: the step's ``metrics["nonfinite"]``;
+  ``per_device(weights)``: per device, whether it has a row of weight 0 and how many subnormal weights."""
+  zero_rows, below = per_device(weights) if weights is not None else (0, None)
+  skips, padded, subnormal = guard
+  if skips is not None:
+    tripped, bad = skips >= limit, flag > 0
+    skips, padded = (jax.numpy.where(tripped, skips, jax.numpy.where(bad, skips + 1, 0)),
+                     jax.numpy.where(tripped, padded, jax.numpy.where(bad, padded | zero_rows, 0)))
+  if subnormal is not None:
+    subnormal = subnormal + below
+  return Guard(skips, padded, subnormal)
+
+
+def read_scalar(x: jax.Array) -> int:
+  """A replicated scalar's value, from this process's first copy (a fraction of ``jax.device_get``'s cost)."""
+  return int(np.asarray(x.addressable_data(0)))
+
+
+def read_total(x: jax.Array) -> int:
+  """The sum of the values of this process's devices of a per-device array."""
+  return int(sum(np.sum(np.asarray(shard.data)) for shard in x.addressable_shards))
