@@ -102,7 +102,8 @@ class CompiledStep:
     self._guard = None  # the latest Guard, the next call's input
     self._pending: collections.deque = collections.deque()  # each call's count of non-finite steps in a row
     self._pending_padded: dict = {}  # id(count) -> that call's per-device padding-row flags, read if tripped
-    self._weight_counts = None  # the newest running count of subnormal device weights and the one before
+    self._weight_counts = None  # the newest running count of subnormal device weights, not read yet
+    self._counts_due = None  # a count to read at the next call (it was not done when its turn came)
     self._calls_unread = _COUNTS_READ_EVERY  # calls since that count was last read (the first is read when ready)
     # The host input layer's caches (jaxdp.host_inputs): checked once per signature, then only what values need.
     self._plans: dict = {}  # (layout key, inputs' signature) -> the InputPlan of inputs validated once
@@ -126,16 +127,20 @@ class CompiledStep:
 
   def _check_previous_weights(self) -> None:
     # Device weights below float32's smallest normal (the host's are refused before the step): counted on the
-    # devices by the step's program (a running total), read at the first call after device weights and then
-    # every _COUNTS_READ_EVERY calls: the newest count if it is done, else the one before (one process only).
-    if self._weight_counts is None or self._calls_unread < _COUNTS_READ_EVERY:
-      return
-    newest, before = self._weight_counts
-    if newest.is_ready() or before is None:  # (the newest, two calls old by then, is read at the next call)
-      count, self._weight_counts, self._calls_unread = host_inputs.read_total(newest), None, 0
-    else:
-      count, self._weight_counts = host_inputs.read_total(before), (newest, None)
+    # devices by the step's program (a running total), read once ready at the first call after device weights
+    # and then every _COUNTS_READ_EVERY calls; one not ready then is read at the next call (one process only).
+    counts = self._counts_due
+    if counts is None:
+      if self._weight_counts is None or self._calls_unread < _COUNTS_READ_EVERY:
+        return
+      counts, self._weight_counts, self._calls_unread = self._weight_counts, None, 0
+      if not counts.is_ready():
+        self._counts_due = counts  # two calls old at the next call's read
+        return
+    self._counts_due = None
+    count = host_inputs.read_total(counts)
     if count:
+      self._weight_counts = None
       self._guard = self._guard._replace(subnormal=None)  # counted again from zero
       raise ValueError(_checks.subnormal_weights_message(
           "the weights (a JAX array) given to an earlier step", count,
@@ -306,8 +311,7 @@ class CompiledStep:
       # Not read here (that would wait for the device): read by a later call. With several processes each
       # would see only its devices' counts, and one raising alone would leave the others waiting in the next
       # step's all-reduce: not checked there.
-      before = None if self._weight_counts is None else self._weight_counts[0]
-      self._weight_counts, self._calls_unread = (guard.subnormal, before), self._calls_unread + 1
+      self._weight_counts, self._calls_unread = guard.subnormal, self._calls_unread + 1
     # The output has the input's structure, shapes and layout: the next call knows it.
     self._known = host_inputs.KnownState(new_leaves, treedef, layout_key, strong=True)
     return treedef.unflatten(new_leaves), metrics

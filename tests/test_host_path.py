@@ -158,3 +158,19 @@ def test_a_second_process_gets_its_first_step_from_the_persistent_cache(tmp_path
   assert cached["misses"] == 0 and cached["hits"] == cold["misses"]  # every program read back, none compiled
   assert (cached["loss"], cached["eval"]) == (cold["loss"], cold["eval"])
   assert any((tmp_path / "cache").iterdir())
+
+
+def test_subnormal_device_weights_in_a_running_loop_raise_within_17_calls():
+  """The step's program counts them; the host reads the running count every 16 calls (once it is done)."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH)
+  state, batch, weights = inputs()
+  for _ in range(3):
+    state, _ = step(state, batch, weights)  # the first count is read at the second call
+  tiny = jax.device_put(np.full(8, 1e-40, np.float32), weights.sharding)
+  state, _ = step(state, batch, tiny)
+  calls = 0
+  with pytest.raises(ValueError, match=r"the weights \(a JAX array\) given to an earlier step has 8 values"):
+    for calls in range(1, 18):
+      state, _ = step(state, batch, weights)
+  assert calls <= 17
+  step(state, batch, weights)  # reported once: the step goes on
