@@ -114,7 +114,7 @@ class CompiledStep:
     self._split = split_along(mesh, axis_name)  # the batch's sharding
     self._n = data_size(mesh, axis_name)
     self._per_device = _per_device_weights(mesh, self._split)
-    self.traces = 0  # times JAX traced one of this step's programs (one per layout, once)
+    self._traces = 0  # times JAX traced one of this step's programs (one per layout, once)
 
   def reset_nonfinite_guard(self) -> None:
     """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
@@ -274,7 +274,7 @@ class CompiledStep:
     return self._programs[layout_key]
 
   def _traced(self) -> None:
-    self.traces += 1  # the program's Python runs only when JAX traces it
+    self._traces += 1  # the program's Python runs only when JAX traces it
 
   def layout(self, state: TrainState) -> Layout:
     """The :class:`jaxdp.layout.Layout` this step places ``state`` in (model splits kept, ZeRO's added)."""

@@ -70,11 +70,33 @@ class Counts:
       programs[key] = counted("program", program)
 
 
+def backend_compiles(fn):
+  """How many programs ``fn()`` compiled (or read from the persistent cache)."""
+  events = []
+  listener = lambda event, *_, **__: events.append(event)  # noqa: E731
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    fn()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  return events.count("/jax/core/compile/backend_compile_duration")
+
+
+def test_the_first_call_traces_and_compiles_one_program():
+  state, batch, weights = inputs()
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH)
+  evaluate = jaxdp.make_eval_step(loss_fn, MESH)
+  assert step._traces == 0  # nothing runs when the step is built
+  assert backend_compiles(lambda: jax.block_until_ready(evaluate(state, batch, weights))) == 1
+  assert backend_compiles(lambda: jax.block_until_ready(step(state, batch, weights))) == 1
+  assert step._traces == 1
+
+
 def test_a_second_train_call_builds_nothing_and_dispatches_one_program(monkeypatch):
   step = jaxdp.make_train_step(loss_fn, OPT, MESH)
   state, batch, weights = inputs()
   state, _ = step(state, batch, weights)
-  layouts, plans, traces = dict(step._layout_ids), dict(step._plans), step.traces
+  layouts, plans, traces = dict(step._layout_ids), dict(step._plans), step._traces
   counts = Counts(monkeypatch, step._programs)
   counts.active = True
   for _ in range(3):
@@ -82,7 +104,7 @@ def test_a_second_train_call_builds_nothing_and_dispatches_one_program(monkeypat
   counts.active = False
   assert counts.n == {"compile": 0, "eager op": 0, "device_put": 0, "signature": 0, "make_layout": 0,
                       "validation": 0, "program": 3}
-  assert (step._layout_ids, step._plans, step.traces) == (layouts, plans, traces)  # no new key, no retrace
+  assert (step._layout_ids, step._plans, step._traces) == (layouts, plans, traces)  # no new key, no retrace
   assert len(step._programs) == 1
   # No other program of its own: every jitted callable the step holds is its one program per layout.
   jitted = type(jax.jit(lambda: 0))
