@@ -181,9 +181,19 @@ def time_case(n: int, leaves: int, rounds: int, calls: int) -> dict:
 # The first call, in fresh processes ----------------------------------------------------------------------------
 
 
+PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+          "/jax/core/compile/backend_compile_duration": "compile"}
+
+
 def first_calls(cases: list[tuple[int, int]]) -> dict:
-  """In this (fresh) process: seconds of each case's first bare call and first jaxdp train and eval calls."""
+  """In this (fresh) process: seconds of each case's first bare call and first jaxdp train and eval calls, and
+  of their tracing, lowering and compiling (``compile`` includes reading the persistent cache)."""
   jax.jit(lambda x: x + 1)(jnp.ones(2)).block_until_ready()  # the backend's own start, outside every time
+  phases: dict = {}
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **_: event in PHASES and phases.__setitem__(
+          PHASES[event], phases.get(PHASES[event], 0.0) + duration))
   out = {}
   for n, leaves in cases:
     mesh = jaxdp.data_mesh(jax.devices()[:n])
@@ -192,19 +202,19 @@ def first_calls(cases: list[tuple[int, int]]) -> dict:
     placed = jax.device_put(params, NamedSharding(mesh, P()))
     state = jax.block_until_ready(jaxdp.init_state(params, opt, mesh))
     kept = jax.block_until_ready(jaxdp.init_state(params, opt, mesh))  # for evaluation: the steps donate theirs
+    calls = {
+        "bare": lambda: bare_train(mesh)(placed, batch, weights),
+        "jaxdp": lambda: jaxdp.make_train_step(loss_fn, opt, mesh)(state, batch, weights),
+        "bare_eval": lambda: bare_eval(mesh)(kept.params, batch, weights),
+        "eval": lambda: jaxdp.make_eval_step(loss_fn, mesh)(kept, batch, weights),
+    }
     times = {}
-    start = time.perf_counter()
-    jax.block_until_ready(bare_train(mesh)(placed, batch, weights))
-    times["bare"] = time.perf_counter() - start
-    start = time.perf_counter()
-    jax.block_until_ready(jaxdp.make_train_step(loss_fn, opt, mesh)(state, batch, weights))
-    times["jaxdp"] = time.perf_counter() - start
-    start = time.perf_counter()
-    jax.block_until_ready(bare_eval(mesh)(kept.params, batch, weights))
-    times["bare_eval"] = time.perf_counter() - start
-    start = time.perf_counter()
-    jax.block_until_ready(jaxdp.make_eval_step(loss_fn, mesh)(kept, batch, weights))
-    times["eval"] = time.perf_counter() - start
+    for name, call in calls.items():
+      phases.clear()
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      times[name] = time.perf_counter() - start
+      times.update({f"{name}_{phase}": seconds for phase, seconds in phases.items()})
     out[f"{n}x{leaves}"] = times
   return out
 
@@ -232,28 +242,35 @@ def first_calls_in_processes(cases: list[tuple[int, int]]) -> dict:
 # Report ----------------------------------------------------------------------------------------------------
 
 
+def _phases(times: dict, name: str) -> str:
+  return " / ".join(f"{times.get(f'{name}_{phase}', 0.0):.2f}" for phase in ("trace", "lower", "compile"))
+
+
 def table(results: dict) -> str:
+  """The markdown tables of :func:`main`'s results."""
   lines = [
-      "| devices | leaves | train ÷ bare | jaxdp / bare train µs | eval ÷ bare forward | jaxdp / bare eval µs "
-      "| wrapper's own µs (train, eval) |",
-      "|---:|---:|---:|---:|---:|---:|---:|",
+      "| devices | leaves | train ÷ bare | program ÷ bare | train µs: jaxdp / bare | eval ÷ bare forward "
+      "| eval µs: jaxdp / bare | wrapper's own µs: train, eval |",
+      "|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in results["cases"]:
     us = r["us_per_call"]
     lines.append(
-        f"| {r['devices']} | {r['leaves']} | {r['train_ratio']:.2f} | {us['jaxdp']:.0f} / {us['bare']:.0f} | "
-        f"{r['eval_ratio']:.2f} | {us['eval']:.0f} / {us['bare_eval']:.0f} | "
-        f"{r['train_own_us']:.0f}, {r['eval_own_us']:.0f} |")
+        f"| {r['devices']} | {r['leaves']} | {r['train_ratio']:.2f} | {us['program'] / us['bare']:.2f} | "
+        f"{us['jaxdp']:.0f} / {us['bare']:.0f} | {r['eval_ratio']:.2f} | {us['eval']:.0f} / {us['bare_eval']:.0f} "
+        f"| {r['train_own_us']:.0f}, {r['eval_own_us']:.0f} |")
   first = results["first_call"]
-  lines += ["", "| first call, devices × leaves | jaxdp train ÷ bare (cold) | jaxdp train s: cold / cached "
-            "| cold ÷ cached | jaxdp eval s: cold / cached | bare train s: cold / cached |",
-            "|---|---:|---:|---:|---:|---:|"]
+  if first["cold"]:
+    lines += ["", "| first call: devices × leaves | train ÷ bare, cold | train s: cold / cached | cold ÷ cached "
+              "| eval s: cold / cached | bare s: cold / cached | jaxdp trace / lower / compile s, cold "
+              "| bare trace / lower / compile s, cold |", "|---|---:|---:|---:|---:|---:|---|---|"]
   for case, cold in first["cold"].items():
     cached = first["cached"][case]
     lines.append(
         f"| {case.replace('x', ' × ')} | {cold['jaxdp'] / cold['bare']:.2f} | {cold['jaxdp']:.2f} / "
         f"{cached['jaxdp']:.2f} | {cold['jaxdp'] / cached['jaxdp']:.1f} | {cold['eval']:.2f} / "
-        f"{cached['eval']:.2f} | {cold['bare']:.2f} / {cached['bare']:.2f} |")
+        f"{cached['eval']:.2f} | {cold['bare']:.2f} / {cached['bare']:.2f} | {_phases(cold, 'jaxdp')} "
+        f"| {_phases(cold, 'bare')} |")
   return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,9 @@ def test_a_reduced_run_writes_the_json_and_the_table(tmp_path):
 
 def test_the_first_call_is_timed_for_every_method():
   (times,) = host_overhead.first_calls([(2, 4)]).values()
-  assert set(times) == {"bare", "jaxdp", "bare_eval", "eval"} and all(t > 0 for t in times.values())
+  methods = {"bare", "jaxdp", "bare_eval", "eval"}
+  assert methods <= set(times) and all(t > 0 for name, t in times.items() if name in methods)
+  assert times["jaxdp_compile"] > 0  # one program compiled (or read back from the suite's cache)
 
 
 def test_the_methods_do_the_same_maths():
