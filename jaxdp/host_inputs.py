@@ -222,6 +222,9 @@ def fresh_guard(guard: Guard | None, *, skips: bool, weights: bool, place_scalar
   ``subnormal`` with floating weights; a missing part starts at zero, a part this call does not carry is
   ``None`` (kept by the caller for a later call)."""
   guard = Guard() if guard is None else guard
+  if (guard.skips is not None) == skips and (guard.padded is not None) == skips and (
+      guard.subnormal is not None) == weights:
+    return guard  # the usual call: the parts the last call left, exactly
 
   def part(value, wanted, zeros):
     return (zeros() if value is None else value) if wanted else None
