@@ -1,8 +1,8 @@
 """The host side of a step call, shared by the train, eval and DiLoCo steps: one input layer.
 
 Every call of :class:`jaxdp.compiled.CompiledStep`, :class:`jaxdp.evaluation.EvalStep` and
-:class:`jaxdp.diloco.DiLoCoStep` runs its inputs through the functions of this module, in the order of
-:func:`prepare_inputs`'s callers, each one concern:
+:class:`jaxdp.diloco.DiLoCoStep` runs its inputs through the functions of this module in one place, each
+step's ``_prepare``, in this order, each function one concern:
 
 - :func:`known_state`: whether the state is the one the step returned (or placed) last, by the identity of
   its leaves, with no donation anywhere since (:func:`mark_donated` counts them). Such a state skips the
@@ -19,8 +19,10 @@ Every call of :class:`jaxdp.compiled.CompiledStep`, :class:`jaxdp.evaluation.Eva
 - :func:`unshare_inputs`: a copy of an input that holds one of the donated state's buffers (only inputs of a
   state leaf's shape and dtype are compared).
 
-What needs the values on the device is never read here (that would wait for the device): the non-finite
-flag and the count of subnormal device weights are outputs of the step's own program, read by a later call.
+What needs the values on the device is never read here (that would wait for the device): the guards
+(:class:`Guard`: the count of non-finite steps in a row, their padding rows, the count of subnormal device
+weights) are carried from one call's program to the next on the devices (:func:`update_guard`, traced into
+the step's own program), and a later call reads them (:func:`read_scalar`, :func:`read_total`).
 """
 
 from __future__ import annotations
