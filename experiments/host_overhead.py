@@ -190,6 +190,7 @@ def first_calls(cases: list[tuple[int, int]]) -> dict:
   """In this (fresh) process: seconds of each case's first bare call and first jaxdp train and eval calls, and
   of their tracing, lowering and compiling (``compile`` includes reading the persistent cache)."""
   jax.jit(lambda x: x + 1)(jnp.ones(2)).block_until_ready()  # the backend's own start, outside every time
+  jaxdp.make_train_step, jaxdp.make_eval_step  # noqa: B018 (imports their modules: a process's start, not a call)
   phases: dict = {}
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **_: event in PHASES and phases.__setitem__(
