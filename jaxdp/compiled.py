@@ -74,7 +74,9 @@ class CompiledStep:
   and structure only, once per signature) before anything runs or is
   donated, then placed on the mesh (:mod:`jaxdp.host_inputs`). A call with
   the state the previous call returned and inputs of a signature seen before
-  does only what their values need, and dispatches one program.
+  does only what their values need, and dispatches one program. The step
+  holds the leaves of the state it returned last until its next call (which
+  donates them).
   ``lower(...)`` validates and places the same way and returns the
   ``jax.stages.Lowered`` of that program, for HLO and ``memory_analysis()``.
   """

@@ -5,7 +5,7 @@ Every call of :class:`jaxdp.compiled.CompiledStep`, :class:`jaxdp.evaluation.Eva
 step's ``_prepare``, in this order, each function one concern:
 
 - :func:`known_state`: whether the state is the one the step returned (or placed) last, by the identity of
-  its leaves, with no donation anywhere since (:func:`mark_donated` counts them). Such a state skips the
+  its leaves, with no donation of undeleted arrays anywhere since (:func:`mark_donated` counts them). Such a state skips the
   checks of its structure, donation and placement: it was checked when it went in, and the step's own
   program made it.
 - :func:`check_state_donation`: any other state is refused if an earlier step consumed it (by name and fix).
@@ -37,16 +37,18 @@ import numpy as np
 
 from jaxdp import _checks
 
-_donations = 0  # how many times a step has donated a state: a known state is known only while this stays
+# How many times a step has donated arrays that XLA did not delete (on CPU a live numpy view keeps a buffer):
+# a known state is known only while this stays. A deleted array is seen by known_state itself.
+_donations = 0
 
 
 def mark_donated(leaves: list) -> None:
   """Records that a step consumed ``leaves``, the arrays of a placed state (see
   :func:`jaxdp._checks.mark_donated`)."""
   global _donations
-  _donations += 1
   alive = list(itertools.filterfalse(_is_deleted, leaves))
   if alive:  # most are deleted by the donation; a live numpy view keeps some (CPU)
+    _donations += 1
     _checks.mark_donated(alive)
 
 
@@ -68,12 +70,16 @@ class KnownState:
 
 
 def known_state(known: KnownState | None, leaves: list, treedef: Any) -> Any:
-  """``known.key`` if ``leaves`` are exactly ``known``'s (same objects, same tree) and no step donated anything
-  since; else ``None``."""
+  """``known.key`` if ``leaves`` are exactly ``known``'s (same objects, same tree), none is deleted, and no step
+  donated an array it could not delete since; else ``None``."""
   if known is None or known.donations != _donations or len(leaves) != len(known.leaves) or treedef != known.treedef:
     return None
   held = known.leaves if known.strong else [ref() for ref in known.leaves]
-  return known.key if all(map(operator.is_, leaves, held)) else None
+  # Deleted (consumed by a step since): JAX's dispatch does not always refuse a deleted donated array (it can
+  # crash the process), so the state goes the full way, which names the leaf.
+  if all(map(operator.is_, leaves, held)) and not any(map(_is_deleted, leaves)):
+    return known.key
+  return None
 
 
 def check_state_donation(state: Any, leaves: list, name: str = "state") -> None:

@@ -196,3 +196,18 @@ def test_subnormal_device_weights_in_a_running_loop_raise_within_17_calls():
       state, _ = step(state, batch, weights)
   assert calls <= 17
   step(state, batch, weights)  # reported once: the step goes on
+
+
+def test_two_steps_in_turn_both_stay_on_the_fast_path(monkeypatch):
+  """A step's donation (its arrays deleted) does not make another step check its own state again."""
+  first, second = jaxdp.make_train_step(loss_fn, OPT, MESH), jaxdp.make_train_step(loss_fn, OPT, MESH)
+  (a, batch, weights), (b, *_) = inputs(), inputs()
+  a, _ = first(a, batch, weights)
+  b, _ = second(b, batch, weights)
+  counts = Counts(monkeypatch, first._programs)
+  counts.active = True
+  for _ in range(2):
+    a, _ = first(a, batch, weights)
+    b, _ = second(b, batch, weights)
+  counts.active = False
+  assert (counts.n["signature"], counts.n["validation"], counts.n["program"]) == (0, 0, 2)
