@@ -21,7 +21,7 @@ in fresh processes: one with an empty persistent compilation cache (cold), then 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself):
 
   .venv/bin/python experiments/host_overhead.py                 # N = 1, 2, 8; 2 and 96 leaves; 7 rounds of 200
-  .venv/bin/python experiments/host_overhead.py --quick         # the same cases, 3 rounds of 40 calls
+  .venv/bin/python experiments/host_overhead.py --quick         # 3 rounds of 40 calls; first call: N = 2, 2 leaves
   .venv/bin/python experiments/host_overhead.py --publish       # full run; copies the table into docs/data/
 
 Writes ``host_overhead.json`` and ``host_overhead.md`` under ``--out`` (default ``out/host_overhead``;
@@ -53,8 +53,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxdp
 from experiments import common
 
-FULL = {"devices": "1,2,8", "leaves": "2,96", "rounds": 7, "calls": 200, "first_devices": "2,8"}
-QUICK = {"devices": "1,2,8", "leaves": "2,96", "rounds": 3, "calls": 40, "first_devices": "2"}
+FULL = {"devices": "1,2,8", "leaves": "2,96", "rounds": 7, "calls": 200, "first_devices": "2,8", "first_leaves": "2,96"}
+QUICK = {"devices": "1,2,8", "leaves": "2,96", "rounds": 3, "calls": 40, "first_devices": "2", "first_leaves": "2"}
 LR = 0.01
 SYNC_EVERY = 10
 TRAIN, EVAL = ("bare", "jaxdp", "program"), ("bare_eval", "eval", "eval_program")
@@ -281,8 +281,8 @@ def main(argv=None) -> dict:
   p.add_argument("--leaves", help="parameter leaf counts (even), e.g. 2,96")
   p.add_argument("--rounds", type=int, help="timed rounds per method (best is kept)")
   p.add_argument("--calls", type=int, help="chained calls per round")
-  p.add_argument("--first-devices",
-                 help="device counts of the first-call cases (each with every --leaves); '' for none")
+  p.add_argument("--first-devices", help="device counts of the first-call cases; '' for none")
+  p.add_argument("--first-leaves", help="leaf counts of the first-call cases, e.g. 2,96")
   p.add_argument("--quick", action="store_true", help=f"smoke run; defaults become {QUICK}")
   p.add_argument("--first-call", help=argparse.SUPPRESS)  # internal: run first_calls here, print JSON
   p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -303,7 +303,8 @@ def main(argv=None) -> dict:
     for leaves in leaf_counts:
       results["cases"].append(time_case(n, leaves, args.rounds, args.calls))
       print(json.dumps(results["cases"][-1]), flush=True)
-  first = [(n, leaves) for n in common.device_counts(args.first_devices) for leaves in leaf_counts]
+  first = [(n, int(leaves)) for n in common.device_counts(args.first_devices)
+           for leaves in args.first_leaves.split(",") if leaves.strip()]
   results["first_call"] = first_calls_in_processes(first) if first else {"cold": {}, "cached": {}}
   results["load_average_after"] = os.getloadavg()
   results["seconds"] = time.perf_counter() - start
