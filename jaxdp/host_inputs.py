@@ -4,10 +4,10 @@ Every call of :class:`jaxdp.compiled.CompiledStep`, :class:`jaxdp.evaluation.Eva
 :class:`jaxdp.diloco.DiLoCoStep` runs its inputs through the functions of this module in one place, each
 step's ``_prepare``, in this order, each function one concern:
 
-- :func:`known_state`: whether the state is the one the step returned (or placed) last, by the identity
-  of its leaves, none deleted, and no donation of undeleted arrays anywhere since (:func:`mark_donated`). Such a state skips the
-  checks of its structure, donation and placement: it was checked when it went in, and the step's own
-  program made it.
+- :func:`known_state`: whether the state is the one the step returned (or placed) last, by the identity of
+  its leaves, none deleted, and no donation of undeleted arrays anywhere since (:func:`mark_donated` counts
+  them). Such a state skips the checks of its structure, donation and placement: it was checked when it
+  went in, and the step's own program made it.
 - :func:`check_state_donation`: any other state is refused if an earlier step consumed it (by name and fix).
 - :func:`input_signature`: a cheap key of the other inputs (structure, shapes, dtypes, shardings); with the
   state's layout key it picks the :class:`InputPlan` checked once per signature (:func:`plan_inputs`).
