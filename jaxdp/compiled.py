@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import weakref
 from typing import Any, Callable
 
 import jax
@@ -33,7 +32,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import _checks, pipelining
+from jaxdp import _checks, host_inputs, pipelining
 from jaxdp._checks import check_int, check_optimizer
 from jaxdp.reductions import check_state as check_reduction_state
 from jaxdp.layout import (
@@ -61,20 +60,22 @@ from jaxdp.parallel import DataParallel, as_layout, check_stages_used, check_ste
 from jaxdp.step import finish_step, gather_params, sharded_gradient_step, train_step
 from jaxdp.state import TrainState
 
-_MAX_UNREAD_FLAGS = 2  # non-finite flags of earlier steps read at the latest two calls later
+_MAX_UNREAD_FLAGS = 2  # the non-finite count of an earlier call is read at the latest two calls later
+_COUNTS_READ_EVERY = 16  # the subnormal count of device weights is read at most every this many calls
 
 
 class CompiledStep:
   """A jitted data-parallel step: ``step(state, batch, weights=None, rng=None) -> (state, metrics)``.
 
   Built by :func:`make_train_step`. Inputs are validated on the host (shapes
-  and structure only, cached per signature) before anything runs or is
-  donated, then placed on the mesh. ``lower(...)`` validates and places the
-  same way and returns the ``jax.stages.Lowered`` of the jitted step, for HLO
-  and ``memory_analysis()``. ``weights=None`` means weight 1 for every row,
-  except that a batch padded by :func:`jaxdp.split_batch`,
-  :func:`jaxdp.shard_uneven` or a pipeline is refused without its weights
-  (``ValueError`` naming ``weights``); ``has_more`` must hold integer counts.
+  and structure only, once per signature) before anything runs or is
+  donated, then placed on the mesh (:mod:`jaxdp.host_inputs`). A call with
+  the state the previous call returned and inputs of a signature seen before
+  does only what their values need, and dispatches one program. The step
+  holds the leaves of the state it returned last until its next call (which
+  donates them).
+  ``lower(...)`` validates and places the same way and returns the
+  ``jax.stages.Lowered`` of that program, for HLO and ``memory_analysis()``.
   """
 
   def __init__(self, build, loss_fn, optimizer, layout: DataParallel, config: StepConfig, *,
@@ -83,66 +84,88 @@ class CompiledStep:
     self.layout_value, self.config = layout, config
     self.compression = config.compression
     self._stage_axis = layout.stage_axis
-    self._jitted: dict = {}  # layout key -> the jitted step for states of that layout
+    mesh, axis_name = layout.mesh, layout.axis_name
+    self._programs: dict = {}  # layout key -> the one program for states of that layout
     self._layouts: dict = {}  # layout key -> Layout
     self.loss_fn, self.optimizer = loss_fn, optimizer
     checks = [support.before_step(loss_fn) for support in model_support() if support.before_step is not None]
     self._before_step = [check for check in checks if check is not None]
-    self.mesh, self.axis_name = layout.mesh, layout.axis_name
+    self.mesh, self.axis_name = mesh, axis_name
     self.reduction, self.backend = config.mode, layout.backend
     self.accum_steps, self.zero_stage = config.accum_steps, layout.zero_stage
     self.max_consecutive_skips = max_consecutive_skips
     self.loss_scaling = config.loss_scaling
-    self.consecutive_skips = 0  # non-finite steps in a row, as of the last flag read
+    self.consecutive_skips = 0  # non-finite steps in a row, as of the last count read
     self._skips_padded = False  # whether one of those steps had padding rows (all-zero weight)
-    self._validated: set = set()
-    self._pending: collections.deque = collections.deque()  # non-finite flags of steps not read yet, oldest first
-    self._weight_counts: collections.deque = collections.deque()  # device weights' subnormal counts, not read yet
-    self._count_subnormal = None  # built at the first call with device weights
-    # id(flag) -> that step's weights, to tell if it is skipped whether padding rows may be the cause.
-    self._pending_weights: dict = {}
-    self._returned: tuple = ()  # weak references to the leaves of the state the last call returned
-    self._returned_treedef = None  # and its structure (the same leaves in another tree are not that state)
+    # The guards run on the devices (host_inputs.Guard, carried from program to program); the host reads:
+    self._guard = None  # the latest Guard, the next call's input
+    self._pending: collections.deque = collections.deque()  # each call's count of non-finite steps in a row
+    self._pending_padded: dict = {}  # id(count) -> that call's per-device padding-row flags, read if tripped
+    self._weight_counts = None  # the newest running count of subnormal device weights, not read yet
+    self._counts_due = None  # a count to read at the next call (it was not done when its turn came)
+    self._calls_unread = _COUNTS_READ_EVERY  # calls since that count was last read (the first is read when ready)
+    # The host input layer's caches (jaxdp.host_inputs): checked once per signature, then only what values need.
+    self._plans: dict = {}  # (layout key, inputs' signature) -> the InputPlan of inputs validated once
+    self._layout_ids: dict = {}  # the state's signature and model splits -> its layout key, a small int
     self._kinds: dict = {}  # layout key -> the state's (shape, dtype) pairs, for inputs that may alias it
-    self._returned_layout = self._prepared_layout = None
+    self._known = None  # the state the last call returned (KnownState): placed, unshared, checked
+    self._placed_rng = host_inputs.PlacedKey()
+    self._split = split_along(mesh, axis_name)  # the batch's sharding
+    self._n = data_size(mesh, axis_name)
+    self._per_device = _per_device_weights(mesh, self._split)
+    self._traces = 0  # times JAX traced one of this step's programs (one per layout, once)
 
   def reset_nonfinite_guard(self) -> None:
     """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
     self.consecutive_skips = 0
     self._skips_padded = False
     self._pending.clear()
-    self._pending_weights.clear()
+    self._pending_padded.clear()
+    if self._guard is not None:  # the next call starts the count on the devices from zero
+      self._guard = self._guard._replace(skips=None, padded=None)
 
   def _check_previous_weights(self) -> None:
-    # Device weights below float32's smallest normal (the host's are refused before the step): read as the
-    # non-finite flags are, once ready or at the latest two calls later (one process only, see _prepare).
-    while self._weight_counts and (self._weight_counts[0].is_ready() or len(self._weight_counts) >= _MAX_UNREAD_FLAGS):
-      count = int(np.sum(jax.device_get(self._weight_counts.popleft())))
-      if count:
-        self._weight_counts.clear()
-        raise ValueError(_checks.subnormal_weights_message(
-            "the weights (a JAX array) given to an earlier step", count,
-            "that step counted their rows as padding (with no other weight it was skipped: metrics weight 0, "
-            "skipped 1, nonfinite 0)", "This error comes from a later call, which ran nothing; the steps in "
-            "between were applied."))
+    # Device weights below float32's smallest normal (the host's are refused before the step): counted on the
+    # devices by the step's program (a running total), read once ready at the first call after device weights
+    # and then every _COUNTS_READ_EVERY calls; one not ready then is read at the next call (one process only).
+    counts = self._counts_due
+    if counts is None:
+      if self._weight_counts is None or self._calls_unread < _COUNTS_READ_EVERY:
+        return
+      counts, self._weight_counts, self._calls_unread = self._weight_counts, None, 0
+      if not counts.is_ready():
+        self._counts_due = counts  # two calls old at the next call's read
+        return
+    self._counts_due = None
+    count = host_inputs.read_total(counts)
+    if count:
+      self._weight_counts = None
+      self._guard = self._guard._replace(subnormal=None)  # counted again from zero
+      raise ValueError(_checks.subnormal_weights_message(
+          "the weights (a JAX array) given to an earlier step", count,
+          "that step counted their rows as padding (with no other weight it was skipped: metrics weight 0, "
+          "skipped 1, nonfinite 0)", "This error comes from a later call, which ran nothing; the steps in "
+          "between were applied."))
 
   def _check_previous_steps(self) -> None:
     self._check_previous_weights()
-    # Reads the flags of earlier steps once they are done, and waits only for one two steps old: the
-    # device then still has the previous step to run while this one is prepared and dispatched.
     if self.max_consecutive_skips is None:
       return
-    # With several processes, only by count: whether a flag is ready depends on each process's timing, and every
-    # process must trip at the same call (else one leaves the job while another waits in the next collective).
-    ready = jax.process_count() == 1
-    while self.consecutive_skips < self.max_consecutive_skips and self._pending and (
-        (ready and self._pending[0].is_ready()) or len(self._pending) >= _MAX_UNREAD_FLAGS
-    ):
-      flag = self._pending.popleft()
-      weights = self._pending_weights.pop(id(flag), None)
-      bad = int(jax.device_get(flag)) > 0
-      self.consecutive_skips = self.consecutive_skips + 1 if bad else 0
-      self._skips_padded = bad and (self._skips_padded or _has_padding_rows(weights))
+    # Each call's program leaves the count of non-finite steps in a row (stopped at the limit): the newest one
+    # read supersedes the older. Read once done, waiting only for one two calls old: the device then still has
+    # the previous step to run while this one is prepared and dispatched. With several processes, only by
+    # count: whether a count is ready depends on each process's timing, and every process must trip at the same
+    # call (else one leaves the job while another waits in the next collective).
+    pending, ready = self._pending, jax.process_count() == 1
+    if self.consecutive_skips < self.max_consecutive_skips and pending:
+      newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - _MAX_UNREAD_FLAGS
+      if newest >= 0:
+        for _ in range(newest):
+          self._pending_padded.pop(id(pending.popleft()), None)
+        count = pending.popleft()
+        padded = self._pending_padded.pop(id(count), None)
+        self.consecutive_skips = host_inputs.read_scalar(count)
+        self._skips_padded = bool(self.consecutive_skips and padded is not None and host_inputs.read_total(padded))
     # Once tripped it stays tripped (nothing runs, so no good step can clear it) until reset_nonfinite_guard().
     if self.consecutive_skips >= self.max_consecutive_skips:
       padding = (
@@ -159,90 +182,100 @@ class CompiledStep:
           "step.reset_nonfinite_guard() to run again."
       )
 
-  def _is_returned_state(self, leaves: list, treedef: Any) -> bool:
-    """Whether ``leaves`` are exactly those of the state the last call returned (placed, unshared, checked)."""
-    return (len(leaves) == len(self._returned) and treedef == self._returned_treedef
-            and all(ref() is x for ref, x in zip(self._returned, leaves)))
+  def _prepare(self, state, batch, weights, rng, has_more=None):
+    """Runs the host input layer (:mod:`jaxdp.host_inputs`) on one call's inputs, in this order.
 
-  def _prepare(self, state, batch, weights, rng, has_more=None, count_weights=True):
+    Returns ``(program, args, leaves, treedef, plan, layout_key)``: the program for the state's layout, its
+    arguments, the leaves of the state it gets and that state's structure, the inputs' :class:`InputPlan`, and
+    the layout's key.
+    """
     for check in self._before_step:  # a model library's (e.g. the model's mode must not have changed)
       check()
     weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
-    _checks.check_padded_weights(batch, weights)
-    _checks.check_has_more(has_more)
-    _checks.check_state(state)
+    _checks.check_padded_weights(batch, weights)  # identity lookups, and only without weights
+    _checks.check_has_more(has_more)  # nothing without has_more
     leaves, treedef = jax.tree.flatten(state)
-    _checks.check_not_donated(state, leaves)  # also a state this step returned: another step may have consumed it
-    ours = self._is_returned_state(leaves, treedef)
-    if not ours and self.donate:
-      state = _checks.unshared_buffers(state)
-    if jax.process_count() > 1:
-      # Every call, on every process: a process whose inputs differ must fail with the others, not
-      # leave them blocked in the step's all-reduce (a per-process cache could desynchronise them).
-      from jaxdp.distributed import assert_same_across_processes
+    layout_key = host_inputs.known_state(self._known, leaves, treedef)  # the state the last call returned
+    known, model_specs = layout_key is not None, None
+    if not known:
+      state, leaves, layout_key, model_specs = self._enter_state(state, leaves)
+    _, inputs_key = host_inputs.input_signature(batch, weights, rng, has_more)
+    # Every call, on every process: a process whose inputs differ must fail with the others.
+    host_inputs.agree_across_processes(
+        {"state": state, "batch": batch, "weights": weights, "rng": rng, "has_more": has_more}, "step inputs")
+    plan = self._plans.get((layout_key, inputs_key))
+    if plan is None:
+      plan = self._plan(layout_key, inputs_key, model_specs, state, batch, weights, rng, has_more)
+    if not known:
+      state = place(state, self._layouts[layout_key].shardings(self.mesh))
+      leaves = jax.tree.leaves(state)
+    rng = self._placed_rng(rng, lambda key: place(key, replicated(self.mesh)))
+    host_inputs.check_input_values(plan, batch, weights)  # each call: the values of host inputs only
+    inputs = host_inputs.place_inputs(plan, (batch, weights, has_more), self._split)
+    if self.donate:
+      inputs = host_inputs.unshare_inputs(plan, inputs, self._kinds[layout_key], lambda: leaves)
+    batch, weights, has_more = inputs
+    guard = host_inputs.fresh_guard(
+        self._guard, skips=self.max_consecutive_skips is not None, weights=plan.floating_weights,
+        place_scalar=lambda x: place(x, replicated(self.mesh)), place_split=lambda x: place(x, self._split),
+        n=self._n)
+    if self._guard is None:
+      self._guard = host_inputs.Guard()
+    args = (state, batch, weights, rng, has_more, guard)
+    return self._program_for(layout_key), args, leaves, treedef, plan, layout_key
 
-      inputs = {"state": state, "batch": batch, "weights": weights, "rng": rng, "has_more": has_more}
-      assert_same_across_processes(inputs, "step inputs")
-    if ours:
-      layout_key, model_specs = self._returned_layout, None
-    else:
-      # The layout follows the state's shapes and its params' splits over the model axes (kept as given).
-      model_specs = model_specs_of(state.params, self.mesh, self.axis_name)
-      layout_key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
-    self._prepared_layout = layout_key
-    key = (layout_key, _checks.signature(batch, weights, rng, has_more))
-    if key not in self._validated:
-      n = data_size(self.mesh, self.axis_name)
-      _checks.check_step_inputs(
-          self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
+  def _enter_state(self, state, leaves):
+    """A state this step did not just return: checked, unshared and keyed by its layout (not yet placed)."""
+    _checks.check_state(state)
+    host_inputs.check_state_donation(state, leaves)  # also a state another step has consumed
+    if self.donate:
+      state = _checks.unshared_buffers(state)
+    # The layout follows the state's shapes and its params' splits over the model axes (kept as given).
+    model_specs = model_specs_of(state.params, self.mesh, self.axis_name)
+    key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
+    # A small int stands for the (long) key in every cache: hashed on each call.
+    layout_key = self._layout_ids.setdefault(key, len(self._layout_ids))
+    return state, leaves, layout_key, model_specs
+
+  def _plan(self, layout_key, inputs_key, model_specs, state, batch, weights, rng, has_more):
+    """Validates inputs of a new signature (shapes and structure, never values) and returns their plan."""
+    n = data_size(self.mesh, self.axis_name)
+    _checks.check_step_inputs(
+        self.loss_fn, self.optimizer, state, batch, weights, rng, n_replicas=n, accum_steps=self.accum_steps,
+    )
+    check_loss_scale(self.loss_scaling, state.loss_scale)
+    check_reduction_state(state.compression, state.params, self.config.reduction, self.layout_value)
+    if has_more is not None and self.reduction == "none":
+      raise ValueError(
+          "has_more is summed over the replicas in the step's all-reduce, and reduction='none' has none: every "
+          "process would learn only its own flag and the streams would stop at different steps. Use a reducing "
+          "step (reduction='mean', 'sum' or 'rank_mean') with a StreamingPipeline."
       )
-      check_loss_scale(self.loss_scaling, state.loss_scale)
-      check_reduction_state(state.compression, state.params, self.config.reduction, self.layout_value)
-      if has_more is not None and self.reduction == "none":
-        raise ValueError(
-            "has_more is summed over the replicas in the step's all-reduce, and reduction='none' has none: every "
-            "process would learn only its own flag and the streams would stop at different steps. Use a reducing "
-            "step (reduction='mean', 'sum' or 'rank_mean') with a StreamingPipeline."
-        )
-      if has_more is not None and np.shape(has_more) != (n,):
-        raise ValueError(
-            f"has_more has shape {np.shape(has_more)}; pass one count per device of the data axis, shape ({n},) "
-            "(jaxdp.StreamingPipeline yields it), or None."
-        )
-      if self.pipeline is not None:
-        pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self._stage_axis])
-        pipelining.check_rows(batch, self.pipeline, n, self.accum_steps)
-      self._validated.add(key)
+    if has_more is not None and np.shape(has_more) != (n,):
+      raise ValueError(
+          f"has_more has shape {np.shape(has_more)}; pass one count per device of the data axis, shape ({n},) "
+          "(jaxdp.StreamingPipeline yields it), or None."
+      )
+    if self.pipeline is not None:
+      pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self._stage_axis])
+      pipelining.check_rows(batch, self.pipeline, n, self.accum_steps)
     if layout_key not in self._layouts:
       self._layouts[layout_key] = make_layout(state, self.mesh, self.axis_name, self.zero_stage, model_specs,
                                               self.layers, self._stage_axis)
-    layout = self._layouts[layout_key]
-    if not ours:  # the returned state is placed already: skip the placement of each leaf
-      state = place(state, layout.shardings(self.mesh))
-    rng = place(rng, replicated(self.mesh))
-    _checks.check_batch_values(batch, "batch", dtypes=False)  # each call: 64-bit ids out of 32-bit range
-    _checks.check_weight_values(weights)  # each call: host weights the devices would flush to 0
-    on_device = isinstance(weights, jax.Array)
-    batch, weights, has_more = _put_batch((batch, weights, has_more), split_along(self.mesh, self.axis_name))
-    if count_weights and on_device and jax.process_count() == 1 and jax.dtypes.issubdtype(weights.dtype, np.floating):
-      # Not read here (that would wait for the device): counted by a program of its own, read by a later call.
-      # With several processes each would see only its devices' counts, and one raising alone would leave the
-      # others waiting in the next step's all-reduce: not checked there.
-      if self._count_subnormal is None:
-        self._count_subnormal = _subnormal_counter(self.mesh, split_along(self.mesh, self.axis_name))
-      self._weight_counts.append(self._count_subnormal(weights))
-    if self.donate:
-      if layout_key not in self._kinds:  # the state's (shape, dtype) pairs follow from its layout key
-        arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
-        self._kinds[layout_key] = frozenset((x.shape, x.dtype) for x in arrays)
-      batch, weights, rng, has_more = _unshared_inputs(
-          (batch, weights, rng, has_more), self._kinds[layout_key], lambda: leaves if ours else jax.tree.leaves(state))
-    return layout_key, (state, batch, weights, rng, has_more)
+      self._kinds[layout_key] = host_inputs.state_kinds(state)  # the state's (shape, dtype) pairs
+    plan = host_inputs.plan_inputs(batch, weights, has_more, self._split, self._kinds[layout_key])
+    self._plans[layout_key, inputs_key] = plan
+    return plan
 
-  def _jitted_for(self, layout_key):
-    if layout_key not in self._jitted:
-      self._jitted[layout_key] = self._build(self._layouts[layout_key])
-    return self._jitted[layout_key]
+  def _program_for(self, layout_key):
+    """The one program of a layout: the jitted step, its state flat, and the weights' subnormal counts."""
+    if layout_key not in self._programs:
+      self._programs[layout_key] = _program(self._build(self._layouts[layout_key]), self._per_device,
+                                            self.donate, self.max_consecutive_skips, self._traced)
+    return self._programs[layout_key]
+
+  def _traced(self) -> None:
+    self._traces += 1  # the program's Python runs only when JAX traces it
 
   def layout(self, state: TrainState) -> Layout:
     """The :class:`jaxdp.layout.Layout` this step places ``state`` in (model splits kept, ZeRO's added)."""
@@ -263,17 +296,26 @@ class CompiledStep:
       has_more: jax.Array | None = None,
   ):
     self._check_previous_steps()
-    layout_key, prepared = self._prepare(state, batch, weights, rng, has_more)
-    state, metrics, flag = self._jitted_for(layout_key)(*prepared)
+    program, args, leaves, treedef, plan, layout_key = self._prepare(state, batch, weights, rng, has_more)
+    try:
+      new_leaves, metrics, guard = program(*args)
+    except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
+      host_inputs.raise_if_consumed(error, args[0])
+      raise
     if self.donate:
-      _checks.mark_donated(jax.tree.leaves(prepared[0]))
-    if self.max_consecutive_skips is not None:
-      self._pending.append(flag)  # its own copy of metrics["nonfinite"]: the user may delete or donate theirs
-      self._pending_weights[id(flag)] = prepared[2]
-    leaves, self._returned_treedef = jax.tree.flatten(state)
-    self._returned = tuple(weakref.ref(x) for x in leaves)
-    self._returned_layout = layout_key  # the output has the input's structure, shapes and layout
-    return state, metrics
+      host_inputs.mark_donated(leaves)
+    self._guard = host_inputs.Guard(*(new if new is not None else old for new, old in zip(guard, self._guard)))
+    if guard.skips is not None:
+      self._pending.append(guard.skips)  # the guard's own count: the user may delete or donate metrics
+      self._pending_padded[id(guard.skips)] = guard.padded
+    if plan.device_weights and jax.process_count() == 1:
+      # Not read here (that would wait for the device): read by a later call. With several processes each
+      # would see only its devices' counts, and one raising alone would leave the others waiting in the next
+      # step's all-reduce: not checked there.
+      self._weight_counts, self._calls_unread = guard.subnormal, self._calls_unread + 1
+    # The output has the input's structure, shapes and layout: the next call knows it.
+    self._known = host_inputs.KnownState(new_leaves, treedef, layout_key, strong=True)
+    return treedef.unflatten(new_leaves), metrics
 
   def lower(
       self,
@@ -284,18 +326,36 @@ class CompiledStep:
       *,
       has_more: jax.Array | None = None,
   ) -> jax.stages.Lowered:
-    layout_key, prepared = self._prepare(state, batch, weights, rng, has_more, count_weights=False)
-    return self._jitted_for(layout_key).lower(*prepared)
+    """The ``jax.stages.Lowered`` of the program a call with these inputs runs (validated and placed alike)."""
+    program, args, *_ = self._prepare(state, batch, weights, rng, has_more)
+    return program.lower(*args)
 
 
-def _subnormal_counter(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
-  """``count(weights)``: per device, how many of its weights lie in (0, float32's smallest normal), which the
-  devices read as 0. Read from the bits; no collective (a program of all-reduces queued next to the steps' can
-  starve XLA's CPU rendezvous), so the result is one count per device, split like the weights."""
+def _program(jitted: Callable, per_device: Callable, donate: bool, limit: int | None,
+             traced: Callable[[], None]) -> Callable:
+  """The step's one program per layout: ``jitted`` (the step), its new state as a flat list of leaves (the host
+  rebuilds the tree without flattening it again), its metrics, and the guards' state after the step
+  (:class:`jaxdp.host_inputs.Guard`). The inner jit is inlined: one dispatch per call."""
 
-  def local(w):
+  def run(state, batch, weights, rng, has_more, guard):
+    traced()
+    new_state, metrics, flag = jitted(state, batch, weights, rng, has_more)
+    return jax.tree.leaves(new_state), metrics, host_inputs.update_guard(guard, flag, weights, limit, per_device)
+
+  return jax.jit(run, donate_argnums=(0,) if donate else ())
+
+
+def _per_device_weights(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Array], tuple]:
+  """``per_device(weights) -> (zero_rows, subnormal)``, one int32 per device of the data axes, split like the
+  weights: whether the device has a row of weight 0 (padding), and how many of its weights lie in (0,
+  float32's smallest normal), which the devices read as 0 (read from the bits). No collective: traced into
+  the step's own program, summed on the host when a later call reads it."""
+
+  def count(w):
+    if not jax.dtypes.issubdtype(w.dtype, np.floating):
+      return jnp.zeros((1,), jnp.int32)
     if w.dtype == np.float64:  # 64-bit mode: such values are normal in float64
-      return jnp.sum((w > 0) & (w < _checks.SMALLEST_WEIGHT))[None]
+      return jnp.sum((w > 0) & (w < _checks.SMALLEST_WEIGHT), dtype=jnp.int32)[None]
     if w.dtype == jnp.bfloat16:  # float32's exponent range: its bits are float32's upper half
       bits = lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32) << np.uint32(16)
     elif w.dtype == np.float32:
@@ -303,49 +363,15 @@ def _subnormal_counter(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Arr
     else:  # float16: every value is a normal float32 (8-bit floats are not checked)
       return jnp.zeros((1,), jnp.int32)
     exponent, mantissa, sign = np.uint32(0x7F800000), np.uint32(0x007FFFFF), np.uint32(0x80000000)
-    return jnp.sum(((bits & exponent) == 0) & ((bits & mantissa) != 0) & ((bits & sign) == 0))[None]
+    return jnp.sum(((bits & exponent) == 0) & ((bits & mantissa) != 0) & ((bits & sign) == 0), dtype=jnp.int32)[None]
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=sharding.spec, out_specs=P(sharding.spec[0]),
-                               check_vma=False))
+  def local(w):
+    rows = w.reshape(w.shape[0], -1)
+    zero_rows = (jnp.any(jnp.all(rows == 0, axis=1)) if w.shape[0] else jnp.asarray(False)).astype(jnp.int32)
+    return zero_rows[None], count(w)
 
-
-def _has_padding_rows(weights: Any) -> bool:
-  """Whether this process's part of a skipped step's ``weights`` has a row of weight 0 (padding)."""
-  if weights is None or (isinstance(weights, jax.Array) and weights.is_deleted()):
-    return False
-  shards = weights.addressable_shards if isinstance(weights, jax.Array) else [weights]
-  for shard in shards:
-    w = np.asarray(getattr(shard, "data", shard))
-    if w.shape[0] and np.any(np.all(w.reshape(w.shape[0], -1) == 0, axis=1)):
-      return True
-  return False
-
-
-def _put_batch(inputs: Any, sharding: jax.sharding.Sharding) -> Any:
-  # A batch placed already (a pipeline's, or the same batch again) skips device_put's dispatch (~0.1 ms per call).
-  if all(isinstance(x, jax.Array) and x.sharding == sharding for x in jax.tree.leaves(inputs)):
-    return inputs
-  return jax.device_put(inputs, sharding)
-
-
-def _unshared_inputs(inputs: Any, kinds: frozenset, donated: Callable[[], list]) -> Any:
-  """``inputs`` with a copy of any array that holds one of the donated state's buffers.
-
-  Such an input (``weights=state.params[...]``, or an array built on its shards) would reach the step twice,
-  once donated, and XLA crashes the process on that. Only an input of a state leaf's (shape, dtype), one of
-  ``kinds``, is compared by buffer with the state's leaves of that kind (``donated()``): the usual call pays
-  one set lookup per input array.
-  """
-
-  def own(x):
-    if not isinstance(x, jax.Array) or (x.shape, x.dtype) not in kinds:
-      return x
-    same_kind = [y for y in donated() if isinstance(y, jax.Array) and (y.shape, y.dtype) == (x.shape, x.dtype)]
-    if any(x is y for y in same_kind) or _checks.buffer_key(x) in {_checks.buffer_key(y) for y in same_kind}:
-      return x.copy()
-    return x
-
-  return jax.tree.map(own, inputs)
+  spec = P(sharding.spec[0])
+  return jax.shard_map(local, mesh=mesh, in_specs=sharding.spec, out_specs=(spec, spec), check_vma=False)
 
 
 @accepts_legacy_keywords("make_train_step", ("loss_fn", "optimizer", "layout"))

@@ -30,7 +30,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import _checks
+from jaxdp import _checks, host_inputs
 from jaxdp._checks import check_int, check_optimizer
 from jaxdp.layout import auto_mesh, axis_names, check_mesh_axis, place, replicated
 from jaxdp.loss import check_loss_fn
@@ -213,8 +213,13 @@ class DiLoCoStep:
     self.n_groups = mesh.shape[outer_axis]
     self.group_size = int(np.prod([mesh.shape[a] for a in axis_names(self.axis_name)]))
     self._programs: dict = {}  # (sync, the state's structure) -> jitted program
-    self._validated: set = set()
     self._last = (None, 0)  # (weak reference to the inner_step array last returned, its host value)
+    # The host input layer's caches (jaxdp.host_inputs): checked once per signature, then only what values need.
+    self._state_ids: dict = {}  # the state's signature -> (a small int, its shardings, its (shape, dtype) pairs)
+    self._plans: dict = {}  # (state id, inputs' signature) -> the InputPlan of inputs validated once
+    self._known = None  # the state the last call returned (KnownState): placed, unshared, checked
+    self._placed_rng = host_inputs.PlacedKey()
+    self._rows = NamedSharding(mesh, P((outer_axis, *axis_names(self.axis_name))))  # the batch's sharding
 
   # Host side -------------------------------------------------------------------------------------
 
@@ -224,16 +229,15 @@ class DiLoCoStep:
       return count  # the state this step returned: no wait for the device
     return int(jax.device_get(state.inner_step))
 
-  def _check(self, state, batch, weights, rng) -> None:
+  def _check_state(self, state: Any) -> None:
     if not isinstance(state, DiLoCoState):
       raise TypeError(
           f"state must be a jaxdp.diloco.DiLoCoState, got {type(state).__name__}; build it with "
           "jaxdp.init_diloco_state(params, inner_optimizer, mesh, outer_axis=..., outer_optimizer=...)."
       )
-    _checks.check_not_donated(state)
-    key = (_checks.signature(state), _checks.signature(batch, weights, rng))
-    if key in self._validated:
-      return
+
+  def _check(self, state, batch, weights, rng) -> None:
+    """Validates inputs of a new signature (shapes and structure, never values)."""
     _checks.check_state(state.inner, "state.inner")
     r = self.n_groups
     for path, leaf in jax.tree_util.tree_leaves_with_path((state.inner, state.period_weight)):
@@ -259,22 +263,47 @@ class DiLoCoStep:
     if _checks.signature(state.outer_params) != _checks.signature(group.params):
       raise ValueError("state.outer_params and each group's state.inner.params differ in structure, shape or dtype; "
                        "build the state with jaxdp.init_diloco_state.")
-    self._validated.add(key)
 
   def _prepare(self, state, batch, weights, rng):
+    """Runs the host input layer (:mod:`jaxdp.host_inputs`) on one call's inputs.
+
+    Returns ``(shardings, args, leaves, treedef)``: the state's shardings, the program's arguments, the leaves
+    of the state it gets and that state's structure.
+    """
     weights = _checks.as_array(weights)
-    _checks.check_padded_weights(batch, weights)
-    self._check(state, batch, weights, rng)
-    _checks.check_batch_values(batch, "batch", dtypes=False)
-    _checks.check_weight_values(weights)
-    shardings = _state_shardings(state, self.mesh, self.outer_axis)
+    _checks.check_padded_weights(batch, weights)  # identity lookups, and only without weights
+    leaves, treedef = jax.tree.flatten(state)
+    entry = host_inputs.known_state(self._known, leaves, treedef)  # the state the last call returned
+    known = entry is not None
+    if not known:
+      self._check_state(state)
+      host_inputs.check_state_donation(state, leaves)  # also a state another step has consumed
+      signature = _checks.signature(state)
+      if signature not in self._state_ids:
+        self._state_ids[signature] = (len(self._state_ids), None, None)
+      entry = self._state_ids[signature]
+    _, inputs_key = host_inputs.input_signature(batch, weights, rng)
+    host_inputs.agree_across_processes({"state": state, "batch": batch, "weights": weights, "rng": rng},
+                                       "DiLoCo step inputs")
+    plan = self._plans.get((entry[0], inputs_key))
+    if plan is None:
+      self._check(state, batch, weights, rng)
+      if entry[1] is None:  # the state's shardings and kinds, once it is valid
+        entry = self._state_ids[_checks.signature(state)] = (
+            entry[0], _state_shardings(state, self.mesh, self.outer_axis), host_inputs.state_kinds(state))
+      plan = self._plans[entry[0], inputs_key] = host_inputs.plan_inputs(batch, weights, None, self._rows, entry[2])
+    _, shardings, kinds = entry
+    if not known:
+      state = place(_checks.unshared_buffers(state) if self.donate else state, shardings)
+      leaves = jax.tree.leaves(state)
+    host_inputs.check_input_values(plan, batch, weights)  # each call: the values of host inputs only
+    inputs = host_inputs.place_inputs(plan, (batch, weights, None), self._rows)
     if self.donate:
-      state = _checks.unshared_buffers(state)
-    state = place(state, shardings)
-    rows = NamedSharding(self.mesh, P((self.outer_axis, *axis_names(self.axis_name))))
-    batch, weights = jax.device_put((batch, weights), rows)
-    rng = None if rng is None else place(rng, replicated(self.mesh))
-    return shardings, (state, batch, weights, rng)
+      inputs = host_inputs.unshare_inputs(plan, inputs, kinds, lambda: leaves)
+    batch, weights, _ = inputs
+    rng = self._placed_rng(rng, lambda key: place(key, replicated(self.mesh)))
+    self._entry = entry
+    return shardings, (state, batch, weights, rng), leaves, treedef
 
   def _program(self, sync: bool, shardings: DiLoCoState):
     key = (sync, jax.tree.structure(shardings))
@@ -283,23 +312,29 @@ class DiLoCoStep:
     return self._programs[key]
 
   def __call__(self, state: DiLoCoState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None):
-    shardings, prepared = self._prepare(state, batch, weights, rng)
+    shardings, prepared, leaves, treedef = self._prepare(state, batch, weights, rng)
     count = self._count(prepared[0])
     sync = (count + 1) % self.inner_steps == 0
-    new_state, metrics = self._program(sync, shardings)(*prepared)
+    try:
+      new_state, metrics = self._program(sync, shardings)(*prepared)
+    except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
+      host_inputs.raise_if_consumed(error, prepared[0])
+      raise
     if self.donate:
-      _checks.mark_donated(jax.tree.leaves(prepared[0]))
+      host_inputs.mark_donated(leaves)
     self._last = (weakref.ref(new_state.inner_step), count + 1)
+    # The output has the input's structure, shapes and shardings: the next call knows it.
+    self._known = host_inputs.KnownState(jax.tree.leaves(new_state), treedef, self._entry, strong=True)
     return new_state, metrics
 
   def lower_inner(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
     """The ``jax.stages.Lowered`` of the inner step (no sync) on these inputs."""
-    shardings, prepared = self._prepare(state, batch, weights, rng)
+    shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
     return self._program(False, shardings).lower(*prepared)
 
   def lower_sync(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
     """The ``jax.stages.Lowered`` of the inner step followed by the outer sync."""
-    shardings, prepared = self._prepare(state, batch, weights, rng)
+    shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
     return self._program(True, shardings).lower(*prepared)
 
   def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool, compiled: bool = True

@@ -12,13 +12,14 @@ by repeating examples.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import _checks, pipelining
+from jaxdp import _checks, host_inputs, pipelining
 from jaxdp.layerwise import gathering
 from jaxdp.loss import check_loss_fn
 from jaxdp.layout import (
@@ -139,59 +140,103 @@ class EvalStep:
     self._build, self.loss_fn, self.mesh, self.axis_name = build, loss_fn, mesh, axis_name
     self.layers, self.pipeline = layers, pipeline
     self._gather_split = gather_split  # pmap takes the state unmapped: split parameters are gathered first
-    self._validated: set = set()
-    self._jitted: dict = {}  # the params' data-axis splits -> the jitted step
+    # The host input layer's caches (jaxdp.host_inputs): checked once per signature, then only what values need.
+    self._plans: dict = {}  # (state key, inputs' signature) -> the InputPlan of inputs validated once
+    self._programs: dict = {}  # (the params' structure and data-axis splits, "sums" or "means") -> the program
+    self._known = None  # the state the last call placed as it was given (KnownState): checked, on the mesh
+    self._state_ids: dict = {}  # the params' structure, splits and state signature -> (id, splits id, splits)
+    self._splits_ids: dict = {}  # the params' structure and splits -> a small int
+    self._split = split_along(mesh, axis_name)  # the batch's sharding
 
-  def _prepare(self, state, batch, weights):
+  def _prepare(self, state, batch, weights, kind: str = "sums"):
+    """Runs the host input layer (:mod:`jaxdp.host_inputs`) on one call's inputs: ``(program, args)``."""
     weights = _checks.as_array(weights)
-    _checks.check_padded_weights(batch, weights)
-    _checks.check_state(state)
-    _checks.check_not_donated(state)  # a deleted buffer passed to a compiled step can crash the process
-    key = _checks.signature(state, batch, weights)
-    if key not in self._validated:
-      check_loss_fn(self.loss_fn, with_model_state=state.model_state is not None)
-      _checks.check_batch_split(batch, weights, data_size(self.mesh, self.axis_name))
-      _checks.check_batch_values(batch, "batch", ranges=False)
-      _checks.check_weights_dtype(weights)
-      if self.pipeline is not None:
-        pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self.pipeline.axis_name])
-        pipelining.check_rows(batch, self.pipeline, data_size(self.mesh, self.axis_name), 1)
-      self._validated.add(key)
-    _checks.check_batch_values(batch, "batch", dtypes=False)  # each call: 64-bit ids out of 32-bit range
-    _checks.check_weight_values(weights)  # each call: host weights the devices would flush to 0
-    if jax.process_count() > 1:
-      from jaxdp.distributed import assert_same_across_processes
+    _checks.check_padded_weights(batch, weights)  # identity lookups, and only without weights
+    leaves, treedef = jax.tree.flatten(state)
+    split_key = host_inputs.known_state(self._known, leaves, treedef)  # the state the last call placed
+    if split_key is None:
+      _checks.check_state(state)
+      host_inputs.check_state_donation(state, leaves)  # a deleted buffer passed to a compiled step can crash
+      split_key, placed = self._enter_state(state)
+      given = jax.tree.leaves((state.params, state.step, state.model_state))
+      if all(map(operator.is_, jax.tree.leaves(placed), given)):
+        self._known = host_inputs.KnownState(leaves, treedef, split_key)  # placed as given: known next call
+    else:
+      placed = TrainState(state.params, None, state.step, state.model_state)
+    _, inputs_key = host_inputs.input_signature(batch, weights)
+    plan = self._plans.get((split_key[0], inputs_key))
+    if plan is None:
+      plan = self._plan(split_key, inputs_key, state, batch, weights)
+    host_inputs.check_input_values(plan, batch, weights)  # each call: the values of host inputs only
+    host_inputs.agree_across_processes({"state": state, "batch": batch, "weights": weights}, "evaluation inputs")
+    batch, weights, _ = host_inputs.place_inputs(plan, (batch, weights, None), self._split)
+    return self._program(split_key, kind, placed), (placed, batch, weights)
 
-      assert_same_across_processes({"state": state, "batch": batch, "weights": weights}, "evaluation inputs")
-    # Parameters stay where they are (a ZeRO-3 split is gathered inside); the optimizer state is not needed.
+  def _enter_state(self, state):
+    """A state not known yet: ``(key, placed)``; its parameters stay where they are (a ZeRO-3 split is gathered
+    inside), the optimizer state is not needed."""
     specs = jax.tree.map(lambda x: _current_spec(x, self.mesh), state.params)
     if self._gather_split:
       specs = jax.tree.map(lambda _: P(), specs)
-    state = TrainState(
+    placed = TrainState(
         place(state.params, jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)), None,
         place(state.step, NamedSharding(self.mesh, P())),
         place(state.model_state, NamedSharding(self.mesh, P())),
     )
     split = jax.tree.map(lambda s: data_part(s, self.axis_name), specs)
     # The params' structure too: two trees with the same specs in another structure need their own program.
-    split_key = (jax.tree.structure(state.params), tuple(jax.tree.leaves(split)))
-    if split_key not in self._jitted:
-      self._jitted[split_key] = self._build(split, layer_mask(state.params, self.layers))
-    batch, weights = jax.device_put((batch, weights), split_along(self.mesh, self.axis_name))
-    return self._jitted[split_key], (state, batch, weights)
+    key = (jax.tree.structure(state.params), tuple(jax.tree.leaves(split)), _checks.signature(state))
+    # A small int stands for the (long) key in every cache: hashed on each call.
+    if key not in self._state_ids:
+      splits_id = self._splits_ids.setdefault(key[:2], len(self._splits_ids))
+      self._state_ids[key] = (len(self._state_ids), splits_id, key[:2])
+    return self._state_ids[key], placed
+
+  def _plan(self, split_key, inputs_key, state, batch, weights):
+    """Validates inputs of a new signature (shapes and structure, never values) and returns their plan."""
+    check_loss_fn(self.loss_fn, with_model_state=state.model_state is not None)
+    _checks.check_batch_split(batch, weights, data_size(self.mesh, self.axis_name))
+    _checks.check_batch_values(batch, "batch", ranges=False)
+    _checks.check_weights_dtype(weights)
+    if self.pipeline is not None:
+      pipelining.check_stacks(state.params, self.layers, self.pipeline, self.mesh.shape[self.pipeline.axis_name])
+      pipelining.check_rows(batch, self.pipeline, data_size(self.mesh, self.axis_name), 1)
+    plan = host_inputs.plan_inputs(batch, weights, None, self._split)
+    self._plans[split_key[0], inputs_key] = plan
+    return plan
+
+  def _program(self, split_key, kind: str, placed: TrainState):
+    """The one program of a layout: the sums of a batch, or (``kind="means"``) their means too."""
+    _, splits_id, splits = split_key  # the program follows the params' structure and splits, not their shapes
+    key = (splits_id, kind)
+    if key not in self._programs:
+      sums = self._programs.get((splits_id, "sums"))
+      if sums is None:
+        sums = self._build(jax.tree.unflatten(*splits), layer_mask(placed.params, self.layers))
+        self._programs[splits_id, "sums"] = sums
+      self._programs[key] = sums if kind == "sums" else jax.jit(lambda *a: means_from_sums(sums(*a)))
+    return self._programs[key]
 
   def sums(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> dict[str, jax.Array]:
     """The global sums of one batch (see :func:`eval_sums`)."""
-    jitted, prepared = self._prepare(state, batch, weights)
-    return jitted(*prepared)
+    program, args = self._prepare(state, batch, weights)
+    return self._run(program, args, state)
 
   def __call__(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> dict[str, jax.Array]:
-    return means_from_sums(self.sums(state, batch, weights))
+    program, args = self._prepare(state, batch, weights, "means")
+    return self._run(program, args, state)
+
+  def _run(self, program, args, state):
+    try:
+      return program(*args)
+    except RuntimeError as error:  # JAX refuses a deleted input before it runs anything
+      host_inputs.raise_if_consumed(error, state)
+      raise
 
   def lower(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> jax.stages.Lowered:
     """The step for these arguments, lowered (e.g. ``.compile().as_text()`` to read its collectives)."""
-    jitted, prepared = self._prepare(state, batch, weights)
-    return jitted.lower(*prepared)
+    program, args = self._prepare(state, batch, weights)
+    return program.lower(*args)
 
   def evaluate(self, state: TrainState, batches: Iterable[tuple[Any, Any]]) -> dict[str, float]:
     """Exact weighted means over every ``(batch, weights)`` of ``batches`` (Python floats).
