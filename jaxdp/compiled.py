@@ -52,6 +52,7 @@ from jaxdp.layout import (
 )
 from jaxdp.loss import check_loss_fn, model_support
 from jaxdp.loss_scaling import check_loss_scale
+from jaxdp.randomness import check_unique_ids
 from jaxdp.reduction import ReducedGradient
 from jaxdp.replicas import divergence_over_mesh, replica_divergence
 from jaxdp._config import StepConfig, step_config
@@ -194,6 +195,7 @@ class CompiledStep:
     weights, has_more = _checks.as_array(weights), _checks.as_array(has_more)
     _checks.check_padded_weights(batch, weights)  # identity lookups, and only without weights
     _checks.check_has_more(has_more)  # nothing without has_more
+    check_unique_ids(batch, weights, self.config.example_ids)  # host ids only, and only with example_ids
     leaves, treedef = jax.tree.flatten(state)
     layout_key = host_inputs.known_state(self._known, leaves, treedef)  # the state the last call returned
     known, model_specs = layout_key is not None, None

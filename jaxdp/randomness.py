@@ -180,3 +180,28 @@ def per_example(batch: Any, example_ids: Any, *, train: bool):
 
       stack.enter_context(refusing_flax_dropout())
     yield
+
+
+def check_unique_ids(batch: Any, weights: Any, example_ids: Any) -> None:
+  """Refuses host ids (``batch[example_ids]``, a numpy array) that repeat among the real rows (weight > 0) of a
+  global batch: those rows would draw the same dropout masks. Ids on the devices are not read (that would wait
+  for them); a callable's ids are computed inside the step."""
+  if not isinstance(example_ids, str) or not isinstance(batch, Mapping):
+    return
+  ids = batch.get(example_ids)
+  if not isinstance(ids, np.ndarray) or ids.ndim != 1 or isinstance(weights, jax.Array):
+    return
+  real = ids
+  if weights is not None:
+    w = np.asarray(weights)
+    if w.shape[:1] != ids.shape:
+      return  # the step's own shape check names this
+    real = ids[np.any(w.reshape(w.shape[0], -1) > 0, axis=1)]
+  values, counts = np.unique(real, return_counts=True)
+  if np.any(counts > 1):
+    raise ValueError(
+        f"example_ids={example_ids!r}: the ids {values[counts > 1][:5].tolist()} repeat among the real rows "
+        "(weight > 0) of this batch; rows with one id draw the same dropout masks. Give each example its own id "
+        "(e.g. its index in the dataset); only padding rows (weight 0) may repeat one. Nothing ran and nothing "
+        "was donated."
+    )

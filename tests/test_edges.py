@@ -206,3 +206,22 @@ def test_example_ids_given_by_hand_must_be_integers_one_per_row():
       jaxdp.example_keys(key, bad)
   with jaxdp.use_example_ids(np.array([3, 1], np.int32)):
     assert jaxdp.example_keys(key).shape == (2,)
+
+
+def test_host_example_ids_that_repeat_among_real_rows_are_refused_before_donation():
+  mesh = jaxdp.data_mesh(jax.devices()[:2])
+  opt = optax.sgd(0.1)
+  state = jaxdp.init_state({"w": jnp.zeros((3,))}, opt, mesh)
+
+  def loss(params, batch, rng):
+    del rng
+    return (batch["x"] @ params["w"]) ** 2
+
+  step = jaxdp.make_train_step(loss, opt, mesh, example_ids="id")
+  batch = {"x": np.ones((4, 3), np.float32), "id": np.array([0, 1, 1, 3])}
+  with pytest.raises(ValueError, match=r"example_ids='id': the ids \[1\] repeat among the real rows"):
+    step(state, batch, None, jax.random.key(0))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  weights = np.array([1, 1, 0, 1], np.float32)  # the repeat is a padding row: allowed
+  state, metrics = step(state, batch, weights, jax.random.key(0))
+  assert float(metrics["weight"]) == 3.0
