@@ -30,7 +30,7 @@ import jaxdp  # noqa: E402
 class MLP(nn.Module):
   @nn.compact
   def __call__(self, x, train, mask=None):
-    h = jaxdp.linen.BatchNorm(use_running_average=not train)(nn.Dense(32, use_bias=False)(x), mask=mask)
+    h = jaxdp.adapters.linen.BatchNorm(use_running_average=not train)(nn.Dense(32, use_bias=False)(x), mask=mask)
     return nn.Dense(1)(nn.relu(h))[:, 0]
 
 

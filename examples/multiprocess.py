@@ -24,7 +24,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=20)
 args = parser.parse_args()
 
-info = jaxdp.distributed.initialize()  # joins the launcher's job; alone it does nothing
+info = jaxdp.runtime.distributed.initialize()  # joins the launcher's job; alone it does nothing
 mesh, lr = jaxdp.data_mesh(), 0.1      # every device of every process on one "data" axis
 n = mesh.devices.size
 

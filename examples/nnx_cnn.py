@@ -30,7 +30,7 @@ import jaxdp  # noqa: E402
 class CNN(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     self.conv = nnx.Conv(1, 16, kernel_size=(3, 3), rngs=rngs)
-    self.bn = jaxdp.nnx.BatchNorm(16, axis_name="data", rngs=rngs)  # exact statistics over all devices
+    self.bn = jaxdp.adapters.nnx.BatchNorm(16, axis_name="data", rngs=rngs)  # exact statistics over all devices
     self.head = nnx.Linear(16 * 4 * 4, 10, rngs=rngs)
 
   def __call__(self, x, mask=None):
@@ -51,8 +51,8 @@ labels = digits.target.astype(np.int32)
 batch_size = 16 * args.devices
 order = np.random.default_rng(0).permutation(len(labels))
 
-definition, params, model_state = jaxdp.nnx.split(CNN(nnx.Rngs(0)))
-loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+definition, params, model_state = jaxdp.adapters.nnx.split(CNN(nnx.Rngs(0)))
+loss_fn = jaxdp.adapters.nnx.loss_fn(definition, objective)
 opt = optax.sgd(0.05, momentum=0.9)
 
 

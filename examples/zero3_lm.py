@@ -55,7 +55,7 @@ def block(h_BxTxD, layer):
 def loss_fn(params, batch):
   tokens = batch["tokens"]  # [B, T + 1] bytes
   h = params["embed"][tokens[:, :-1]] + params["pos"]
-  body = jax.checkpoint(block, policy=jaxdp.layerwise.gather_policy())  # gather again in the backward pass
+  body = jax.checkpoint(block, policy=jaxdp.sharding.layerwise.gather_policy())  # gather again in the backward pass
   h, _ = jax.lax.scan(body, h, params["blocks"])
   logits = rms(h) @ params["embed"].T
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # per token [B, T]

@@ -167,7 +167,7 @@ def lm_token_losses(definition) -> Callable[[Any, dict], jax.Array]:
   """Per-token cross-entropy ``[b, t]`` of the transformer (no dropout, no metrics: the same for every method)."""
 
   def losses(params, batch):
-    model = jaxdp.nnx.merge(definition, params)
+    model = jaxdp.adapters.nnx.merge(definition, params)
     logits_BxTxV = model(batch["inputs"]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
 
@@ -301,7 +301,7 @@ def jax_cases(w: Workload, devices, memory: bool) -> dict[str, Case]:
   for stage in (1, 2, 3):
     cases[ZERO_METHODS[stage]] = jaxdp_case(w, devices, zero_stage=stage, memory=memory)
   for stage, method in BUCKETED_METHODS.items():
-    cases[method] = jaxdp_case(w, devices, zero_stage=stage, bucket_bytes=jaxdp.scaling.DDP_BUCKET_BYTES)
+    cases[method] = jaxdp_case(w, devices, zero_stage=stage, bucket_bytes=jaxdp.analysis.scaling.DDP_BUCKET_BYTES)
   cases["bare"] = plain_case(w, mesh, bare_step(w, mesh))
   cases["auto_jit"] = plain_case(w, mesh, plain_step(w))
   cases["single"] = plain_case(w, auto_mesh(devices[:1]), plain_step(w))

@@ -56,10 +56,10 @@ SHARDED = ("shard_map", "pmap", "auto_jit")  # the methods whose HLO has collect
 
 
 def comm_report(hlo_text: str, n_devices: int) -> dict[str, dict[str, int]]:
-  """``{kind: {"ops": count, "bytes": bytes}}`` per collective kind, via ``jaxdp.reports.collectives_from_hlo``."""
+  """``{kind: {"ops": count, "bytes": bytes}}`` per collective kind, via ``jaxdp.analysis.reports.collectives_from_hlo``."""
   return {
       kind: {"ops": c.count, "bytes": c.bytes}
-      for kind, c in jaxdp.reports.collectives_from_hlo(hlo_text, n_devices).items()
+      for kind, c in jaxdp.analysis.reports.collectives_from_hlo(hlo_text, n_devices).items()
   }
 
 

@@ -118,7 +118,7 @@ def _measure(operation: str, directory: str, width: int, layers: int, job: tuple
     jax.config.update("jax_num_cpu_devices", DEVICES)
   else:
     coordinator, processes, process_id = job
-    jaxdp.distributed.initialize(coordinator, processes, process_id, num_cpu_devices=DEVICES // processes)
+    jaxdp.runtime.distributed.initialize(coordinator, processes, process_id, num_cpu_devices=DEVICES // processes)
     import jax
   import numpy as np
   import optax
@@ -131,18 +131,18 @@ def _measure(operation: str, directory: str, width: int, layers: int, job: tuple
       for i in range(layers)
   }
   # Made in place at stage 3 (no replicated transient that the allocator would keep and reuse, hiding growth).
-  abstract = jaxdp.layout.abstract_state(params, optimizer)
-  layout = jaxdp.layout.make_layout(abstract, jaxdp.layout.auto_mesh(mesh), "data", 3)
+  abstract = jaxdp.sharding.layout.abstract_state(params, optimizer)
+  layout = jaxdp.sharding.layout.make_layout(abstract, jaxdp.sharding.layout.auto_mesh(mesh), "data", 3)
   make = jax.jit(
       lambda: jax.tree.map(lambda s: jax.random.normal(jax.random.key(0), s.shape, s.dtype), params),
-      out_shardings=layout.shardings(jaxdp.layout.auto_mesh(mesh)).params,
+      out_shardings=layout.shardings(jaxdp.sharding.layout.auto_mesh(mesh)).params,
   )
   # Moments filled too (as after training), so the saved data is not trivially compressible.
   fill = jax.jit(
       lambda p: jaxdp.TrainState.create(p, optimizer)._replace(
           opt_state=jax.tree.map(lambda x: x + 1 if x.ndim else x, optimizer.init(p))
       ),
-      out_shardings=layout.shardings(jaxdp.layout.auto_mesh(mesh)),
+      out_shardings=layout.shardings(jaxdp.sharding.layout.auto_mesh(mesh)),
   )
   state = fill(make())
   jax.block_until_ready(state)
@@ -209,7 +209,7 @@ def _run_children(operation: str, directory: str, args, env) -> dict:
   command = [sys.executable, os.path.abspath(__file__), "--child", operation, "--dir", directory,
              "--width", str(args.width), "--layers", str(args.layers)]
   if args.processes > 1:
-    from jaxdp.launch import free_port
+    from jaxdp.runtime.launch import free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
     commands = [command + ["--job", f"{coordinator},{args.processes},{i}"] for i in range(args.processes)]

@@ -27,7 +27,7 @@ sees (train_lm decays to 0, after which no run could catch up).
 
 ``bytes_per_step`` counts the bytes each device sends in the step's collectives
 (all-reduce, reduce-scatter, all-gather; ring algorithm, ``traffic_bytes`` of
-``jaxdp.reports.collectives_from_hlo``) in the HLO jaxdp emits, before the backend's
+``jaxdp.analysis.reports.collectives_from_hlo``) in the HLO jaxdp emits, before the backend's
 optimisation: the dtype jaxdp communicates in, as GPU and TPU backends move it
 (the CPU compiler widens bfloat16 all-reduces to float32; its count is
 ``compiled_bytes_per_step``). PowerSGD's is its compressed program (after
@@ -78,7 +78,7 @@ from experiments import common, train_lm  # noqa: E402
 from experiments.lm import corpus  # noqa: E402
 from experiments.lm import model as lm  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
-from jaxdp.data import DataPipeline  # noqa: E402
+from jaxdp.io.data import DataPipeline  # noqa: E402
 
 FULL = {"steps": 300, "tail_steps": 50, "max_bytes": 1_000_000, "eval_every": 10, "start_iter": 10, "diloco_h": "10,50"}
 QUICK = {"steps": 20, "tail_steps": 5, "max_bytes": 200_000, "eval_every": 10, "start_iter": 2, "diloco_h": "5"}
@@ -124,7 +124,7 @@ def _check_available(name: str) -> None:
 
 def traffic(hlo: str, n: int) -> float:
   """Bytes each device sends in the collectives of HLO text (ring algorithm; all kinds)."""
-  return float(sum(c.traffic_bytes for c in jaxdp.reports.collectives_from_hlo(hlo, n).values()))
+  return float(sum(c.traffic_bytes for c in jaxdp.analysis.reports.collectives_from_hlo(hlo, n).values()))
 
 
 def lowered_bytes(lowered) -> dict:

@@ -5,7 +5,7 @@ Model: a stack of L pre-norm MLP blocks at fixed width, run under
 learned scale, ``w1`` [D, F], ``w2`` [F, D]; a final norm scale and a head
 [D, 1] outside the stack; a per-token squared error on inputs ``x`` [b, T, D].
 Adam, float32. The loop body calls ``jaxdp.gather(layer)`` and is
-checkpointed with ``jax.checkpoint(body, policy=jaxdp.layerwise.gather_policy(r))``: the
+checkpointed with ``jax.checkpoint(body, policy=jaxdp.sharding.layerwise.gather_policy(r))``: the
 same loss for every schedule but the last (outside a layer-wise step
 ``jaxdp.gather`` returns its argument and the policy saves nothing, so every
 schedule recomputes the body and saves only each layer's input ``h``).
@@ -81,7 +81,7 @@ from jax import lax
 
 import jaxdp
 from experiments import common
-from jaxdp.reports import hlo_collectives
+from jaxdp.analysis.reports import hlo_collectives
 
 MIB = 2**20
 N_DEVICES = 8
@@ -130,7 +130,7 @@ def block(h, layer):
 
 def make_loss(reshard_after_forward=True):
   """The per-token squared error ``[b, T]``, its loop body checkpointed with ``gather_policy(reshard_after_forward)``."""
-  body = jax.checkpoint(block, policy=jaxdp.layerwise.gather_policy(reshard_after_forward))
+  body = jax.checkpoint(block, policy=jaxdp.sharding.layerwise.gather_policy(reshard_after_forward))
 
   def loss_fn(params, batch):
     h, _ = lax.scan(body, batch["x"], params[STACK])
@@ -177,7 +177,7 @@ def loop_collectives(hlo: str) -> dict:
 
   ``place``: "forward" (op_name contains "/while/body/" and no "transpose("), "backward" (both), or
   "outside" (no "/while/body/"). An async op counts once, sized by its ``-done`` result
-  (``jaxdp.reports.hlo_collectives``).
+  (``jaxdp.analysis.reports.hlo_collectives``).
   """
   found = {place: {"all-gather": [], "reduce-scatter": []} for place in ("forward", "backward", "outside")}
   for op in hlo_collectives(hlo):

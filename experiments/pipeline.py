@@ -24,9 +24,9 @@ schedule, repeats=R))`` and records:
   training steps that run (the callback takes a value of the carry: JAX
   hoists loop-invariant work out of a differentiated scan, and a callback
   on the stage index alone would run once per step). It is checked against
-  ``jaxdp.pipelining.bubble_formula``, (P−1)/(M+P−1) for GPipe and
+  ``jaxdp.sharding.pipelining.bubble_formula``, (P−1)/(M+P−1) for GPipe and
   (P−1)/(R·M+P−1) for the circular schedule, and against the count of idle
-  cells of ``jaxdp.pipelining.schedule_table`` (``bubble_table``).
+  cells of ``jaxdp.sharding.pipelining.schedule_table`` (``bubble_table``).
 * ``peak_bytes``: per device, the compiled training step's
   ``memory_analysis()`` temp + argument bytes (``temp_bytes`` and
   ``argument_bytes`` apart).
@@ -35,7 +35,7 @@ schedule, repeats=R))`` and records:
   device running the same model with a plain Python loop over the layers,
   ``jax.grad`` of Σ w·l / Σ w over the whole batch and the same optax update.
 
-The circular schedule needs M ≥ P (``jaxdp.pipelining.check_schedule``), so
+The circular schedule needs M ≥ P (``jaxdp.sharding.pipelining.check_schedule``), so
 its M = 1 rows are not run (listed under ``skipped`` in the JSON).
 
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself unless
@@ -72,7 +72,7 @@ from jax.sharding import AxisType, Mesh
 
 import jaxdp
 from experiments import common
-from jaxdp import pipelining
+from jaxdp.sharding import pipelining
 
 IN, WIDTH, CLASSES, LAYERS = 8, 16, 4, 8
 BATCH = 32  # global rows: divides by every data size (1, 2) × M (1..8)

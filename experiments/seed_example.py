@@ -25,8 +25,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from jaxdp.layout import BACKENDS
-from jaxdp.reduction import as_varying
+from jaxdp.sharding.layout import BACKENDS
+from jaxdp.training.reduction import as_varying
 
 LR = 0.1
 EVEN = [[0.0], [2.0], [4.0]]  # one example per replica

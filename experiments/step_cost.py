@@ -8,7 +8,7 @@ a hand-written ``jit(shard_map)`` (state replicated and donated, batch split):
 * ``weighted``: ``jaxdp.gradient_step(divide=False)`` (the exact weighted
   sums and their one all-reduce, the loss metric) and the optax update of
   the divided gradient: no norm, no skip;
-* ``norm``: ``weighted`` plus ``jaxdp.reduction.global_norm`` as a metric (1/N of the
+* ``norm``: ``weighted`` plus ``jaxdp.training.reduction.global_norm`` as a metric (1/N of the
   agreed gradient per device and one 4-byte all-reduce);
 * ``skip``: ``weighted`` with the update under ``jaxdp.apply_update``'s
   ``cond``, skipped on zero weight or a non-finite loss (no norm);
@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from experiments import benchmark, common
-from jaxdp import reduction
+from jaxdp.training import reduction
 
 VARIANTS = ("bare", "weighted", "norm", "skip", "train_step", "make_train_step", "bare_cond")
 FULL = {"devices": "2,8", "models": "mlp,lm", "steps": 40, "warmup": 3}

@@ -19,8 +19,8 @@ statistics.
 
 Dropout is layout-invariant: the step is built with ``example_ids="id"``
 (each batch carries the examples' indices in the training set) and the CNN
-uses ``jaxdp.nnx.Dropout``, so every example gets the same mask on one
-device or N, whatever the split (see ``jaxdp.randomness``).
+uses ``jaxdp.adapters.nnx.Dropout``, so every example gets the same mask on one
+device or N, whatever the split (see ``jaxdp.core.randomness``).
 
 ``--compare`` trains from one init on one data order: one device on the
 global batch; N devices with sync BatchNorm; N devices with local BatchNorm;
@@ -113,11 +113,11 @@ class CNN(nnx.Module):
 
   def __init__(self, *, bn_axis: str | None, dropout: float, rngs: nnx.Rngs):
     self.conv1 = nnx.Conv(1, 16, kernel_size=(3, 3), rngs=rngs)
-    self.bn1 = jaxdp.nnx.BatchNorm(16, axis_name=bn_axis, rngs=rngs)
-    self.drop1 = jaxdp.nnx.Dropout(dropout, rngs=rngs)  # nnx.Dropout, with a mask per example id
+    self.bn1 = jaxdp.adapters.nnx.BatchNorm(16, axis_name=bn_axis, rngs=rngs)
+    self.drop1 = jaxdp.adapters.nnx.Dropout(dropout, rngs=rngs)  # nnx.Dropout, with a mask per example id
     self.conv2 = nnx.Conv(16, 32, kernel_size=(3, 3), rngs=rngs)
-    self.bn2 = jaxdp.nnx.BatchNorm(32, axis_name=bn_axis, rngs=rngs)
-    self.drop2 = jaxdp.nnx.Dropout(dropout, rngs=rngs)
+    self.bn2 = jaxdp.adapters.nnx.BatchNorm(32, axis_name=bn_axis, rngs=rngs)
+    self.drop2 = jaxdp.adapters.nnx.Dropout(dropout, rngs=rngs)
     self.linear1 = nnx.Linear(2 * 2 * 32, 64, rngs=rngs)
     self.linear2 = nnx.Linear(64, 10, rngs=rngs)
 
@@ -184,9 +184,9 @@ def train(config: Config, *, devices=None, bn: str | None = None, data=None, row
   train_set, test_set = load_digits(config.seed) if data is None else data
   dropout = 0.1 if config.dropout is None else config.dropout
   model = CNN(bn_axis="data" if (bn or config.bn) == "sync" else None, dropout=dropout, rngs=nnx.Rngs(config.seed))
-  definition, params, model_state = jaxdp.nnx.split(model)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
   optimizer = optax.sgd(config.lr, momentum=config.momentum)
-  loss_fn = jaxdp.nnx.loss_fn(definition, classification_loss)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, classification_loss)
   state = jaxdp.init_state(params, optimizer, mesh, model_state=model_state)
   step = jaxdp.make_train_step(loss_fn, optimizer, mesh, example_ids="id")  # masks follow batch["id"]
   pipeline = jaxdp.DataPipeline(train_set, collate, mesh, per_device_batch=config.batch_size // len(devices), seed=config.seed)
@@ -202,7 +202,7 @@ def train(config: Config, *, devices=None, bn: str | None = None, data=None, row
       bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", acc=f"{records[-1]['accuracy']:.3f}", refresh=False)
       bar.update(1)
   evaluation = evaluate(loss_fn, state, test_set, mesh, len(devices))
-  jaxdp.nnx.update(model, state)  # back to an ordinary Module on one device
+  jaxdp.adapters.nnx.update(model, state)  # back to an ordinary Module on one device
   return {"records": records, "eval": evaluation, "model": model, "seconds": time.perf_counter() - start,
           "devices": len(devices), "bn": bn or config.bn}
 

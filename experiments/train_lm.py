@@ -29,7 +29,7 @@ simulates as many devices as the mesh has)::
   python experiments/train_lm.py --mesh stage=2,data=2,model=2 --layers 4 --schedule circular --repeats 2
 
 With a ``model`` axis the transformer is split Megatron-style (its
-``nnx.with_partitioning`` metadata, read by ``jaxdp.nnx.partition_specs``;
+``nnx.with_partitioning`` metadata, read by ``jaxdp.adapters.nnx.partition_specs``;
 see ``experiments/lm/model.py``) and the batch is replicated over ``model``.
 With a ``replica`` axis the data axes are ``("replica", "data")``: the batch
 is split over both. ``--zero-stage`` (0-3) shards the optimizer state (1, 2)
@@ -184,7 +184,7 @@ from experiments import common  # noqa: E402
 from experiments.lm import corpus  # noqa: E402
 from experiments.lm import model as lm  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
-from jaxdp.data import DataPipeline  # noqa: E402
+from jaxdp.io.data import DataPipeline  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +270,7 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 def param_specs(params, mesh: Mesh):
   """The tensor-parallel ``param_specs`` for ``init_state`` on a mesh with a ``model`` axis, else ``None``."""
-  return jaxdp.nnx.partition_specs(params) if lm.MODEL_AXIS in mesh.axis_names else None
+  return jaxdp.adapters.nnx.partition_specs(params) if lm.MODEL_AXIS in mesh.axis_names else None
 
 
 def build_dataset(config: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -281,7 +281,7 @@ def build_dataset(config: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def make_model(config: Config):
-  """``(definition, params)`` of the transformer (``jaxdp.nnx.split``), initialised from ``config.seed``.
+  """``(definition, params)`` of the transformer (``jaxdp.adapters.nnx.split``), initialised from ``config.seed``.
 
   With ``config.microbatches`` (a pipeline run, and the single device it is compared with) the stacked blocks
   run through ``jaxdp.scan_layers``.
@@ -541,7 +541,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
 
   with _metrics_file(out) as sink:
     state, records = fit(step_fn, state, pipeline, config, rng, sink, desc)
-  outer = jaxdp.TrainState(jaxdp.diloco.diloco_params(state), None, state.inner_step)
+  outer = jaxdp.TrainState(jaxdp.runtime.diloco.diloco_params(state), None, state.inner_step)
   val = evaluate(loss_fn, outer, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
   summary = {
       "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": 0, "scan_layers": False, "layerwise": False,
@@ -554,7 +554,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   }
   if out is not None:
     (pathlib.Path(out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-  return {"records": records, "summary": summary, "params": jaxdp.diloco.diloco_params(state), "state": state,
+  return {"records": records, "summary": summary, "params": jaxdp.runtime.diloco.diloco_params(state), "state": state,
           "step": step}
 
 
@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
   config = config_from_args(argv)
   # Under `python -m jaxdp.launch` (or SLURM, Open MPI, a TPU slice) this joins the job; alone it does nothing.
-  info = jaxdp.distributed.initialize()
+  info = jaxdp.runtime.distributed.initialize()
   if info.process_index != 0:  # one writer: every process computes the same metrics
     config = dataclasses.replace(config, out=None, progress=False)
   start = time.perf_counter()

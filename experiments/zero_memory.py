@@ -4,7 +4,7 @@ Model: MLP 256-1024-1024-10 (ReLU, 1.32M params), per-example softmax
 cross-entropy, Adam, fp32. Every width divides by 8 except the 10-class head,
 so at N = 8 every leaf splits except the head's bias ``layer2.b`` (10
 elements): jaxdp splits each leaf along one dimension that divides by N
-(``jaxdp.layout.zero_dim``) and keeps a leaf with none whole on every device
+(``jaxdp.sharding.layout.zero_dim``) and keeps a leaf with none whole on every device
 (no padding). For each device count N (sub-mesh over ``jax.devices()[:N]``)
 and stage it measures, from the library's own reports:
 
@@ -13,11 +13,11 @@ and stage it measures, from the library's own reports:
   et al. (2020) with Psi params, fp32 and Adam (K = 8 bytes/param):
   stage 0 (4+4+8)Psi, 1 (4+4)Psi + 8Psi/N, 2 4Psi + (4+8)Psi/N, 3 16Psi/N,
   applied to the parameters of leaves that split, the others counted whole
-  (``jaxdp.scaling.memory_per_device(..., split_params=...)``), and the bytes
+  (``jaxdp.analysis.scaling.memory_per_device(..., split_params=...)``), and the bytes
   of the leaves that stay whole (``memory_report(...).unsplit``);
 * the collectives of the compiled step (``jaxdp.comm_report``): ops and
   bytes per kind, and the bytes each device sends per step (ring traffic),
-  next to ``jaxdp.scaling.collectives``, the model of jaxdp's schedule;
+  next to ``jaxdp.analysis.scaling.collectives``, the model of jaxdp's schedule;
 * at the largest N, the median time of a step per stage;
 * the widest square MLP (fixed depth, width a multiple of N so that every
   leaf splits) whose model state fits ``--budget-mb`` MiB per device at each
@@ -79,8 +79,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxdp
 from experiments import checkpoint_memory, common
-from jaxdp import scaling
-from jaxdp.layout import ZERO_STAGES
+from jaxdp.analysis import scaling
+from jaxdp.sharding.layout import ZERO_STAGES
 
 LAYERS = (256, 1024, 1024, 10)
 QUICK_LAYERS = (64, 256, 256, 10)
@@ -117,10 +117,10 @@ def formula_bytes(layers, n, stage) -> float:
 
 
 def model_collectives(psi, split, leaves, n, stage, model_axis=False):
-  """jaxdp's schedule (``jaxdp.scaling.collectives``): ``{kind: (bytes, ring traffic)}``.
+  """jaxdp's schedule (``jaxdp.analysis.scaling.collectives``): ``{kind: (bytes, ring traffic)}``.
 
   ``model_axis``: the mesh has a model axis left to the compiler, so stage 0 sums the norm on every
-  device instead of all-reducing partial sums (see ``jaxdp.reduction.global_norm``).
+  device instead of all-reducing partial sums (see ``jaxdp.training.reduction.global_norm``).
   """
   ops = scaling.collectives(psi, n, stage, PRECISION, split_params=split, scalar_bytes=SCALAR_BYTES,
                             norm_bytes=scaling.jaxdp_norm_bytes(stage, leaves, model_axis=model_axis))
@@ -345,7 +345,7 @@ def markdown(results, devices, times, budget, budget_mb, tp, goals, layers):
       "",
       f"Collectives of the compiled step at N={n_max} (`jaxdp.comm_report`), ops / bytes per kind (bytes: the "
       "all-reduced arrays, reduce-scatter inputs, all-gather outputs), and the bytes each device sends (ring), "
-      "measured and as `jaxdp.scaling.collectives` models them:",
+      "measured and as `jaxdp.analysis.scaling.collectives` models them:",
       "",
       "| stage | all-reduce | reduce-scatter | all-gather | sent (MiB) | model sent (MiB) | vs stage 0 |",
       "|---|---|---|---|---|---|---|",
@@ -375,7 +375,7 @@ def markdown(results, devices, times, budget, budget_mb, tp, goals, layers):
         f"DP × TP: mesh ('data', 'model') = {d} × {m}, tensor-parallel MLP (layer0 w P(None,'model'), "
         f"b P('model'); layer1 w P('model',None); head replicated over 'model'); {t0['psi_local']:,} params per "
         f"device's model shard. Memory per device (MiB) and collectives (ops / bytes); 'model data-axis bytes' is "
-        f"`jaxdp.scaling.collectives` on the model shard over the {d} data replicas (all-reduce / reduce-scatter / "
+        f"`jaxdp.analysis.scaling.collectives` on the model shard over the {d} data replicas (all-reduce / reduce-scatter / "
         "all-gather; the model axis's activation all-reduce is not modelled). 'sent' is `comm_report`'s ring "
         f"traffic, each op over its own device group (the {d} data replicas, or the {m}-device model axis for "
         "the activations' all-reduce):",

@@ -15,64 +15,110 @@ Functional core (compose these inside your own ``shard_map``/``pmap``):
 :func:`train_step`, :func:`eval_sums`. Edges: :func:`make_train_step`,
 :func:`make_eval_step`, :func:`init_state`, :func:`split_batch`,
 :class:`DataPipeline`, :class:`CheckpointManager`. Model libraries:
-:mod:`jaxdp.nnx`, :mod:`jaxdp.linen`, :mod:`jaxdp.batchnorm`.
+:mod:`jaxdp.adapters.nnx`, :mod:`jaxdp.adapters.linen`, :mod:`jaxdp.adapters.batchnorm`.
 
-The names are imported on first use (PEP 562), so that ``python -m
-jaxdp.launch``, which imports this package first, starts its workers without
-importing jax, flax or orbax.
+The package's folders are its layers, each importing only from those before
+it: ``core`` (the state, the loss protocol, checks, randomness, precision),
+``reductions``, ``sharding`` (layouts, ZeRO, layer-wise, pipelines, the
+layout value), ``analysis`` (reports, the scaling model), ``training`` (the
+pure step), ``runtime`` (the jitted steps, processes, the launcher), ``io``
+(data, checkpoints) and ``adapters`` (flax nnx and linen). The names are imported on
+first use (PEP 562), so that ``python -m jaxdp.launch``, which imports this
+package first, starts its workers without importing jax, flax or orbax. The
+module paths of jaxdp 0.1 (``jaxdp.layout``, ``jaxdp.nnx``, ...) still import,
+with a ``DeprecationWarning`` naming the new one.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
+import sys
+import types
 import warnings
 
 # Where each public name lives; imported on first access by ``__getattr__``.
 _EXPORTS_BY_MODULE = {
-    "checkpoint": ("CheckpointManager",),
-    "compiled": ("make_train_step",),
-    "data": ("DataPipeline", "StreamingPipeline", "shard_uneven", "split_batch"),
-    "diloco": ("DiLoCoState", "init_diloco_state", "make_diloco_step"),
-    "evaluation": ("eval_sums", "make_eval_step"),
-    "layerwise": ("gather", "scan_layers"),
-    "layout": ("data_mesh", "gather_state"),
-    "loss": ("LossOutput",),
-    "loss_scaling": ("dynamic_loss_scale",),
-    "parallel": ("DataParallel", "data_parallel", "init_state", "place_state"),
-    "pipelining": ("pipeline",),
-    "mixed_precision": ("Precision", "precision"),
-    "randomness": ("example_keys",),
-    "reduction": ("local_gradient", "loss_sums", "reduce_gradient"),
-    "replicas": ("assert_replicas_equal", "per_replica", "replica_divergence"),
-    "reports": ("comm_report", "memory_report"),
-    "state": ("TrainState",),
-    "step": ("apply_update", "finish_step", "gradient_step", "train_step"),
+    "io.checkpoint": ("CheckpointManager",),
+    "runtime.compiled": ("make_train_step",),
+    "io.data": ("DataPipeline", "StreamingPipeline", "shard_uneven", "split_batch"),
+    "runtime.diloco": ("DiLoCoState", "init_diloco_state", "make_diloco_step"),
+    "runtime.evaluation": ("eval_sums", "make_eval_step"),
+    "sharding.layerwise": ("gather", "scan_layers"),
+    "sharding.layout": ("data_mesh", "gather_state"),
+    "core.loss": ("LossOutput",),
+    "core.loss_scaling": ("dynamic_loss_scale",),
+    "sharding.parallel": ("DataParallel", "data_parallel", "init_state", "place_state"),
+    "sharding.pipelining": ("pipeline",),
+    "core.precision": ("Precision", "precision"),
+    "core.randomness": ("example_keys",),
+    "training.reduction": ("local_gradient", "loss_sums", "reduce_gradient"),
+    "training.replicas": ("assert_replicas_equal", "per_replica", "replica_divergence"),
+    "analysis.reports": ("comm_report", "memory_report"),
+    "core.state": ("TrainState",),
+    "training.step": ("apply_update", "finish_step", "gradient_step", "train_step"),
 }
 _EXPORTS = {name: module for module, names in _EXPORTS_BY_MODULE.items() for name in names}
 
 # Names of jaxdp 0.1's top level that now live in a module only: still reachable here, with a warning.
 _MOVED_BY_MODULE = {
-    "batchnorm": ("Moments", "masked_moments"),
-    "checkpoint": ("Restored",),
-    "compiled": ("CompiledStep",),
-    "compression": ("PowerSGD", "PowerSGDState", "init_compression", "powersgd"),
-    "data": ("PADS", "addressable_positions", "device_indices", "epoch_permutation", "process_positions"),
-    "diloco": ("DiLoCoStep", "diloco_params"),
-    "evaluation": ("EvalStep", "means_from_sums"),
-    "layerwise": ("gather_policy",),
-    "layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "state_specs"),
-    "loss": ("LOSS_KEYWORDS",),
-    "loss_scaling": ("DynamicLossScale", "LossScale", "update_loss_scale"),
-    "pipelining": ("Pipeline",),
-    "randomness": ("use_example_ids",),
-    "reduction": ("LocalGradient", "ReducedGradient", "applied_gradient", "as_varying", "divide_gradient",
+    "adapters.batchnorm": ("Moments", "masked_moments"),
+    "io.checkpoint": ("Restored",),
+    "runtime.compiled": ("CompiledStep",),
+    "reductions.compression": ("PowerSGD", "PowerSGDState", "init_compression", "powersgd"),
+    "io.data": ("PADS", "addressable_positions", "device_indices", "epoch_permutation", "process_positions"),
+    "runtime.diloco": ("DiLoCoStep", "diloco_params"),
+    "runtime.evaluation": ("EvalStep", "means_from_sums"),
+    "sharding.layerwise": ("gather_policy",),
+    "sharding.layout": ("BACKENDS", "ZERO_STAGES", "Layout", "auto_mesh", "state_specs"),
+    "core.loss": ("LOSS_KEYWORDS",),
+    "core.loss_scaling": ("DynamicLossScale", "LossScale", "update_loss_scale"),
+    "sharding.pipelining": ("Pipeline",),
+    "core.randomness": ("use_example_ids",),
+    "training.reduction": ("LocalGradient", "ReducedGradient", "applied_gradient", "as_varying", "divide_gradient",
                   "global_norm", "reduce_model_state"),
     "reductions": ("REDUCTIONS",),
-    "reports": ("Collective", "MemoryReport", "collectives_from_hlo"),
+    "analysis.reports": ("Collective", "MemoryReport", "collectives_from_hlo"),
 }
 _MOVED = {name: module for module, names in _MOVED_BY_MODULE.items() for name in names}
 _RENAMED = {"REDUCTIONS": "MODES"}  # old top-level name -> its name in the module
+
+# jaxdp 0.1's module paths -> where those modules live now (imported through _OldModulePaths, with a warning).
+_MOVED_MODULES = {
+    "jaxdp.state": "jaxdp.core.state",
+    "jaxdp.loss": "jaxdp.core.loss",
+    "jaxdp.carries": "jaxdp.core.carries",
+    "jaxdp.integrations": "jaxdp.core.integrations",
+    "jaxdp._checks": "jaxdp.core.checks",
+    "jaxdp.randomness": "jaxdp.core.randomness",
+    "jaxdp.loss_scaling": "jaxdp.core.loss_scaling",
+    "jaxdp.mixed_precision": "jaxdp.core.precision",
+    "jaxdp.compression": "jaxdp.reductions.compression",
+    "jaxdp.layout": "jaxdp.sharding.layout",
+    "jaxdp.pipelining": "jaxdp.sharding.pipelining",
+    "jaxdp.layerwise": "jaxdp.sharding.layerwise",
+    "jaxdp.parallel": "jaxdp.sharding.parallel",
+    "jaxdp._legacy": "jaxdp.sharding.legacy",
+    "jaxdp.reports": "jaxdp.analysis.reports",
+    "jaxdp.scaling": "jaxdp.analysis.scaling",
+    "jaxdp._config": "jaxdp.training.config",
+    "jaxdp.reduction": "jaxdp.training.reduction",
+    "jaxdp.step": "jaxdp.training.step",
+    "jaxdp.replicas": "jaxdp.training.replicas",
+    "jaxdp.compiled": "jaxdp.runtime.compiled",
+    "jaxdp.evaluation": "jaxdp.runtime.evaluation",
+    "jaxdp.diloco": "jaxdp.runtime.diloco",
+    "jaxdp.host_inputs": "jaxdp.runtime.host_inputs",
+    "jaxdp.distributed": "jaxdp.runtime.distributed",
+    "jaxdp.data": "jaxdp.io.data",
+    "jaxdp.checkpoint": "jaxdp.io.checkpoint",
+    "jaxdp._ckpt_record": "jaxdp.io.record",
+    "jaxdp.batchnorm": "jaxdp.adapters.batchnorm",
+    "jaxdp.flax_support": "jaxdp.adapters.flax_support",
+    "jaxdp.nnx": "jaxdp.adapters.nnx",
+    "jaxdp.linen": "jaxdp.adapters.linen",
+}
 
 __all__ = [
     "CheckpointManager",
@@ -127,7 +173,7 @@ def __getattr__(name: str):
                   DeprecationWarning, stacklevel=2)
     return value  # not cached: each access warns
   elif not name.startswith("_") and importlib.util.find_spec(f"jaxdp.{name}") is not None:
-    value = importlib.import_module(f"jaxdp.{name}")  # a submodule (jaxdp.nnx, jaxdp.reductions, ...)
+    value = importlib.import_module(f"jaxdp.{name}")  # a submodule (jaxdp.adapters.nnx, jaxdp.reductions, ...)
   else:
     raise AttributeError(f"module 'jaxdp' has no attribute {name!r}")
   globals()[name] = value  # later accesses skip this function
@@ -136,3 +182,36 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
   return sorted(set(globals()) | set(__all__))
+
+
+class _ForwardedModule(types.ModuleType):
+  """An old module path: every attribute read from the module that lives at the new one."""
+
+  def __init__(self, name: str, target: str):
+    super().__init__(name)
+    self.__dict__["_target"] = target
+
+  def __getattr__(self, attr: str):
+    return getattr(importlib.import_module(self.__dict__["_target"]), attr)
+
+
+class _OldModulePaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """``import jaxdp.layout`` (a path of jaxdp 0.1): a module forwarding to ``jaxdp.sharding.layout``, after a
+  ``DeprecationWarning``. Only the names of :data:`_MOVED_MODULES` are answered; nothing else is touched."""
+
+  def find_spec(self, fullname, path=None, target=None):
+    if fullname in _MOVED_MODULES:
+      return importlib.util.spec_from_loader(fullname, self)
+    return None
+
+  def create_module(self, spec):
+    new = _MOVED_MODULES[spec.name]
+    warnings.warn(f"{spec.name} moved to {new}; import it from there.", DeprecationWarning, stacklevel=2)
+    return _ForwardedModule(spec.name, new)
+
+  def exec_module(self, module) -> None:
+    pass
+
+
+if not any(isinstance(finder, _OldModulePaths) for finder in sys.meta_path):
+  sys.meta_path.insert(0, _OldModulePaths())  # before an editable install's finder, which would look in the folder

@@ -1,4 +1,4 @@
-"""Cross-replica BatchNorm (jaxdp.batchnorm) against plain single-device references.
+"""Cross-replica BatchNorm (jaxdp.adapters.batchnorm) against plain single-device references.
 
 The references see only the real rows of every device, concatenated, with
 their weights: numpy float64 two-pass moments for the statistics, a plain
@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdp
 from helpers import mesh_of
-from jaxdp.batchnorm import BatchNorm, Moments, masked_moments
+from jaxdp.adapters.batchnorm import BatchNorm, Moments, masked_moments
 
 ROWS, S, C = 4, 2, 3  # padded rows per device, a spatial axis reduced too, features
 EPS = 1e-5

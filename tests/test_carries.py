@@ -169,10 +169,10 @@ def nnx_objective(model, batch):
 
 
 def test_nnx_rnn_matches_the_ordinary_nnx_program():
-  """nnx.RNN(nnx.LSTMCell) through jaxdp.nnx on 3 devices, against nnx.Optimizer + nnx.grad on one."""
+  """nnx.RNN(nnx.LSTMCell) through jaxdp.adapters.nnx on 3 devices, against nnx.Optimizer + nnx.grad on one."""
   model = NnxClassifier(nnx.Rngs(1))
-  definition, params, model_state = jaxdp.nnx.split(model)
-  loss_fn = jaxdp.nnx.loss_fn(definition, nnx_objective)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, nnx_objective)
   mesh = jaxdp.data_mesh(jax.devices()[:3])
   batch, weights = jaxdp.shard_uneven(portions(data(), SPLITS[3]), mesh)
   step = jaxdp.make_train_step(loss_fn, OPTIMIZER, mesh)
@@ -180,7 +180,7 @@ def test_nnx_rnn_matches_the_ordinary_nnx_program():
   for _ in range(STEPS):  # nnx.RNN keeps a 'carry' RNG stream (its zeros carry draws nothing from it)
     state, _ = step(state, batch, weights, rng=jax.random.key(0))
   eval_loss = float(jaxdp.make_eval_step(loss_fn, mesh)(state, batch, weights)["loss"])
-  jaxdp.nnx.update(model, state)
+  jaxdp.adapters.nnx.update(model, state)
 
   reference = NnxClassifier(nnx.Rngs(1))
   optimizer = nnx.Optimizer(reference, OPTIMIZER, wrt=nnx.Param)

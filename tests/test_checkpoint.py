@@ -37,10 +37,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
 from helpers import mesh_of
-from jaxdp import _ckpt_record, checkpoint, layout
-from jaxdp.checkpoint import CheckpointManager
-from jaxdp.layout import abstract_state, auto_mesh, make_layout
-from jaxdp.parallel import place_state
+from jaxdp.io import record as _ckpt_record
+from jaxdp.io import checkpoint
+from jaxdp.sharding import layout
+from jaxdp.io.checkpoint import CheckpointManager
+from jaxdp.sharding.layout import abstract_state, auto_mesh, make_layout
+from jaxdp.sharding.parallel import place_state
 
 from ckpt_workers import crash_save, train_resume
 from mp_workers import harness
@@ -330,7 +332,7 @@ def test_restore_onto_other_layouts_gives_the_same_gathered_state(saved):
     assert_bitwise_equal(jaxdp.gather_state(restored.state), full)
     for leaf in jax.tree.leaves(restored.state.model_state):
       assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == n
-    # The step's use of model state is jaxdp.loss's to test; this one checks the moved optimizer state.
+    # The step's use of model state is jaxdp.core.loss's to test; this one checks the moved optimizer state.
     step = jaxdp.make_train_step(loss_fn, OPT, mesh, zero_stage=stage)
     after = jaxdp.gather_state(step(restored.state._replace(model_state=None), *batch_for(mesh, 7))[0])
     reference = after if reference is None else reference
@@ -1141,9 +1143,9 @@ def test_bad_arguments_raise_naming_the_argument(saved, tmp_path):
 
 def _launched(nproc: int):
   """The command prefix of a job of ``nproc`` processes x 1 device, or ``None`` without the launcher."""
-  if importlib.util.find_spec("jaxdp.launch") is None:
+  if importlib.util.find_spec("jaxdp.runtime.launch") is None:
     return None
-  return [sys.executable, "-m", "jaxdp.launch", "--nproc", str(nproc), "--devices-per-proc", "1",
+  return [sys.executable, "-m", "jaxdp.runtime.launch", "--nproc", str(nproc), "--devices-per-proc", "1",
           "--grace-period", "2", "--timeout", "100", "--"]
 
 
@@ -1192,7 +1194,7 @@ def test_resume_after_sigkill_is_bitwise_identical_to_an_uninterrupted_run(tmp_p
   assert code in (-signal.SIGKILL, 128 + signal.SIGKILL), out
   assert "killing rank" in out and "done" not in out, out
   if _launched(2) is not None:
-    assert "jaxdp.launch: rank 1 was killed by signal SIGKILL" in out, out
+    assert "jaxdp.runtime.launch: rank 1 was killed by signal SIGKILL" in out, out
   shutil.copytree(crashed_ckpt, tmp_path / "ckpt_copy")  # before a manager removes an unfinished save
   with CheckpointManager(crashed_ckpt) as ckpt:
     resume_at = ckpt.latest_step()

@@ -155,7 +155,7 @@ def test_start_iter_steps_are_exact_and_small_leaves_too():
 
 
 def _all_reduce_sizes(hlo):
-  from jaxdp.reports import hlo_collectives
+  from jaxdp.analysis.reports import hlo_collectives
 
   return [size for kind, size, _, _ in hlo_collectives(hlo) if kind == "all-reduce"]
 

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import AxisType
 
 import jaxdp
-from jaxdp.reports import hlo_collectives
+from jaxdp.analysis.reports import hlo_collectives
 
 # Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -165,9 +165,9 @@ def test_bf16_and_int8_deltas_are_close_to_float32():
     # Before optimisation (XLA's CPU backend widens a bfloat16 all-reduce to float32 when it compiles).
     outer_bytes.append(h * step.bytes_per_step(state, batch, weights, compiled=False, outer_only=True))
   size = sum(x.size for x in jax.tree.leaves(results[0]))
-  blocks = -(-size // jaxdp.diloco.INT8_BLOCK)
+  blocks = -(-size // jaxdp.runtime.diloco.INT8_BLOCK)
   # The delta, and the period's weights (4 bytes); for int8 the values padded to whole blocks and a scale each.
-  assert outer_bytes == [4 * size + 4, 2 * size + 4, blocks * jaxdp.diloco.INT8_BLOCK + 4 * blocks + 4]
+  assert outer_bytes == [4 * size + 4, 2 * size + 4, blocks * jaxdp.runtime.diloco.INT8_BLOCK + 4 * blocks + 4]
   # The outer step moves the parameters by about 0.7 x 1.9 x delta, deltas of order lr x h = 0.1: bfloat16 keeps 8
   # bits of each; int8 rounds each group's share to 1/63 of its block's largest magnitude (2 groups).
   for result, atol in zip(results[1:], (2e-3, 5e-3)):
@@ -245,7 +245,7 @@ def test_bad_meshes_and_options():
 def test_an_int8_delta_over_more_groups_than_its_levels_is_refused():
   """The int8 sum of R groups has 127 // R levels per group: none past 127 groups (every scale would be x / 0).
   No test mesh has 128 groups: the check make_diloco_step calls with the mesh's group count is tested alone."""
-  from jaxdp import diloco
+  from jaxdp.runtime import diloco
 
   diloco.check_int8_groups(jnp.dtype(jnp.int8), 127)
   diloco.check_int8_groups(jnp.dtype(jnp.bfloat16), 1000)

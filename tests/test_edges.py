@@ -16,7 +16,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from jaxdp import CheckpointManager, scaling
+from jaxdp import CheckpointManager
+from jaxdp.analysis import scaling
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -157,11 +158,11 @@ class Net(nnx.Module):
 
 def test_an_nnx_module_or_optimizer_where_params_or_an_optax_transformation_go_names_the_fix(mesh, tmp_path):
   model = Net(2, nnx.Rngs(0))
-  with pytest.raises(TypeError, match=r"params is an nnx Module \(Net\).*jaxdp\.nnx\.split\(model\)"):
+  with pytest.raises(TypeError, match=r"params is an nnx Module \(Net\).*jaxdp\.adapters\.nnx\.split\(model\)"):
     jaxdp.init_state(model, OPT, mesh)
-  with pytest.raises(TypeError, match=r"params is an nnx State holding RngCount, RngKey variables.*jaxdp\.nnx\.split"):
+  with pytest.raises(TypeError, match=r"params is an nnx State holding RngCount, RngKey variables.*jaxdp\.adapters\.nnx\.split"):
     jaxdp.init_state(nnx.state(model), OPT, mesh)
-  _, params, _ = jaxdp.nnx.split(model)
+  _, params, _ = jaxdp.adapters.nnx.split(model)
   wrapped = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
   for call in (lambda: jaxdp.init_state(params, wrapped, mesh), lambda: jaxdp.make_train_step(loss_fn, wrapped, mesh)):
     with pytest.raises(TypeError, match=r"optimizer is a flax nnx\.Optimizer.*optax GradientTransformation"):
@@ -185,14 +186,14 @@ def test_a_linen_variables_dict_where_params_go_names_params_and_model_state(mes
 def test_nnx_update_refuses_a_state_of_another_model_naming_the_leaf(mesh):
   model, other = Net(2, nnx.Rngs(0)), Net(5, nnx.Rngs(1))
   kernel = np.asarray(model.linear.kernel[...])
-  _, params, model_state = jaxdp.nnx.split(other)
+  _, params, model_state = jaxdp.adapters.nnx.split(other)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   with pytest.raises(ValueError, match=r"state\.params\['linear'\]\['bias'\] has shape \(5,\).*the model's has \(2,\)"):
-    jaxdp.nnx.update(model, state)
+    jaxdp.adapters.nnx.update(model, state)
   np.testing.assert_array_equal(np.asarray(model.linear.kernel[...]), kernel)  # nothing was written
   with pytest.raises(TypeError, match="model must be an nnx.Module"):
-    jaxdp.nnx.update(params, state)
-  jaxdp.nnx.update(other, state)  # its own state: written
+    jaxdp.adapters.nnx.update(params, state)
+  jaxdp.adapters.nnx.update(other, state)  # its own state: written
 
 
 def test_example_ids_given_by_hand_must_be_integers_one_per_row():

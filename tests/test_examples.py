@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-LAUNCHED = {"multiprocess.py": ["-m", "jaxdp.launch", "--nproc", "2", "--devices-per-proc", "2", "--timeout", "120",
+LAUNCHED = {"multiprocess.py": ["-m", "jaxdp.runtime.launch", "--nproc", "2", "--devices-per-proc", "2", "--timeout", "120",
                                 "--"]}
 STEPS = {"nnx_cnn.py": 3, "linen_mlp.py": 2, "zero3_lm.py": 3, "multiprocess.py": 3}
 

@@ -552,11 +552,11 @@ def test_the_step_axis_is_known_in_a_custom_vjp_backward_rule():
     return x
 
   def forward(x):
-    seen.append(("fwd", jaxdp.loss.step_axis()))
+    seen.append(("fwd", jaxdp.core.loss.step_axis()))
     return x, None
 
   def backward(_, g):
-    seen.append(("bwd", jaxdp.loss.step_axis()))
+    seen.append(("bwd", jaxdp.core.loss.step_axis()))
     return (g,)
 
   identity.defvjp(forward, backward)

@@ -36,7 +36,7 @@ def test_the_methods_do_the_same_maths():
   batch, weights = host_overhead.make_data(mesh, 2)
   state, _ = jaxdp.make_train_step(host_overhead.loss_fn, optax.sgd(host_overhead.LR), mesh)(
       jaxdp.init_state(params, optax.sgd(host_overhead.LR), mesh), batch, weights)
-  bare, _ = host_overhead.bare_train(mesh)(jax.device_put(params, jaxdp.layout.replicated(mesh)), batch, weights)
+  bare, _ = host_overhead.bare_train(mesh)(jax.device_put(params, jaxdp.sharding.layout.replicated(mesh)), batch, weights)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), state.params, bare)
   means = jaxdp.make_eval_step(host_overhead.loss_fn, mesh)(state, batch, weights)
   loss, _ = host_overhead.bare_eval(mesh)(state.params, batch, weights)

@@ -1,4 +1,4 @@
-"""The host path of a step call (jaxdp.host_inputs): what a repeated call does, asserted by mechanism, never by time.
+"""The host path of a step call (jaxdp.runtime.host_inputs): what a repeated call does, asserted by mechanism, never by time.
 
 After the first call with an input signature, a call with the same signature builds no layout, validates
 nothing structural, traces and compiles nothing, makes no eager JAX op and no transfer of inputs that are
@@ -20,7 +20,9 @@ import pytest
 from jax._src import core
 
 import jaxdp
-from jaxdp import _checks, compiled, host_inputs
+from jaxdp.core import checks as _checks
+from jaxdp.runtime import compiled
+from jaxdp.runtime import host_inputs
 
 MESH = jaxdp.data_mesh(jax.devices()[:2])
 OPT = optax.sgd(0.1)
@@ -33,7 +35,7 @@ def loss_fn(params, batch):
 
 def inputs():
   state = jaxdp.init_state({"w": np.ones(3, np.float32), "b": np.zeros((), np.float32)}, OPT, MESH)
-  split = jaxdp.layout.split_along(MESH, "data")
+  split = jaxdp.sharding.layout.split_along(MESH, "data")
   rng = np.random.default_rng(0)
   batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=8).astype(np.float32)}
   return state, jax.device_put(batch, split), jax.device_put(np.ones(8, np.float32), split)

@@ -21,8 +21,8 @@ import threading
 import time
 
 import pytest
-
-from jaxdp import distributed, launch
+from jaxdp.runtime import distributed
+from jaxdp.runtime import launch
 from mp_workers import harness
 
 PLAIN = harness.WORKERS / "plain.py"
@@ -49,7 +49,7 @@ def env_job(tmp_path_factory):
 
 def test_all_workers_succeeding_is_success(env_job):
   assert env_job.returncode == 0, env_job
-  assert "jaxdp.launch" not in env_job.stderr
+  assert "jaxdp.runtime.launch" not in env_job.stderr
 
 
 def test_workers_get_the_environment_initialize_reads(env_job):
@@ -104,7 +104,7 @@ def test_a_failed_worker_stops_the_others(tmp_path):
   # launcher must end them all (SIGKILL after the 1 s grace period), promptly, and name rank 1.
   result = _launch(tmp_path, "fail", "--nproc", "3")
   assert result.returncode == 3, result
-  assert "jaxdp.launch: rank 1 exited with code 3; stopped all 3 workers." in result.stderr
+  assert "jaxdp.runtime.launch: rank 1 exited with code 3; stopped all 3 workers." in result.stderr
   assert sorted(line for line in result.stdout.splitlines()) == [f"[rank {r}] ready" for r in range(3)]
   assert result.seconds < 20, f"took {result.seconds:.1f} s"
 
@@ -114,7 +114,7 @@ def test_timeout_stops_everything_and_is_not_restarted(tmp_path):
   result = harness.launch(options, [PLAIN, "sleep", tmp_path], timeout=60)
   harness.assert_no_leftovers(str(tmp_path))
   assert result.returncode == 124, result
-  assert "jaxdp.launch: timed out after 2 s; stopped all 2 workers." in result.stderr
+  assert "jaxdp.runtime.launch: timed out after 2 s; stopped all 2 workers." in result.stderr
   assert "restart" not in result.stderr
   assert result.seconds < 20
 
@@ -131,7 +131,7 @@ def test_ctrl_c_or_sigterm_stops_everything_and_is_not_restarted(sig, tmp_path):
     job.kill()
   err = "\n".join(job.stderr_lines())
   assert job.proc.returncode == 128 + sig, err
-  assert f"jaxdp.launch: interrupted by {signal.Signals(sig).name}; stopped all 2 workers." in err
+  assert f"jaxdp.runtime.launch: interrupted by {signal.Signals(sig).name}; stopped all 2 workers." in err
   assert "restart" not in err
   assert time.monotonic() - start < 15
   harness.assert_no_leftovers(str(tmp_path))
@@ -172,10 +172,10 @@ def test_a_failed_worker_restarts_the_job_on_fewer_processes(tmp_path):
   options = ["--nproc", "3", "--devices-per-proc", "2", "--min-nproc", "1", "--max-restarts", "2"]
   result = _launch(tmp_path, "flaky", *options)
   assert result.returncode == 0, result
-  restarts = [line for line in result.stderr.splitlines() if line.startswith("jaxdp.launch:")]
+  restarts = [line for line in result.stderr.splitlines() if line.startswith("jaxdp.runtime.launch:")]
   assert restarts == [
-      "jaxdp.launch: worker rank 2 failed with exit code 3; restart 1 of 2 with --nproc 2 --devices-per-proc 3",
-      "jaxdp.launch: worker rank 1 failed with exit code 3; restart 2 of 2 with --nproc 1 --devices-per-proc 6",
+      "jaxdp.runtime.launch: worker rank 2 failed with exit code 3; restart 1 of 2 with --nproc 2 --devices-per-proc 3",
+      "jaxdp.runtime.launch: worker rank 1 failed with exit code 3; restart 2 of 2 with --nproc 1 --devices-per-proc 6",
   ], result.stderr
   envs = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines()]
   layouts = {(e[launch.ENV_RESTART_COUNT], e[distributed.ENV_NUM_PROCESSES], e[distributed.ENV_DEVICES_PER_PROC])
@@ -188,9 +188,9 @@ def test_a_failed_worker_restarts_the_job_on_fewer_processes(tmp_path):
 def test_restarts_run_out(tmp_path):
   result = _launch(tmp_path, "flaky", "--nproc", "2", "--max-restarts", "1")
   assert result.returncode == 3, result
-  messages = [line for line in result.stderr.splitlines() if line.startswith("jaxdp.launch:")]
-  assert messages == ["jaxdp.launch: worker rank 1 failed with exit code 3; restart 1 of 1",
-                      "jaxdp.launch: rank 1 exited with code 3; stopped all 2 workers."], result.stderr
+  messages = [line for line in result.stderr.splitlines() if line.startswith("jaxdp.runtime.launch:")]
+  assert messages == ["jaxdp.runtime.launch: worker rank 1 failed with exit code 3; restart 1 of 1",
+                      "jaxdp.runtime.launch: rank 1 exited with code 3; stopped all 2 workers."], result.stderr
 
 
 def test_restart_layouts():
@@ -208,7 +208,7 @@ def test_restart_layouts():
 def test_the_launcher_imports_no_jax(tmp_path):
   # -X importtime reaches only the launcher (the guardian and the workers are started without it), and
   # covers its whole life, from before its signal handlers to after its workers have run.
-  result = harness.run([sys.executable, "-X", "importtime", "-m", "jaxdp.launch", "--nproc", "1", *FAST, "--",
+  result = harness.run([sys.executable, "-X", "importtime", "-m", "jaxdp.runtime.launch", "--nproc", "1", *FAST, "--",
                         PLAIN, "env", tmp_path], timeout=60)
   harness.assert_no_leftovers(str(tmp_path))
   assert result.returncode == 0, result
@@ -229,14 +229,15 @@ def test_a_signal_before_the_first_start_starts_no_worker():
 
 def test_the_package_exports_every_public_name_lazily():
   import jaxdp
-  from jaxdp import batchnorm, layout
+  from jaxdp.adapters import batchnorm
+  from jaxdp.sharding import layout
 
   assert set(jaxdp.__all__) <= set(dir(jaxdp))
   for name in jaxdp.__all__:
     assert getattr(jaxdp, name) is not None
-  assert jaxdp.layout is layout and jaxdp.gather_state is layout.gather_state
+  assert jaxdp.sharding.layout is layout and jaxdp.gather_state is layout.gather_state
   assert jaxdp.masked_moments is batchnorm.masked_moments
-  assert jaxdp.distributed.ENV_COORDINATOR == launch.ENV_COORDINATOR
+  assert jaxdp.runtime.distributed.ENV_COORDINATOR == launch.ENV_COORDINATOR
   with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
     jaxdp.no_such_name  # noqa: B018
 
@@ -297,7 +298,7 @@ class _Job:
   """A launcher run in the background; its output lines are collected by threads as they come."""
 
   def __init__(self, tmp_path, mode, *options):
-    args = [sys.executable, "-m", "jaxdp.launch", *options, *FAST, "--", str(PLAIN), mode, str(tmp_path)]
+    args = [sys.executable, "-m", "jaxdp.runtime.launch", *options, *FAST, "--", str(PLAIN), mode, str(tmp_path)]
     self.proc = subprocess.Popen(args, cwd=harness.ROOT, env=harness.env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
     self._out, self._err = queue.Queue(), queue.Queue()

@@ -2,7 +2,7 @@
 
 Each model stacks its repeated layers on a leading axis and gathers its layer with jaxdp.gather inside the
 loop body (the functional lax.scan, flax linen's nn.scan + nn.map_variables, flax nnx's nnx.vmap + nnx.scan +
-jaxdp.nnx.gather). Trained at stage 3 with layers= on uneven weights for 5 steps, the parameters equal the plain
+jaxdp.adapters.nnx.gather). Trained at stage 3 with layers= on uneven weights for 5 steps, the parameters equal the plain
 one-device program's (jax.grad of the mean loss over the global batch, the same optax update) within float32
 round-off: ≤ 1e-6 relative per leaf. The compiled step shows the schedule: the layer's all-gather inside the
 loops, and less temporary memory than the whole gather.
@@ -268,7 +268,7 @@ class NnxNet(nnx.Module):
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
     @nnx.remat(policy=jaxdp.gather_policy())
     def forward(h, layer):
-      return jaxdp.nnx.gather(layer)(h)
+      return jaxdp.adapters.nnx.gather(layer)(h)
 
     return self.head(forward(self.embed(x), self.layers))[:, 0]
 
@@ -279,11 +279,11 @@ def nnx_objective(model, batch):
 
 def test_nnx_stack_matches_the_ordinary_nnx_program():
   model = NnxNet(nnx.Rngs(0))
-  definition, params, model_state = jaxdp.nnx.split(model)
-  loss_fn = jaxdp.nnx.loss_fn(definition, nnx_objective)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, nnx_objective)
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   _, state, _ = train(loss_fn, params, SGD, mesh, 4, model_state=model_state)
-  jaxdp.nnx.update(model, state)
+  jaxdp.adapters.nnx.update(model, state)
 
   reference = NnxNet(nnx.Rngs(0))
   optimizer = nnx.Optimizer(reference, SGD, wrt=nnx.Param)

@@ -1,4 +1,4 @@
-"""jaxdp.linen.BatchNorm: flax linen's BatchNorm, exact over padded uneven batches on any number of devices.
+"""jaxdp.adapters.linen.BatchNorm: flax linen's BatchNorm, exact over padded uneven batches on any number of devices.
 
 The reference is the program a linen user had before: flax's own
 ``nn.BatchNorm`` on one device, over the concatenated real rows, trained with
@@ -33,7 +33,7 @@ class Net(nn.Module):
     # No bias before BatchNorm (it cancels): its gradient would be round-off, which Adam scales up to lr.
     h = nn.Dense(H, use_bias=False)(x)
     bn = self.norm(use_running_average=not train, momentum=0.9)
-    h = bn(h, mask=mask) if self.norm is jaxdp.linen.BatchNorm else bn(h)
+    h = bn(h, mask=mask) if self.norm is jaxdp.adapters.linen.BatchNorm else bn(h)
     h = nn.Dropout(self.dropout, deterministic=not train)(nn.relu(h))
     return nn.Dense(1)(h)[:, 0]
 
@@ -58,9 +58,9 @@ def jaxdp_loss(model):
 
 
 def test_same_variables_and_outputs_as_flax_on_one_device():
-  """Swapping nn.BatchNorm for jaxdp.linen.BatchNorm keeps the variable tree, the outputs and the running update."""
+  """Swapping nn.BatchNorm for jaxdp.adapters.linen.BatchNorm keeps the variable tree, the outputs and the running update."""
   x = np.random.default_rng(1).normal(size=(7, 3, D)).astype(np.float32) * 2 + 1
-  ours, theirs = Net(norm=jaxdp.linen.BatchNorm), Net()
+  ours, theirs = Net(norm=jaxdp.adapters.linen.BatchNorm), Net()
   variables = theirs.init(jax.random.key(0), x[:, 0], train=False)
   assert jax.tree.structure(ours.init(jax.random.key(0), x[:, 0], train=False)) == jax.tree.structure(variables)
   for train in (True, False):
@@ -71,7 +71,7 @@ def test_same_variables_and_outputs_as_flax_on_one_device():
   # Features on a middle axis of a rank-3 input, as nn.BatchNorm(axis=1) takes them.
   for train in (True, False):
     outs = []
-    for norm in (jaxdp.linen.BatchNorm(use_running_average=not train, axis=1), nn.BatchNorm(not train, axis=1)):
+    for norm in (jaxdp.adapters.linen.BatchNorm(use_running_average=not train, axis=1), nn.BatchNorm(not train, axis=1)):
       v = norm.init(jax.random.key(0), x)
       outs.append(norm.apply(v, x, mutable=["batch_stats"]))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), *outs)
@@ -82,7 +82,7 @@ def test_trained_on_four_devices_equals_flax_on_one_device():
   """3/0/5/1 real rows, padded: the linen program trained through make_train_step equals flax's BatchNorm on one
   device over the 9 real rows, step by step (loss, params, batch_stats), and so does evaluation."""
   mesh = jaxdp.data_mesh(jax.devices()[:4])
-  ours, theirs = Net(norm=jaxdp.linen.BatchNorm), Net()
+  ours, theirs = Net(norm=jaxdp.adapters.linen.BatchNorm), Net()
   variables = theirs.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
   loss_fn = jaxdp_loss(ours)
   step, evaluate = jaxdp.make_train_step(loss_fn, OPT, mesh), jaxdp.make_eval_step(loss_fn, mesh)
@@ -116,7 +116,7 @@ def test_trained_on_four_devices_equals_flax_on_one_device():
 def test_dropout_trains_with_the_steps_rng_and_replicas_stay_equal():
   """With dropout the replicas draw different masks (the step's per-replica key) and still apply one update."""
   mesh = jaxdp.data_mesh(jax.devices()[:4])
-  model = Net(norm=jaxdp.linen.BatchNorm, dropout=0.5)
+  model = Net(norm=jaxdp.adapters.linen.BatchNorm, dropout=0.5)
   variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
   state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
   step = jaxdp.make_train_step(jaxdp_loss(model), OPT, mesh)
@@ -130,7 +130,7 @@ def test_training_without_a_mask_is_refused_and_the_state_is_kept():
   """Forgetting mask=weights in a training step is an error (padding would enter the statistics), raised before
   the caller's state is donated; evaluation needs no mask."""
   mesh = jaxdp.data_mesh(jax.devices()[:4])
-  model = Net(norm=jaxdp.linen.BatchNorm)
+  model = Net(norm=jaxdp.adapters.linen.BatchNorm)
   variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
 
   def no_mask(params, batch, *, model_state, train):
@@ -139,7 +139,7 @@ def test_training_without_a_mask_is_refused_and_the_state_is_kept():
     return jaxdp.LossOutput(0.5 * (out - batch["y"]) ** 2, model_state=updates["batch_stats"])
 
   state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
-  with pytest.raises(ValueError, match=r"jaxdp\.linen\.BatchNorm .* without a mask.*mask=weights"):
+  with pytest.raises(ValueError, match=r"jaxdp\.adapters\.linen\.BatchNorm .* without a mask.*mask=weights"):
     jaxdp.make_train_step(no_mask, OPT, mesh)(state, *jaxdp.shard_uneven(portions(), mesh))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), jaxdp.gather_state(state).params, variables["params"])
 
@@ -148,14 +148,14 @@ def test_training_without_a_mask_is_refused_and_the_state_is_kept():
                                    {"force_float32_reductions": False}])
 def test_unsupported_fields_are_refused(field):
   with pytest.raises(ValueError, match=next(iter(field))):
-    jaxdp.linen.BatchNorm(use_running_average=False, **field).init(jax.random.key(0), np.ones((2, 3), np.float32))
+    jaxdp.adapters.linen.BatchNorm(use_running_average=False, **field).init(jax.random.key(0), np.ones((2, 3), np.float32))
 
 
 def test_a_loss_that_requires_a_key_is_told_what_evaluation_passes():
   """A linen port with Dropout writes loss_fn(params, batch, rng, ...): evaluation (no key) failed with Python's
   bare "missing 1 required positional argument"; now the error says why and how to fix it, and nothing is donated."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
-  model = Net(norm=jaxdp.linen.BatchNorm, dropout=0.5)
+  model = Net(norm=jaxdp.adapters.linen.BatchNorm, dropout=0.5)
   variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
   plain = jaxdp_loss(model)
 
@@ -185,7 +185,7 @@ def test_a_missing_dropout_key_gets_jaxdps_note_on_every_route():
   from jax.sharding import PartitionSpec as P
 
   mesh = jaxdp.data_mesh(jax.devices()[:2])
-  model = Net(norm=jaxdp.linen.BatchNorm, dropout=0.5)
+  model = Net(norm=jaxdp.adapters.linen.BatchNorm, dropout=0.5)
   variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
   state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
   batch, weights = jaxdp.shard_uneven(portions()[:2], mesh)

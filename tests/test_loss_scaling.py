@@ -1,4 +1,4 @@
-"""Dynamic loss scaling (jaxdp.loss_scaling): the scale's trajectory against torch GradScaler's rules written
+"""Dynamic loss scaling (jaxdp.core.loss_scaling): the scale's trajectory against torch GradScaler's rules written
 plainly here, skipped steps leaving the state as it was, float16 on 4 devices against 1, bad inputs refused before
 donation, and the scale through a checkpoint."""
 

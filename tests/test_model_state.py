@@ -386,7 +386,7 @@ def test_flax_linen_batchnorm_is_refused_in_training_and_runs_in_evaluation():
   portions = [{"x": rng.normal(size=(n, D)).astype(np.float32), "y": rng.normal(size=(n,)).astype(np.float32)}
               for n in (3, 0, 5, 1)]
   state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
-  with pytest.raises(ValueError, match=r"flax\.linen\.BatchNorm .* inside a jaxdp training step.*jaxdp\.linen\.BatchNorm.*masked_moments"):
+  with pytest.raises(ValueError, match=r"flax\.linen\.BatchNorm .* inside a jaxdp training step.*jaxdp\.adapters\.linen\.BatchNorm.*masked_moments"):
     jaxdp.make_train_step(loss_fn, OPT, mesh)(state, *jaxdp.shard_uneven(portions, mesh))
   metrics = jaxdp.make_eval_step(loss_fn, mesh)(state, *jaxdp.shard_uneven(portions, mesh))
   assert float(metrics["weight"]) == 9.0 and np.isfinite(float(metrics["loss"]))

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from jaxdp import distributed
+from jaxdp.core import processes
+from jaxdp.runtime import distributed
 from mp_workers import harness, problem
 
 ATOL = 1e-5
@@ -159,9 +159,9 @@ def test_pipeline_gives_each_process_only_its_examples(tmp_path_factory):
 
 FAULTS = {
     # mode: (launcher exit code, text that must name the failure)
-    "exit3": (3, "jaxdp.launch: rank 1 exited with code 3"),
-    "raise": (1, "jaxdp.launch: rank 1 exited with code 1"),
-    "kill": (128 + signal.SIGKILL, "jaxdp.launch: rank 1 was killed by signal SIGKILL"),
+    "exit3": (3, "jaxdp.runtime.launch: rank 1 exited with code 3"),
+    "raise": (1, "jaxdp.runtime.launch: rank 1 exited with code 1"),
+    "kill": (128 + signal.SIGKILL, "jaxdp.runtime.launch: rank 1 was killed by signal SIGKILL"),
     # Rank 1 hangs without heartbeats: the coordination service declares it dead and aborts rank 0.
     # (A hang with live heartbeats is only ended by the launcher's --timeout: test_launch.py.)
     "stop": (None, "stopped sending heartbeats"),
@@ -247,7 +247,7 @@ def fresh(monkeypatch):
 
 def test_importing_jaxdp_does_not_start_the_backend():
   code = (
-      "import jaxdp, jaxdp.distributed, jaxdp.launch, jax\n"
+      "import jaxdp, jaxdp.runtime.distributed, jaxdp.runtime.launch, jax\n"
       "from jax._src import xla_bridge\n"
       "assert not xla_bridge.backends_are_initialized()\n"
       "jax.config.update('jax_num_cpu_devices', 3)\n"
@@ -325,16 +325,16 @@ def test_assert_same_across_processes_alone(fresh):
 
 
 def test_differences_name_every_leaf_that_differs():
-  a = distributed._describe({"lr": 0.1, "x": np.zeros((2, 3), np.float32), "n": 4, "s": np.float32(1)})
-  b = distributed._describe({"lr": 0.2, "x": jnp.zeros((2, 4), jnp.float32), "n": 4, "s": np.float32(2)})
-  text = distributed._differences("config", [a, b])
+  a = processes._describe({"lr": 0.1, "x": np.zeros((2, 3), np.float32), "n": 4, "s": np.float32(1)})
+  b = processes._describe({"lr": 0.2, "x": jnp.zeros((2, 4), jnp.float32), "n": 4, "s": np.float32(2)})
+  text = processes._differences("config", [a, b])
   assert text.splitlines() == [
       "config['lr']: process 0: 0.1, process 1: 0.2",
       "  config['s']: process 0: np.float32(1.0), process 1: np.float32(2.0)",
       "  config['x']: process 0: float32[2,3], process 1: float32[2,4]",
   ]
-  c = distributed._describe({"lr": 0.1})
-  assert "config (pytree structure): process 0:" in distributed._differences("config", [a, c])
+  c = processes._describe({"lr": 0.1})
+  assert "config (pytree structure): process 0:" in processes._differences("config", [a, c])
 
 
 # --- The experiment itself under the launcher -----------------------------------------------------

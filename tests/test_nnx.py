@@ -26,9 +26,9 @@ OPT = optax.sgd(0.1, momentum=0.9)
 
 
 class Net(nnx.Module):
-  def __init__(self, *, dropout=0.0, bn_axis=jaxdp.batchnorm.STEP_AXIS, flax_bn=False, rngs):
+  def __init__(self, *, dropout=0.0, bn_axis=jaxdp.adapters.batchnorm.STEP_AXIS, flax_bn=False, rngs):
     self.dense = nnx.Linear(D, H, rngs=rngs)
-    self.bn = nnx.BatchNorm(H, rngs=rngs) if flax_bn else jaxdp.nnx.BatchNorm(H, axis_name=bn_axis, rngs=rngs)
+    self.bn = nnx.BatchNorm(H, rngs=rngs) if flax_bn else jaxdp.adapters.nnx.BatchNorm(H, axis_name=bn_axis, rngs=rngs)
     self.drop = nnx.Dropout(dropout, rngs=rngs)
     self.out = nnx.Linear(H, 1, rngs=rngs)
 
@@ -72,8 +72,8 @@ def test_training_an_nnx_module_matches_the_ordinary_single_device_program():
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   steps_data = [portions((3, 0, 4, 1), seed=s) for s in range(3)]
   model = Net(rngs=nnx.Rngs(0))
-  definition, params, model_state = jaxdp.nnx.split(model)
-  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, objective)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   step = jaxdp.make_train_step(loss_fn, OPT, mesh, check_replicas=True)
   losses = []
@@ -81,7 +81,7 @@ def test_training_an_nnx_module_matches_the_ordinary_single_device_program():
     state, metrics = step(state, *jaxdp.shard_uneven(data, mesh), rng=jax.random.key(0))
     assert float(metrics["replica_divergence"]) == 0.0
     losses.append(float(metrics["loss"]))
-  jaxdp.nnx.update(model, state)
+  jaxdp.adapters.nnx.update(model, state)
   reference, reference_losses = single_device_reference(steps_data)
   np.testing.assert_allclose(losses, reference_losses, rtol=RTOL, atol=ATOL)
   for ours, theirs in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(reference, nnx.Param))):
@@ -97,17 +97,17 @@ def test_training_an_nnx_module_matches_the_ordinary_single_device_program():
   metric.reset()
 
 
-def train_on(mesh, axis_name, steps_data, accum_steps=1, zero_stage=0, bn_axis=jaxdp.batchnorm.STEP_AXIS):
+def train_on(mesh, axis_name, steps_data, accum_steps=1, zero_stage=0, bn_axis=jaxdp.adapters.batchnorm.STEP_AXIS):
   model = Net(bn_axis=bn_axis, rngs=nnx.Rngs(0))
-  definition, params, model_state = jaxdp.nnx.split(model)
-  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, objective)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state, axis_name=axis_name, zero_stage=zero_stage)
   step = jaxdp.make_train_step(loss_fn, OPT, mesh, axis_name=axis_name, accum_steps=accum_steps, zero_stage=zero_stage)
   losses = []
   for data in steps_data:
     state, metrics = step(state, *jaxdp.shard_uneven(data, mesh, axis_name=axis_name), rng=jax.random.key(0))
     losses.append(float(metrics["loss"]))
-  return jaxdp.nnx.update(model, state), losses
+  return jaxdp.adapters.nnx.update(model, state), losses
 
 
 def hybrid_mesh():
@@ -169,13 +169,13 @@ def test_a_batchnorm_axis_covering_part_of_a_hybrid_data_axis_is_refused(axis):
 def test_eval_step_uses_running_statistics_and_shares_the_metric_definition():
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   model = Net(rngs=nnx.Rngs(1))
-  definition, params, model_state = jaxdp.nnx.split(model)
-  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, objective)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state, zero_stage=2)
   state, _ = jaxdp.make_train_step(loss_fn, OPT, mesh, zero_stage=2)(state, *jaxdp.shard_uneven(portions((2, 2, 1, 0)), mesh), rng=jax.random.key(1))
   data = portions((4, 1, 0, 2), seed=3)
   got = jaxdp.make_eval_step(loss_fn, mesh)(state, *jaxdp.shard_uneven(data, mesh))
-  jaxdp.nnx.update(model, state).eval()
+  jaxdp.adapters.nnx.update(model, state).eval()
   host = jax.tree.map(lambda *x: np.concatenate(x), *data)
   pred = model(host["x"])
   np.testing.assert_allclose(got["loss"], np.mean(0.5 * (pred - host["y"]) ** 2), rtol=RTOL, atol=ATOL)
@@ -185,10 +185,10 @@ def test_eval_step_uses_running_statistics_and_shares_the_metric_definition():
 
 def test_split_and_merge_round_trip():
   model = Net(dropout=0.5, rngs=nnx.Rngs(2))
-  definition, params, model_state = jaxdp.nnx.split(model)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
   assert definition.streams == (model.drop.rngs.key.tag,)  # the stream Dropout draws from, reseeded per step
   assert {type(v).__name__ for v in jax.tree.leaves(model_state, is_leaf=lambda x: isinstance(x, nnx.Variable))} == {"BatchStat"}
-  again = jaxdp.nnx.merge(definition, params, model_state)
+  again = jaxdp.adapters.nnx.merge(definition, params, model_state)
   again.eval(), model.eval()
   x = np.ones((2, D), np.float32)
   np.testing.assert_array_equal(again(x), model(x))
@@ -198,8 +198,8 @@ def test_dropout_keys_differ_by_replica_and_step_and_need_a_key():
   """Per-replica keys: with dropout on, "none" replicas diverge; a step without rng is refused clearly."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   model = Net(dropout=0.5, bn_axis=None, rngs=nnx.Rngs(3))
-  definition, params, model_state = jaxdp.nnx.split(model)
-  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, objective)
   data = [portions((3, 3), seed=4)[0]] * 2  # the same rows on both devices
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   step = jaxdp.make_train_step(loss_fn, OPT, mesh, reduction="none")
@@ -213,8 +213,8 @@ def test_dropout_keys_differ_by_replica_and_step_and_need_a_key():
 def test_batchnorm_without_a_mask_is_refused_in_a_training_step():
   """The default path never lets padding into batch statistics: forgetting mask= is an error, not a drift."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
-  definition, params, model_state = jaxdp.nnx.split(Net(rngs=nnx.Rngs(0)))
-  no_mask = jaxdp.nnx.loss_fn(definition, lambda model, batch: 0.5 * (model(batch["x"]) - batch["y"]) ** 2)
+  definition, params, model_state = jaxdp.adapters.nnx.split(Net(rngs=nnx.Rngs(0)))
+  no_mask = jaxdp.adapters.nnx.loss_fn(definition, lambda model, batch: 0.5 * (model(batch["x"]) - batch["y"]) ** 2)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   with pytest.raises(ValueError, match=r"without a mask.*mask=weights"):
     jaxdp.make_train_step(no_mask, OPT, mesh)(state, *jaxdp.shard_uneven(portions((2, 1)), mesh), rng=jax.random.key(0))
@@ -223,7 +223,7 @@ def test_batchnorm_without_a_mask_is_refused_in_a_training_step():
 
 
 def test_batchnorm_without_a_mask_is_refused_in_a_hand_written_loss():
-  """The refusal belongs to the training step, not to jaxdp.nnx.loss_fn: a loss written with nnx.merge by hand
+  """The refusal belongs to the training step, not to jaxdp.adapters.nnx.loss_fn: a loss written with nnx.merge by hand
   trained its BatchNorm on the padding rows (no error) before."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   graphdef, params, model_state, rest = nnx.split(Net(rngs=nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
@@ -240,7 +240,7 @@ def test_batchnorm_without_a_mask_is_refused_in_a_hand_written_loss():
 
 @pytest.mark.parametrize("mask", [False, True])
 def test_flax_batchnorm_is_refused_in_a_hand_written_loss(mask):
-  """flax's own nnx.BatchNorm reached through flax's nnx.split / merge (jaxdp.nnx.split never sees it) trained on
+  """flax's own nnx.BatchNorm reached through flax's nnx.split / merge (jaxdp.adapters.nnx.split never sees it) trained on
   the padding rows, or with mask= on a pmean that weighs devices equally. Refused in training; evaluation runs."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   graphdef, params, model_state, rest = nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
@@ -252,7 +252,7 @@ def test_flax_batchnorm_is_refused_in_a_hand_written_loss(mask):
 
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   data = jaxdp.shard_uneven(portions((2, 1)), mesh)
-  with pytest.raises(ValueError, match=r"flax's nnx\.BatchNorm is computing batch statistics.*jaxdp\.nnx\.BatchNorm"):
+  with pytest.raises(ValueError, match=r"flax's nnx\.BatchNorm is computing batch statistics.*jaxdp\.adapters\.nnx\.BatchNorm"):
     jaxdp.make_train_step(by_hand, OPT, mesh)(state, *data)
 
   def frozen(params, batch, *, model_state):
@@ -286,19 +286,19 @@ def test_masked_moments_without_weights_is_refused_in_a_training_step():
 def test_a_state_without_the_models_state_is_refused_by_name():
   """init_state without model_state= for a model with BatchNorm: flax's "Incorrect number of leaves" before."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
-  definition, params, _ = jaxdp.nnx.split(Net(rngs=nnx.Rngs(0)))
+  definition, params, _ = jaxdp.adapters.nnx.split(Net(rngs=nnx.Rngs(0)))
   state = jaxdp.init_state(params, OPT, mesh)
   with pytest.raises(ValueError, match=r"cannot be rebuilt from the step.s params without model state"
                                        r".*model_state=model_state"):
-    jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), OPT, mesh)(
+    jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, objective), OPT, mesh)(
         state, *jaxdp.shard_uneven(portions((2, 1)), mesh), rng=jax.random.key(0))
 
 
 def test_flax_batchnorm_is_refused_with_the_fix():
-  with pytest.raises(ValueError, match=r"flax nnx\.BatchNorm.*jaxdp\.nnx\.BatchNorm"):
-    jaxdp.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)))
-  definition, _, _ = jaxdp.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)), allow_flax_batchnorm=True)
-  assert isinstance(definition, jaxdp.nnx.Definition)
+  with pytest.raises(ValueError, match=r"flax nnx\.BatchNorm.*jaxdp\.adapters\.nnx\.BatchNorm"):
+    jaxdp.adapters.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)))
+  definition, _, _ = jaxdp.adapters.nnx.split(Net(flax_bn=True, rngs=nnx.Rngs(0)), allow_flax_batchnorm=True)
+  assert isinstance(definition, jaxdp.adapters.nnx.Definition)
 
 
 def test_allowed_flax_batchnorm_stays_on_its_running_averages_in_training():
@@ -307,9 +307,9 @@ def test_allowed_flax_batchnorm_stays_on_its_running_averages_in_training():
   review's port). It now keeps its running averages: they do not move, and the loss is the frozen model's."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   model = Net(flax_bn=True, rngs=nnx.Rngs(0))
-  definition, params, model_state = jaxdp.nnx.split(model, allow_flax_batchnorm=True)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model, allow_flax_batchnorm=True)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
-  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), OPT, mesh)
+  step = jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, objective), OPT, mesh)
   data = portions((2, 1))
   state, metrics = step(state, *jaxdp.shard_uneven(data, mesh), rng=jax.random.key(0))
   whole = jax.tree.map(lambda *x: np.concatenate(x), *data)
@@ -354,19 +354,19 @@ def _specs_by_path(tree):
 def test_partition_specs_read_nnx_metadata_and_init_state_keeps_the_model_splits():
   with nnx.use_eager_sharding(False):  # plain arrays with metadata: no mesh needed to build the model
     model = TensorParallelNet(rngs=nnx.Rngs(0))
-  definition, params, _ = jaxdp.nnx.split(model)
-  specs = jaxdp.nnx.partition_specs(model)
+  definition, params, _ = jaxdp.adapters.nnx.split(model)
+  specs = jaxdp.adapters.nnx.partition_specs(model)
   assert jax.tree.structure(specs) == jax.tree.structure(params)  # params-shaped, as init_state wants it
-  assert _specs_by_path(specs) == _specs_by_path(jaxdp.nnx.partition_specs(params))
+  assert _specs_by_path(specs) == _specs_by_path(jaxdp.adapters.nnx.partition_specs(params))
   assert _specs_by_path(specs) == {f"['{layer}']['{name}'].value": spec for layer, d in TP_SPECS.items() for name, spec in d.items()}
   with pytest.raises(TypeError, match="nnx.Module or the params"):
-    jaxdp.nnx.partition_specs({"w": np.ones(2)})
+    jaxdp.adapters.nnx.partition_specs({"w": np.ones(2)})
 
   mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   opt = optax.adam(1e-2)
   rng = np.random.default_rng(0)
   batch = {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
-  loss_fn = jaxdp.nnx.loss_fn(definition, tp_objective)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, tp_objective)
   one = jaxdp.data_mesh(jax.devices()[:1])
   reference, _ = jaxdp.make_train_step(loss_fn, opt, one)(jaxdp.init_state(params, opt, one), batch)
   # Stage 3 adds "data" along the largest dimension not split over "model" that 4 divides (None: none does).
@@ -391,8 +391,8 @@ class FrozenNet(nnx.Module):
 
   def __init__(self, *, rate=0.5, rngs):
     self.dense = nnx.Linear(D, H, rngs=rngs)
-    self.frozen_bn = jaxdp.nnx.BatchNorm(H, use_running_average=True, rngs=rngs)
-    self.bn = jaxdp.nnx.BatchNorm(H, rngs=rngs)
+    self.frozen_bn = jaxdp.adapters.nnx.BatchNorm(H, use_running_average=True, rngs=rngs)
+    self.bn = jaxdp.adapters.nnx.BatchNorm(H, rngs=rngs)
     self.drop = nnx.Dropout(rate, deterministic=True, rngs=rngs)
     self.out = nnx.Linear(H, 1, rngs=rngs)
 
@@ -412,17 +412,17 @@ def test_layers_frozen_at_split_train_as_the_user_says(keep_frozen):
   A model with frozen layers now needs keep_frozen: True keeps them frozen (a one-device program that never
   calls model.train()), False trains every layer (one that does); each matches its one-device program."""
   with pytest.raises(ValueError, match=r"drop\.deterministic, frozen_bn\.use_running_average are True.*keep_frozen=True"):
-    jaxdp.nnx.split(FrozenNet(rngs=nnx.Rngs(0)))
+    jaxdp.adapters.nnx.split(FrozenNet(rngs=nnx.Rngs(0)))
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   steps_data = [portions((3, 0, 4, 1), seed=s) for s in range(2)]
   rate = 0.5 if keep_frozen else 0.0  # training with keep_frozen=False draws dropout masks: compare at rate 0
   model = FrozenNet(rate=rate, rngs=nnx.Rngs(0))
-  definition, params, model_state = jaxdp.nnx.split(model, keep_frozen=keep_frozen)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model, keep_frozen=keep_frozen)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
-  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, frozen_objective), OPT, mesh)
+  step = jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, frozen_objective), OPT, mesh)
   for data in steps_data:
     state, _ = step(state, *jaxdp.shard_uneven(data, mesh), rng=jax.random.key(0))
-  jaxdp.nnx.update(model, state)
+  jaxdp.adapters.nnx.update(model, state)
 
   reference = FrozenNet(rate=rate, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(reference, OPT, wrt=nnx.Param)
@@ -456,18 +456,18 @@ def test_what_a_loss_sows_is_not_model_state():
   data = portions((3, 0, 4, 1))
   model = Sowing(rngs=nnx.Rngs(0))
   model.eval(), model(data[0]["x"]), model.train()  # an eager call to check shapes sows before the split
-  definition, params, model_state = jaxdp.nnx.split(model)
-  assert not jax.tree.leaves(nnx.state(jaxdp.nnx.merge(definition, params, model_state), nnx.Intermediate))
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  assert not jax.tree.leaves(nnx.state(jaxdp.adapters.nnx.merge(definition, params, model_state), nnx.Intermediate))
   assert jax.tree.leaves(nnx.state(model, nnx.Intermediate))  # the user's model keeps what it sowed
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
-  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), OPT, mesh)
+  step = jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, objective), OPT, mesh)
   state, _ = step(state, *jaxdp.shard_uneven(data, mesh), rng=jax.random.key(0))
   reference = Sowing(rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(reference, OPT, wrt=nnx.Param)
   batch = jax.tree.map(lambda *x: np.concatenate(x), *data)
   grads = nnx.grad(lambda m: jnp.mean(objective(m, batch, weights=jnp.ones(batch["y"].shape))[0]))(reference)
   optimizer.update(reference, grads)
-  jaxdp.nnx.update(model, state)
+  jaxdp.adapters.nnx.update(model, state)
   for ours, theirs in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(reference, nnx.Param))):
     np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=ATOL)
 
@@ -512,8 +512,8 @@ def test_layers_stacked_with_a_key_per_layer_train():
   objective = lambda model, b: (model(b["x"]) - b["y"]) ** 2  # noqa: E731
   for rate in (0.5, 0.0):
     model = _Stacked(rate, nnx.Rngs(0))
-    definition, params, model_state = jaxdp.nnx.split(model)
-    step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), tx, mesh, check_replicas=True)
+    definition, params, model_state = jaxdp.adapters.nnx.split(model)
+    step = jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, objective), tx, mesh, check_replicas=True)
     state, metrics = step(jaxdp.init_state(params, tx, mesh, model_state=model_state), batch, None,
                           jax.random.key(1))
     assert np.isfinite(float(metrics["loss"])) and float(metrics["replica_divergence"]) == 0.0
@@ -523,8 +523,8 @@ def test_layers_stacked_with_a_key_per_layer_train():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
                jaxdp.gather_state(state).params, expected)
   stateless = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-  definition, params, model_state = jaxdp.nnx.split(stateless)
-  broken = jaxdp.nnx.loss_fn(definition, lambda m, b: m(b["x"].T)[:, 0])  # a shape bug
+  definition, params, model_state = jaxdp.adapters.nnx.split(stateless)
+  broken = jaxdp.adapters.nnx.loss_fn(definition, lambda m, b: m(b["x"].T)[:, 0])  # a shape bug
   with pytest.raises(TypeError) as error:
     jaxdp.make_train_step(broken, tx, mesh)(jaxdp.init_state(params, tx, mesh, model_state=model_state), batch)
   assert "model_state=None" not in "\n".join(getattr(error.value, "__notes__", []))
@@ -551,8 +551,8 @@ def test_the_readmes_wrt_recipe_trains_only_the_subset():
       [(path, v.replace("train" if WRT(path, v) else "frozen")) for path, v in nnx.to_flat_state(params)])
   tx = optax.multi_transform({"train": optax.adam(0.1), "frozen": optax.set_to_zero()}, labels)
   model = _Tuned(nnx.Rngs(0))
-  definition, params, model_state = jaxdp.nnx.split(model)
-  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), tx, mesh)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  step = jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, objective), tx, mesh)
   state = jaxdp.init_state(params, tx, mesh, model_state=model_state)
   for _ in range(2):
     state, _ = step(state, batch)
@@ -571,14 +571,14 @@ def test_the_readmes_wrt_recipe_trains_only_the_subset():
 def _two_device_dropout_setup():
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   model = Net(dropout=0.5, rngs=nnx.Rngs(5))
-  definition, params, model_state = jaxdp.nnx.split(model)
-  loss_fn = jaxdp.nnx.loss_fn(definition, objective)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, objective)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   return mesh, model, loss_fn, state, jaxdp.shard_uneven(portions((3, 2), seed=6), mesh)
 
 
 def test_upstream_mode_calls_after_split_are_honoured_or_refused_never_ignored():
-  """flax's MNIST loop calls model.train() / model.eval() on the Module each epoch. After jaxdp.nnx.split the
+  """flax's MNIST loop calls model.train() / model.eval() on the Module each epoch. After jaxdp.adapters.nnx.split the
   steps run the rebuilt Module, so those calls could not act on them: the loop as written runs (the eval step is
   always deterministic), and a training step while the object is in eval mode is refused, not run in train mode."""
   mesh, model, loss_fn, state, (batch, weights) = _two_device_dropout_setup()
@@ -607,8 +607,8 @@ def test_the_documented_way_to_train_in_another_mode_splits_again():
   mesh, model, loss_fn, state, (batch, weights) = _two_device_dropout_setup()
   state, _ = jaxdp.make_train_step(loss_fn, OPT, mesh)(state, batch, weights, rng=jax.random.key(0))
   model.drop.eval()  # a mode change on the object the first split saw
-  definition, _, _ = jaxdp.nnx.split(model, keep_frozen=True)
-  frozen_step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, objective), OPT, mesh, donate=False)
+  definition, _, _ = jaxdp.adapters.nnx.split(model, keep_frozen=True)
+  frozen_step = jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, objective), OPT, mesh, donate=False)
   a, _ = frozen_step(state, batch, weights, rng=jax.random.key(1))
   b, _ = frozen_step(state, batch, weights, rng=jax.random.key(2))
   jax.tree.map(np.testing.assert_array_equal, a.params, b.params)  # no dropout: the key changes nothing
@@ -618,7 +618,7 @@ def test_the_documented_way_to_train_in_another_mode_splits_again():
 def test_a_scalar_mean_with_logits_is_named_as_such():
   """upstream's nnx loss returns (mean_loss, logits): the message names the scalar mean and where logits go."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
-  definition, params, model_state = jaxdp.nnx.split(Net(rngs=nnx.Rngs(0)))
+  definition, params, model_state = jaxdp.adapters.nnx.split(Net(rngs=nnx.Rngs(0)))
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   data = jaxdp.shard_uneven(portions((2, 2)), mesh)
 
@@ -629,12 +629,12 @@ def test_a_scalar_mean_with_logits_is_named_as_such():
   def mean_only(model, batch, *, weights):
     return jnp.mean((model(batch["x"], mask=weights) - batch["y"]) ** 2)
 
-  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, upstream), OPT, mesh)
+  step = jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, upstream), OPT, mesh)
   with pytest.raises(TypeError, match=r"first item is a scalar \(shape \(\)\), a mean, where per-example losses "
                      r"\[b\].*weighted mean itself.*second item is an array of shape \(2,\), not a dict: extra "
                      r"outputs \(like logits\) go into metrics as a dict of per-example values"):
     step(state, *data, rng=jax.random.key(0))
-  step = jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, mean_only), OPT, mesh)
+  step = jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, mean_only), OPT, mesh)
   with pytest.raises(ValueError, match=r"loss_fn returned a scalar \(shape \(\)\), a mean, where per-example"):
     step(state, *data, rng=jax.random.key(0))
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
@@ -662,8 +662,8 @@ def test_a_missing_step_key_is_named_on_every_route(kind):
   else:
     model = _UpstreamDropout(rngs=nnx.Rngs(0))
     fn = lambda model, batch, *, rngs: (model(batch["x"], rngs=rngs) - batch["y"]) ** 2  # noqa: E731
-  definition, params, model_state = jaxdp.nnx.split(model)
-  loss_fn = jaxdp.nnx.loss_fn(definition, fn)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
+  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, fn)
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
   batch, weights = jaxdp.shard_uneven(portions((2, 2)), mesh)
 

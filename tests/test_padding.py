@@ -26,7 +26,7 @@ from hypothesis import given, settings, strategies as st
 
 import jaxdp
 from helpers import mesh_of as _mesh
-from jaxdp.data import DataPipeline, StreamingPipeline, device_indices, process_positions
+from jaxdp.io.data import DataPipeline, StreamingPipeline, device_indices, process_positions
 
 VOCAB, T, D, C = 7, 4, 4, 3  # tokens, positions, embedding width, classes
 ROWS = 4  # rows per device in the portion tests: a multiple of every accum_steps used

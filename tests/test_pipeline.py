@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
 from helpers import mesh_of as _mesh
-from jaxdp.data import DataPipeline, addressable_positions, device_indices, epoch_permutation, process_positions
+from jaxdp.io.data import DataPipeline, addressable_positions, device_indices, epoch_permutation, process_positions
 
 T = 3  # tokens per example in the token-mask collate
 

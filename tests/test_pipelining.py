@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a stage axis (jaxdp.pipelining), composed with exact data parallelism.
+"""Pipeline parallelism over a stage axis (jaxdp.sharding.pipelining), composed with exact data parallelism.
 
 Every pipelined step is compared with an independent single-device reference written plainly here: a Python
 loop over the layers, ``jax.grad`` of ``Σ w·l / Σ w`` over the whole batch, the optax update, 5 steps.
@@ -16,7 +16,7 @@ from jax.sharding import AxisType, Mesh
 
 import jaxdp
 from helpers import assert_close_to_scale as assert_close
-from jaxdp import pipelining
+from jaxdp.sharding import pipelining
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -198,7 +198,7 @@ def test_gradient_reduced_over_the_data_axis_once_per_step():
   for microbatches in (1, 4):
     step = jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(microbatches, "gpipe"))
     state = jaxdp.init_state(init_params(), opt, mesh, layers="blocks", stage_axis="stage")
-    ops = jaxdp.reports.hlo_collectives(step.lower(state, b, w).compile().as_text())
+    ops = jaxdp.analysis.reports.hlo_collectives(step.lower(state, b, w).compile().as_text())
     over_data = [op for op in ops if op.kind == "all-reduce" and op.group == 2]
     assert len(over_data) == 1, [op.line[:120] for op in over_data]
     assert over_data[0].nbytes >= local_grad_bytes  # every leaf's gradient in that one all-reduce
@@ -338,8 +338,8 @@ def test_flax_nnx_stack_made_by_vmap():
     h, _ = jaxdp.scan_layers(lambda c, s, _: (jnp.tanh(nnx.merge(graphdef, s)(c)), None), h, stack)
     return jnp.sum((model.head(h) - batch["y"]) ** 2, axis=-1)
 
-  definition, params, _ = jaxdp.nnx.split(Model(nnx.Rngs(0)))
-  fn, opt, runs = jaxdp.nnx.loss_fn(definition, my_loss), adam(), batches(3)
+  definition, params, _ = jaxdp.adapters.nnx.split(Model(nnx.Rngs(0)))
+  fn, opt, runs = jaxdp.adapters.nnx.loss_fn(definition, my_loss), adam(), batches(3)
   results = []
   one_device = Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))
   for mesh, kwargs in ((one_device, {}),

@@ -141,7 +141,7 @@ def test_empty_leaves_take_no_bucket(zero_stage, bucket_bytes):
 def test_the_tie_between_buckets_changes_no_bit_of_a_complex_zero():
   """The -0.0 that orders the buckets' all-reduces was cast to complex as (-0.0 + 0j), which turned an imaginary
   -0.0 into +0.0 (found by a review; README says the tie changes no bit)."""
-  from jaxdp.reduction import _after
+  from jaxdp.training.reduction import _after
 
   values = {"c": jax.lax.complex(jnp.array([1.0, 0.0, -0.0]), jnp.array([-0.0, -0.0, 0.0])),
             "f": jnp.array([-0.0, 0.0, 2.0]), "h": jnp.array([-0.0], jnp.bfloat16), "i": jnp.array([3])}
@@ -154,7 +154,7 @@ def test_the_tie_between_buckets_changes_no_bit_of_a_complex_zero():
 
 def test_buckets_follow_reverse_leaf_order():
   leaves = [jnp.zeros(n, jnp.float32) for n in (80, 16, 256, 16, 48, 3)]  # 320, 64, 1024, 64, 192, 12 bytes
-  from jaxdp.reduction import buckets
+  from jaxdp.training.reduction import buckets
 
   assert buckets(leaves, 300) == [[5, 4, 3], [2], [1], [0]]  # 12 + 192 + 64; 1024; 64 (+ 320 > 300); 320
   assert buckets(leaves, 0) == [[5], [4], [3], [2], [1], [0]]
@@ -486,7 +486,7 @@ def test_small_leaves_travel_packed_and_sum_bit_for_bit():
   Against ``lax.psum`` of each leaf on its own (the reference), bitwise, for float32, bfloat16 and int32
   leaves, a scalar, and a float32 leaf above the packing size (an operand of its own).
   """
-  from jaxdp.reduction import PACK_BYTES, _psum
+  from jaxdp.training.reduction import PACK_BYTES, _psum
 
   big = PACK_BYTES // 4 + 1
   rng = np.random.default_rng(3)
@@ -537,7 +537,7 @@ def test_zero_stages_pack_small_leaves_into_one_collective_by_default(zero_stage
   assert ops["all-gather"].count == 1  # the five split leaves (the largest, w1, 1,024 bytes)
   assert ops["reduce-scatter"].count == (1 if zero_stage >= 2 else 0)
   # Leaves over 100 bytes (w0 320, w1 1,024, w2 192) keep a collective each; the biases b0, b1 (64) share one.
-  monkeypatch.setattr(jaxdp.reduction, "PACK_BYTES", 100)
+  monkeypatch.setattr(jaxdp.training.reduction, "PACK_BYTES", 100)
   ops = collectives(jaxdp.make_train_step(loss_fn, OPT, MESH, zero_stage=zero_stage), zero_stage)
   assert ops["all-gather"].count == 4
   assert ops["reduce-scatter"].count == (4 if zero_stage >= 2 else 0)

@@ -48,7 +48,7 @@ def split(batch, counts, mesh, accum):
 
 
 class NnxNet(nnx.Module):
-  def __init__(self, dropout=jaxdp.nnx.Dropout, *, rngs):
+  def __init__(self, dropout=jaxdp.adapters.nnx.Dropout, *, rngs):
     self.l1, self.l2, self.l3 = nnx.Linear(D, H, rngs=rngs), nnx.Linear(H, H, rngs=rngs), nnx.Linear(H, 1, rngs=rngs)
     self.d1, self.d2 = dropout(0.5, rngs=rngs), dropout(0.3, rngs=rngs)
 
@@ -61,7 +61,7 @@ def nnx_objective(model, batch):
 
 
 class LinenNet(nn.Module):
-  dropout: type = jaxdp.linen.Dropout
+  dropout: type = jaxdp.adapters.linen.Dropout
 
   @nn.compact
   def __call__(self, x, train):
@@ -141,8 +141,8 @@ def train(loss_fn, params, batches, rng, layout, example_ids="id"):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l[0]}dev-{'-'.join(map(str, l[1]))}-accum{l[2]}")
 def test_nnx_dropout_masks_are_one_devices_on_every_layout(layout):
   batches, rng = global_batches(), jax.random.key(7)
-  definition, params, _ = jaxdp.nnx.split(NnxNet(rngs=nnx.Rngs(params=0, dropout=1)))
-  ours = train(jaxdp.nnx.loss_fn(definition, nnx_objective), params, batches, rng, layout)
+  definition, params, _ = jaxdp.adapters.nnx.split(NnxNet(rngs=nnx.Rngs(params=0, dropout=1)))
+  ours = train(jaxdp.adapters.nnx.loss_fn(definition, nnx_objective), params, batches, rng, layout)
   assert_close(ours, nnx_reference())
 
 
@@ -162,25 +162,25 @@ def test_the_masks_are_fold_in_of_the_layer_key_and_the_id():
   expected = np.stack([np.where(jax.random.bernoulli(jax.random.fold_in(key, i), 1 - rate, (6,)), x[r] / (1 - rate), 0)
                        for r, i in enumerate(ids)])
   with jaxdp.use_example_ids(ids):
-    via_nnx = jaxdp.nnx.Dropout(rate)(x, rngs=key)
-    via_linen = jaxdp.linen.Dropout(rate, deterministic=False).apply({}, x, rng=key)
+    via_nnx = jaxdp.adapters.nnx.Dropout(rate)(x, rngs=key)
+    via_linen = jaxdp.adapters.linen.Dropout(rate, deterministic=False).apply({}, x, rng=key)
     keys = jaxdp.example_keys(key)
   np.testing.assert_array_equal(via_nnx, expected)
   np.testing.assert_array_equal(via_linen, expected)
   np.testing.assert_array_equal(jax.random.key_data(keys), jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(key, ids)))
   # Without ids they are flax's layers, bit for bit.
-  np.testing.assert_array_equal(jaxdp.nnx.Dropout(rate)(x, rngs=key), nnx.Dropout(rate)(x, rngs=key))
-  np.testing.assert_array_equal(jaxdp.linen.Dropout(rate, deterministic=False).apply({}, x, rng=key),
+  np.testing.assert_array_equal(jaxdp.adapters.nnx.Dropout(rate)(x, rngs=key), nnx.Dropout(rate)(x, rngs=key))
+  np.testing.assert_array_equal(jaxdp.adapters.linen.Dropout(rate, deterministic=False).apply({}, x, rng=key),
                                 nn.Dropout(rate, deterministic=False).apply({}, x, rng=key))
 
 
 def test_without_example_ids_the_step_is_unchanged():
-  """jaxdp.nnx.Dropout without the option is nnx.Dropout under the per-replica keys: the same bits."""
+  """jaxdp.adapters.nnx.Dropout without the option is nnx.Dropout under the per-replica keys: the same bits."""
   batches, rng, layout = global_batches()[:2], jax.random.key(7), (2, (7, 5), 2)
   results = []
-  for dropout in (jaxdp.nnx.Dropout, nnx.Dropout):
-    definition, params, _ = jaxdp.nnx.split(NnxNet(dropout, rngs=nnx.Rngs(params=0, dropout=1)))
-    results.append(train(jaxdp.nnx.loss_fn(definition, nnx_objective), params, batches, rng, layout, None))
+  for dropout in (jaxdp.adapters.nnx.Dropout, nnx.Dropout):
+    definition, params, _ = jaxdp.adapters.nnx.split(NnxNet(dropout, rngs=nnx.Rngs(params=0, dropout=1)))
+    results.append(train(jaxdp.adapters.nnx.loss_fn(definition, nnx_objective), params, batches, rng, layout, None))
   for a, b in zip(*map(jax.tree.leaves, results)):
     np.testing.assert_array_equal(a, b)
 
@@ -188,28 +188,28 @@ def test_without_example_ids_the_step_is_unchanged():
 def test_flax_dropout_is_refused_with_example_ids():
   """The same key on every replica would give flax's own Dropout the same mask everywhere: refused, nnx and linen."""
   batches, rng, layout = global_batches()[:1], jax.random.key(7), (2, (7, 5), 1)
-  definition, params, _ = jaxdp.nnx.split(NnxNet(nnx.Dropout, rngs=nnx.Rngs(params=0, dropout=1)))
-  with pytest.raises(ValueError, match=r"flax nnx\.Dropout layers \(d1, d2\).*jaxdp\.nnx\.Dropout"):
-    train(jaxdp.nnx.loss_fn(definition, nnx_objective), params, batches, rng, layout)
+  definition, params, _ = jaxdp.adapters.nnx.split(NnxNet(nnx.Dropout, rngs=nnx.Rngs(params=0, dropout=1)))
+  with pytest.raises(ValueError, match=r"flax nnx\.Dropout layers \(d1, d2\).*jaxdp\.adapters\.nnx\.Dropout"):
+    train(jaxdp.adapters.nnx.loss_fn(definition, nnx_objective), params, batches, rng, layout)
   model = LinenNet(nn.Dropout)
   params = model.init(jax.random.key(0), batches[0]["x"], False)["params"]
-  with pytest.raises(ValueError, match=r"flax\.linen\.Dropout .*correlated.*jaxdp\.linen\.Dropout"):
+  with pytest.raises(ValueError, match=r"flax\.linen\.Dropout .*correlated.*jaxdp\.adapters\.linen\.Dropout"):
     train(linen_loss(model), params, batches, rng, layout)
 
 
 def test_example_ids_that_are_not_in_the_batch_are_refused():
   batches, rng, layout = global_batches()[:1], jax.random.key(7), (2, (7, 5), 1)
-  definition, params, _ = jaxdp.nnx.split(NnxNet(rngs=nnx.Rngs(params=0, dropout=1)))
+  definition, params, _ = jaxdp.adapters.nnx.split(NnxNet(rngs=nnx.Rngs(params=0, dropout=1)))
   with pytest.raises(ValueError, match=r"example_ids='index' but the batch has no such key"):
-    train(jaxdp.nnx.loss_fn(definition, nnx_objective), params, batches, rng, layout, "index")
+    train(jaxdp.adapters.nnx.loss_fn(definition, nnx_objective), params, batches, rng, layout, "index")
   with pytest.raises(TypeError, match="example_ids must be None"):
-    jaxdp.make_train_step(jaxdp.nnx.loss_fn(definition, nnx_objective), OPT, example_ids=3)
+    jaxdp.make_train_step(jaxdp.adapters.nnx.loss_fn(definition, nnx_objective), OPT, example_ids=3)
 
 
 class _ScanBlock(nn.Module):
   @nn.compact
   def __call__(self, h, _):
-    return jaxdp.linen.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(H)(h))), None
+    return jaxdp.adapters.linen.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(H)(h))), None
 
 
 class _LinenScanned(nn.Module):
@@ -222,7 +222,7 @@ class _LinenScanned(nn.Module):
 
 class _NnxBlock(nnx.Module):
   def __init__(self, rngs):
-    self.lin, self.drop = nnx.Linear(H, H, rngs=rngs), jaxdp.nnx.Dropout(0.5, rngs=rngs)
+    self.lin, self.drop = nnx.Linear(H, H, rngs=rngs), jaxdp.adapters.nnx.Dropout(0.5, rngs=rngs)
 
   def __call__(self, h):
     return self.drop(nnx.relu(self.lin(h)))
@@ -251,8 +251,8 @@ def test_layers_under_scan_keep_their_own_keys_and_the_masks_follow_the_ids():
   model = _LinenScanned()
   params = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, batches[0]["x"])["params"]
   linen_fn = lambda p, b, key: (model.apply({"params": p}, b["x"], rngs={"dropout": key}) - b["y"]) ** 2  # noqa: E731
-  definition, nnx_params, _ = jaxdp.nnx.split(_NnxScanned(nnx.Rngs(params=0, dropout=1)))
-  nnx_fn = jaxdp.nnx.loss_fn(definition, nnx_objective)
+  definition, nnx_params, _ = jaxdp.adapters.nnx.split(_NnxScanned(nnx.Rngs(params=0, dropout=1)))
+  nnx_fn = jaxdp.adapters.nnx.loss_fn(definition, nnx_objective)
   for loss_fn, p in ((linen_fn, params), (nnx_fn, nnx_params)):
     one = train(loss_fn, p, batches, rng, (1, (12,), 1))
     assert_close(train(loss_fn, p, batches, rng, (3, (5, 4, 3), 2)), one)

@@ -128,7 +128,7 @@ def test_the_old_keywords_give_the_same_bits_with_a_warning(case):
     return 0.5 * (batch["x"] @ params["w"] @ jnp.ones(4) + params["b"] - batch["y"]) ** 2
 
   if old.get("compression") == "powersgd":
-    old = dict(old, compression=jaxdp.compression.powersgd(1, start_iter=1, min_compression_rate=0))
+    old = dict(old, compression=jaxdp.reductions.compression.powersgd(1, start_iter=1, min_compression_rate=0))
   values = new(mesh)
   init_keywords = {k: v for k, v in old.items() if k in ("zero_stage", "compression")}
   with pytest.warns(DeprecationWarning, match="keyword API of jaxdp 0.1"):
@@ -164,7 +164,7 @@ def test_small_signatures_and_a_small_top_level():
             isinstance(item, ast.FunctionDef) and item.name == "__init__"):
           sizes[f"{path.stem}.{item.name}"] = _parameters(item)
   assert sizes["compiled.make_train_step"] <= 10
-  # jaxdp.batchnorm.BatchNorm takes nnx.BatchNorm's own 18 arguments, so that it replaces it where it stands.
+  # jaxdp.adapters.batchnorm.BatchNorm takes nnx.BatchNorm's own 18 arguments, so that it replaces it where it stands.
   too_many = {name: n for name, n in sizes.items() if n > 12 and name != "batchnorm.__init__"}
   assert not too_many, too_many
   assert len(jaxdp.__all__) <= 40

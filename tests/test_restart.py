@@ -78,8 +78,8 @@ def _check_restart(directory: Path, result: harness.Result, reference_losses: di
   """Checks the crash, the restart message and the resume point; returns the step the restart resumed at."""
   assert result.returncode == 0, result
   assert f"[rank 1] killing rank 1 after step {KILL_AT}" in result.stdout.splitlines(), result
-  restarts = [line for line in result.stderr.splitlines() if line.startswith("jaxdp.launch:")]
-  assert restarts == [f"jaxdp.launch: worker rank 1 failed with exit code -9 (SIGKILL); restart 1 of 1{layout}"], result
+  restarts = [line for line in result.stderr.splitlines() if line.startswith("jaxdp.runtime.launch:")]
+  assert restarts == [f"jaxdp.runtime.launch: worker rank 1 failed with exit code -9 (SIGKILL); restart 1 of 1{layout}"], result
   first, second = directory / "out" / "attempt0", directory / "out" / "attempt1"
   crashed = _losses(first)
   # Rank 1 died after step KILL_AT - 1 (0-based), so rank 0 logged at most that one; it dispatched that

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import jaxdp
-from jaxdp import scaling
+from jaxdp.analysis import scaling
 
 ROUND_OFF = 1e-12
 
@@ -34,12 +34,12 @@ LAYERS = {"jaxdp": None, "layerwise": 80, "paper": None}
 
 def test_the_cost_model_is_imported_on_first_access_only():
   """No library path needs the model: ``import jaxdp`` and the training, data, checkpoint and report names leave it
-  unimported, ``jaxdp.scaling`` imports it."""
+  unimported, ``jaxdp.analysis.scaling`` imports it."""
   code = "\n".join([
       "import sys, jaxdp",
-      "jaxdp.make_train_step, jaxdp.DataPipeline, jaxdp.CheckpointManager, jaxdp.comm_report, jaxdp.distributed",
-      "assert 'jaxdp.scaling' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jaxdp'))",
-      "assert jaxdp.scaling.FP32_ADAM and 'jaxdp.scaling' in sys.modules",
+      "jaxdp.make_train_step, jaxdp.DataPipeline, jaxdp.CheckpointManager, jaxdp.comm_report, jaxdp.runtime.distributed",
+      "assert 'jaxdp.analysis.scaling' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jaxdp'))",
+      "assert jaxdp.analysis.scaling.FP32_ADAM and 'jaxdp.analysis.scaling' in sys.modules",
   ])
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr
@@ -84,9 +84,9 @@ def test_an_async_collective_counts_once_sized_by_its_done_result():
   start = "%ag = (f32[250]{0}, f32[1000]{0}) all-gather-start(%z), replica_groups=[2,4]<=[8], dimensions={0}"
   sync = "%r = f32[8]{0} all-reduce(%x)"
   hlo = "\n".join([start, "%ag.1 = f32[1000]{0} all-gather-done(%ag)", sync])
-  assert jaxdp.reports.hlo_collectives(hlo) == [
-      jaxdp.reports.HloCollective("all-gather", 4000, 4, start),
-      jaxdp.reports.HloCollective("all-reduce", 32, None, sync),
+  assert jaxdp.analysis.reports.hlo_collectives(hlo) == [
+      jaxdp.analysis.reports.HloCollective("all-gather", 4000, 4, start),
+      jaxdp.analysis.reports.HloCollective("all-reduce", 32, None, sync),
   ]
   assert jaxdp.collectives_from_hlo(hlo, 8)["all-gather"] == jaxdp.Collective(1, 4000, 4000 * 3 / 4)
 

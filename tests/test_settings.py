@@ -14,9 +14,13 @@ import optax
 import pytest
 
 import jaxdp
-from jaxdp import _config, reductions
+from jaxdp import reductions
+from jaxdp.training import config as _config
 
-CORE = ("loss", "reduction", "reductions", "step", "layout", "compiled", "parallel", "mixed_precision", "_config")
+CORE = ("core/loss", "training/reduction", "reductions/__init__", "training/step", "sharding/layout", "runtime/compiled",
+        "sharding/parallel", "core/precision", "training/config")
+# The package's folders in layer order: a module imports only from its own layer and those before it.
+LAYERS = ("core", "reductions", "sharding", "analysis", "training", "runtime", "io", "adapters")
 
 
 def loss_fn(params, batch):
@@ -70,17 +74,17 @@ def test_public_functions_called_directly_still_check():
 
 @pytest.mark.parametrize("module", CORE)
 def test_the_core_modules_do_not_name_flax(module):
-  source = pathlib.Path(jaxdp.__file__).with_name(f"{module}.py").read_text()
+  source = (pathlib.Path(jaxdp.__file__).parent / f"{module}.py").read_text()
   assert "flax" not in source.lower()
 
 
 def test_the_linen_batchnorm_guard_holds_without_importing_jaxdp_flax_modules():
-  # A fresh process: jaxdp.linen, jaxdp.batchnorm and jaxdp.flax_support are imported by nobody but the hook.
+  # A fresh process: jaxdp.adapters.linen, jaxdp.adapters.batchnorm and jaxdp.adapters.flax_support are imported by nobody but the hook.
   program = textwrap.dedent("""
       import jax, jax.numpy as jnp, numpy as np, optax, sys
       import flax.linen as nn
       import jaxdp
-      assert "jaxdp.batchnorm" not in sys.modules and "jaxdp.linen" not in sys.modules
+      assert "jaxdp.adapters.batchnorm" not in sys.modules and "jaxdp.adapters.linen" not in sys.modules
 
       class Model(nn.Module):
         @nn.compact
@@ -112,9 +116,9 @@ def test_importing_jaxdp_patches_no_model_library():
   program = textwrap.dedent("""
       import flax.nnx as nnx
       before = nnx.BatchNorm.__call__
-      import jaxdp, jaxdp.nnx, jaxdp.linen, jaxdp.batchnorm
+      import jaxdp, jaxdp.adapters.nnx, jaxdp.adapters.linen, jaxdp.adapters.batchnorm
       assert nnx.BatchNorm.__call__ is before, "jaxdp patched nnx.BatchNorm at import"
-      with jaxdp.batchnorm.training_batch_guards():  # only while a jaxdp training step traces loss_fn
+      with jaxdp.adapters.batchnorm.training_batch_guards():  # only while a jaxdp training step traces loss_fn
         assert nnx.BatchNorm.__call__ is not before
       assert nnx.BatchNorm.__call__ is before
       print("unpatched")
@@ -122,3 +126,23 @@ def test_importing_jaxdp_patches_no_model_library():
   env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(pathlib.Path(jaxdp.__file__).parents[1])}
   run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
   assert run.returncode == 0 and run.stdout.strip() == "unpatched", run.stderr[-3000:]
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+  import ast
+
+  root, upward = pathlib.Path(jaxdp.__file__).parent, []
+  for path in root.rglob("*.py"):
+    parts = path.relative_to(root).parts
+    if len(parts) < 2:  # the package's own __init__ and the launcher's command line sit above every layer
+      continue
+    layer = LAYERS.index(parts[0])
+    for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside functions count too
+      names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+      names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+      for name in names:
+        target = name.split(".")
+        if target[0] == "jaxdp" and len(target) > 1 and target[1] in LAYERS and LAYERS.index(target[1]) > layer:
+          upward.append(f"{'/'.join(parts)}:{node.lineno} imports {name}")
+  assert not upward, upward
+  assert sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(LAYERS)

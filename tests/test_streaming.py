@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
 from helpers import mesh_of as _mesh
-from jaxdp.data import StreamingPipeline, process_positions
+from jaxdp.io.data import StreamingPipeline, process_positions
 from mp_workers import harness, problem
 from mp_workers import streaming as worker
 

@@ -65,7 +65,7 @@ def test_compare_writes_its_outputs(compared):
 
 
 def test_trained_module_runs_in_ordinary_code(compared, data):
-  """jaxdp.nnx.update gave back a Module that nnx.jit and numpy use on one device, without jax.set_mesh."""
+  """jaxdp.adapters.nnx.update gave back a Module that nnx.jit and numpy use on one device, without jax.set_mesh."""
   result, _ = compared
   accuracy = train_cnn.host_accuracy(result["runs"]["sync"]["model"], data[1])
   assert accuracy == pytest.approx(result["sync"]["eval_accuracy"])

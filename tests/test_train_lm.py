@@ -177,8 +177,8 @@ def test_stacked_blocks_are_the_list_model_with_and_without_dropout():
   stacked, drawn = lm.make_model(seed=0, scan_layers=True, **sizes)
   params_stacked = lm.stack_blocks(params)
   assert jax.tree.structure(params_stacked) == jax.tree.structure(drawn)
-  specs = jaxdp.nnx.partition_specs(params_stacked)
-  assert specs == jaxdp.nnx.partition_specs(drawn)  # the layer axis added, unsplit, to every tensor-parallel spec
+  specs = jaxdp.adapters.nnx.partition_specs(params_stacked)
+  assert specs == jaxdp.adapters.nnx.partition_specs(drawn)  # the layer axis added, unsplit, to every tensor-parallel spec
   assert tuple(specs["blocks"]["qkv"]["kernel"]) == (None, None, None, "model", None)
   batch, _ = corpus.make_collate(TINY.seq_len)(corpus.chunk_documents([bytes(range(70))], TINY.seq_len))
   f_list, f_stack = jax.jit(lm.make_loss_fn(listed)), jax.jit(lm.make_loss_fn(stacked))

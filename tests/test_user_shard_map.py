@@ -260,7 +260,7 @@ def test_compiled_step_writes_no_divided_copy_of_the_gradient():
   """
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   wide = (64, 1100)  # a shape no other value of this program has
-  assert wide[0] * wide[1] * 4 > jaxdp.reduction.PACK_BYTES
+  assert wide[0] * wide[1] * 4 > jaxdp.training.reduction.PACK_BYTES
   params = {"w": np.full(wide, 0.01, np.float32), "v": np.ones((wide[1],), np.float32)}
 
   def wide_loss(params, batch):

@@ -27,7 +27,7 @@ from hypothesis import Phase, given, settings, strategies as st
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
-from jaxdp.layout import zero_dim
+from jaxdp.sharding.layout import zero_dim
 
 # Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -511,7 +511,7 @@ def test_evaluation_reads_a_tensor_parallel_or_hybrid_stage_three_state(axes):
   """``make_eval_step`` takes the state where it lives (split over "data" and "model") and gives one device's loss."""
   mesh, optimizer = grid(axes), OPTIMIZERS["adam"]
   axis_name = "data" if axes[0] == "data" else axes
-  batch, weights = portions(seed=13, n=jaxdp.layout.data_size(mesh, axis_name))
+  batch, weights = portions(seed=13, n=jaxdp.sharding.layout.data_size(mesh, axis_name))
   specs = TP_SPECS if axes[0] == "data" else None
   state = jaxdp.init_state(init_params(), optimizer, mesh, zero_stage=3, axis_name=axis_name, param_specs=specs)
   got = jaxdp.make_eval_step(loss_fn, mesh, axis_name=axis_name)(state, batch, weights)

@@ -10,7 +10,7 @@ the fused q/k/v projection and the MLP's first layer are column-split (the
 attention heads and the hidden units over ``"model"``), the attention output
 projection and the MLP's second layer row-split, the token embedding and the
 output head split over the vocabulary; LayerNorms, the position embedding and
-the row-split layers' biases are replicated. ``jaxdp.nnx.partition_specs``
+the row-split layers' biases are replicated. ``jaxdp.adapters.nnx.partition_specs``
 reads these off as ``init_state``'s ``param_specs``; on a mesh without a
 ``"model"`` axis they are simply not passed, and the model is the same.
 The annotations change no value: the initial params are the same with or
@@ -20,7 +20,7 @@ without them.
 over ``nnx.split_rngs``, so each layer draws its own weights; the stack's
 axis is added to the partitioning metadata unsplit) and runs them with
 ``nnx.scan``; the loop body is rematerialised under
-``jaxdp.layerwise.gather_policy()`` and calls ``jaxdp.nnx.gather`` on its layer, so at
+``jaxdp.sharding.layerwise.gather_policy()`` and calls ``jaxdp.adapters.nnx.gather`` on its layer, so at
 ZeRO stage 3 with the layout ``jaxdp.data_parallel(mesh, zero_stage=3, layers=STACK)`` a layer's parameters are all-gathered
 inside the loop and dropped after use (layer-wise stage 3). Dropout keys are
 split per layer and scanned with the stack, as the list of blocks splits
@@ -101,21 +101,21 @@ STACK = "blocks"
 def _scan_blocks(x_BxTxD: jax.Array, stack: Block, keys: jax.Array | None) -> jax.Array:
   """``x`` through every layer of ``stack`` (an ``nnx.vmap``-made :class:`Block`), one ``nnx.scan`` iteration each.
 
-  The body is rematerialised with ``jaxdp.layerwise.gather_policy()`` (FSDP2's ``reshard_after_forward=True``): at
+  The body is rematerialised with ``jaxdp.sharding.layerwise.gather_policy()`` (FSDP2's ``reshard_after_forward=True``): at
   layer-wise stage 3 the gathered layer is dropped after its forward use and gathered again for the backward.
   """
   if keys is None:
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    @nnx.remat(policy=jaxdp.layerwise.gather_policy())
+    @nnx.remat(policy=jaxdp.sharding.layerwise.gather_policy())
     def run(x, block):
-      return jaxdp.nnx.gather(block)(x, None)
+      return jaxdp.adapters.nnx.gather(block)(x, None)
 
     return run(x_BxTxD, stack)
 
   @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
-  @nnx.remat(policy=jaxdp.layerwise.gather_policy())
+  @nnx.remat(policy=jaxdp.sharding.layerwise.gather_policy())
   def run_keyed(x, block, key):
-    return jaxdp.nnx.gather(block)(x, key)
+    return jaxdp.adapters.nnx.gather(block)(x, key)
 
   return run_keyed(x_BxTxD, stack, keys)
 
@@ -174,19 +174,19 @@ class Transformer(nnx.Module):
 
 
 def make_model(*, seed: int, scan_layers: bool = False, functional_scan: bool = False,
-               **sizes) -> tuple[jaxdp.nnx.Definition, nnx.State]:
-  """``(definition, params)`` of a :class:`Transformer` initialised from ``seed``, split by ``jaxdp.nnx``.
+               **sizes) -> tuple[jaxdp.adapters.nnx.Definition, nnx.State]:
+  """``(definition, params)`` of a :class:`Transformer` initialised from ``seed``, split by ``jaxdp.adapters.nnx``.
 
   The params are ordinary (unsharded) arrays that keep their partitioning
   metadata: built without eager sharding, so no mesh is needed here and
-  every layout starts from the same values; ``jaxdp.nnx.partition_specs(params)``
+  every layout starts from the same values; ``jaxdp.adapters.nnx.partition_specs(params)``
   gives the tensor-parallel specs. The model has no model state (LayerNorm,
   no BatchNorm) and no stored RNG streams (its dropout is keyed explicitly),
   so ``params`` is all there is.
   """
   with nnx.use_eager_sharding(False):
     model = Transformer(**sizes, rngs=nnx.Rngs(seed), scan_layers=scan_layers, functional_scan=functional_scan)
-  definition, params, model_state = jaxdp.nnx.split(model)
+  definition, params, model_state = jaxdp.adapters.nnx.split(model)
   assert model_state is None, "the transformer has no model state"
   return definition, params
 
@@ -218,6 +218,6 @@ def next_byte_loss(model: Transformer, batch: dict, *, rngs: nnx.Rngs | None, tr
   return losses_BxT, {"accuracy": (jnp.argmax(logits_BxTxV, -1) == batch["targets"]).astype(jnp.float32)}
 
 
-def make_loss_fn(definition: jaxdp.nnx.Definition):
+def make_loss_fn(definition: jaxdp.adapters.nnx.Definition):
   """jaxdp's ``loss_fn(params, batch, rng=None, ...)`` of the model: per-token losses and accuracy."""
-  return jaxdp.nnx.loss_fn(definition, next_byte_loss)
+  return jaxdp.adapters.nnx.loss_fn(definition, next_byte_loss)

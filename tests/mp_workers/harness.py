@@ -29,7 +29,7 @@ def env(**extra: str) -> dict:
 
 def launch(options: Sequence[str], command: Sequence[str], *, timeout: float = 120, **extra_env: str) -> Result:
   """Runs ``python -m jaxdp.launch OPTIONS -- COMMAND`` to the end (killed after ``timeout``)."""
-  args = [sys.executable, "-m", "jaxdp.launch", *options, "--", *map(str, command)]
+  args = [sys.executable, "-m", "jaxdp.runtime.launch", *options, "--", *map(str, command)]
   return run(args, timeout=timeout, **extra_env)
 
 

@@ -72,8 +72,8 @@ def main():
   import optax
 
   import jaxdp
-  from jaxdp import distributed
-  from jaxdp.data import StreamingPipeline
+  from jaxdp.runtime import distributed
+  from jaxdp.io.data import StreamingPipeline
 
   out_dir = sys.argv[1]
   counts = [int(c) for c in _arg("--counts", "7,19").split(",")]

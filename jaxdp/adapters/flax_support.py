@@ -1,0 +1,124 @@
+"""flax's support in jaxdp's core, registered through :func:`jaxdp.core.loss.register_model_support`.
+
+Imported by the core as soon as a program has imported flax (see
+:mod:`jaxdp.core.integrations`): from then on every training step refuses flax
+linen's ``BatchNorm`` statistics over padding rows, errors in a ``loss_fn``
+get flax-specific notes, :func:`jaxdp.init_state` unboxes linen's
+``nn.with_partitioning`` parameters, and a flax object where params or an
+optax transformation go (an nnx Module or State, a linen variables dict, an
+``nnx.Optimizer``) is refused naming the jaxdp call that fixes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import jax
+from flax.core import meta
+
+from jaxdp.adapters.batchnorm import training_batch_guards
+from jaxdp.core.loss import ModelSupport, register_model_support
+
+NNX_LOSS_ATTRIBUTE = "jaxdp_nnx_loss"
+"""Set on the losses :func:`jaxdp.adapters.nnx.loss` makes: their missing model state is reported by ``merge``."""
+
+BEFORE_STEP_ATTRIBUTE = "jaxdp_before_train_step"
+"""Set on the losses :func:`jaxdp.adapters.nnx.loss` makes: the check that their Module has not changed mode."""
+
+
+def tracing(train: bool) -> contextlib.AbstractContextManager:
+  """The BatchNorm guards while a training step traces ``loss_fn`` (its batch may hold padding rows)."""
+  return training_batch_guards() if train else contextlib.nullcontext()
+
+
+def notes(error: BaseException, loss_fn: Callable, core_notes: list) -> list[str]:
+  """The core's notes for an error raised in ``loss_fn``, with flax's advice on a missing model state."""
+  if getattr(loss_fn, NNX_LOSS_ATTRIBUTE, False):  # jaxdp.adapters.nnx's merge reports a missing model state itself
+    return [note for note in core_notes if "model_state=None" not in note]
+  return [
+      note + (" For flax linen: model_state=variables['batch_stats']; for nnx, the state from jaxdp.adapters.nnx.split."
+              if "model_state=None" in note else "")
+      for note in core_notes
+  ]
+
+
+def unbox(params: Any) -> tuple[Any, Any]:
+  """``(params, specs)``: flax partitioning boxes (``nn.with_partitioning``'s ``Partitioned``) removed, and
+  the specs they carried (``None`` when there are no boxes)."""
+  is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+  if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
+    return params, None
+  return meta.unbox(params), meta.get_partition_spec(params)
+
+
+def before_step(loss_fn: Callable) -> Callable[[], None] | None:
+  """The check a loss made by :func:`jaxdp.adapters.nnx.loss` carries, run before every compiled step."""
+  return getattr(loss_fn, BEFORE_STEP_ATTRIBUTE, None)
+
+
+# Collections a flax linen model's variables hold besides "params" (linen's own names): a variables dict passed
+# where the params go would train them as parameters.
+_LINEN_COLLECTIONS = ("batch_stats", "cache", "intermediates", "perturbations", "losses")
+
+
+def check_params(params: Any, name: str) -> None:
+  """Refuses the natural mistakes of a flax user where a parameter tree goes, naming the jaxdp call that fixes them:
+  an nnx Module (or Optimizer), an nnx State with RNG or other non-parameter variables, and a linen variables dict
+  holding collections besides ``"params"``. The Module would otherwise be flattened, RNG counters and all."""
+  nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
+  if nnx is not None and isinstance(params, (nnx.Module, nnx.Optimizer)):
+    raise TypeError(
+        f"{name} is an nnx {'Optimizer' if isinstance(params, nnx.Optimizer) else 'Module'} "
+        f"({type(params).__name__}), not a parameter tree; split the model first: definition, params, model_state = "
+        f"jaxdp.adapters.nnx.split(model), then jaxdp.init_state(params, optax_transformation, mesh, model_state=model_state) "
+        "and jaxdp.adapters.nnx.loss_fn(definition, ...) for the loss (see docs/porting-nnx.md)."
+    )
+  if nnx is not None and isinstance(params, nnx.State):
+    kinds = {type(v).__name__ for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+             if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)}
+    if kinds:
+      raise TypeError(
+          f"{name} is an nnx State holding {', '.join(sorted(kinds))} variables besides the nnx.Param ones (e.g. "
+          f"nnx.state(model)): only parameters are trained. Pass the params of jaxdp.adapters.nnx.split(model), and its "
+          "model_state as model_state= (RNG streams are reseeded by the step)."
+      )
+  if isinstance(params, Mapping) and "params" in params:
+    others = [k for k in params if k in _LINEN_COLLECTIONS]
+    if others:
+      each = [f"variables[{k!r}]" for k in others]
+      state = each[0] if len(others) == 1 else "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(others, each)) + "}"
+      raise ValueError(
+          f"{name} is a flax linen variables dict (collections {', '.join(map(repr, params))}): only "
+          f"variables['params'] is trained, and the other collections would be updated by the optimizer as "
+          f"parameters. Pass jaxdp.init_state(variables['params'], optimizer, mesh, model_state={state}) (see "
+          "docs/porting-linen.md)."
+      )
+
+
+def check_optimizer(optimizer: Any, name: str) -> None:
+  """Refuses flax's ``nnx.Optimizer`` where an optax transformation goes, naming the transformation it wraps."""
+  nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
+  if nnx is not None and isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        f"{name} is a flax nnx.Optimizer, which holds a model and its optimizer state; jaxdp keeps both in the "
+        f"TrainState. Pass the optax GradientTransformation itself, the tx given to nnx.Optimizer ({name}=tx, e.g. "
+        f"optax.adam(1e-3); this one's is {name}.tx), and the model's params from jaxdp.adapters.nnx.split(model)."
+    )
+
+
+def example_ids() -> contextlib.AbstractContextManager:
+  """flax linen's own Dropout refused while a step with ``example_ids`` trains (it would draw one mask for every
+  replica); a linen model can only be in use if ``flax.linen`` is imported."""
+  if "flax.linen" not in sys.modules:
+    return contextlib.nullcontext()
+  from jaxdp.adapters.linen import refusing_flax_dropout  # imported only for a program that uses linen
+
+  return refusing_flax_dropout()
+
+
+register_model_support(ModelSupport(tracing=tracing, notes=notes, unbox=unbox, before_step=before_step,
+                                    check_params=check_params, check_optimizer=check_optimizer,
+                                    example_ids=example_ids))

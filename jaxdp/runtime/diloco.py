@@ -1,0 +1,549 @@
+"""DiLoCo (Douillard et al., 2023): exact data parallelism inside replica groups, an outer step every H steps.
+
+The mesh has an outer axis (``"replica"``, R groups) and the data axes
+(``"data"``, D devices per group). One call of the step is one inner step
+on every group: each group runs jaxdp's exact data-parallel step
+(:func:`jaxdp.train_step`, the weighted mean over the group's rows) on its
+own rows of the global batch, with its own parameters and inner optimizer
+state. Nothing crosses the outer axis then. Every ``inner_steps`` calls,
+the outer sync: each group's delta ``outer_params - inner_params_r`` is
+averaged over the outer axis, weighted by the group's summed example (or
+token) weights over the period, the outer optimizer applies that average
+as its gradient to ``outer_params``, and every group restarts from the new
+outer parameters (the inner optimizer states stay per group, as in the
+paper).
+
+Two jitted programs, picked on the host by the state's step count: the
+inner step, and the inner step followed by the sync; each one's compiled
+HLO shows its own collectives (:meth:`DiLoCoStep.comm_report`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxdp.core import checks as _checks
+from jaxdp.runtime import host_inputs
+from jaxdp.core.checks import check_int, check_optimizer
+from jaxdp.sharding.layout import auto_mesh, axis_names, check_mesh_axis, place, replicated
+from jaxdp.core.loss import check_loss_fn
+from jaxdp.analysis.reports import Collective, collectives_from_hlo
+from jaxdp.training.config import step_config
+from jaxdp.sharding.legacy import accepts_legacy_keywords
+from jaxdp.sharding.parallel import DataParallel, as_layout
+from jaxdp.core.state import TrainState
+from jaxdp.training.step import train_step
+
+DELTA_DTYPES = (None, "bfloat16", "int8")
+"""What the outer sync may communicate the delta in: ``None`` (the parameters' own dtype), bfloat16, or int8
+(blocks of :data:`INT8_BLOCK` values, each with a float32 scale)."""
+
+INT8_BLOCK = 256
+"""Values per float32 scale of an int8 delta (1.6% more bytes than the int8 values alone)."""
+
+
+class DiLoCoState(NamedTuple):
+  """The state of a DiLoCo run.
+
+  Attributes:
+    inner: a :class:`jaxdp.TrainState` whose every leaf has a leading
+      ``[R]`` dimension, one entry per replica group, split over the outer
+      axis (the groups' parameters differ between syncs); each group's
+      entry is replicated over its data axes.
+    outer_params: the global parameters (replicated), as of the last sync.
+    outer_opt_state: the outer optimizer's state for ``outer_params``.
+    inner_step: int32 scalar, the number of inner steps run (calls of the
+      step); the sync follows every ``inner_steps``-th.
+    period_weight: float32 ``[R]``, each group's summed weight of the
+      inner steps it applied since the last sync (its weight in the
+      average of the deltas).
+  """
+
+  inner: TrainState
+  outer_params: Any
+  outer_opt_state: Any
+  inner_step: Any
+  period_weight: Any
+
+
+def diloco_params(state: DiLoCoState) -> Any:
+  """The outer (global) parameters: what to evaluate and to keep after training."""
+  return state.outer_params
+
+
+def default_outer_optimizer() -> optax.GradientTransformation:
+  """The paper's outer optimizer: Nesterov SGD, learning rate 0.7, momentum 0.9."""
+  return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+def check_int8_groups(delta_dtype: Any, groups: int) -> None:
+  """Refuses an int8 delta over more than 127 groups: each group's values are rounded to ``127 // R`` levels so
+  that their int8 sum cannot overflow, and ``R > 127`` leaves none (every scale would divide by zero)."""
+  if delta_dtype == jnp.int8 and groups > 127:
+    raise ValueError(
+        f"delta_dtype=jnp.int8 over {groups} replica groups: the int8 sum of R groups fits only with 127 // R "
+        "levels per group, none for R > 127. Use delta_dtype=jnp.bfloat16 (or None), or at most 127 groups."
+    )
+
+
+def _check_axes(mesh: Any, outer_axis: Any, axis_name: Any) -> Mesh:
+  """The mesh (Auto axes), after checking that it has ``outer_axis`` besides the data axes, and nothing else."""
+  if not isinstance(outer_axis, str):
+    raise TypeError(f"outer_axis must name one mesh axis (a str, e.g. 'replica'), got {outer_axis!r}.")
+  check_mesh_axis(mesh, axis_name)
+  data = axis_names(axis_name)
+  if outer_axis in data:
+    raise ValueError(
+        f"outer_axis={outer_axis!r} is also one of the data axes {data}: DiLoCo needs an outer axis of its own, "
+        f"over which the groups differ between syncs; pass axis_name without it, e.g. axis_name="
+        f"{tuple(a for a in data if a != outer_axis) or 'data'!r}."
+    )
+  if outer_axis not in mesh.axis_names:
+    raise ValueError(
+        f"DiLoCo without an outer axis: mesh has axes {mesh.axis_names} but no {outer_axis!r} (outer_axis). Build "
+        f"a mesh with both, e.g. jax.make_mesh((R, D), ({outer_axis!r}, {data[0]!r}), axis_types=(AxisType.Auto,) * 2)"
+        ", or use jaxdp.make_train_step for exact data parallelism over every device."
+    )
+  others = [a for a in mesh.axis_names if a != outer_axis and a not in data]
+  if others:
+    raise ValueError(
+        f"mesh has axes {others} besides outer_axis={outer_axis!r} and the data axes {data}; the DiLoCo step maps "
+        "over every mesh axis and does not partition the model: build the mesh over those axes only."
+    )
+  return auto_mesh(mesh)
+
+
+def _group_mesh(layout: Any, outer_axis: Any) -> Mesh:
+  """The mesh of a DiLoCo layout (checked: the outer axis, the data axes, nothing else, no ZeRO or stacks)."""
+  if isinstance(layout, Mesh) or layout is None:
+    mesh, axis_name = layout, "data"
+  elif isinstance(layout, DataParallel):
+    mesh, axis_name = layout.mesh, layout.axis_name
+    if layout.zero_stage or layout.layers is not None or layout.pipeline is not None or layout.backend != "shard_map":
+      raise ValueError(
+          "make_diloco_step's groups each hold a whole replica: give it a jaxdp.data_parallel(mesh, axis_name=...) "
+          "without zero_stage, layers, pipeline or backend."
+      )
+  else:
+    as_layout(layout)  # raises the TypeError that names what a layout is
+  if mesh is None:
+    raise ValueError("DiLoCo needs a mesh with the outer axis of its groups; pass jaxdp.data_parallel(mesh) with e.g. "
+                     f"jax.make_mesh((R, D), ({outer_axis!r}, 'data'), axis_types=(AxisType.Auto,) * 2).")
+  return _check_axes(mesh, outer_axis, axis_name)
+
+
+def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str) -> DiLoCoState:
+  split = NamedSharding(mesh, P(outer_axis))
+  whole = replicated(mesh)
+  return DiLoCoState(
+      jax.tree.map(lambda _: split, state.inner), jax.tree.map(lambda _: whole, state.outer_params),
+      jax.tree.map(lambda _: whole, state.outer_opt_state), whole, split,
+  )
+
+
+@accepts_legacy_keywords("init_diloco_state", ("params", "inner_optimizer", "layout"))
+def init_diloco_state(
+    params: Any,
+    inner_optimizer: optax.GradientTransformation,
+    layout: DataParallel | Mesh | None = None,
+    *,
+    outer_axis: str = "replica",
+    outer_optimizer: optax.GradientTransformation | None = None,
+    model_state: Any = None,
+) -> DiLoCoState:
+  """The state :func:`make_diloco_step` expects, placed on ``mesh``: every group starts from ``params``.
+
+  Args:
+    params: the initial parameters (a pytree of arrays).
+    inner_optimizer: the groups' optax optimizer (the step's).
+    layout: a :class:`jaxdp.DataParallel` (or a ``Mesh``, its data axis
+      ``"data"``) whose mesh has ``outer_axis`` and the data axes inside a
+      group.
+    outer_axis: the axis of the replica groups.
+    outer_optimizer: the outer optimizer (the step's); default
+      :func:`default_outer_optimizer`.
+    model_state: the model's non-trainable state, or ``None``; each group
+      keeps its own copy (it is not averaged at the sync).
+
+  Returns:
+    A :class:`DiLoCoState` of fresh buffers.
+  """
+  mesh = _group_mesh(layout, outer_axis)
+  check_optimizer(inner_optimizer, "inner_optimizer")
+  outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
+  check_optimizer(outer_optimizer, "outer_optimizer")
+  _checks.check_params(params)
+  _checks.check_params_dtypes(params, "params")
+  r = mesh.shape[outer_axis]
+
+  def build(params, model_state):
+    inner = TrainState.create(params, inner_optimizer, model_state)
+    inner = jax.tree.map(lambda x: jnp.broadcast_to(x, (r, *jnp.shape(x))), inner)
+    outer = jax.tree.map(jnp.copy, params)
+    step, period_weight = jnp.zeros((), jnp.int32), jnp.zeros((r,), jnp.float32)
+    return DiLoCoState(inner, outer, outer_optimizer.init(outer), step, period_weight)
+
+  abstract = jax.eval_shape(build, params, model_state)
+  return jax.jit(build, out_shardings=_state_shardings(abstract, mesh, outer_axis))(params, model_state)
+
+
+class DiLoCoStep:
+  """``step(state, batch, weights=None, rng=None) -> (state, metrics)``; built by :func:`make_diloco_step`.
+
+  ``metrics`` holds each group's metrics of :func:`jaxdp.train_step` with a
+  leading ``[R]`` dimension (``loss`` the group's weighted mean, ``weight``
+  its summed weight, ``skipped``...): the global weighted mean loss is
+  ``sum(loss * weight) / sum(weight)``. ``metrics["synced"]`` is 1 on a
+  call that ended with the outer sync.
+  """
+
+  def __init__(self, settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,
+               donate):
+    self.settings, self.loss_fn = settings, loss_fn
+    self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
+    self.mesh, self.outer_axis, self.axis_name = mesh, outer_axis, settings.axis_name
+    self.inner_steps, self.delta_dtype, self.donate = inner_steps, delta_dtype, donate
+    self.n_groups = mesh.shape[outer_axis]
+    self.group_size = int(np.prod([mesh.shape[a] for a in axis_names(self.axis_name)]))
+    self._programs: dict = {}  # (sync, the state's structure) -> jitted program
+    self._last = (None, 0)  # (weak reference to the inner_step array last returned, its host value)
+    # The host input layer's caches (jaxdp.runtime.host_inputs): checked once per signature, then only what values need.
+    self._state_ids: dict = {}  # the state's signature -> (a small int, its shardings, its (shape, dtype) pairs)
+    self._plans: dict = {}  # (state id, inputs' signature) -> the InputPlan of inputs validated once
+    self._known = None  # the state the last call returned (KnownState): placed, unshared, checked
+    self._placed_rng = host_inputs.PlacedKey()
+    self._rows = NamedSharding(mesh, P((outer_axis, *axis_names(self.axis_name))))  # the batch's sharding
+
+  # Host side -------------------------------------------------------------------------------------
+
+  def _count(self, state: DiLoCoState) -> int:
+    ref, count = self._last
+    if ref is not None and ref() is state.inner_step:
+      return count  # the state this step returned: no wait for the device
+    return int(jax.device_get(state.inner_step))
+
+  def _check_state(self, state: Any) -> None:
+    if not isinstance(state, DiLoCoState):
+      raise TypeError(
+          f"state must be a jaxdp.runtime.diloco.DiLoCoState, got {type(state).__name__}; build it with "
+          "jaxdp.init_diloco_state(params, inner_optimizer, mesh, outer_axis=..., outer_optimizer=...)."
+      )
+
+  def _check(self, state, batch, weights, rng) -> None:
+    """Validates inputs of a new signature (shapes and structure, never values)."""
+    _checks.check_state(state.inner, "state.inner")
+    r = self.n_groups
+    for path, leaf in jax.tree_util.tree_leaves_with_path((state.inner, state.period_weight)):
+      if np.ndim(leaf) == 0 or np.shape(leaf)[0] != r:
+        raise ValueError(
+            f"state{'.inner' if path[0].idx == 0 else '.period_weight'}{jax.tree_util.keystr(path[1:])} has shape "
+            f"{np.shape(leaf)}; every leaf of state.inner and state.period_weight needs a leading dimension of "
+            f"{r}, the size of outer_axis {self.outer_axis!r}: build the state with jaxdp.init_diloco_state on this "
+            "step's mesh."
+        )
+    group = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner)
+    _checks.check_step_inputs(
+        self.loss_fn, self.inner_optimizer, group, batch, weights, rng, n_replicas=r * self.group_size,
+        accum_steps=self.settings.accum_steps,
+    )
+    if _checks.signature(jax.eval_shape(self.outer_optimizer.init, state.outer_params)) != _checks.signature(
+        state.outer_opt_state):
+      raise ValueError(
+          "state.outer_opt_state does not match outer_optimizer.init(state.outer_params) in structure, shape or "
+          "dtype: the state was built with another outer optimizer; pass the same outer_optimizer to "
+          "jaxdp.init_diloco_state and jaxdp.make_diloco_step."
+      )
+    if _checks.signature(state.outer_params) != _checks.signature(group.params):
+      raise ValueError("state.outer_params and each group's state.inner.params differ in structure, shape or dtype; "
+                       "build the state with jaxdp.init_diloco_state.")
+
+  def _prepare(self, state, batch, weights, rng):
+    """Runs the host input layer (:mod:`jaxdp.runtime.host_inputs`) on one call's inputs.
+
+    Returns ``(shardings, args, leaves, treedef)``: the state's shardings, the program's arguments, the leaves
+    of the state it gets and that state's structure.
+    """
+    weights = _checks.as_array(weights)
+    _checks.check_padded_weights(batch, weights)  # identity lookups, and only without weights
+    leaves, treedef = jax.tree.flatten(state)
+    entry = host_inputs.known_state(self._known, leaves, treedef)  # the state the last call returned
+    known = entry is not None
+    if not known:
+      self._check_state(state)
+      host_inputs.check_state_donation(state, leaves)  # also a state another step has consumed
+      signature = _checks.signature(state)
+      if signature not in self._state_ids:
+        self._state_ids[signature] = (len(self._state_ids), None, None)
+      entry = self._state_ids[signature]
+    _, inputs_key = host_inputs.input_signature(batch, weights, rng)
+    host_inputs.agree_across_processes({"state": state, "batch": batch, "weights": weights, "rng": rng},
+                                       "DiLoCo step inputs")
+    plan = self._plans.get((entry[0], inputs_key))
+    if plan is None:
+      self._check(state, batch, weights, rng)
+      if entry[1] is None:  # the state's shardings and kinds, once it is valid
+        entry = self._state_ids[_checks.signature(state)] = (
+            entry[0], _state_shardings(state, self.mesh, self.outer_axis), host_inputs.state_kinds(state))
+      plan = self._plans[entry[0], inputs_key] = host_inputs.plan_inputs(batch, weights, None, self._rows, entry[2])
+    _, shardings, kinds = entry
+    if not known:
+      state = place(_checks.unshared_buffers(state) if self.donate else state, shardings)
+      leaves = jax.tree.leaves(state)
+    host_inputs.check_input_values(plan, batch, weights)  # each call: the values of host inputs only
+    inputs = host_inputs.place_inputs(plan, (batch, weights, None), self._rows)
+    if self.donate:
+      inputs = host_inputs.unshare_inputs(plan, inputs, kinds, lambda: leaves)
+    batch, weights, _ = inputs
+    rng = self._placed_rng(rng, lambda key: place(key, replicated(self.mesh)))
+    self._entry = entry
+    return shardings, (state, batch, weights, rng), leaves, treedef
+
+  def _program(self, sync: bool, shardings: DiLoCoState):
+    key = (sync, jax.tree.structure(shardings))
+    if key not in self._programs:
+      self._programs[key] = self._build(sync, shardings)
+    return self._programs[key]
+
+  def __call__(self, state: DiLoCoState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None):
+    shardings, prepared, leaves, treedef = self._prepare(state, batch, weights, rng)
+    count = self._count(prepared[0])
+    sync = (count + 1) % self.inner_steps == 0
+    try:
+      new_state, metrics = self._program(sync, shardings)(*prepared)
+    except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
+      host_inputs.raise_if_consumed(error, prepared[0])
+      raise
+    if self.donate:
+      host_inputs.mark_donated(leaves)
+    self._last = (weakref.ref(new_state.inner_step), count + 1)
+    # The output has the input's structure, shapes and shardings: the next call knows it.
+    self._known = host_inputs.KnownState(jax.tree.leaves(new_state), treedef, self._entry, strong=True)
+    return new_state, metrics
+
+  def lower_inner(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
+    """The ``jax.stages.Lowered`` of the inner step (no sync) on these inputs."""
+    shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
+    return self._program(False, shardings).lower(*prepared)
+
+  def lower_sync(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
+    """The ``jax.stages.Lowered`` of the inner step followed by the outer sync."""
+    shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
+    return self._program(True, shardings).lower(*prepared)
+
+  def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool, compiled: bool = True
+                  ) -> dict[str, Collective]:
+    """The collectives of the inner program (``sync=False``) or of the sync program, per device, as
+    :func:`jaxdp.comm_report` counts them: ``compiled=True`` reads the compiled HLO (on CPU, XLA widens a
+    bfloat16 all-reduce to float32), ``compiled=False`` the HLO before optimisation (the dtypes jaxdp
+    writes: the bytes GPU and TPU backends move)."""
+    lowered = (self.lower_sync if sync else self.lower_inner)(state, batch, weights, rng)
+    hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
+    return collectives_from_hlo(hlo, self.n_groups * self.group_size)
+
+  def bytes_per_step(self, state, batch, weights=None, rng=None, *, field: str = "bytes", compiled: bool = True,
+                     outer_only: bool = False) -> float:
+    """Per-device collective bytes per call, averaged over an outer period: ``((H - 1) * inner + sync) / H``.
+
+    ``field``: ``"bytes"`` (the buffers reduced or gathered, as
+    :class:`jaxdp.Collective` counts them) or ``"traffic_bytes"`` (ring
+    traffic per device). ``compiled``: as in :meth:`comm_report`.
+    ``outer_only``: only the collectives over the outer axis, ``(sync -
+    inner) / H`` (the sync program is the inner one plus those), the bytes
+    that cross between groups; the rest stay within a group.
+    """
+    if field not in ("bytes", "traffic_bytes"):
+      raise ValueError(f"field must be 'bytes' or 'traffic_bytes', got {field!r}.")
+    inner, sync = [sum(getattr(c, field) for c in self.comm_report(state, batch, weights, rng, sync=s,
+                                                                   compiled=compiled).values())
+                   for s in (False, True)]
+    if outer_only:
+      return (sync - inner) / self.inner_steps
+    return ((self.inner_steps - 1) * inner + sync) / self.inner_steps
+
+  # Device side -----------------------------------------------------------------------------------
+
+  def _build(self, sync: bool, shardings: DiLoCoState):
+    settings, outer_axis, outer_optimizer = self.settings, self.outer_axis, self.outer_optimizer
+    delta_dtype = self.delta_dtype
+    loss_fn, inner_optimizer = self.loss_fn, self.inner_optimizer
+
+    def group_step(state: DiLoCoState, batch, weights, rng):
+      inner = jax.tree.map(lambda x: x[0], state.inner)  # this group's entry
+      if rng is not None:  # the groups' rows differ: so do their keys
+        rng = jax.random.fold_in(rng, lax.axis_index(outer_axis))
+      inner, metrics = train_step(loss_fn, inner_optimizer, inner, batch, weights, rng=rng, layout=settings.axis_name,
+                                  reduction=settings.reduction, precision=settings.precision,
+                                  accum_steps=settings.accum_steps)
+      applied = metrics["weight"].astype(jnp.float32) * (1 - metrics["skipped"]).astype(jnp.float32)
+      period_weight = state.period_weight[0] + applied
+      outer_params, outer_opt_state = state.outer_params, state.outer_opt_state
+      if sync:
+        outer_params, outer_opt_state, inner = _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner,
+                                                           period_weight, outer_axis, delta_dtype)
+        period_weight = jnp.zeros_like(period_weight)
+      new_state = DiLoCoState(
+          jax.tree.map(lambda x: x[None], inner), outer_params, outer_opt_state, state.inner_step + 1,
+          period_weight[None],
+      )
+      metrics = {name: value[None] for name, value in metrics.items()}
+      return new_state, metrics
+
+    specs = jax.tree.map(lambda s: s.spec, shardings)
+    rows = P((outer_axis, *axis_names(self.axis_name)))
+    mapped = jax.shard_map(
+        group_step, mesh=self.mesh, in_specs=(specs, rows, rows, P()), out_specs=(specs, P(outer_axis)),
+        # Untyped: the groups' parameters vary over the outer axis, and a typed step would take a loss varying
+        # over an axis it does not reduce for a batch split over an unnamed axis (and refuse it). The outer
+        # parameters are replicated by construction: computed from all-reduced values only.
+        check_vma=False,
+    )
+
+    def program(state, batch, weights, rng):
+      new_state, metrics = mapped(state, batch, weights, rng)
+      return new_state, {**metrics, "synced": jnp.asarray(int(sync), jnp.int32)}
+
+    return jax.jit(program, donate_argnums=(0,) if self.donate else (), out_shardings=(shardings, None))
+
+
+def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainState, period_weight, outer_axis: str,
+                delta_dtype):
+  """Per group: the weighted average of the groups' deltas (one all-reduce over ``outer_axis``), the outer
+  update, and the group's restart from the new outer parameters."""
+  total = lax.psum(period_weight, outer_axis)  # 4 bytes
+  share = jnp.where(total > 0, period_weight / jnp.where(total > 0, total, 1.0), 0.0)
+
+  def contribution(outer, current):
+    delta = (outer - current).astype(jnp.float32) * share
+    return delta if delta_dtype in (None, jnp.int8) else delta.astype(delta_dtype)
+
+  contributions = jax.tree.map(contribution, outer_params, inner.params)
+  summed = _int8_psum(contributions, outer_axis) if delta_dtype == jnp.int8 else lax.psum(contributions, outer_axis)
+  average = jax.tree.map(lambda d, p: d.astype(p.dtype), summed, outer_params)
+
+  def update(operand):
+    params, opt_state = operand
+    updates, opt_state = outer_optimizer.update(average, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  # No group applied an inner step over the period (all skipped): nothing to average, the outer state stays.
+  outer_params, outer_opt_state = lax.cond(total > 0, update, lambda operand: operand,
+                                           (outer_params, outer_opt_state))
+  restarted = jax.tree.map(lambda p, q: p.astype(q.dtype), outer_params, inner.params)
+  return outer_params, outer_opt_state, inner._replace(params=restarted)
+
+
+def _int8_psum(tree: Any, axis: str) -> Any:
+  """``lax.psum(tree, axis)`` of float32 leaves, communicated as int8: the leaves flattened into one vector, in
+  blocks of :data:`INT8_BLOCK` values.
+
+  Each block's scale is its largest magnitude over every device (one all-reduce of the scales) over
+  ``127 // R``: each device's rounded values then lie in ``[-(127 // R), 127 // R]`` and their sum over the R
+  devices fits int8, so the all-reduce itself runs in int8. Each value is off by at most half a scale step
+  per device.
+  """
+  levels = 127 // lax.axis_size(axis)
+  leaves, treedef = jax.tree.flatten(tree)
+  flat = jnp.concatenate([x.reshape(-1) for x in leaves])
+  blocks = jnp.pad(flat, (0, -flat.size % INT8_BLOCK)).reshape(-1, INT8_BLOCK)
+  scales = lax.pmax(jnp.max(jnp.abs(blocks), axis=1), axis) / levels
+  scales = jnp.where(scales > 0, scales, 1.0)[:, None]
+  quantized = jnp.clip(jnp.round(blocks / scales), -levels, levels).astype(jnp.int8)
+  summed = (lax.psum(quantized, axis).astype(jnp.float32) * scales).reshape(-1)
+  offsets = np.cumsum([0] + [x.size for x in leaves])
+  return jax.tree.unflatten(treedef, [summed[a:z].reshape(x.shape) for x, a, z in zip(leaves, offsets, offsets[1:])])
+
+
+@accepts_legacy_keywords("make_diloco_step", ("loss_fn", "inner_optimizer", "layout"))
+def make_diloco_step(
+    loss_fn: Callable[..., Any],
+    inner_optimizer: optax.GradientTransformation,
+    layout: DataParallel | Mesh | None = None,
+    *,
+    inner_steps: int,
+    outer_axis: str = "replica",
+    outer_optimizer: optax.GradientTransformation | None = None,
+    delta_dtype: Any = None,
+    reduction: Any = None,
+    precision: Any = None,
+    accum_steps: int = 1,
+    donate: bool = True,
+) -> DiLoCoStep:
+  """Builds the DiLoCo step: exact data parallelism over ``axis_name`` inside each group of ``outer_axis``, and
+  every ``inner_steps`` calls the outer sync across the groups.
+
+  Rows of the global batch are split over ``(outer_axis, *data axes)``:
+  group ``r`` gets the ``r``-th of R contiguous blocks of rows, split over its
+  devices as :func:`jaxdp.make_train_step` splits a batch. Each call runs
+  :func:`jaxdp.train_step` on every group (the exact weighted mean of the
+  group's rows, reduced over the group's data axes only). The call that
+  completes a period of ``inner_steps`` then averages the groups' deltas
+  ``outer_params - inner_params_r`` with weights proportional to each group's
+  summed weight over the period (weight of skipped steps excluded), and the
+  outer optimizer applies that average as its gradient. With this weighting,
+  ``inner_steps=1``, inner ``optax.sgd(lr)`` and outer ``optax.sgd(1.0)``
+  give the exact step of the global weighted mean (the weighted average of
+  ``lr * group mean gradient`` is ``lr`` times the global mean gradient).
+
+  Args:
+    loss_fn: as for :func:`jaxdp.make_train_step`.
+    inner_optimizer: the groups' optax optimizer; each group keeps its own
+      state, which the sync leaves as it is.
+    mesh: a mesh of ``outer_axis`` and the data axes only.
+    outer_axis: the axis of the replica groups (R of them).
+    axis_name: the data axis (or a tuple of axes) inside a group.
+    inner_steps: H, the inner steps per outer sync (an int >= 1).
+    outer_optimizer: applied to the averaged delta; default
+      :func:`default_outer_optimizer` (Nesterov SGD, lr 0.7, momentum 0.9).
+    delta_dtype: the dtype the deltas are all-reduced in: ``None`` (the
+      parameters' own), ``jnp.bfloat16`` (half the bytes of float32) or
+      ``jnp.int8`` (a quarter: the leaves in one vector, with a float32
+      scale per block of :data:`INT8_BLOCK` values, the block's largest
+      magnitude over the groups divided by ``127 // R`` so that the int8
+      sum cannot overflow; refused for more than 127 groups). The
+      weighting is applied before the cast.
+    reduction, precision, accum_steps: the inner step's, as for
+      :func:`jaxdp.make_train_step` (``reductions.none()`` is refused: a
+      group must stay one replica; so are reductions with a state).
+    donate: donate the input state's buffers to the output state.
+
+  Returns:
+    A :class:`DiLoCoStep`.
+  """
+  inner_steps = check_int(inner_steps, "inner_steps", 1, "the number of inner steps between outer syncs (H).")
+  mesh = _group_mesh(layout, outer_axis)
+  axis_name = layout.axis_name if isinstance(layout, DataParallel) else "data"
+  settings = step_config(axis_name, reduction, precision, accum_steps)
+  if settings.mode == "none":
+    raise ValueError(
+        "reduction='none' leaves each device of a group with its own update, but a DiLoCo group must stay one "
+        "replica between syncs; use reduction='mean' (or 'sum', 'rank_mean')."
+    )
+  if settings.reduction.stateful or settings.loss_scaling is not None:
+    raise ValueError(
+        "make_diloco_step's inner step takes no reduction with a state (powersgd, a user's) and no loss scaling: "
+        "DiLoCoState holds neither; use the exact reduction and precision(loss_scaling=None)."
+    )
+  check_loss_fn(loss_fn)
+  check_optimizer(inner_optimizer, "inner_optimizer")
+  outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
+  check_optimizer(outer_optimizer, "outer_optimizer")
+  if delta_dtype is not None:
+    try:
+      name = jnp.dtype(delta_dtype).name
+    except (TypeError, ValueError):
+      name = None
+    if name is None or name not in DELTA_DTYPES:
+      raise ValueError(f"delta_dtype must be None, jnp.bfloat16 or jnp.int8, got {delta_dtype!r}.")
+    delta_dtype = jnp.dtype(name)
+  check_int8_groups(delta_dtype, mesh.shape[outer_axis])
+  if not isinstance(donate, (bool, np.bool_)):
+    raise TypeError(f"donate must be True or False, got {donate!r}.")
+  return DiLoCoStep(settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,
+                    bool(donate))
