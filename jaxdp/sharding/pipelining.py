@@ -321,9 +321,9 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> 
 # Checks before anything runs or is donated ------------------------------------------------------------------------
 
 
-def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_stage: int, backend: str,
-                   reduction: str = "mean") -> None:
-  """Raises unless ``pipe`` (a :class:`Pipeline` or ``None``) can run on ``mesh`` with these step arguments."""
+def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_stage: int, backend: str) -> None:
+  """Raises unless ``pipe`` (a :class:`Pipeline` or ``None``) can run on ``mesh`` with this layout (the pairs with
+  a reduction are :func:`jaxdp.sharding.parallel.check_step`'s)."""
   names = tuple(getattr(mesh, "axis_names", ()))
   data = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   if pipe is None:
@@ -355,11 +355,6 @@ def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_st
         "zero_stage=3 with a pipeline is not supported: stage 3 gathers the parameters inside the loss, and a "
         "pipelined stack's layers would need their gather inside the pipeline's loop over microbatches (once per "
         "microbatch and repeat). Use zero_stage=1 or 2 (optimizer state and gradient split over the data axis)."
-    )
-  if reduction == "none":
-    raise ValueError(
-        "reduction='none' with a pipeline is not supported: that step runs untyped (check_vma=False), and a pipeline "
-        "needs the types to sum the gradient of the layers before the stack over the stages. Use reduction='mean'."
     )
   if backend != "shard_map":  # (jaxdp.sharding.layout.check_backend refuses pmap on a mesh of several axes first)
     raise ValueError(f"backend={backend!r} with a pipeline: the stages run inside shard_map over the stage axis; use "
