@@ -1037,3 +1037,32 @@ class StreamingPipeline:
     if portions is None:
       raise StopIteration
     return _place_portions(portions, self.n_devices, self._sharding)
+
+
+# The pieces other input adapters (jaxdp.io.grain) build on: the same cut, checks and padding as the pipelines above.
+
+
+def portion_sizes(count: int, n_devices: int) -> np.ndarray:
+  """``count`` examples spread over ``n_devices`` as evenly as possible, the first ``count % n_devices`` one more."""
+  return _portion_sizes(count, n_devices)
+
+
+def collate_checked(collate: Callable, examples: list, template: Any = None) -> tuple[Any, np.ndarray]:
+  """``collate(examples)`` as numpy ``(batch, weights)``, checked as the pipelines check it (leading sizes, finite
+  float32 weights ``>= 0``, and the trailing shapes and dtypes of the zero-row portion ``template`` if given)."""
+  return _collated(collate, examples, template)
+
+
+def pad_portions(portions: Mapping[int, tuple[Any, np.ndarray]], rows: int, pad: str, spare: Any = None) -> dict:
+  """``{position: (batch, weights)}`` padded to ``rows`` rows of weight 0, as ``shard_uneven`` pads them.
+
+  Under ``pad="copy"`` a portion pads with copies of its own first real row, an empty one with copies of
+  ``spare`` (a one-row batch pytree, ``first_real_row``) if given, else of the first non-empty portion's row.
+  """
+  return _padded(portions, rows, check_pad(pad), spare)
+
+
+def first_real_row(batch: Any, weights: np.ndarray) -> Any | None:
+  """The first row of positive weight (else row 0) of a portion's ``batch``, as a one-row pytree; ``None`` if it
+  has no rows. What ``pad_portions`` copies into padding rows."""
+  return _real_row(batch, weights)
