@@ -1,8 +1,8 @@
 """grain input: a per-process grain dataset batched into the step's ``(batch, weights)``, exactly, and resumable.
 
-Each process gives :class:`GrainPipeline` its own grain ``MapDataset``,
+Each process gives ``GrainPipeline`` its own grain ``MapDataset``,
 ``IterDataset`` or ``DataLoader`` of single examples (sharded per process,
-e.g. with :func:`process_shard`, which cuts as grain's
+e.g. with ``process_shard``, which cuts as grain's
 ``ShardByJaxProcess(drop_remainder=False)`` does: the remainder to the first
 processes). Every step each process takes up to ``local devices *
 per_device_batch`` examples from its iterator, cuts them over its devices as
@@ -49,7 +49,7 @@ from jaxdp.io.data import (
 from jaxdp.sharding.layout import check_mesh_axis, data_rows, data_size, split_along
 
 STATE_FIELDS = ("epoch", "step", "consumed", "num_examples", "process", "processes", "iterator")
-"""The fields of :meth:`GrainPipeline.get_state` (one process's entry in a checkpoint)."""
+"""The fields of ``GrainPipeline.get_state`` (one process's entry in a checkpoint)."""
 
 
 def stack(examples: list) -> tuple[Any, np.ndarray]:
@@ -162,7 +162,7 @@ class GrainPipeline:
       collate: ``collate(examples) -> (batch, weights)`` as for
         ``DataPipeline`` (numpy leaves with leading size ``len(examples)``,
         weights ``[k]`` or ``[k, t]``, finite and ``>= 0``); default
-        :func:`stack`, weight 1 per example.
+        ``stack``, weight 1 per example.
       num_examples: this process's examples per epoch; default
         ``len(dataset)`` (a ``MapDataset`` has one; give it for an
         ``IterDataset`` or a ``DataLoader``). An iterator that ends before
@@ -334,10 +334,10 @@ class GrainPipeline:
   # --- State -------------------------------------------------------------------------------------
 
   def get_state(self) -> dict:
-    """This process's position, JSON-serialisable: ``{field: value}`` for :data:`STATE_FIELDS`.
+    """This process's position, JSON-serialisable: ``{field: value}`` for ``STATE_FIELDS``.
 
     Taken between steps: the iterator's state is that after the examples of the steps drawn, so
-    :meth:`set_state` resumes at the next example.
+    ``set_state`` resumes at the next example.
     """
     at_end = self.step >= self.steps_per_epoch
     return {
@@ -351,7 +351,7 @@ class GrainPipeline:
     }
 
   def set_state(self, state: dict) -> None:
-    """Resumes at a position from :meth:`get_state` (a collective: every process sets its own entry).
+    """Resumes at a position from ``get_state`` (a collective: every process sets its own entry).
 
     Raises:
       ValueError: a position of another process count or process (grain's iterator state is per shard), or of
@@ -384,12 +384,12 @@ class GrainPipeline:
 
 
 def is_grain_pipeline(data: Any) -> bool:
-  """Whether ``data`` is a :class:`GrainPipeline` (what ``CheckpointManager`` saves one entry per process of)."""
+  """Whether ``data`` is a ``GrainPipeline`` (what ``CheckpointManager`` saves one entry per process of)."""
   return isinstance(data, GrainPipeline)
 
 
 def gather_states(pipeline: GrainPipeline) -> list[dict]:
-  """Every process's :meth:`GrainPipeline.get_state`, in process order (a collective)."""
+  """Every process's ``GrainPipeline.get_state``, in process order (a collective)."""
   mine = pipeline.get_state()
   if jax.process_count() == 1:
     return [mine]
@@ -397,10 +397,10 @@ def gather_states(pipeline: GrainPipeline) -> list[dict]:
 
 
 def restore_states(pipeline: Any, states: Any, where: str, check_only: bool = False) -> None:
-  """Sets ``pipeline`` to this process's entry of ``states`` (saved by :func:`gather_states`), or refuses.
+  """Sets ``pipeline`` to this process's entry of ``states`` (saved by ``gather_states``), or refuses.
 
   With ``check_only``, only refuses (before a restore reads any array): ``pipeline`` is not a
-  :class:`GrainPipeline`, or ``states`` are of another process count.
+  ``GrainPipeline``, or ``states`` are of another process count.
   """
   if not isinstance(pipeline, GrainPipeline):
     raise ValueError(
