@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from flax.core import meta
 
 from jaxdp.adapters.batchnorm import training_batch_guards
@@ -122,3 +123,70 @@ def example_ids() -> contextlib.AbstractContextManager:
 register_model_support(ModelSupport(tracing=tracing, notes=notes, unbox=unbox, before_step=before_step,
                                     check_params=check_params, check_optimizer=check_optimizer,
                                     example_ids=example_ids))
+
+
+# Stacks of identical blocks (jaxdp.adapters.linen.stack_blocks, jaxdp.adapters.nnx.stack_blocks).
+
+
+def _signature(tree: Any, is_leaf: Callable | None) -> tuple:
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  described = []
+  for path, x in leaves:
+    v = _value(x)
+    described.append((jax.tree_util.keystr(path), tuple(np.shape(v)), str(getattr(v, "dtype", np.asarray(v).dtype))))
+  return treedef, tuple(described)
+
+
+def _value(x: Any) -> Any:
+  return x.get_value() if hasattr(x, "get_value") else (x.unbox() if isinstance(x, meta.AxisMetadata) else x)
+
+
+def check_identical(trees: list, names: list[str], is_leaf: Callable | None = None) -> None:
+  """Refuses blocks that differ in structure, leaf shapes or dtypes, naming the first that differs from the first."""
+  first = _signature(trees[0], is_leaf)
+  for tree, name in zip(trees[1:], names[1:]):
+    other = _signature(tree, is_leaf)
+    if other != first:
+      if other[0] != first[0]:
+        why = f"its structure differs ({other[0]} vs {first[0]})"
+      else:
+        (path, *a), (_, *b) = next((o, f) for o, f in zip(other[1], first[1]) if o != f)
+        why = f"its leaf {path} is {a[1]}{list(a[0])}, {names[0]}'s {b[1]}{list(b[0])}"
+      raise ValueError(
+          f"{name} is not identical to {names[0]}: {why}. Only identical blocks stack into one array per leaf "
+          "(leading axis L); keep blocks that differ outside the stack."
+      )
+
+
+def stack_leaf(*xs: Any) -> Any:
+  """One leaf of a stack: the blocks' values stacked on a new leading axis; flax partitioning boxes and nnx
+  Variables keep their metadata, the layer axis added unsplit (``None``)."""
+  first = xs[0]
+  value = jax.numpy.stack([_value(x) for x in xs])
+  if isinstance(first, meta.AxisMetadata):
+    return first.replace_boxed(value).add_axis(0, {"partition_name": None})
+  if hasattr(first, "get_value"):  # an nnx Variable
+    sharding = first.get_metadata().get("out_sharding")
+    extra = {} if sharding is None else {"out_sharding": (None, *sharding)}
+    return first.replace(value, **extra)
+  return value
+
+
+def unstack_leaf(x: Any, i: int) -> Any:
+  """Layer ``i`` of a stacked leaf (the inverse of :func:`stack_leaf`)."""
+  value = _value(x)[i]
+  if isinstance(x, meta.AxisMetadata):
+    return x.replace_boxed(value).remove_axis(0, {"partition_name": None})
+  if hasattr(x, "get_value"):
+    sharding = x.get_metadata().get("out_sharding")
+    extra = {} if sharding is None else {"out_sharding": tuple(sharding[1:])}
+    return x.replace(value, **extra)
+  return value
+
+
+def stack_length(tree: Any, is_leaf: Callable | None, what: str) -> int:
+  """The common leading size of a stack's leaves (a ``ValueError`` naming ``what`` if there is none)."""
+  sizes = {np.shape(_value(x))[0] if np.ndim(_value(x)) else None for x in jax.tree.leaves(tree, is_leaf=is_leaf)}
+  if len(sizes) != 1 or None in sizes:
+    raise ValueError(f"{what} is not a stack: its leaves need one common leading (layer) axis, got sizes {sizes}.")
+  return sizes.pop()
