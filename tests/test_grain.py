@@ -100,8 +100,9 @@ def _loader(num_records: int) -> grain.DataLoader:
   return grain.DataLoader(data_source=source, sampler=sampler, worker_count=0)
 
 
-@pytest.mark.parametrize("kind", ["MapDataset", "DataLoader"])
-def test_a_checkpoint_mid_epoch_resumes_at_the_next_example(kind, tmp_path):
+@pytest.mark.parametrize("kind, stop", [("MapDataset", 2), ("MapDataset", 4), ("DataLoader", 2)])
+def test_a_checkpoint_mid_epoch_resumes_at_the_next_example(kind, stop, tmp_path):
+  """Saved after 2 of epoch 0's 4 steps (8, 8, 8 and 1 examples), or after its last one."""
   mesh = mesh_of(2)
   if kind == "MapDataset":
     def make():
@@ -112,14 +113,14 @@ def test_a_checkpoint_mid_epoch_resumes_at_the_next_example(kind, tmp_path):
                            num_examples=worker.NUM_EXAMPLES)
   whole, seen = _train(make(), mesh, epochs=2)
   first = make()
-  state, before = _train(first, mesh, epochs=2, stop=2)  # mid-epoch: 2 of the 4 steps of epoch 0
+  state, before = _train(first, mesh, epochs=2, stop=stop)
   with CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
-    ckpt.save(2, state, data=first)
+    ckpt.save(stop, state, data=first)
     saved = json.loads(json.dumps(first.get_state()))
     resumed = make()
     restored = ckpt.restore(params=problem.init_params(), optimizer=OPT, layout=mesh, data=resumed)
-  assert restored.data_step == 2 and resumed.get_state() == saved
-  assert (resumed.epoch, resumed.step, resumed.consumed) == (0, 2, 16)
+  assert restored.data_step == stop and resumed.get_state() == saved
+  assert (resumed.epoch, resumed.step, resumed.consumed) == ((0, 2, 16) if stop == 2 else (1, 0, 0))
   state, after = _train(resumed, mesh, epochs=2, state=restored.state)
   assert before + after == seen  # no example skipped or repeated, the same batches
   for a, b in zip(jax.tree.leaves(jaxdp.gather_state(whole).params), jax.tree.leaves(jaxdp.gather_state(state).params)):

@@ -347,7 +347,8 @@ class GrainPipeline:
         "num_examples": self.num_examples,
         "process": jax.process_index(),
         "processes": jax.process_count(),
-        "iterator": None if at_end else _iterator_state(self._iterator),
+        # At an epoch's start the position is the epoch alone (a fresh iterator of its dataset).
+        "iterator": None if at_end or self.step == 0 else _iterator_state(self._iterator),
     }
 
   def set_state(self, state: dict) -> None:
