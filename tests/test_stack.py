@@ -3,7 +3,7 @@
 A small transformer-like model (an embedding, N identical residual blocks, a head), written as users write
 it (a list of blocks in a linen ``setup``, an ``nnx.List`` in nnx), is trained with its blocks stacked under
 layer-wise ZeRO-3 (``data_parallel(mesh, zero_stage=3, layers="blocks")``, ``jaxdp.scan_layers``) on 4 devices
-with uneven rows, and compared with one device running the original, unstacked model (its own ``__call__``)
+with uneven rows (linen also in a 2-stage pipeline), and compared with one device running the original, unstacked model (its own ``__call__``)
 on the same global batches: plain ``jax.grad`` of the weighted mean, SGD.
 
 Tolerance: float32, the same arithmetic up to the order of sums (per-device partial sums and a reduce-scatter
@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import jaxdp
-from helpers import mesh_of
+from helpers import grid_mesh, mesh_of
 from jaxdp.adapters import linen as jlinen
 from jaxdp.adapters import nnx as jnnx
 
@@ -50,12 +50,12 @@ def _reference(loss_of_params, params) -> dict:
   return params
 
 
-def _train_stacked(loss_fn, params, mesh) -> dict:
-  dp = jaxdp.data_parallel(mesh, zero_stage=3, layers="blocks")
+def _train_stacked(loss_fn, params, mesh, dp=None, rows=None) -> dict:
+  dp = jaxdp.data_parallel(mesh, zero_stage=3, layers="blocks") if dp is None else dp
   state, step = jaxdp.init_state(params, OPT, dp), jaxdp.make_train_step(loss_fn, OPT, dp)
   for k in range(STEPS):
     batch, weights = _data(k)
-    state, _ = step(state, *jaxdp.split_batch(batch, mesh, weights=weights))
+    state, _ = step(state, *jaxdp.split_batch(batch, mesh, weights=weights, rows=rows))
   return jaxdp.gather_state(state).params
 
 
@@ -74,9 +74,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+  n: int = N
+
   def setup(self):
     self.embed = nn.Embed(V, D)
-    self.blocks = [Block() for _ in range(N)]  # params blocks_0 .. blocks_2
+    self.blocks = [Block() for _ in range(self.n)]  # params blocks_0 .. blocks_{n-1}
     self.head = nn.Dense(V)
 
   def __call__(self, tokens):
@@ -90,8 +92,10 @@ def _linen_losses(logits, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
 
 
-def test_linen_stacked_layerwise_zero3_trains_like_the_original_model_on_one_device():
-  model = Transformer()
+@pytest.mark.parametrize("layout", ["layer-wise ZeRO-3", "pipeline"])
+def test_linen_stacked_trains_like_the_original_model_on_one_device(layout):
+  """Layer-wise ZeRO-3 on 4 devices; or a pipeline of 2 stages x 2 data shards (4 blocks, 2 microbatches)."""
+  model = Transformer(n=N if layout == "layer-wise ZeRO-3" else 4)
   params = model.init(jax.random.key(0), jnp.zeros((1,), jnp.int32))["params"]
 
   def stacked_loss(params, batch):
@@ -99,7 +103,12 @@ def test_linen_stacked_layerwise_zero3_trains_like_the_original_model_on_one_dev
     h, _ = jaxdp.scan_layers(lambda h, layer, _: (Block().apply({"params": layer}, h), None), h, params["blocks"])
     return _linen_losses(model.apply({"params": params}, h, method=lambda m, h: m.head(h)), batch)
 
-  got = jlinen.unstack_blocks(_train_stacked(stacked_loss, jlinen.stack_blocks(params), mesh_of(4)))
+  if layout == "pipeline":
+    mesh = grid_mesh((2, 2), ("stage", "data"))
+    dp, rows = jaxdp.data_parallel(mesh, layers="blocks", pipeline=jaxdp.pipeline(2, "gpipe")), 8
+  else:
+    mesh, dp, rows = mesh_of(4), None, None
+  got = jlinen.unstack_blocks(_train_stacked(stacked_loss, jlinen.stack_blocks(params), mesh, dp, rows))
   want = _reference(lambda p, b: _linen_losses(model.apply({"params": p}, b["tokens"]), b), dict(params))
   assert set(got) == set(want)
   _assert_close({k: got[k] for k in want}, want)
