@@ -14,7 +14,7 @@ shard, ``process_shard``). Interleaved in one process, in rounds of a new order 
 A method's figure is its best round's mean (the machine is shared; the best round is the least disturbed).
 
   .venv/bin/python experiments/grain_overhead.py            # 4 devices, 5 rounds of 30 steps
-  .venv/bin/python experiments/grain_overhead.py --quick    # 2 rounds of 5 steps (the tests' smoke run)
+  .venv/bin/python experiments/grain_overhead.py --quick    # a smaller model, 2 rounds of 5 steps (a smoke run)
 
 Prints a table and writes ``grain_overhead.json`` under ``--out`` (default ``out/grain_overhead``).
 """
@@ -61,8 +61,13 @@ def _inputs(chunks, collate, mesh, per_device: int, seed: int):
           "GrainPipeline(threads=0)": lambda: grain_pipeline(grain.ReadOptions(num_threads=0))}
 
 
-def measure(devices: int, steps: int, rounds: int, seed: int = 0) -> dict:
-  config = train_lm.Config(**train_lm.QUICK, devices=devices, dropout=0.0, progress=False)
+SMOKE = {"max_bytes": 50_000, "layers": 1, "d_model": 16, "heads": 2, "d_ff": 32}
+"""--quick: a smaller model and corpus than train_lm's --quick, for the tests' smoke run (not a measurement)."""
+
+
+def measure(devices: int, steps: int, rounds: int, seed: int = 0, quick: bool = False) -> dict:
+  sizes = {**train_lm.QUICK, **(SMOKE if quick else {})}
+  config = train_lm.Config(**sizes, devices=devices, dropout=0.0, progress=False)
   mesh = jaxdp.data_mesh(jax.devices()[:devices])
   chunks, _ = train_lm.build_dataset(config)
   collate = corpus.make_collate(config.seq_len)
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
   args = parser.parse_args(argv)
   steps = args.steps or (5 if args.quick else 30)
   rounds = args.rounds or (2 if args.quick else 5)
-  result = measure(args.devices, steps, rounds)
+  result = measure(args.devices, steps, rounds, quick=args.quick)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "grain_overhead.json").write_text(json.dumps(result, indent=2))

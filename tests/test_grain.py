@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jaxdp
-from helpers import mesh_of
+from helpers import grid_mesh, mesh_of
 from jaxdp.io.checkpoint import CheckpointManager
 from jaxdp.io.grain import GrainPipeline, process_shard
 from mp_workers import grain_train as worker
@@ -240,3 +240,18 @@ def test_another_process_count_is_refused(two_process_runs):
     # The state itself restores onto any layout; the data is then the caller's.
     assert ckpt.restore(params=problem.init_params(), optimizer=OPT, layout=mesh).data_step == 2
   assert pipe.get_state()["consumed"] == 0  # untouched
+
+
+def test_a_two_axis_mesh_replicates_the_batch_over_the_other_axis():
+  mesh = grid_mesh((2, 2), ("data", "model"))
+  pipe = GrainPipeline(grain.MapDataset.range(7).map(worker.example), mesh, per_device_batch=2,
+                       collate=worker.collate)
+  batches = list(pipe)
+  assert len(batches) == 2 and pipe.steps_per_epoch == 2  # 4 and 3 examples: devices 2, 2 then 2, 1
+  seen = []
+  for batch, weights in batches:
+    assert batch["x"].sharding.spec == jax.P("data") and batch["x"].shape == (4, problem.D_IN)
+    ids, w = np.asarray(batch["id"]), np.asarray(weights)
+    seen += ids[w > 0].tolist()
+  assert seen == list(range(7))
+
