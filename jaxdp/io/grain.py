@@ -169,7 +169,8 @@ class GrainPipeline:
         it, or holds more, raises (an example would be lost).
       template: one example shaped like the others, for the shapes of a
         device's portion when it has no example; default this process's
-        first example of epoch 0 (read once, from a fresh iterator). Needed
+        first example of epoch 0 (read once: by index from a ``MapDataset``,
+        else from a fresh iterator). Needed
         by a process whose dataset is empty. Under ``pad="copy"`` its padding
         rows copy a real row of their own device, or this example: the
         batches are the same in a run resumed from a checkpoint.
