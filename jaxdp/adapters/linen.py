@@ -9,17 +9,19 @@ the zero-weight padding rows into its statistics, and with ``mask=`` its
 fields, call, variable names and collections (``params``: ``scale``,
 ``bias``; ``batch_stats``: ``mean``, ``var``), so a model and its saved
 variables keep working; its training statistics are
-:func:`jaxdp.masked_moments` over the real rows of every device::
+:func:`jaxdp.masked_moments` over the real rows of every device, weighted by
+the step's weights when no ``mask`` is passed (nested BatchNorms need
+nothing threaded)::
 
   class Net(nn.Module):
     @nn.compact
-    def __call__(self, x, train, mask=None):
-      x = jaxdp.adapters.linen.BatchNorm(use_running_average=not train)(nn.Dense(64)(x), mask=mask)
+    def __call__(self, x, train):
+      x = jaxdp.adapters.linen.BatchNorm(use_running_average=not train)(nn.Dense(64)(x))
       ...
 
-  def loss_fn(params, batch, *, model_state, weights, train):
+  def loss_fn(params, batch, *, model_state, train):
     out, updates = model.apply({"params": params, "batch_stats": model_state}, batch["x"], train,
-                               mask=weights, mutable=["batch_stats"])
+                               mutable=["batch_stats"])
     return jaxdp.LossOutput(losses(out, batch), model_state=updates["batch_stats"])
 """
 
@@ -42,8 +44,8 @@ from jaxdp.adapters.batchnorm import (
     canonical_axes,
     check_supported,
     masked_moments,
-    refuse_unmasked_training,
     running_update,
+    step_mask,
 )
 
 __all__ = ["BatchNorm", "Dropout", "stack_blocks", "unstack_blocks"]
@@ -62,8 +64,9 @@ class BatchNorm(linen.Module):
     axis of the jaxdp step it runs in (in plain single-device code the whole
     batch it sees); ``None`` gives per-device statistics;
   * ``mask`` may be numeric weights ``>= 0`` and of lower rank than ``x``
-    (``[b]``: the weights ``loss_fn`` receives). Inside a jaxdp training step
-    it is required: the step's batches may hold padding rows;
+    (``[b]``: the weights ``loss_fn`` receives). Without it, inside a jaxdp
+    step, the step's weights of the rows are used (this replica's, of the
+    current micro-batch), so padding rows never enter the statistics;
   * the running statistics follow linen's update, ``ra = momentum·ra +
     (1 − momentum)·batch_stat``, and stay unchanged when the batch has no
     real row (linen's would take NaN);
@@ -97,8 +100,10 @@ class BatchNorm(linen.Module):
     Args:
       x: the input; ``axis`` holds the features.
       use_running_average: overrides the field of the same name.
-      mask: ``None`` or weights ``>= 0`` (bool or numeric; 0 = padding) of
-        the leading non-feature axes (e.g. ``[b]``) or broadcastable to ``x``.
+      mask: ``None`` (inside a jaxdp step: the step's weights of the rows,
+        see :func:`jaxdp.adapters.batchnorm.step_mask`) or weights ``>= 0``
+        (bool or numeric; 0 = padding) of the leading non-feature axes (e.g.
+        ``[b]``) or broadcastable to ``x``.
         Numeric weights weigh each row's statistics (frequency weights);
         flax's boolean mask counts each row once: with sample weights, pass
         ``mask=weights > 0`` for flax's statistics.
@@ -118,10 +123,10 @@ class BatchNorm(linen.Module):
     if use_running_average:
       mean, var = ra_mean.value, ra_var.value
     else:
-      refuse_unmasked_training(mask, "jaxdp.adapters.linen.BatchNorm")
       # At init linen computes the statistics without synchronising and leaves the running ones as created.
       axis_name = None if self.is_initializing() else self.axis_name
       stats_x = x if self.dtype is None else x.astype(jnp.promote_types(self.dtype, x.dtype))
+      mask = step_mask(mask, stats_x, feature_axes, "jaxdp.adapters.linen.BatchNorm")
       mean, var, count = masked_moments(stats_x, mask, axis_name=axis_name, feature_axes=feature_axes)
       mean, var = mean.reshape(feature_shape), var.reshape(feature_shape)
       if not self.is_initializing():

@@ -219,8 +219,8 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False,
         f"model has flax nnx.BatchNorm layers ({', '.join(flax_bn[:4])}): their training statistics include "
         "jaxdp's zero-weight padding rows, and across devices they average per-device means with equal weight, "
         "which is not the global batch's statistic for uneven splits. Replace them with jaxdp.adapters.nnx.BatchNorm "
-        "(same arguments; pass mask=weights in the call), or pass allow_flax_batchnorm=True if they only run on "
-        "their running averages."
+        "(same arguments; in a jaxdp step it takes the weights of its rows from the step), or pass "
+        "allow_flax_batchnorm=True if they only run on their running averages."
     )
   if keep_frozen not in (None, True, False):
     raise TypeError(f"keep_frozen must be True, False or None, got {keep_frozen!r}.")
@@ -334,7 +334,7 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
       losses, ``(losses, {name: values})`` with metrics of the losses'
       shape, or a :class:`jaxdp.LossOutput` without model state. It may
       declare these keywords: ``weights`` (this replica's row weights, 0 for
-      padding: pass them to ``jaxdp.adapters.nnx.BatchNorm(..., mask=weights)``),
+      padding; jaxdp.adapters.nnx.BatchNorm takes them from the step itself),
       ``rngs`` (an ``nnx.Rngs`` of the per-replica key, ``None`` in
       evaluation), ``train`` and ``axis_name``.
 

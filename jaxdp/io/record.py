@@ -345,7 +345,8 @@ def build_record(
   }
 
 
-# What DataPipeline.position records (a checkpoint saved with pipeline=).
+# What DataPipeline.position records (a checkpoint saved with pipeline=), besides the boolean "shuffle" (absent from
+# checkpoints written before it existed, whose pipelines shuffled).
 DATA_POSITION_FIELDS = ("epoch", "example", "num_examples", "seed", "global_batch", "devices")
 
 
@@ -425,9 +426,10 @@ def check_record(record: dict) -> None:
   _require(_is_count(record.get("data_step")), "data_step", record.get("data_step"), "an integer >= 0")
   if "data_position" in record:
     position = record["data_position"]
-    _require(isinstance(position, dict) and set(position) == set(DATA_POSITION_FIELDS)
-             and all(_is_count(position[k]) for k in DATA_POSITION_FIELDS), "data_position", position,
-             f"an object of integers >= 0: {', '.join(DATA_POSITION_FIELDS)}")
+    _require(isinstance(position, dict) and set(position) - {"shuffle"} == set(DATA_POSITION_FIELDS)
+             and all(_is_count(position[k]) for k in DATA_POSITION_FIELDS)
+             and isinstance(position.get("shuffle", True), bool), "data_position", position,
+             f"an object of integers >= 0: {', '.join(DATA_POSITION_FIELDS)}, and an optional boolean shuffle")
     _require(_consistent_position(position, record["data_step"]), "data_position", position,
              f"the position of data_step {record['data_step']} (a whole number of batches into an epoch of a "
              "non-empty dataset)")
