@@ -90,7 +90,6 @@ from jaxdp.io.data import DataPipeline
 from jaxdp.runtime.distributed import assert_same_across_processes
 from jaxdp.sharding.layout import (
     axis_names,
-    auto_mesh,
     check_param_specs,
     data_size,
     make_layout,
@@ -661,7 +660,6 @@ class CheckpointManager:
     _check_compression_record(record, resolved, replicas, self._where(step))
     record_lib.check_against(record, expected, self._where(step))
     data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
-    mesh = auto_mesh(mesh)  # as init_state places a state
     shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs, layers, stage_axis).shardings(mesh)
     entries = {tuple(e["path"]): e for e in record["leaves"]}
     layout = dict(zip((c for c, _ in record_lib.named_leaves(expected)), jax.tree.leaves(shardings)))

@@ -28,6 +28,7 @@ columns) is replicated over the model axes before the data rule is applied.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from typing import Any, Iterable, NamedTuple, Sequence
@@ -83,6 +84,22 @@ def auto_mesh(mesh: Mesh) -> Mesh:
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
   return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def mesh_context(mesh: Mesh) -> Any:
+  """The context a jaxdp program on ``mesh`` runs in: ``jax.set_mesh(mesh)`` where ``mesh`` has an Explicit axis.
+
+  A step is then traced once, whether its caller is inside ``with jax.set_mesh(mesh):`` or not, and what it
+  traces sees the mesh its arrays' types name. A mesh of Auto axes only, a caller already in this mesh's
+  context, and a call while tracing (inside the caller's own ``jit``, where ``set_mesh`` is refused: the
+  caller's context stands) get no context of their own.
+  """
+  if AxisType.Explicit not in mesh.axis_types or jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
+    return contextlib.nullcontext()
+  try:
+    return jax.set_mesh(mesh)
+  except ValueError:  # "set_mesh can only be used outside of jax.jit"
+    return contextlib.nullcontext()
 
 
 def axis_names(axis_name: Any) -> tuple[str, ...]:
@@ -171,6 +188,38 @@ def check_zero_stage(zero_stage: Any) -> None:
 def replicated(mesh: Mesh) -> NamedSharding:
   """The sharding of a value held whole by every device of ``mesh``."""
   return NamedSharding(mesh, P())
+
+
+def constrain(tree: Any, shardings: Any) -> Any:
+  """``tree`` laid out as ``shardings`` (one ``NamedSharding`` or a matching tree) inside a traced function.
+
+  JAX takes each kind of mesh axis its own way: an ``Explicit`` axis is in
+  the array's type and is moved with ``jax.sharding.reshard`` (a type
+  change), an ``Auto`` axis is the compiler's and is asked for with
+  ``with_sharding_constraint``; each refuses the other's axes. A mixed mesh
+  gets both, each naming only its own axes.
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: _constrain_leaf(x, shardings), tree)
+  return jax.tree.map(_constrain_leaf, tree, shardings)
+
+
+def _constrain_leaf(x: Any, sharding: NamedSharding) -> Any:
+  mesh = sharding.mesh
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  if explicit:
+    x = jax.sharding.reshard(x, NamedSharding(mesh, _only_axes(sharding.spec, explicit)))
+  if set(mesh.axis_names) - explicit:
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _only_axes(sharding.spec, set(mesh.axis_names) - explicit)))
+  return x
+
+
+def _only_axes(spec: P, keep: set) -> P:
+  """``spec`` naming only the mesh axes in ``keep`` (the others' dimensions left unsplit)."""
+  def part(entry):
+    names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in keep)
+    return None if not names else names[0] if len(names) == 1 else names
+  return P(*(part(e) for e in spec))
 
 
 def split_along(mesh: Mesh, axis_name: Any) -> NamedSharding:
@@ -581,9 +630,9 @@ def state_specs(state: TrainState) -> TrainState:
   which dimension; model axes show tensor-parallel splits.
   """
 
-  def spec(x):
+  def spec(x):  # trailing unsplit dimensions dropped: an Explicit mesh's arrays spell P() as P(None, None)
     sharding = getattr(x, "sharding", None)
-    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+    return _spec(list(sharding.spec)) if isinstance(sharding, NamedSharding) else P()
 
   return jax.tree.map(spec, state)
 

@@ -34,7 +34,6 @@ from jaxdp.sharding.legacy import accepts_legacy_keywords
 from jaxdp.sharding.layout import (
     abstract_state,
     assert_same_values,
-    auto_mesh,
     axis_names,
     check_backend,
     check_layers,
@@ -125,7 +124,6 @@ def data_parallel(
   check_mesh_axis(mesh, axis_name)
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
-  mesh = auto_mesh(mesh)
   check_zero_stage(zero_stage)
   check_backend(backend, mesh, axis_name)
   if backend == "pmap" and zero_stage:
