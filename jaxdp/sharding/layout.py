@@ -343,15 +343,17 @@ def model_spec_of(x: Any, mesh: Mesh, axis_name: str) -> P:
   return _spec(entries)
 
 
-def check_param_specs(param_specs: Any, params: Any, mesh: Mesh, axis_name: str) -> Any:
-  """``param_specs`` checked against ``params`` and ``mesh``: a tree of ``PartitionSpec`` over the model axes."""
+def check_param_specs(param_specs: Any, params: Any, mesh: Mesh, axis_name: str, source: str = "param_specs") -> Any:
+  """``param_specs`` checked against ``params`` and ``mesh``: a tree of ``PartitionSpec`` over the model axes.
+
+  ``source``: what the messages call the specs (the argument the user passed)."""
   try:
     specs = jax.tree.leaves(jax.tree.map(lambda _, s: [s], params, param_specs), is_leaf=lambda x: isinstance(x, list))
   except ValueError as e:
-    raise ValueError(f"param_specs must have the structure of params, one PartitionSpec (or None) per leaf: {e}") from None
+    raise ValueError(f"{source} must have the structure of params, one PartitionSpec (or None) per leaf: {e}") from None
   specs = [s[0] for s in specs]
   for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs):
-    name = f"param_specs{jax.tree_util.keystr(path)}"
+    name = f"{source}{jax.tree_util.keystr(path)}"
     if spec is None:
       continue
     if not isinstance(spec, P):
@@ -659,6 +661,32 @@ def model_specs_for(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -
   if param_specs is not None:
     return check_param_specs(param_specs, params, mesh, axis_name)
   return model_specs_of(params, mesh, axis_name)
+
+
+ANNOTATIONS = "the partitioning annotation (flax nn.with_partitioning) of params"
+"""What the messages call the specs a model library's boxes carried (not an argument the user passed)."""
+
+
+def annotated_model_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: Any) -> tuple[Any, Any]:
+  """``(params, model_specs)``: a model library's partitioning boxes removed and the params' model-axis specs.
+
+  ``param_specs`` (the user's argument) wins and must name model axes only. Without it, the specs come from the
+  boxes (linen's ``nn.with_partitioning``), with the data axes dropped from them: an annotation over the data
+  axis is the model's FSDP placement, which ``zero_stage=`` decides here (the FSDP guide); the model axes are
+  kept. Without either, from the arrays' own shardings (:func:`model_specs_of`).
+  """
+  params, boxed = unboxed(params)
+  if param_specs is not None:
+    return params, check_param_specs(param_specs, params, mesh, axis_name)
+  if boxed is not None:
+    return params, check_param_specs(without_axes(boxed, axis_names(axis_name)), params, mesh, axis_name, ANNOTATIONS)
+  return params, model_specs_of(params, mesh, axis_name)
+
+
+def without_axes(specs: Any, axes: Iterable[str]) -> Any:
+  """``specs`` (a ``PartitionSpec`` or a tree of them; ``None`` leaves kept) naming none of ``axes``."""
+  keep = lambda s: _spec(list(_only_axes(s, {a for e in s for a in _axes_of(e)} - set(axes))))  # noqa: E731
+  return jax.tree.map(lambda s: keep(s) if isinstance(s, P) else s, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def unboxed(params: Any) -> tuple[Any, Any]:
