@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxdp
 from helpers import assert_close_to_scale
+from jaxdp.analysis.reports import comm_report
 from jaxdp.sharding.layout import ZERO_STAGES, state_specs
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -133,6 +134,19 @@ def test_a_step_inside_the_context_of_an_explicit_mesh_keeps_its_types():
     assert jax.typeof(metrics["loss"]).sharding.mesh.axis_types == (AxisType.Explicit,)
     loss = float(jnp.asarray(metrics["loss"]) + 0.0)  # ordinary JAX code in the context takes it
   assert np.isfinite(loss) and step._traces == 1
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_one_reduction_either_way(stage):
+  """The exact weighted mean stays one reduction of the gradient's sums: the compiled step's collectives (kind,
+  count, bytes) are the same on an Explicit mesh as on an Auto one."""
+  reports = {}
+  for types in TYPES:
+    dp = jaxdp.data_parallel(make_mesh((4,), ("data",), types), zero_stage=stage)
+    state = jaxdp.init_state(init_params(), OPT, dp)
+    reports[types] = comm_report(jaxdp.make_train_step(loss_fn, OPT, dp), state, *batches(1)[0])
+  assert reports["explicit"] == reports["auto"]
+  assert reports["auto"]["reduce-scatter" if stage else "all-reduce"].count >= 1
 
 
 # Layer-wise, tensor-parallel, hybrid, pipeline -------------------------------------------------------------------------
