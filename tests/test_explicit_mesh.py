@@ -247,3 +247,19 @@ def test_checkpoint_restored_onto_the_other_axis_type(tmp_path, saved, restored)
   theirs, _ = jaxdp.make_train_step(loss_fn, OPT, jaxdp.data_parallel(state.params["embed"].sharding.mesh,
                                                                      zero_stage=2), donate=False)(state, *extra)
   assert_close_to_scale(jaxdp.gather_state(ours).params, jaxdp.gather_state(theirs).params, RTOL)
+
+
+def test_diloco_on_both_axis_types():
+  """DiLoCo maps over every axis, so the types change nothing inside: the same numbers, on the user's mesh."""
+  outer = {}
+  for types in TYPES:
+    mesh = make_mesh((2, 2), ("replica", "data"), types)
+    dp = jaxdp.data_parallel(mesh, axis_name="data")
+    state = jaxdp.init_diloco_state(init_params(), OPT, dp, outer_axis="replica")
+    step = jaxdp.make_diloco_step(loss_fn, OPT, dp, outer_axis="replica", inner_steps=2)
+    for inside, (batch, w) in zip((False, True, False, True), batches(2) * 2):
+      with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
+        state, metrics = step(state, batch, w)
+    on_mesh((state, metrics), mesh)
+    outer[types] = jaxdp.runtime.diloco.diloco_params(state)
+  assert_close_to_scale(outer["explicit"], outer["auto"], RTOL)

@@ -134,3 +134,10 @@ def test_a_real_conflict_names_the_argument_passed(linen_model):
   with pytest.raises(ValueError, match=r"annotation \(flax nn.with_partitioning\) of params\['Dense_0'\]\['kernel'\] = "
                                        r"P\('model',\) names axis 'model', which the mesh"):
     jaxdp.init_state(wrong, OPT, mesh)
+
+
+def test_flax_is_changed_only_while_a_step_traces():
+  before = nn.Partitioned.unbox
+  with jaxdp.adapters.flax_support.annotations_in_step():
+    assert nn.Partitioned.unbox is not before
+  assert nn.Partitioned.unbox is before

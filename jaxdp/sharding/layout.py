@@ -54,7 +54,8 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "dat
 
   The axis type is set explicitly to ``AxisType.Auto`` so that behaviour does
   not depend on the JAX version's default, and so that the arrays jaxdp
-  returns carry no mesh axes in their types (see :func:`auto_mesh`). For
+  returns carry no mesh axes in their types (see :func:`auto_mesh`); a mesh
+  of ``jax.make_mesh`` (Explicit axes) works as well. For
   tensor parallelism or hybrid sharding build a ``Mesh`` with more axes
   (e.g. ``jax.make_mesh((4, 2), ("data", "model"))``) and pass it instead.
   """
@@ -74,12 +75,11 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "dat
 def auto_mesh(mesh: Mesh) -> Mesh:
   """``mesh`` with every axis of type ``AxisType.Auto`` (the same devices and names).
 
-  The jitted steps run on this twin of the caller's mesh, so the arrays they
-  return carry no mesh axes in their types. Arrays on an ``Explicit`` mesh
-  do, and ordinary single-device code that later meets them (``nnx.update``
-  then a metrics object's ``reset()``) fails with "Length of device
-  assignment 1 is not equal to the size of the mesh ... use jax.set_mesh".
-  Auto-typed arrays work anywhere.
+  jaxdp runs on the mesh it is given, whatever its axis types (docs/meshes.md). Arrays on an ``Explicit``
+  mesh follow JAX's rules for it: eager single-device code that meets them (``nnx.update`` then a metrics
+  object's ``reset()``) runs inside ``jax.set_mesh(mesh)``, and fails outside it with "Length of device
+  assignment 1 is not equal to the size of the mesh ... use jax.set_mesh". A program that wants arrays usable
+  anywhere gives jaxdp this twin instead: Auto-typed arrays carry no mesh axes in their types.
   """
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh

@@ -56,7 +56,8 @@ class DataParallel(NamedTuple):
   """A checked layout (build it with :func:`data_parallel`).
 
   Attributes:
-    mesh: the device mesh the steps run on (its axes typed ``Auto``).
+    mesh: the device mesh the steps run on, as the caller made it (Explicit,
+      Auto or mixed axes; the state and outputs live on it).
     axis_name: the data axis, or several (a tuple; hybrid sharding with
       ``("replica", "data")``: ZeRO splits over the last, the gradient is
       all-reduced over all).
