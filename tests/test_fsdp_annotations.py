@@ -131,7 +131,7 @@ def test_a_real_conflict_names_the_argument_passed(linen_model):
   # An annotation over an axis the mesh lacks is the model's, and the message says so (not param_specs).
   wrong = jax.tree.map(lambda x: x.replace(names=("model", None)) if isinstance(x, nn.Partitioned) and x.value.ndim == 2
                        else x, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-  with pytest.raises(ValueError, match=r"annotation \(flax nn.with_partitioning\) of params\['Dense_0'\]\['kernel'\] = "
+  with pytest.raises(ValueError, match=r"annotation \(nn.with_partitioning\) of params\['Dense_0'\]\['kernel'\] = "
                                        r"P\('model',\) names axis 'model', which the mesh"):
     jaxdp.init_state(wrong, OPT, mesh)
 

@@ -663,7 +663,7 @@ def model_specs_for(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -
   return model_specs_of(params, mesh, axis_name)
 
 
-ANNOTATIONS = "the partitioning annotation (flax nn.with_partitioning) of params"
+ANNOTATIONS = "the partitioning annotation (nn.with_partitioning) of params"
 """What the messages call the specs a model library's boxes carried (not an argument the user passed)."""
 
 
