@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxdp
 from helpers import assert_close_to_scale
 from jaxdp.analysis.reports import comm_report
-from jaxdp.sharding.layout import ZERO_STAGES, state_specs
+from jaxdp.sharding.layout import ZERO_STAGES, auto_mesh, state_specs
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -136,6 +136,16 @@ def test_a_step_inside_the_context_of_an_explicit_mesh_keeps_its_types():
   assert np.isfinite(loss) and step._traces == 1
 
 
+def test_a_step_on_the_auto_twin_runs_inside_the_explicit_context():
+  """``auto_mesh(mesh)``, the opt-out for arrays usable anywhere, works inside ``jax.set_mesh(mesh)`` too."""
+  mesh = make_mesh((4,), ("data",), "explicit")
+  twin = auto_mesh(mesh)
+  state = jaxdp.init_state(init_params(), OPT, twin)
+  with jax.set_mesh(mesh):
+    state, _ = jaxdp.make_train_step(loss_fn, OPT, twin)(state, *batches(1)[0])
+  on_mesh(state, twin)
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_one_reduction_either_way(stage):
   """The exact weighted mean stays one reduction of the gradient's sums: the compiled step's collectives (kind,
@@ -172,7 +182,7 @@ def tp_loss(params, batch):
   return jnp.sum((whole(h, params["head"]) - batch["y"]) ** 2, axis=-1)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 @pytest.mark.parametrize("types", ["explicit", "auto", ("explicit", "auto"), ("auto", "explicit")])
 def test_tensor_parallel_leaves_keep_their_spec(types, stage):
   """A (data, model) mesh: a leaf the user placed over "model" (the rest by ``param_specs``) keeps that split,
@@ -186,6 +196,8 @@ def test_tensor_parallel_leaves_keep_their_spec(types, stage):
   assert specs["embed"] == P(None, "model")  # (3, 4): no dimension left that the 2 replicas divide
   if stage == 3:
     assert specs["blocks"]["w"] == P("data", None, "model") and specs["head"] == P("model", "data")
+  if stage == 2:
+    assert state_specs(state).opt_state[1][0].mu["head"] == P("model", "data")
   if mesh.axis_types[1] == AxisType.Explicit:  # in the array's type
     assert jax.typeof(state.params["embed"]).sharding.spec == P(None, "model")
   assert_close_to_scale(jaxdp.gather_state(state).params, reference(), RTOL)
