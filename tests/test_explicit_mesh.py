@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxdp
 from helpers import assert_close_to_scale
 from jaxdp.analysis.reports import comm_report
-from jaxdp.sharding.layout import ZERO_STAGES, auto_mesh, state_specs
+from jaxdp.sharding.layout import ZERO_STAGES, state_specs
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -134,16 +134,6 @@ def test_a_step_inside_the_context_of_an_explicit_mesh_keeps_its_types():
     assert jax.typeof(metrics["loss"]).sharding.mesh.axis_types == (AxisType.Explicit,)
     loss = float(jnp.asarray(metrics["loss"]) + 0.0)  # ordinary JAX code in the context takes it
   assert np.isfinite(loss) and step._traces == 1
-
-
-def test_a_step_on_the_auto_twin_runs_inside_the_explicit_context():
-  """``auto_mesh(mesh)``, the opt-out for arrays usable anywhere, works inside ``jax.set_mesh(mesh)`` too."""
-  mesh = make_mesh((4,), ("data",), "explicit")
-  twin = auto_mesh(mesh)
-  state = jaxdp.init_state(init_params(), OPT, twin)
-  with jax.set_mesh(mesh):
-    state, _ = jaxdp.make_train_step(loss_fn, OPT, twin)(state, *batches(1)[0])
-  on_mesh(state, twin)
 
 
 @pytest.mark.parametrize("stage", [0, 2])

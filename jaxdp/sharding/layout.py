@@ -90,13 +90,11 @@ def mesh_context(mesh: Mesh) -> Any:
   """The context a jaxdp program on ``mesh`` runs in: ``jax.set_mesh(mesh)`` where ``mesh`` has an Explicit axis.
 
   A step is then traced once, whether its caller is inside ``with jax.set_mesh(mesh):`` or not, and what it
-  traces sees the mesh its arrays' types name. Inside another mesh's context (a step on the Auto twin,
-  :func:`auto_mesh`, called in the Explicit mesh's context) the step's own mesh is entered too. A mesh of
-  Auto axes outside any context, a caller already in this mesh's context, and a call while tracing (inside
-  the caller's own ``jit``, where ``set_mesh`` is refused: the caller's context stands) get no context.
+  traces sees the mesh its arrays' types name. A mesh of Auto axes only, a caller already in this mesh's
+  context, and a call while tracing (inside the caller's own ``jit``, where ``set_mesh`` is refused: the
+  caller's context stands) get no context of their own.
   """
-  current = jax.sharding.get_abstract_mesh()
-  if current == mesh.abstract_mesh or (current.empty and AxisType.Explicit not in mesh.axis_types):
+  if AxisType.Explicit not in mesh.axis_types or jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
     return contextlib.nullcontext()
   try:
     return jax.set_mesh(mesh)
