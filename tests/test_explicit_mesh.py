@@ -172,8 +172,12 @@ def tp_loss(params, batch):
   return jnp.sum((whole(h, params["head"]) - batch["y"]) ** 2, axis=-1)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-@pytest.mark.parametrize("types", ["explicit", "auto", ("explicit", "auto"), ("auto", "explicit")])
+# Every stage kind on each pure type; each mixed mesh once, where the update reads split parameters (2) and
+# where the parameters are split (3).
+TP_CASES = [(t, s) for t in TYPES for s in (0, 2, 3)] + [(("explicit", "auto"), 2), (("auto", "explicit"), 3)]
+
+
+@pytest.mark.parametrize("types,stage", TP_CASES)
 def test_tensor_parallel_leaves_keep_their_spec(types, stage):
   """A (data, model) mesh: a leaf the user placed over "model" (the rest by ``param_specs``) keeps that split,
   and on an Explicit model axis its type says so."""
