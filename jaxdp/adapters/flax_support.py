@@ -30,9 +30,49 @@ BEFORE_STEP_ATTRIBUTE = "jaxdp_before_train_step"
 """Set on the losses :func:`jaxdp.adapters.nnx.loss` makes: the check that their Module has not changed mode."""
 
 
-def tracing(train: bool) -> contextlib.AbstractContextManager:
-  """The BatchNorm guards while a training step traces ``loss_fn`` (its batch may hold padding rows)."""
-  return training_batch_guards() if train else contextlib.nullcontext()
+@contextlib.contextmanager
+def tracing(train: bool):
+  """While a jaxdp step traces ``loss_fn``: the BatchNorm guards when training (its batch may hold padding
+  rows), and flax's partitioning boxes applied without the step's manual axes (:func:`annotations_in_step`)."""
+  with annotations_in_step(), training_batch_guards() if train else contextlib.nullcontext():
+    yield
+
+
+@contextlib.contextmanager
+def annotations_in_step():
+  """linen's ``nn.with_partitioning`` boxes, where flax applies them inside a jaxdp step, name no manual axis.
+
+  flax applies a box's spec as a ``with_sharding_constraint`` whenever a mesh is in context, and inside the
+  step's ``shard_map`` one always is, its data axes manual: a box over ``"data"`` then fails (a manual axis, or
+  a rank error where ``nn.DenseGeneral`` constrains its flattened kernel). jaxdp takes an annotation's data
+  axis as the model's FSDP placement, which ``zero_stage=`` decides (:func:`jaxdp.init_state` drops it
+  too): here the box is applied over its other axes only (a model axis the compiler partitions is still
+  constrained). Entered only while a step traces ``loss_fn``; flax is unchanged outside it.
+  """
+  original = meta.Partitioned.unbox
+
+  def unbox(self, apply_constraint=True):
+    manual = _manual_axes()
+    if apply_constraint and manual:
+      names = [tuple(a for a in ((n,) if isinstance(n, str) else n or ()) if a not in manual) for n in self.names]
+      names = [None if not n else n[0] if len(n) == 1 else n for n in names]
+      while names and names[-1] is None:
+        names.pop()
+      self = self.replace(names=tuple(names))
+    return original(self, apply_constraint)
+
+  meta.Partitioned.unbox = unbox
+  try:
+    yield
+  finally:
+    meta.Partitioned.unbox = original
+
+
+def _manual_axes() -> frozenset:
+  try:
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+  except (AttributeError, TypeError):  # a JAX without mesh information here
+    return frozenset()
 
 
 def notes(error: BaseException, loss_fn: Callable, core_notes: list) -> list[str]:

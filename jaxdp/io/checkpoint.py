@@ -91,11 +91,9 @@ from jaxdp.io.grain import GrainPipeline, gather_states, restore_states
 from jaxdp.runtime.distributed import assert_same_across_processes
 from jaxdp.sharding.layout import (
     axis_names,
-    auto_mesh,
-    check_param_specs,
+    annotated_model_specs,
     data_size,
     make_layout,
-    model_specs_of,
 )
 from jaxdp.core.loss_scaling import abstract_loss_scale
 from jaxdp.sharding.parallel import as_layout
@@ -262,13 +260,6 @@ def _empty_array(target: jax.ShapeDtypeStruct) -> jax.Array:
   """The zero-size array of ``target``'s shape and dtype, placed with its sharding (what its checkpoint holds)."""
   empty = np.zeros(target.shape, target.dtype)
   return jax.make_array_from_callback(target.shape, target.sharding, lambda index: empty[index])
-
-
-def _target_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -> Any:
-  """The params' model-axis specs: ``param_specs`` checked, else read off the template's shardings."""
-  if param_specs is not None:
-    return check_param_specs(param_specs, params, mesh, axis_name)
-  return model_specs_of(params, mesh, axis_name)
 
 
 class CheckpointManager:
@@ -671,7 +662,7 @@ class CheckpointManager:
     mesh, axis_name, zero_stage, layers = layout.mesh, layout.axis_name, layout.zero_stage, layout.layers
     param_specs, stage_axis = layout.param_specs, layout.stage_axis
     _check_pipeline(pipeline)
-    model_specs = _target_specs(params, param_specs, mesh, axis_name)
+    params, model_specs = annotated_model_specs(params, param_specs, mesh, axis_name)  # as init_state reads them
     step = self._resolve_step(step)
     expected = record_lib.abstract_full_state(params, optimizer, model_state)
     replicas = data_size(mesh, axis_name)
@@ -683,7 +674,6 @@ class CheckpointManager:
     _check_compression_record(record, resolved, replicas, self._where(step))
     record_lib.check_against(record, expected, self._where(step))
     data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
-    mesh = auto_mesh(mesh)  # as init_state places a state
     shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs, layers, stage_axis).shardings(mesh)
     entries = {tuple(e["path"]): e for e in record["leaves"]}
     layout = dict(zip((c for c, _ in record_lib.named_leaves(expected)), jax.tree.leaves(shardings)))
