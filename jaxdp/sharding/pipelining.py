@@ -49,8 +49,12 @@ from jaxdp.core.checks import check_int
 from jaxdp.sharding.layout import layer_mask
 from jaxdp.core.carries import varying_axes
 
-SCHEDULES = ("gpipe", "circular")
-"""The pipeline schedules: ``"gpipe"`` and ``"circular"`` (see :mod:`jaxdp.sharding.pipelining`)."""
+SCHEDULES = ("gpipe", "circular", "1f1b")
+"""The pipeline schedules: ``"gpipe"``, ``"circular"`` and ``"1f1b"`` (see :mod:`jaxdp.sharding.pipelining`)."""
+
+GATHERS = ("step", "layer")
+"""When a ZeRO-3 pipelined step gathers a stage's layers: ``"step"`` (once per step, before the schedule) or
+``"layer"`` (one layer at a time inside the loop over microbatches, with prefetch)."""
 
 IDLE = -1
 """A :func:`schedule_table` entry for a stage that does no work at that iteration."""
@@ -64,26 +68,34 @@ class Pipeline(NamedTuple):
     schedule: one of :data:`SCHEDULES`.
     repeats: ``R``, rounds of the ring per microbatch (1 under ``"gpipe"``).
     axis_name: the mesh axis of the stages.
+    gather: at ``zero_stage=3``, when a stage's layers (split over the data axis at rest) are gathered: one of
+      :data:`GATHERS`.
   """
 
   microbatches: int
   schedule: str = "gpipe"
   repeats: int = 1
   axis_name: str = "stage"
+  gather: str = "step"
 
 
-def pipeline(microbatches: int, schedule: str = "gpipe", *, repeats: int = 1, axis_name: str = "stage") -> Pipeline:
-  """A checked :class:`Pipeline`: ``microbatches >= 1``, a known schedule, ``repeats >= 1`` (1 for ``"gpipe"``)."""
+def pipeline(microbatches: int, schedule: str = "gpipe", *, repeats: int = 1, axis_name: str = "stage",
+             gather: str = "step") -> Pipeline:
+  """A checked :class:`Pipeline`: ``microbatches >= 1``, a known schedule, ``repeats >= 1`` (1 for ``"gpipe"``
+  and ``"1f1b"``), ``gather`` one of :data:`GATHERS` (read at ``zero_stage=3`` only)."""
   microbatches = check_int(microbatches, "microbatches", 1, "the number of microbatches per device and step.")
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; use one of {', '.join(map(repr, SCHEDULES))}.")
   repeats = check_int(repeats, "repeats", 1, "the rounds of the ring of stages each microbatch makes.")
-  if schedule == "gpipe" and repeats != 1:
-    raise ValueError(f"repeats={repeats} under schedule='gpipe', which passes each microbatch through the stages "
+  if schedule in ("gpipe", "1f1b") and repeats != 1:
+    raise ValueError(f"repeats={repeats} under schedule={schedule!r}, which passes each microbatch through the stages "
                      "once; use schedule='circular' for repeats > 1.")
   if not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a mesh axis name (a str), got {axis_name!r}.")
-  return Pipeline(microbatches, schedule, repeats, axis_name)
+  if gather not in GATHERS:
+    raise ValueError(f"gather={gather!r} is not a ZeRO-3 gather of a pipeline; use 'step' (a stage's layers gathered "
+                     "once per step) or 'layer' (one layer at a time inside the loop over microbatches).")
+  return Pipeline(microbatches, schedule, repeats, axis_name, gather)
 
 
 def check_schedule(stages: int, microbatches: int, repeats: int = 1) -> None:
@@ -336,7 +348,8 @@ def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_st
     return
   if not isinstance(pipe, Pipeline):
     raise TypeError(f"pipeline must be a jaxdp.Pipeline (from jaxdp.pipeline(microbatches, schedule)), got {pipe!r}.")
-  pipe = pipeline(pipe.microbatches, pipe.schedule, repeats=pipe.repeats, axis_name=pipe.axis_name)  # checked again: a Pipeline(...) built by hand skips the constructor's checks
+  pipe = pipeline(pipe.microbatches, pipe.schedule, repeats=pipe.repeats, axis_name=pipe.axis_name,
+                  gather=pipe.gather)  # checked again: a Pipeline(...) built by hand skips the constructor's checks
   if pipe.axis_name not in names:
     raise ValueError(
         f"pipeline.axis_name={pipe.axis_name!r} is not an axis of the mesh (axes {names}); build the mesh with a "
@@ -349,12 +362,6 @@ def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_st
     raise ValueError(
         f"pipeline={pipe} splits stacks of layers over the stage axis {pipe.axis_name!r}, but layers=None: a stage "
         "axis with no stacked layers. Name the stacks in the params with layers= (e.g. layers='blocks')."
-    )
-  if zero_stage == 3:
-    raise ValueError(
-        "zero_stage=3 with a pipeline is not supported: stage 3 gathers the parameters inside the loss, and a "
-        "pipelined stack's layers would need their gather inside the pipeline's loop over microbatches (once per "
-        "microbatch and repeat). Use zero_stage=1 or 2 (optimizer state and gradient split over the data axis)."
     )
   if backend != "shard_map":  # (jaxdp.sharding.layout.check_backend refuses pmap on a mesh of several axes first)
     raise ValueError(f"backend={backend!r} with a pipeline: the stages run inside shard_map over the stage axis; use "
