@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -214,8 +215,16 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   if not isinstance(reshard_after_forward, (bool, np.bool_)):
     raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}.")
   pipelined = pipelining.active()
+  scan = functools.partial(_scan_gathered, reshard_after_forward=reshard_after_forward)
   if pipelined is not None:  # a pipelined step: this stage's block of layers, one microbatch at a time
-    return pipelining.run_stack(f, init, layers, xs, pipelined)
+    # (at ZeRO-3 with gather="layer", each unit's block gathered a layer at a time, as below)
+    return pipelining.run_stack(f, init, layers, xs, pipelined, scan=scan)
+  return scan(f, init, layers, xs)
+
+
+def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_after_forward: bool) -> tuple[Any, Any]:
+  """:func:`scan_layers` outside a pipeline (and on one work unit's block inside one): the layers gathered one at
+  a time with prefetch inside a layer-wise ZeRO-3 step, a ``lax.scan`` elsewhere."""
   active = _ACTIVE.get()
   count = {np.shape(x)[0] for x in jax.tree.leaves(layers)}
   if len(count) != 1:

@@ -237,7 +237,13 @@ def _vary(x: jax.Array, axes: tuple) -> jax.Array:
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> tuple[Any, None]:
+def _plain_scan(f: Callable, init: Any, layers: Any, xs: Any) -> tuple[Any, Any]:
+  count = {np.shape(x)[0] for x in jax.tree.leaves(layers)}.pop()
+  return lax.scan(lambda c, lx: f(c, lx[0], lx[1]), init, (layers, xs), length=count)
+
+
+def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
+              scan: Callable = _plain_scan) -> tuple[Any, None]:
   """The pipelined loop over a stack (:func:`jaxdp.scan_layers` inside a pipelined step): ``(carry, None)``.
 
   Runs inside the step's ``shard_map`` (manual over the stage and data axes). ``layers``: this stage's block
@@ -296,10 +302,13 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> 
   ring = [(i, (i + 1) % stages) for i in range(stages)]
 
   def run_block(x, r):
-    start = r * block
-    mine = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, block, axis=0), layers)
-    own_xs = None if xs is None else jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, block, axis=0), xs)
-    y, ys = lax.scan(lambda c, lx: f(c, lx[0], lx[1]), x, (mine, own_xs), length=block)
+    if repeats == 1:  # the whole block, a loop-invariant value (never saved per iteration for the backward pass)
+      mine, own_xs = layers, xs
+    else:
+      start = r * block
+      mine = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, block, axis=0), layers)
+      own_xs = None if xs is None else jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, block, axis=0), xs)
+    y, ys = scan(f, x, mine, own_xs)
     if jax.tree.leaves(ys):
       raise ValueError("scan_layers in a pipelined step: f must return (carry, None); per-layer outputs (ys) are "
                        "not gathered across stages. Return what the loss needs in the carry.")
