@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxdp.core import randomness
 from jaxdp.core.checks import check_int
 from jaxdp.sharding.layout import layer_mask
 from jaxdp.core.carries import varying_axes
@@ -297,18 +298,21 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
     index = ((jnp.arange(repeats)[:, None] * stages + s) * block + jnp.arange(block)[None, :]).reshape(-1)
     xs = jax.tree.map(lambda x: jnp.take(_vary(x, axes), index, axis=0), xs)
   micro = jax.tree.map(lambda x: _vary(x, axes).reshape(m_count, rows // m_count, *np.shape(x)[1:]), init)
+  micro_ids = _microbatch_ids(rows, m_count, axes)
   pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
   select = lambda c, a, b: jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)  # noqa: E731
   ring = [(i, (i + 1) % stages) for i in range(stages)]
 
-  def run_block(x, r):
+  def run_block(x, r, m):
     if repeats == 1:  # the whole block, a loop-invariant value (never saved per iteration for the backward pass)
       mine, own_xs = layers, xs
     else:
       start = r * block
       mine = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, block, axis=0), layers)
       own_xs = None if xs is None else jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, block, axis=0), xs)
-    y, ys = scan(f, x, mine, own_xs)
+    # Layout-invariant dropout: the rows of this unit's microbatch are the ones f draws masks for.
+    with contextlib.nullcontext() if micro_ids is None else randomness.use_example_ids(micro_ids[m]):
+      y, ys = scan(f, x, mine, own_xs)
     if jax.tree.leaves(ys):
       raise ValueError("scan_layers in a pipelined step: f must return (carry, None); per-layer outputs (ys) are "
                        "not gathered across stages. Return what the loss needs in the carry.")
@@ -321,7 +325,7 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
     r, m = unit_of(jnp.maximum(w, 0), m_count)  # idle: unit 0's block and microbatch, results dropped
     # Stage 0 takes a new microbatch in the first repeat, later the one back from stage P − 1 (idle: a real one).
     first = select(r == 0, pick(micro, m), pick(waiting, m))
-    y = run_block(select(s == 0, first, incoming), r)
+    y = run_block(select(s == 0, first, incoming), r, m)
     done = (w != IDLE) & (s == stages - 1) & (r == repeats - 1)
     outputs = jax.tree.map(lambda o, v: o.at[m].set(jnp.where(done, v, o[m])), outputs, y)
     sent = jax.tree.map(lambda v: lax.ppermute(v, axis, ring), y)
@@ -337,6 +341,21 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
   (_, _, outputs), _ = lax.scan(iteration, start, table)
   last = jax.tree.map(lambda o: lax.psum(jnp.where(s == stages - 1, o, jnp.zeros_like(o)), axis), outputs)
   return jax.tree.map(lambda o: o.reshape(rows, *o.shape[2:]), last), None
+
+
+def _microbatch_ids(rows: int, microbatches: int, axes: tuple) -> jax.Array | None:
+  """``[M, rows / M]``: the example ids of the rows being traced (a step with ``example_ids``), cut as the carry is
+  into microbatches, or ``None`` without ids."""
+  ids = randomness.current_example_ids()
+  if ids is None:
+    return None
+  if ids.shape[0] != rows:
+    raise ValueError(
+        f"scan_layers in a pipelined step with example_ids: the carry has {rows} rows but the batch has "
+        f"{ids.shape[0]} ids; the stack's microbatches take the ids of their rows, so the carry's dim 0 must be the "
+        "batch's rows (one id per row), in order."
+    )
+  return _vary(ids, axes).reshape(microbatches, rows // microbatches)
 
 
 # Checks before anything runs or is donated ------------------------------------------------------------------------
