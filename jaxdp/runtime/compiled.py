@@ -638,7 +638,7 @@ def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout
     local = [as_seen(x, spec) for x, spec, is_layer in zip(jax.tree.leaves(state.params), split,
                                                            jax.tree.leaves(layout.layers)) if is_layer]
     with pipelining.running(pipeline, stages, [shape[0] * stages for shape in local], axis_names(axis_name),
-                            local) as record:
+                            local, layout.layers) as record:
       return sharded_gradient_step(settings, pipelining.checked_loss(loss_fn, record), state, *args, **kwargs)
 
   return run

@@ -218,6 +218,10 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   scan = functools.partial(_scan_gathered, reshard_after_forward=reshard_after_forward)
   if pipelined is not None:  # a pipelined step: this stage's block of layers, one microbatch at a time
     # (at ZeRO-3 with gather="layer", each unit's block gathered a layer at a time, as below)
+    if pipelined.pipeline.schedule == "1f1b":  # one part of the loss, as the 1F1B schedule traces it
+      part = pipelining.run_part(f, init, layers, xs, pipelined, scan)
+      if part is not None:
+        return part
     return pipelining.run_stack(f, init, layers, xs, pipelined, scan=scan)
   return scan(f, init, layers, xs)
 

@@ -152,6 +152,7 @@ class Running(NamedTuple):
     data_axes: the data axes (manual in the step, like the stage axis).
     shapes: each stacked leaf's local shape on one stage, ``(L / P, ...)``.
     ran: the local shapes of the stacked leaves the pipeline ran on, appended as it runs.
+    stacked: the params' tree of bools marking the stacked leaves (read by the 1F1B gradient), or ``None``.
   """
 
   pipeline: Pipeline
@@ -160,6 +161,7 @@ class Running(NamedTuple):
   data_axes: tuple
   shapes: tuple
   ran: list
+  stacked: Any = None
 
 
 _RUNNING: contextvars.ContextVar[Running | None] = contextvars.ContextVar("jaxdp_pipeline", default=None)
@@ -171,12 +173,12 @@ def active() -> Running | None:
 
 
 @contextlib.contextmanager
-def running(pipe: Pipeline, stages: int, layers: Any, data_axes: tuple, shapes: tuple):
+def running(pipe: Pipeline, stages: int, layers: Any, data_axes: tuple, shapes: tuple, stacked: Any = None):
   """While tracing a pipelined step's loss: :func:`jaxdp.scan_layers` runs :func:`run_stack` instead of a scan.
 
   Yields the :class:`Running` record; :func:`check_ran` then tells whether the loss ran every stack through it.
   """
-  record = Running(pipe, stages, tuple(sorted(set(layers))), tuple(data_axes), tuple(shapes), [])
+  record = Running(pipe, stages, tuple(sorted(set(layers))), tuple(data_axes), tuple(shapes), [], stacked)
   token = _RUNNING.set(record)
   try:
     yield record
@@ -425,3 +427,280 @@ def check_rows(batch: Any, pipe: Pipeline, replicas: int, accum_steps: int) -> N
         f"micro-batch of accum_steps={accum_steps}, which do not divide into microbatches={pipe.microbatches}. "
         f"Use a batch of a multiple of {replicas * accum_steps * pipe.microbatches} rows, or fewer microbatches."
     )
+
+
+# 1F1B: the gradient taken by the schedule itself ----------------------------------------------------------------
+
+FORWARD, BACKWARD = 1, 2
+"""The work kinds of :func:`one_f_one_b_table` (``0``: idle)."""
+
+
+class OneFOneBTable(NamedTuple):
+  """The 1F1B (PipeDream-flush) schedule as tables of ``[T, P]`` int32, ``T = 2·(M + P − 1)`` ticks.
+
+  Attributes:
+    kind: 0 (idle), :data:`FORWARD` or :data:`BACKWARD` for each tick and stage.
+    microbatch: the microbatch of that work (0 when idle).
+    slot: the buffer slot of that microbatch's stage input (read by the backward pass, written by stage 0's
+      forward), ``0`` when idle.
+    received: the slot where the activation that arrives at the end of the tick is kept, or ``-1``.
+    cotangent_slot: the slot of the microbatch's output cotangent (read by the backward, written by the last
+      stage's forward), ``0`` when idle.
+    cotangent_received: the slot where the cotangent that arrives at the end of the tick is kept, or ``-1``.
+    slots: the stage-input slots a stage needs (at most ``P``); cotangent_slots: the cotangent slots.
+  """
+
+  kind: np.ndarray
+  microbatch: np.ndarray
+  slot: np.ndarray
+  received: np.ndarray
+  cotangent_slot: np.ndarray
+  cotangent_received: np.ndarray
+  slots: int
+  cotangent_slots: int
+
+
+def one_f_one_b_table(stages: int, microbatches: int) -> OneFOneBTable:
+  """The 1F1B schedule over ``stages`` and ``microbatches``, one unit of work (a forward or a backward pass of a
+  stage's block on one microbatch) per stage and tick.
+
+  Stage ``s`` runs ``min(P − 1 − s, M)`` forward passes, then alternates one forward and one backward pass,
+  then runs the remaining backward passes (Megatron's order); each runs at the first tick after the work it
+  needs: the previous stage's forward pass of that microbatch, the next stage's backward pass (the last stage:
+  its own forward pass, where the loss's cotangent is taken). A stage keeps a microbatch's input from its
+  arrival to its backward pass, in the lowest free slot.
+  """
+  stages = check_int(stages, "stages", 1)
+  microbatches = check_int(microbatches, "microbatches", 1)
+  p_count, m_count = stages, microbatches
+  orders = []
+  for s in range(p_count):
+    warm = min(p_count - 1 - s, m_count)
+    ops = [(FORWARD, m) for m in range(warm)]
+    for i in range(m_count - warm):
+      ops += [(FORWARD, warm + i), (BACKWARD, i)]
+    orders.append(ops + [(BACKWARD, m) for m in range(m_count - warm, m_count)])
+  done: dict = {}
+  position, rows = [0] * p_count, []
+  while any(position[s] < len(orders[s]) for s in range(p_count)):
+    t, row = len(rows), []
+    for s in range(p_count):
+      if position[s] == len(orders[s]):
+        row.append(None)
+        continue
+      kind, m = orders[s][position[s]]
+      need = ((FORWARD, m, s - 1) if s > 0 else None) if kind == FORWARD else (
+          (BACKWARD, m, s + 1) if s < p_count - 1 else (FORWARD, m, s))
+      row.append((kind, m) if need is None or done.get(need, t) < t else None)
+    for s, work in enumerate(row):
+      if work is not None:
+        done[(*work, s)] = t
+        position[s] += 1
+    rows.append(row)
+  ticks = len(rows)
+  shape = (ticks, p_count)
+  kind, micro = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+  slot, received = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
+  cslot, creceived = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
+  for t, row in enumerate(rows):
+    for s, work in enumerate(row):
+      if work is not None:
+        kind[t, s], micro[t, s] = work
+
+  def assign(arrive: Callable, own: Callable, at_use: np.ndarray, at_arrival: np.ndarray) -> int:
+    # Microbatch m's slot at stage s, taken from its arrival (the end of tick arrive(m, s), or during that tick
+    # when the stage writes it itself: own(m, s)) to its backward pass there (free again from that tick's end).
+    most = 0
+    for s in range(p_count):
+      free_at: dict = {}
+      for m in sorted(range(m_count), key=lambda m: arrive(m, s)):
+        a, backward = arrive(m, s), done[(BACKWARD, m, s)]
+        k = next(k for k in range(m_count + 1) if free_at.get(k, -1) <= a)
+        free_at[k], most = backward, max(most, k + 1)
+        at_use[backward, s] = k
+        if own(m, s):
+          at_use[a, s] = k
+        else:
+          at_arrival[a, s] = k
+          if at_use is slot:  # a forward pass reads its input there (the cotangents: backward passes only)
+            at_use[done[(FORWARD, m, s)], s] = k
+    return most
+
+  last = p_count - 1
+  slots = assign(lambda m, s: done[(FORWARD, m, s - 1)] if s > 0 else done[(FORWARD, m, 0)], lambda m, s: s == 0,
+                 slot, received)
+  cotangent_slots = assign(lambda m, s: done[(BACKWARD, m, s + 1)] if s < last else done[(FORWARD, m, s)],
+                           lambda m, s: s == last, cslot, creceived)
+  return OneFOneBTable(kind, micro, slot, received, cslot, creceived, slots, cotangent_slots)
+
+
+class _Mode(NamedTuple):
+  """How :func:`jaxdp.scan_layers` runs while the 1F1B schedule traces the loss in one of its three parts."""
+
+  part: str  # "input": record the stack's input; "stage": run this stage's block on value; "output": return value
+  value: Any
+  found: list  # what the part found: the stack's input, or the block's output
+
+
+_MODE: contextvars.ContextVar[_Mode | None] = contextvars.ContextVar("jaxdp_1f1b_part", default=None)
+
+
+def run_part(f: Callable, init: Any, layers: Any, xs: Any, record: Running, scan: Callable) -> tuple[Any, None] | None:
+  """:func:`jaxdp.scan_layers` inside a 1F1B step, or ``None`` outside the schedule's parts (then the stack runs
+  as GPipe's forward pass: evaluation, and the step's traces of the loss that are never differentiated)."""
+  mode = _MODE.get()
+  if mode is None:
+    return None
+  stages = record.stages
+  local = {np.shape(x)[0] for x in jax.tree.leaves(layers)}
+  if len(local) != 1 or local.pop() * stages not in record.layers:
+    raise ValueError(
+        f"scan_layers in a pipelined step got layers with a leading axis of {sorted(local)}; pass a stack named by "
+        f"layers= as the loss got it (L / P layers per stage, L in {list(record.layers)}, P = {stages}).")
+  if mode.found:
+    raise ValueError("schedule='1f1b' runs one stack per loss (one call of jaxdp.scan_layers); this loss calls it "
+                     "again. Use schedule='gpipe' or 'circular' for a loss with several stacks.")
+  record.ran.extend(tuple(np.shape(x)) for x in jax.tree.leaves(layers))
+  if mode.part == "input":
+    mode.found.append((init, ))
+    return init, None
+  if mode.part == "output":
+    mode.found.append((None, ))
+    return mode.value, None
+  local = np.shape(jax.tree.leaves(layers)[0])[0]
+  if xs is not None:
+    s = lax.axis_index(record.pipeline.axis_name)
+    xs = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, s * local, local, axis=0), xs)
+  y, ys = scan(f, mode.value, layers, xs)
+  if jax.tree.leaves(ys):
+    raise ValueError("scan_layers in a pipelined step: f must return (carry, None); per-layer outputs (ys) are "
+                     "not gathered across stages. Return what the loss needs in the carry.")
+  mode.found.append((y, ))
+  return init, None
+
+
+@contextlib.contextmanager
+def _part(part: str, value: Any = None):
+  mode = _Mode(part, value, [])
+  token = _MODE.set(mode)
+  try:
+    yield mode
+  finally:
+    _MODE.reset(token)
+
+
+def _found(mode: _Mode) -> Any:
+  if not mode.found:
+    raise ValueError("schedule='1f1b': the loss did not run its stack through jaxdp.scan_layers.")
+  return mode.found[0][0]
+
+
+def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Running, add: Callable) -> tuple:
+  """``((value, aux), grads)`` as ``jax.value_and_grad(lambda p: fn(p, batch, weights), has_aux=True)(params)``
+  gives them, computed by the 1F1B schedule (:func:`one_f_one_b_table`) instead of autodiff.
+
+  ``fn(params, batch, weights) -> (value, aux)``: the loss on some rows (it calls :func:`jaxdp.scan_layers` once);
+  its value and aux must add over row subsets (``add(total, aux)`` adds one microbatch's aux). Each device's rows
+  are cut into ``M`` microbatches; ``fn`` is traced in three parts: up to the stack (stage 0), one stage's block,
+  and after the stack (the last stage: value and aux). A stage keeps its microbatches' inputs (at most ``P``)
+  until their backward pass, which recomputes the block's forward pass from the input (``jax.vjp``) and sends
+  the input's cotangent back one stage with ``ppermute``. The gradient of the stacked leaves stays on its
+  stage; that of every other leaf, and the value and aux, are summed over the stages.
+  """
+  pipe, stages = record.pipeline, record.stages
+  axis, m_count = pipe.axis_name, pipe.microbatches
+  axes = (axis, *record.data_axes)
+  rows = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
+  if len(rows) != 1 or rows.pop() % m_count:
+    raise ValueError(f"schedule='1f1b' cuts every leaf of the batch into microbatches={m_count} along dim 0; its leaves "
+                     f"have leading sizes {sorted(np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch))}.")
+  params = jax.tree.map(lambda x: _vary(x, axes), params)  # each stage's own part: summed over the stages below
+  split = lambda x: x.reshape(m_count, x.shape[0] // m_count, *x.shape[1:])  # noqa: E731
+  micro_batch = jax.tree.map(lambda x: _vary(split(x), axes), batch)
+  micro_weights = None if weights is None else _vary(split(weights), axes)
+  pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+  rows_of = lambda m: (pick(micro_batch, m), None if weights is None else micro_weights[m])  # noqa: E731
+
+  def first(p, m):  # the stack's input: the loss up to scan_layers
+    with _part("input") as mode:
+      fn(p, *rows_of(m))
+    return jax.tree.map(lambda x: _vary(x, axes), _found(mode))
+
+  def block(p, x, m):  # this stage's block of layers on x
+    with _part("stage", x) as mode:
+      fn(p, *rows_of(m))
+    return jax.tree.map(lambda x: _vary(x, axes), _found(mode))
+
+  def last(p, y, m):  # the loss after the stack, on the stack's output y
+    with _part("output", y) as mode:
+      value, aux = fn(p, *rows_of(m))
+    _found(mode)
+    return value, aux
+
+  x_shape = jax.eval_shape(first, params, 0)
+  value_shape, aux_shape = jax.eval_shape(last, params, x_shape, 0)
+  table = one_f_one_b_table(stages, m_count)
+  zeros = lambda shapes, lead=(): jax.tree.map(  # noqa: E731
+      lambda a: _vary(jnp.zeros(lead + tuple(a.shape), a.dtype), axes), shapes)
+  wide = lambda x: jnp.promote_types(x.dtype, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype  # noqa: E731
+  grads0 = jax.tree.map(lambda x: _vary(jnp.zeros(x.shape, wide(x)), axes), params)
+  s = lax.axis_index(axis)
+  forward_ring = [(i, i + 1) for i in range(stages - 1)]
+  backward_ring = [(i + 1, i) for i in range(stages - 1)]
+  put = lambda buf, k, v: jax.tree.map(lambda b, x: b.at[k].set(x.astype(b.dtype)), buf, v)  # noqa: E731
+  add_to = lambda total, part: jax.tree.map(lambda a, b: a + b.astype(a.dtype), total, part)  # noqa: E731
+
+  def tick(state, row):
+    inputs, cts, grads, value, aux = state
+    kind, m, k, ck = (row[name][s] for name in ("kind", "microbatch", "slot", "cotangent_slot"))
+
+    def idle(inputs, cts, grads, value, aux):
+      return inputs, cts, grads, value, aux, zeros(x_shape), zeros(x_shape)
+
+    def forward(inputs, cts, grads, value, aux):
+      x = lax.cond(s == 0, lambda: first(params, m), lambda: pick(inputs, k))
+      y = block(params, x, m)
+      inputs = put(inputs, k, x)
+
+      def loss_end(cts, grads, value, aux):
+        (v, a), pullback = jax.vjp(lambda p, y: last(p, y, m), params, y)
+        ct_p, ct_y = pullback((jnp.ones_like(v), jax.tree.map(jnp.zeros_like, a)))
+        return put(cts, ck, ct_y), add_to(grads, ct_p), value + v.astype(value.dtype), add(aux, a)
+
+      cts, grads, value, aux = lax.cond(s == stages - 1, loss_end, lambda *a: a, cts, grads, value, aux)
+      return inputs, cts, grads, value, aux, y, zeros(x_shape)
+
+    def backward(inputs, cts, grads, value, aux):
+      x, ct_y = pick(inputs, k), pick(cts, ck)
+      _, pullback = jax.vjp(lambda p, x: block(p, x, m), params, x)
+      ct_p, ct_x = pullback(jax.tree.map(lambda c, a: c.astype(a.dtype), ct_y, x_shape))
+      grads = add_to(grads, ct_p)
+
+      def input_end(grads):
+        _, pullback = jax.vjp(lambda p: first(p, m), params)
+        return add_to(grads, pullback(ct_x)[0])
+
+      grads = lax.cond(s == 0, input_end, lambda g: g, grads)
+      return inputs, cts, grads, value, aux, zeros(x_shape), ct_x
+
+    *state, y, ct_x = lax.switch(kind, (idle, forward, backward), inputs, cts, grads, value, aux)
+    inputs, cts, grads, value, aux = state
+    if stages > 1:
+      arrived = jax.tree.map(lambda v: lax.ppermute(v, axis, forward_ring), y)
+      returned = jax.tree.map(lambda v: lax.ppermute(v, axis, backward_ring), ct_x)
+      k_in, ck_in = row["received"][s], row["cotangent_received"][s]
+      inputs = jax.tree.map(lambda b, v: b.at[jnp.maximum(k_in, 0)].set(
+          jnp.where(k_in >= 0, v, b[jnp.maximum(k_in, 0)])), inputs, arrived)
+      cts = jax.tree.map(lambda b, v: b.at[jnp.maximum(ck_in, 0)].set(
+          jnp.where(ck_in >= 0, v.astype(b.dtype), b[jnp.maximum(ck_in, 0)])), cts, returned)
+    return (inputs, cts, grads, value, aux), None
+
+  rows_table = {name: jnp.asarray(getattr(table, name)) for name in
+                ("kind", "microbatch", "slot", "received", "cotangent_slot", "cotangent_received")}
+  start = (zeros(x_shape, (table.slots,)), zeros(x_shape, (table.cotangent_slots,)), grads0,
+           zeros(value_shape), zeros(aux_shape))
+  (_, _, grads, value, aux), _ = lax.scan(tick, start, rows_table)
+  stacked = record.stacked
+  grads = jax.tree.map(lambda g, is_layer: g if is_layer else lax.psum(g, axis), grads, stacked)
+  value, aux = lax.psum((value, aux), axis)
+  return (value, aux), grads
