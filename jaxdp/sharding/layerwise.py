@@ -226,9 +226,15 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   return scan(f, init, layers, xs)
 
 
-def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_after_forward: bool) -> tuple[Any, Any]:
+def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_after_forward: bool,
+                   in_loop: bool = False) -> tuple[Any, Any]:
   """:func:`scan_layers` outside a pipeline (and on one work unit's block inside one): the layers gathered one at
-  a time with prefetch inside a layer-wise ZeRO-3 step, a ``lax.scan`` elsewhere."""
+  a time with prefetch inside a layer-wise ZeRO-3 step, a ``lax.scan`` elsewhere.
+
+  ``in_loop``: inside the pipeline's loop over work units, where the same layers are gathered again each
+  unit: the gathers are tied to the unit's input, so that XLA does not hoist them out of that loop (which would
+  hold the whole block gathered, as ``gather="step"`` does).
+  """
   active = _ACTIVE.get()
   count = {np.shape(x)[0] for x in jax.tree.leaves(layers)}
   if len(count) != 1:
@@ -248,6 +254,9 @@ def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_afte
   converted, consts = jax.closure_convert(f, init, _gathered(slice_of(layers, 0), plan, active), x0)
 
   def forward(init, layers, xs, consts):
+    if in_loop:
+      layers = lax.optimization_barrier((layers, init))[0]
+
     def body(state, inputs):
       carry, current = state
       next_slice, x = inputs
@@ -270,6 +279,8 @@ def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_afte
   def run_bwd(residuals, cotangent):
     carries, kept, layers, xs, consts = residuals
     ct_carry, ct_ys = cotangent
+    if in_loop:
+      layers = lax.optimization_barrier((layers, ct_carry))[0]
     zero_consts = jax.tree.map(jnp.zeros_like, consts)
 
     def body(state, inputs):

@@ -240,7 +240,8 @@ def _vary(x: jax.Array, axes: tuple) -> jax.Array:
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _plain_scan(f: Callable, init: Any, layers: Any, xs: Any) -> tuple[Any, Any]:
+def _plain_scan(f: Callable, init: Any, layers: Any, xs: Any, *, in_loop: bool = False) -> tuple[Any, Any]:
+  del in_loop
   count = {np.shape(x)[0] for x in jax.tree.leaves(layers)}.pop()
   return lax.scan(lambda c, lx: f(c, lx[0], lx[1]), init, (layers, xs), length=count)
 
@@ -314,7 +315,7 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
       own_xs = None if xs is None else jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, block, axis=0), xs)
     # Layout-invariant dropout: the rows of this unit's microbatch are the ones f draws masks for.
     with contextlib.nullcontext() if micro_ids is None else randomness.use_example_ids(micro_ids[m]):
-      y, ys = scan(f, x, mine, own_xs)
+      y, ys = scan(f, x, mine, own_xs, in_loop=True)
     if jax.tree.leaves(ys):
       raise ValueError("scan_layers in a pipelined step: f must return (carry, None); per-layer outputs (ys) are "
                        "not gathered across stages. Return what the loss needs in the carry.")
