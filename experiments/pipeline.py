@@ -38,16 +38,41 @@ schedule, repeats=R))`` and records:
 The circular schedule needs M ≥ P (``jaxdp.sharding.pipelining.check_schedule``), so
 its M = 1 rows are not run (listed under ``skipped`` in the JSON).
 
+1F1B rows (``"1f1b"``): a stage runs nothing in an idle cell (each tick it runs
+one forward pass, one backward pass, which applies the block once to
+recompute its forward pass from the saved input, or neither), so the host
+callback counts only real work units (checked: ``2·M`` per stage), and the
+bubble is ``1 − units / (P · ticks)`` with ``ticks`` the trip count of the
+compiled step's pipeline loop (the ``while`` whose body holds the
+``collective-permute``), read from the optimized HLO; that count is checked
+against the schedule's length for every row.
+
+Two more sections (not run with ``--row``):
+
+* ``memory``: GPipe against 1F1B at a fixed microbatch size (``MICRO_ROWS``
+  rows per microbatch, the batch ``M·MICRO_ROWS``, width ``MEMORY_WIDTH``,
+  data = 1) for M = P, 2P, 4P: ``temp_bytes`` of the compiled step. 1F1B's
+  must stay flat in M (within 10% of its M = P value) and be below GPipe's
+  at M = 4P.
+* ``zero``: ZeRO stages 1, 2 and 3 (``gather="step"`` and ``"layer"``) with a
+  pipeline on ``("stage", "data") = (2, 4)``, M = 4, width ``ZERO_WIDTH`` (the
+  weights outweigh the activations): peak bytes, and the bytes all-gathered
+  per step (each all-gather's output bytes times the trip counts of the
+  loops around it, from the HLO; an op inside a conditional's branch, as
+  under 1F1B, is counted every tick, so that figure is a bound).
+
+Every row of every section is checked against one device (1e-6).
+
 Run from the repository root (sets ``JAX_NUM_CPU_DEVICES=8`` itself unless
 already set; writes ``pipeline.json`` and ``pipeline.png`` under --out,
 default ``out/pipeline``; ``--publish`` also copies them to
 ``docs/data/pipeline.json`` and ``docs/pipeline.png``):
 
-  .venv/bin/python experiments/pipeline.py            # all 20 rows
-  .venv/bin/python experiments/pipeline.py --quick    # 4 rows
+  .venv/bin/python experiments/pipeline.py            # 36 rows (4 skipped), 12 memory, 12 ZeRO rows
+  .venv/bin/python experiments/pipeline.py --quick    # 6 rows, 6 memory rows, 6 ZeRO rows
   .venv/bin/python experiments/pipeline.py --row gpipe:2:4:2 --row circular:4:8:1
 
---quick: 12 s on an idle 2-core CPU machine; the full run 39 s there.
+--quick: about 3 minutes on a loaded 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -90,7 +115,7 @@ MICRO_ROWS, MEMORY_WIDTH = 16, 64
 MEMORY_GRID = [(s, p, k * p) for s in ("gpipe", "1f1b") for p in (2, 4) for k in (1, 2, 4)]
 QUICK_MEMORY_GRID = [(s, 2, m) for s in ("gpipe", "1f1b") for m in (2, 4, 8)]
 # ZeRO with a pipeline: a model whose weights outweigh its activations, on ("stage", "data") = (2, 4), M = 4.
-ZERO_WIDTH, ZERO_P, ZERO_DATA, ZERO_M = 128, 2, 4, 4
+ZERO_WIDTH, ZERO_P, ZERO_DATA, ZERO_M = 64, 2, 4, 4
 ZERO_GRID = [(s, z, g) for s in ("gpipe", "circular", "1f1b") for z, g in
              ((1, "step"), (2, "step"), (3, "step"), (3, "layer"))]
 QUICK_ZERO_GRID = [("gpipe", 1, "step"), ("gpipe", 2, "step"), ("gpipe", 3, "step"), ("gpipe", 3, "layer"),
@@ -335,6 +360,8 @@ def check_row(row) -> list[str]:
   problems = []
   if not np.isclose(row["bubble_measured"], row["bubble_formula"], rtol=0, atol=1e-12):
     problems.append(f"bubble measured {row['bubble_measured']:.6f} != formula {row['bubble_formula']:.6f}")
+  if row["ticks"] is not None and row["ticks"] != row["iterations"]:
+    problems.append(f"the compiled loop runs {row['ticks']} iterations, the schedule has {row['iterations']}")
   if row["layers_applied_per_row"] != LAYERS:
     problems.append(f"each row went through {row['layers_applied_per_row']} layers, not {LAYERS}")
   if not row["max_rel_param_diff_vs_single"] <= TOLERANCE:
