@@ -496,3 +496,21 @@ def test_one_f_one_b_refuses_a_model_state():
   with pytest.raises(ValueError, match=r"schedule='1f1b' with a model state"):
     step(state, batch, w)
   assert_untouched(state, host)
+
+
+def test_one_f_one_b_bf16_compute_equals_one_device_to_bf16_round_off():
+  # compute_dtype=bfloat16 (float32 master weights and sums), SGD, 3 steps: 1F1B on ("stage", "data") against the
+  # same policy on one device, and against the float32 reference; bfloat16 keeps 8 bits (spacing 2**-8 = 3.9e-3
+  # relative), and the microbatches' partial sums round differently from one device's whole-batch ones.
+  opt, runs, policy = optax.sgd(0.1), batches(3), jaxdp.precision(compute_dtype=jnp.bfloat16)
+  results = []
+  for layout in (jaxdp.data_parallel(Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))),
+                 jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks", pipeline=jaxdp.pipeline(2, "1f1b"))):
+    step = jaxdp.make_train_step(loss_fn, opt, layout, precision=policy)
+    state = jaxdp.init_state(init_params(), opt, layout)
+    for batch, w in runs:
+      state, metrics = step(state, batch, w)
+    assert int(metrics["skipped"]) == 0
+    results.append(jaxdp.gather_state(state).params)
+  assert_close(results[1], results[0], rtol=2e-2)
+  assert_close(results[1], reference_run(opt, runs), rtol=3e-2)

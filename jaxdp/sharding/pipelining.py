@@ -666,7 +666,8 @@ def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Run
       def loss_end(cts, grads, value, aux):
         (v, a), pullback = jax.vjp(lambda p, y: last(p, y, m), params, y)
         ct_p, ct_y = pullback((jnp.ones_like(v), jax.tree.map(jnp.zeros_like, a)))
-        return put(cts, ck, ct_y), add_to(grads, ct_p), value + v.astype(value.dtype), add(aux, a)
+        aux = jax.tree.map(lambda old, new: _vary(new.astype(old.dtype), axes), aux, add(aux, a))
+        return put(cts, ck, ct_y), add_to(grads, ct_p), _vary(value + v.astype(value.dtype), axes), aux
 
       cts, grads, value, aux = lax.cond(s == stages - 1, loss_end, lambda *a: a, cts, grads, value, aux)
       return inputs, cts, grads, value, aux, y, zeros(x_shape)
