@@ -14,7 +14,22 @@ one microbatch passing through one stage's block of ``L / (P·R)`` layers.
 Both are one table (:func:`schedule_table`): at iteration ``t`` stage ``s``
 runs unit ``w = t − s`` when ``0 ≤ w < R·M`` (repeat ``w // M``, microbatch
 ``w % M``, layer block ``(w // M)·P + s``), else it idles. GPipe is the
-table with ``R = 1``.
+table with ``R = 1``; autodiff through that loop gives the gradient.
+
+* ``"1f1b"`` (PipeDream-flush): GPipe's layers and bubble, but each stage
+  alternates forward and backward passes (:func:`one_f_one_b_table`) and
+  keeps at most ``P`` microbatches' stage inputs. The schedule takes the
+  gradient itself (:func:`one_f_one_b`, called by the step in place of
+  ``jax.value_and_grad``): the loss is traced in three parts (up to the
+  stack, a stage's block, after the stack) on one microbatch's rows at a
+  time, and a backward pass is ``jax.vjp`` of the block at its saved input.
+
+At ``zero_stage=3`` a stage's layers are also split over the data axis;
+``Pipeline.gather`` says whether the step gathers the stage's block once
+(``"step"``) or :func:`jaxdp.scan_layers` gathers one layer at a time inside
+each work unit (``"layer"``, :mod:`jaxdp.sharding.layerwise`). With
+``example_ids`` each work unit runs with its microbatch's ids, so dropout
+inside the stack draws one device's masks.
 
 Use: a mesh with a stage axis (``("stage", "data")``, or ``("stage", "replica", "data")``
 with ``axis_name=("replica", "data")``), ``layers=`` naming the stacks, and
@@ -508,9 +523,10 @@ def one_f_one_b_table(stages: int, microbatches: int) -> OneFOneBTable:
       if work is not None:
         kind[t, s], micro[t, s] = work
 
-  def assign(arrive: Callable, own: Callable, at_use: np.ndarray, at_arrival: np.ndarray) -> int:
+  def assign(arrive: Callable, own: Callable, at_use: np.ndarray, at_arrival: np.ndarray, forward_reads: bool) -> int:
     # Microbatch m's slot at stage s, taken from its arrival (the end of tick arrive(m, s), or during that tick
     # when the stage writes it itself: own(m, s)) to its backward pass there (free again from that tick's end).
+    # forward_reads: the stage's forward pass reads it too (a stage input; a cotangent is read backward only).
     most = 0
     for s in range(p_count):
       free_at: dict = {}
@@ -523,15 +539,15 @@ def one_f_one_b_table(stages: int, microbatches: int) -> OneFOneBTable:
           at_use[a, s] = k
         else:
           at_arrival[a, s] = k
-          if at_use is slot:  # a forward pass reads its input there (the cotangents: backward passes only)
+          if forward_reads:
             at_use[done[(FORWARD, m, s)], s] = k
     return most
 
   last = p_count - 1
   slots = assign(lambda m, s: done[(FORWARD, m, s - 1)] if s > 0 else done[(FORWARD, m, 0)], lambda m, s: s == 0,
-                 slot, received)
+                 slot, received, True)
   cotangent_slots = assign(lambda m, s: done[(BACKWARD, m, s + 1)] if s < last else done[(FORWARD, m, s)],
-                           lambda m, s: s == last, cslot, creceived)
+                           lambda m, s: s == last, cslot, creceived, False)
   return OneFOneBTable(kind, micro, slot, received, cslot, creceived, slots, cotangent_slots)
 
 
@@ -553,10 +569,10 @@ def run_part(f: Callable, init: Any, layers: Any, xs: Any, record: Running, scan
   if mode is None:
     return None
   stages = record.stages
-  local = {np.shape(x)[0] for x in jax.tree.leaves(layers)}
-  if len(local) != 1 or local.pop() * stages not in record.layers:
+  sizes = sorted({np.shape(x)[0] for x in jax.tree.leaves(layers)})
+  if len(sizes) != 1 or sizes[0] * stages not in record.layers:
     raise ValueError(
-        f"scan_layers in a pipelined step got layers with a leading axis of {sorted(local)}; pass a stack named by "
+        f"scan_layers in a pipelined step got layers with a leading axis of {sizes}; pass a stack named by "
         f"layers= as the loss got it (L / P layers per stage, L in {list(record.layers)}, P = {stages}).")
   if mode.found:
     raise ValueError("schedule='1f1b' runs one stack per loss (one call of jaxdp.scan_layers); this loss calls it "
