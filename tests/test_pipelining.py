@@ -206,8 +206,9 @@ def test_gradient_reduced_over_the_data_axis_once_per_step():
     assert not [op for op in ops if op.kind != "all-reduce"]
 
 
-def test_nonfinite_on_one_device_skips_on_every_stage_and_replica():
-  step, opt, mesh, _ = built(2, 2, 4, "gpipe", 1, "clip_adamw")  # a step of test_equals_one_device
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_nonfinite_on_one_device_skips_on_every_stage_and_replica(schedule):
+  step, opt, mesh, _ = built(2, 2, 4, schedule, 1, "clip_adamw")  # GPipe: a step of test_equals_one_device
   (batch, w), (good, good_w) = batches(2)
   state, _ = step(jaxdp.init_state(init_params(), opt, mesh, layers="blocks"), good, good_w)
   before = jaxdp.gather_state(state)
