@@ -517,3 +517,21 @@ def test_one_f_one_b_bf16_compute_equals_one_device_to_bf16_round_off():
     results.append(jaxdp.gather_state(state).params)
   assert_close(results[1], results[0], rtol=2e-2)
   assert_close(results[1], reference_run(opt, runs), rtol=3e-2)
+
+
+def test_one_f_one_b_float16_loss_scaling_follows_one_device():
+  # compute_dtype=float16 with dynamic loss scaling: the same skipped steps and scales as one device's run of the
+  # policy (2**16 overflows here, then 2**15, then 2**14 applies), parameters within float16's round-off (2**-11).
+  opt, runs = optax.sgd(0.1), batches(3)
+  policy = jaxdp.precision(compute_dtype=jnp.float16, loss_scaling=jaxdp.dynamic_loss_scale())
+  results = []
+  for layout in (jaxdp.data_parallel(Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))),
+                 jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks", pipeline=jaxdp.pipeline(2, "1f1b"))):
+    step = jaxdp.make_train_step(loss_fn, opt, layout, precision=policy)
+    state, seen = jaxdp.init_state(init_params(), opt, layout, precision=policy), []
+    for batch, w in runs:
+      state, metrics = step(state, batch, w)
+      seen.append((int(metrics["skipped"]), float(metrics["loss_scale"])))
+    results.append((seen, jaxdp.gather_state(state).params))
+  assert results[1][0] == results[0][0] and any(not skipped for skipped, _ in results[0][0])
+  assert_close(results[1][1], results[0][1], rtol=5e-3)
