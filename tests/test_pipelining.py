@@ -270,8 +270,10 @@ def test_errors_of_the_step_arguments():
     jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(1, "circular", repeats=2))
   with pytest.raises(ValueError, match=r"gather='all' is not a ZeRO-3 gather of a pipeline"):
     jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2, gather="all"), zero_stage=3)
-  with pytest.raises(ValueError, match=r"repeats=2 under schedule='1f1b'"):
-    jaxdp.pipeline(4, "1f1b", repeats=2)
+  with pytest.raises(ValueError, match=r"repeats=2 under schedule='gpipe'"):
+    jaxdp.pipeline(4, "gpipe", repeats=2)
+  with pytest.raises(ValueError, match=r"microbatches=3 must be a multiple of 2"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(3, "1f1b", repeats=2))
   with pytest.raises(ValueError, match=r"not an axis of the mesh"):
     jaxdp.make_train_step(loss_fn, opt, stage_mesh(1, 2), layers="blocks", pipeline=jaxdp.pipeline(2, axis_name="pp"))
   with pytest.raises(ValueError, match=r"backend='pmap' maps over one axis only.*'stage'"):
@@ -360,44 +362,56 @@ def test_flax_nnx_stack_made_by_vmap():
 # --- 1F1B, ZeRO-3 inside the stages, layout-invariant dropout ----------------------------------------------------
 
 
-@pytest.mark.parametrize("stages,microbatches", [(1, 3), (2, 1), (2, 5), (3, 4), (4, 4), (4, 9)])
-def test_one_f_one_b_table_runs_every_unit_once_in_order_with_p_slots(stages, microbatches):
-  # The table replayed on labels: each read of a slot finds the microbatch the table says, every forward and
-  # backward pass of every (microbatch, stage) runs once after what it needs, and the idle cells are the bubble.
-  table = pipelining.one_f_one_b_table(stages, microbatches)
-  ticks = 2 * (microbatches + stages - 1)
+@pytest.mark.parametrize("stages,microbatches,repeats", [(1, 3, 1), (2, 1, 1), (2, 5, 1), (3, 4, 1), (4, 4, 1),
+                                                       (4, 9, 1), (2, 2, 2), (2, 6, 3), (4, 8, 2)])
+def test_one_f_one_b_table_runs_every_unit_once_in_order_with_bounded_slots(stages, microbatches, repeats):
+  # The table replayed on labels: each read of a slot finds the (microbatch, block) the table says, every forward
+  # and backward pass of every unit runs once after what it needs (the previous virtual stage's forward pass,
+  # the next one's backward pass), and the idle cells are the bubble. Virtual stage r·P + s is stage s's block r.
+  table = pipelining.one_f_one_b_table(stages, microbatches, repeats)
+  ticks = 2 * (repeats * microbatches + stages - 1)
   assert table.kind.shape == (ticks, stages)
-  assert np.mean(table.kind == 0) == pytest.approx(pipelining.bubble_formula(stages, microbatches), abs=1e-12)
-  assert table.slots <= stages and table.cotangent_slots <= stages
-  inputs = np.full((stages, table.slots), -1)
-  cts = np.full((stages, table.cotangent_slots), -1)
+  assert np.mean(table.kind == 0) == pytest.approx(pipelining.bubble_formula(stages, microbatches, repeats), abs=1e-12)
+  if repeats == 1:
+    assert table.slots <= stages and table.cotangent_slots <= stages
+  else:  # interleaved: bounded independently of M (from M = 2P on, the same for any M)
+    slots = lambda k: pipelining.one_f_one_b_table(stages, k * stages, repeats).slots  # noqa: E731
+    assert table.slots <= slots(2) == slots(4)
+  last = (stages - 1, repeats - 1)
+  inputs = np.full((stages, table.slots, 2), -1)
+  cts = np.full((stages, table.cotangent_slots, 2), -1)
   when = {}
   for t in range(ticks):
     for s in range(stages):
-      kind, m = table.kind[t, s], table.microbatch[t, s]
+      kind, m, r = table.kind[t, s], table.microbatch[t, s], table.repeat[t, s]
       k, ck = table.slot[t, s], table.cotangent_slot[t, s]
       if kind == pipelining.FORWARD:
-        assert s == 0 or when[("F", m, s - 1)] < t
-        if s == 0:
-          inputs[s, k] = m
-        assert inputs[s, k] == m
-        if s == stages - 1:
-          cts[s, ck] = m
+        before = ("F", m, r, s - 1) if s > 0 else ("F", m, r - 1, stages - 1) if r > 0 else None
+        assert before is None or when[before] < t
+        if (s, r) == (0, 0):
+          inputs[s, k] = (m, r)
+        assert tuple(inputs[s, k]) == (m, r)
+        if (s, r) == last:
+          cts[s, ck] = (m, r)
       elif kind == pipelining.BACKWARD:
-        assert when[("F", m, s)] < t and (s == stages - 1 or when[("B", m, s + 1)] < t)
-        assert inputs[s, k] == m and cts[s, ck] == m
+        after = ("F", m, r, s) if (s, r) == last else ("B", m, r, s + 1) if s < stages - 1 else ("B", m, r + 1, 0)
+        assert when[("F", m, r, s)] < t and when[after] < t
+        assert tuple(inputs[s, k]) == (m, r) and tuple(cts[s, ck]) == (m, r)
       if kind:
-        key = ("F" if kind == pipelining.FORWARD else "B", m, s)
+        key = ("F" if kind == pipelining.FORWARD else "B", m, r, s)
         assert key not in when
         when[key] = t
-    for s in range(stages):  # what arrives at the end of the tick
+    for s in range(stages):  # what arrives at the end of the tick, from the previous / next stage on the ring
       if table.received[t, s] >= 0:
-        assert table.kind[t, s - 1] == pipelining.FORWARD
-        inputs[s, table.received[t, s]] = table.microbatch[t, s - 1]
+        sender = (s - 1) % stages
+        assert table.kind[t, sender] == pipelining.FORWARD
+        inputs[s, table.received[t, s]] = (table.microbatch[t, sender], table.repeat[t, sender] + (s == 0))
       if table.cotangent_received[t, s] >= 0:
-        assert table.kind[t, s + 1] == pipelining.BACKWARD
-        cts[s, table.cotangent_received[t, s]] = table.microbatch[t, s + 1]
-  assert len(when) == 2 * stages * microbatches
+        sender = (s + 1) % stages
+        assert table.kind[t, sender] == pipelining.BACKWARD
+        cts[s, table.cotangent_received[t, s]] = (table.microbatch[t, sender],
+                                                  table.repeat[t, sender] - (s == stages - 1))
+  assert len(when) == 2 * stages * microbatches * repeats
 
 
 ONE_F_ONE_B_CASES = [
@@ -414,6 +428,18 @@ def test_one_f_one_b_equals_one_device(stages, data, microbatches, optimizer, ze
   # 1F1B on ("stage", "data"), with ZeRO 1 and accum_steps=2, and ZeRO 2 on a hybrid ("stage", "replica", "data").
   step, opt, mesh, axis_name = built(stages, data, microbatches, "1f1b", 1, optimizer, zero_stage, accum_steps,
                                      replica)
+  runs = batches()
+  state, metrics = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
+  assert int(metrics["skipped"]) == 0 and int(state.step) == STEPS
+  assert_close(state.params, reference_run(opt, runs))
+  if zero_stage:
+    assert float(metrics["replica_divergence"]) == 0.0
+
+
+@pytest.mark.parametrize("stages,data,microbatches,repeats,zero_stage", [(2, 2, 2, 2, 0), (4, 1, 4, 2, 1)])
+def test_interleaved_one_f_one_b_equals_one_device(stages, data, microbatches, repeats, zero_stage):
+  # 1F1B with repeats=2: stage s runs blocks s and s + P (virtual stages), a microbatch goes round the ring twice.
+  step, opt, mesh, axis_name = built(stages, data, microbatches, "1f1b", repeats, "clip_adamw", zero_stage)
   runs = batches()
   state, metrics = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
   assert int(metrics["skipped"]) == 0 and int(state.step) == STEPS

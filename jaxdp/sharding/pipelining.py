@@ -97,15 +97,16 @@ class Pipeline(NamedTuple):
 
 def pipeline(microbatches: int, schedule: str = "gpipe", *, repeats: int = 1, axis_name: str = "stage",
              gather: str = "step") -> Pipeline:
-  """A checked :class:`Pipeline`: ``microbatches >= 1``, a known schedule, ``repeats >= 1`` (1 for ``"gpipe"``
-  and ``"1f1b"``), ``gather`` one of :data:`GATHERS` (read at ``zero_stage=3`` only)."""
+  """A checked :class:`Pipeline`: ``microbatches >= 1``, a known schedule, ``repeats >= 1`` (1 for ``"gpipe"``;
+  ``"1f1b"`` with ``repeats > 1`` is interleaved), ``gather`` one of :data:`GATHERS` (read at ``zero_stage=3``
+  only)."""
   microbatches = check_int(microbatches, "microbatches", 1, "the number of microbatches per device and step.")
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; use one of {', '.join(map(repr, SCHEDULES))}.")
   repeats = check_int(repeats, "repeats", 1, "the rounds of the ring of stages each microbatch makes.")
-  if schedule in ("gpipe", "1f1b") and repeats != 1:
-    raise ValueError(f"repeats={repeats} under schedule={schedule!r}, which passes each microbatch through the stages "
-                     "once; use schedule='circular' for repeats > 1.")
+  if schedule == "gpipe" and repeats != 1:
+    raise ValueError(f"repeats={repeats} under schedule='gpipe', which passes each microbatch through the stages "
+                     "once; use schedule='circular' (or '1f1b', interleaved) for repeats > 1.")
   if not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a mesh axis name (a str), got {axis_name!r}.")
   if gather not in GATHERS:
@@ -114,9 +115,16 @@ def pipeline(microbatches: int, schedule: str = "gpipe", *, repeats: int = 1, ax
   return Pipeline(microbatches, schedule, repeats, axis_name, gather)
 
 
-def check_schedule(stages: int, microbatches: int, repeats: int = 1) -> None:
+def check_schedule(stages: int, microbatches: int, repeats: int = 1, schedule: str = "circular") -> None:
   """Raises ``ValueError`` when ``M < P`` with ``R > 1``: microbatch ``m`` would be due back at stage 0 before
-  it has left the last stage."""
+  it has left the last stage; under ``"1f1b"`` with ``R > 1``, unless ``M % P == 0`` (Megatron's interleaved
+  schedule runs the microbatches in groups of ``P``)."""
+  if schedule == "1f1b" and repeats > 1 and microbatches % stages:
+    raise ValueError(
+        f"schedule='1f1b' with repeats={repeats} (interleaved) runs the microbatches in groups of P = {stages}: "
+        f"microbatches={microbatches} must be a multiple of {stages}. Use microbatches={stages * max(1, round(microbatches / stages))} "
+        "or repeats=1."
+    )
   if repeats > 1 and microbatches < stages:
     raise ValueError(
         f"the circular schedule with repeats={repeats} over {stages} stages needs microbatches >= stages, got "
@@ -412,7 +420,7 @@ def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_st
   if backend != "shard_map":  # (jaxdp.sharding.layout.check_backend refuses pmap on a mesh of several axes first)
     raise ValueError(f"backend={backend!r} with a pipeline: the stages run inside shard_map over the stage axis; use "
                      "backend='shard_map'.")
-  check_schedule(mesh.shape[pipe.axis_name], pipe.microbatches, pipe.repeats)
+  check_schedule(mesh.shape[pipe.axis_name], pipe.microbatches, pipe.repeats, pipe.schedule)
 
 
 def check_stacks(params: Any, layers: Any, pipe: Pipeline, stages: int) -> None:
@@ -452,22 +460,25 @@ FORWARD, BACKWARD = 1, 2
 
 
 class OneFOneBTable(NamedTuple):
-  """The 1F1B (PipeDream-flush) schedule as tables of ``[T, P]`` int32, ``T = 2·(M + P − 1)`` ticks.
+  """The 1F1B (PipeDream-flush) schedule as tables of ``[T, P]`` int32, ``T = 2·(R·M + P − 1)`` ticks.
 
   Attributes:
     kind: 0 (idle), :data:`FORWARD` or :data:`BACKWARD` for each tick and stage.
     microbatch: the microbatch of that work (0 when idle).
+    repeat: the block of the stage it runs (its ``r``-th, virtual stage ``r·P + s``; 0 when idle).
     slot: the buffer slot of that microbatch's stage input (read by the backward pass, written by stage 0's
       forward), ``0`` when idle.
     received: the slot where the activation that arrives at the end of the tick is kept, or ``-1``.
     cotangent_slot: the slot of the microbatch's output cotangent (read by the backward, written by the last
       stage's forward), ``0`` when idle.
     cotangent_received: the slot where the cotangent that arrives at the end of the tick is kept, or ``-1``.
-    slots: the stage-input slots a stage needs (at most ``P``); cotangent_slots: the cotangent slots.
+    slots: the stage-input slots a stage needs (at most ``P`` when ``R = 1``; independent of ``M`` in any case);
+      cotangent_slots: the cotangent slots.
   """
 
   kind: np.ndarray
   microbatch: np.ndarray
+  repeat: np.ndarray
   slot: np.ndarray
   received: np.ndarray
   cotangent_slot: np.ndarray
@@ -476,26 +487,44 @@ class OneFOneBTable(NamedTuple):
   cotangent_slots: int
 
 
-def one_f_one_b_table(stages: int, microbatches: int) -> OneFOneBTable:
-  """The 1F1B schedule over ``stages`` and ``microbatches``, one unit of work (a forward or a backward pass of a
-  stage's block on one microbatch) per stage and tick.
+def one_f_one_b_table(stages: int, microbatches: int, repeats: int = 1) -> OneFOneBTable:
+  """The 1F1B schedule over ``stages`` and ``microbatches`` (interleaved over ``repeats`` blocks per stage),
+  one unit of work (a forward or a backward pass of one block on one microbatch) per stage and tick.
 
-  Stage ``s`` runs ``min(P − 1 − s, M)`` forward passes, then alternates one forward and one backward pass,
-  then runs the remaining backward passes (Megatron's order); each runs at the first tick after the work it
-  needs: the previous stage's forward pass of that microbatch, the next stage's backward pass (the last stage:
-  its own forward pass, where the loss's cotangent is taken). A stage keeps a microbatch's input from its
-  arrival to its backward pass, in the lowest free slot.
+  ``repeats = 1``: stage ``s`` runs ``min(P − 1 − s, M)`` forward passes, then alternates one forward and one
+  backward pass, then runs the remaining backward passes (Megatron's order). ``repeats = R > 1`` (Megatron's
+  interleaved schedule, ``M % P == 0``): stage ``s`` holds blocks ``s, s + P, …`` (virtual stage ``r·P + s``
+  for its ``r``-th block), runs the forward passes of each group of ``P`` microbatches block by block (the
+  backward passes in the reverse block order), after ``2·(P − 1 − s) + (R − 1)·P`` warm-up forward passes.
+  Each unit runs at the first tick after the work it needs: the previous virtual stage's forward pass of that
+  microbatch, the next one's backward pass (the last: its own forward pass, where the loss's cotangent is
+  taken). A stage keeps a unit's input from its arrival to its backward pass, in the lowest free slot.
   """
   stages = check_int(stages, "stages", 1)
   microbatches = check_int(microbatches, "microbatches", 1)
-  p_count, m_count = stages, microbatches
+  repeats = check_int(repeats, "repeats", 1)
+  check_schedule(stages, microbatches, repeats, "1f1b")
+  p_count, m_count, r_count = stages, microbatches, repeats
+  groups = [list(range(g, min(g + p_count, m_count))) for g in range(0, m_count, p_count)]
+  forwards = [(m, r) for g in groups for r in range(r_count) for m in g]
+  backwards = [(m, r) for g in groups for r in reversed(range(r_count)) for m in g]
+  units = m_count * r_count
   orders = []
   for s in range(p_count):
-    warm = min(p_count - 1 - s, m_count)
-    ops = [(FORWARD, m) for m in range(warm)]
-    for i in range(m_count - warm):
-      ops += [(FORWARD, warm + i), (BACKWARD, i)]
-    orders.append(ops + [(BACKWARD, m) for m in range(m_count - warm, m_count)])
+    warm = min(p_count - 1 - s if r_count == 1 else 2 * (p_count - 1 - s) + (r_count - 1) * p_count, units)
+    ops = [(FORWARD, *forwards[i]) for i in range(warm)]
+    for i in range(units - warm):
+      ops += [(FORWARD, *forwards[warm + i]), (BACKWARD, *backwards[i])]
+    orders.append(ops + [(BACKWARD, *backwards[i]) for i in range(units - warm, units)])
+  last_stage, last_repeat = p_count - 1, r_count - 1
+
+  def needs(kind, m, r, s):  # the work a unit waits for, or None
+    if kind == FORWARD:
+      return (FORWARD, m, r, s - 1) if s > 0 else (FORWARD, m, r - 1, last_stage) if r > 0 else None
+    if s == last_stage and r == last_repeat:
+      return (FORWARD, m, r, s)
+    return (BACKWARD, m, r, s + 1) if s < last_stage else (BACKWARD, m, r + 1, 0)
+
   done: dict = {}
   position, rows = [0] * p_count, []
   while any(position[s] < len(orders[s]) for s in range(p_count)):
@@ -504,10 +533,8 @@ def one_f_one_b_table(stages: int, microbatches: int) -> OneFOneBTable:
       if position[s] == len(orders[s]):
         row.append(None)
         continue
-      kind, m = orders[s][position[s]]
-      need = ((FORWARD, m, s - 1) if s > 0 else None) if kind == FORWARD else (
-          (BACKWARD, m, s + 1) if s < p_count - 1 else (FORWARD, m, s))
-      row.append((kind, m) if need is None or done.get(need, t) < t else None)
+      need = needs(*orders[s][position[s]], s)
+      row.append(orders[s][position[s]] if need is None or done.get(need, t) < t else None)
     for s, work in enumerate(row):
       if work is not None:
         done[(*work, s)] = t
@@ -515,40 +542,40 @@ def one_f_one_b_table(stages: int, microbatches: int) -> OneFOneBTable:
     rows.append(row)
   ticks = len(rows)
   shape = (ticks, p_count)
-  kind, micro = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+  kind, micro, repeat = (np.zeros(shape, np.int32) for _ in range(3))
   slot, received = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
   cslot, creceived = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
   for t, row in enumerate(rows):
     for s, work in enumerate(row):
       if work is not None:
-        kind[t, s], micro[t, s] = work
+        kind[t, s], micro[t, s], repeat[t, s] = work
 
   def assign(arrive: Callable, own: Callable, at_use: np.ndarray, at_arrival: np.ndarray, forward_reads: bool) -> int:
-    # Microbatch m's slot at stage s, taken from its arrival (the end of tick arrive(m, s), or during that tick
-    # when the stage writes it itself: own(m, s)) to its backward pass there (free again from that tick's end).
+    # Unit (m, r)'s slot at stage s, taken from its arrival (the end of tick arrive(m, r, s), or during that tick
+    # when the stage writes it itself: own(m, r, s)) to its backward pass there (free again from that tick's end).
     # forward_reads: the stage's forward pass reads it too (a stage input; a cotangent is read backward only).
     most = 0
     for s in range(p_count):
       free_at: dict = {}
-      for m in sorted(range(m_count), key=lambda m: arrive(m, s)):
-        a, backward = arrive(m, s), done[(BACKWARD, m, s)]
-        k = next(k for k in range(m_count + 1) if free_at.get(k, -1) <= a)
+      for m, r in sorted(((m, r) for m in range(m_count) for r in range(r_count)), key=lambda u: arrive(*u, s)):
+        a, backward = arrive(m, r, s), done[(BACKWARD, m, r, s)]
+        k = next(k for k in range(units + 1) if free_at.get(k, -1) <= a)
         free_at[k], most = backward, max(most, k + 1)
         at_use[backward, s] = k
-        if own(m, s):
+        if own(m, r, s):
           at_use[a, s] = k
         else:
           at_arrival[a, s] = k
           if forward_reads:
-            at_use[done[(FORWARD, m, s)], s] = k
+            at_use[done[(FORWARD, m, r, s)], s] = k
     return most
 
-  last = p_count - 1
-  slots = assign(lambda m, s: done[(FORWARD, m, s - 1)] if s > 0 else done[(FORWARD, m, 0)], lambda m, s: s == 0,
-                 slot, received, True)
-  cotangent_slots = assign(lambda m, s: done[(BACKWARD, m, s + 1)] if s < last else done[(FORWARD, m, s)],
-                           lambda m, s: s == last, cslot, creceived, False)
-  return OneFOneBTable(kind, micro, slot, received, cslot, creceived, slots, cotangent_slots)
+  first_unit = lambda m, r, s: s == 0 and r == 0  # noqa: E731
+  last_unit = lambda m, r, s: s == last_stage and r == last_repeat  # noqa: E731
+  slots = assign(lambda m, r, s: done[needs(FORWARD, m, r, s)] if not first_unit(m, r, s) else done[(FORWARD, m, r, s)],
+                 first_unit, slot, received, True)
+  cotangent_slots = assign(lambda m, r, s: done[needs(BACKWARD, m, r, s)], last_unit, cslot, creceived, False)
+  return OneFOneBTable(kind, micro, repeat, slot, received, cslot, creceived, slots, cotangent_slots)
 
 
 class _Mode(NamedTuple):
@@ -584,11 +611,16 @@ def run_part(f: Callable, init: Any, layers: Any, xs: Any, record: Running, scan
   if mode.part == "output":
     mode.found.append((None, ))
     return mode.value, None
-  local = np.shape(jax.tree.leaves(layers)[0])[0]
+  # This stage's block r (its r-th, virtual stage r·P + s; the layers arrive in the circular order when R > 1).
+  x, r = mode.value
+  repeats = record.pipeline.repeats
+  block = np.shape(jax.tree.leaves(layers)[0])[0] // repeats
+  if repeats > 1:
+    layers = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, r * block, block, axis=0), layers)
   if xs is not None:
     s = lax.axis_index(record.pipeline.axis_name)
-    xs = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, s * local, local, axis=0), xs)
-  y, ys = scan(f, mode.value, layers, xs)
+    xs = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, (r * stages + s) * block, block, axis=0), xs)
+  y, ys = scan(f, x, layers, xs)
   if jax.tree.leaves(ys):
     raise ValueError("scan_layers in a pipelined step: f must return (carry, None); per-layer outputs (ys) are "
                      "not gathered across stages. Return what the loss needs in the carry.")
@@ -643,8 +675,8 @@ def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Run
       fn(p, *rows_of(m))
     return jax.tree.map(lambda x: _vary(x, axes), _found(mode))
 
-  def block(p, x, m):  # this stage's block of layers on x
-    with _part("stage", x) as mode:
+  def block(p, x, m, r):  # this stage's block r of layers on x
+    with _part("stage", (x, r)) as mode:
       fn(p, *rows_of(m))
     return jax.tree.map(lambda x: _vary(x, axes), _found(mode))
 
@@ -656,27 +688,31 @@ def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Run
 
   x_shape = jax.eval_shape(first, params, 0)
   value_shape, aux_shape = jax.eval_shape(last, params, x_shape, 0)
-  table = one_f_one_b_table(stages, m_count)
+  repeats = pipe.repeats
+  table = one_f_one_b_table(stages, m_count, repeats)
   zeros = lambda shapes, lead=(): jax.tree.map(  # noqa: E731
       lambda a: _vary(jnp.zeros(lead + tuple(a.shape), a.dtype), axes), shapes)
   wide = lambda x: jnp.promote_types(x.dtype, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype  # noqa: E731
   grads0 = jax.tree.map(lambda x: _vary(jnp.zeros(x.shape, wide(x)), axes), params)
   s = lax.axis_index(axis)
-  forward_ring = [(i, i + 1) for i in range(stages - 1)]
-  backward_ring = [(i + 1, i) for i in range(stages - 1)]
+  # Interleaved (R > 1): stage P − 1's output goes on to stage 0's next block, and its cotangent back.
+  hops = stages if repeats > 1 else stages - 1
+  forward_ring = [(i, (i + 1) % stages) for i in range(hops)]
+  backward_ring = [((i + 1) % stages, i) for i in range(hops)]
   put = lambda buf, k, v: jax.tree.map(lambda b, x: b.at[k].set(x.astype(b.dtype)), buf, v)  # noqa: E731
   add_to = lambda total, part: jax.tree.map(lambda a, b: a + b.astype(a.dtype), total, part)  # noqa: E731
 
   def tick(state, row):
     inputs, cts, grads, value, aux = state
-    kind, m, k, ck = (row[name][s] for name in ("kind", "microbatch", "slot", "cotangent_slot"))
+    kind, m, r, k, ck = (row[name][s] for name in ("kind", "microbatch", "repeat", "slot", "cotangent_slot"))
+    entry, exit_ = (s == 0) & (r == 0), (s == stages - 1) & (r == repeats - 1)  # the stack's first, last block
 
     def idle(inputs, cts, grads, value, aux):
       return inputs, cts, grads, value, aux, zeros(x_shape), zeros(x_shape)
 
     def forward(inputs, cts, grads, value, aux):
-      x = lax.cond(s == 0, lambda: first(params, m), lambda: pick(inputs, k))
-      y = block(params, x, m)
+      x = lax.cond(entry, lambda: first(params, m), lambda: pick(inputs, k))
+      y = block(params, x, m, r)
       inputs = put(inputs, k, x)
 
       def loss_end(cts, grads, value, aux):
@@ -685,12 +721,12 @@ def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Run
         aux = jax.tree.map(lambda old, new: _vary(new.astype(old.dtype), axes), aux, add(aux, a))
         return put(cts, ck, ct_y), add_to(grads, ct_p), _vary(value + v.astype(value.dtype), axes), aux
 
-      cts, grads, value, aux = lax.cond(s == stages - 1, loss_end, lambda *a: a, cts, grads, value, aux)
+      cts, grads, value, aux = lax.cond(exit_, loss_end, lambda *a: a, cts, grads, value, aux)
       return inputs, cts, grads, value, aux, y, zeros(x_shape)
 
     def backward(inputs, cts, grads, value, aux):
       x, ct_y = pick(inputs, k), pick(cts, ck)
-      _, pullback = jax.vjp(lambda p, x: block(p, x, m), params, x)
+      _, pullback = jax.vjp(lambda p, x: block(p, x, m, r), params, x)
       ct_p, ct_x = pullback(jax.tree.map(lambda c, a: c.astype(a.dtype), ct_y, x_shape))
       grads = add_to(grads, ct_p)
 
@@ -698,7 +734,7 @@ def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Run
         _, pullback = jax.vjp(lambda p: first(p, m), params)
         return add_to(grads, pullback(ct_x)[0])
 
-      grads = lax.cond(s == 0, input_end, lambda g: g, grads)
+      grads = lax.cond(entry, input_end, lambda g: g, grads)
       return inputs, cts, grads, value, aux, zeros(x_shape), ct_x
 
     *state, y, ct_x = lax.switch(kind, (idle, forward, backward), inputs, cts, grads, value, aux)
@@ -714,7 +750,7 @@ def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Run
     return (inputs, cts, grads, value, aux), None
 
   rows_table = {name: jnp.asarray(getattr(table, name)) for name in
-                ("kind", "microbatch", "slot", "received", "cotangent_slot", "cotangent_received")}
+                ("kind", "microbatch", "repeat", "slot", "received", "cotangent_slot", "cotangent_received")}
   start = (zeros(x_shape, (table.slots,)), zeros(x_shape, (table.cotangent_slots,)), grads0,
            zeros(value_shape), zeros(aux_shape))
   (_, _, grads, value, aux), _ = lax.scan(tick, start, rows_table)
