@@ -175,7 +175,7 @@ def reference_means(params, data):
   return loss / weight, weight
 
 
-@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("1f1b", 2)])
 def test_eval_on_the_pipeline_mesh(schedule, repeats):
   mesh = stage_mesh(2, 2)
   evaluate = jaxdp.make_eval_step(loss_fn, mesh, layers="blocks", pipeline=jaxdp.pipeline(2, schedule, repeats=repeats))
