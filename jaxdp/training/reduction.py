@@ -24,6 +24,7 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from jaxdp.reductions.compression import compressed_sums, with_compressed
+from jaxdp.sharding import pipelining
 from jaxdp.sharding.layout import axis_names, model_part, per_model_shard
 from jaxdp.core.loss import call_loss, in_step
 from jaxdp.core.randomness import per_example
@@ -413,10 +414,10 @@ def _micro_gradient(settings: StepConfig, loss_fn: Callable[..., Any], plan: _Si
                     micro_batch: Any, micro_weights: Any, micro_rng: Any, state: Any, *, train: bool) -> LocalGradient:
   """One micro-batch's :class:`LocalGradient`: its sums and the gradient of ``Σ w·l``, float32 at least."""
 
-  def weighted_sum(p):
-    p, b = cast_floating((p, micro_batch), settings.compute_dtype)
+  def weighted_sum(p, rows=micro_batch, row_weights=micro_weights):
+    p, b = cast_floating((p, rows), settings.compute_dtype)
     sums = loss_sums(
-        loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=settings.axis_name, train=train,
+        loss_fn, p, b, row_weights, rng=micro_rng, model_state=state, axis_name=settings.axis_name, train=train,
         example_ids=settings.example_ids,
     )
     if not plan.active:
@@ -433,11 +434,30 @@ def _micro_gradient(settings: StepConfig, loss_fn: Callable[..., Any], plan: _Si
       scale = (1.0 if scale is None else scale) / plan.loss_scale
     return value, (sums, scale)
 
+  piped = pipelining.active()
   with in_step(settings.axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
-    (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+    if piped is not None and piped.pipeline.schedule == "1f1b":  # the schedule takes the gradient itself
+      if state is not None:
+        raise ValueError(
+            "schedule='1f1b' with a model state (BatchNorm statistics): it runs the loss on one microbatch at a "
+            "time, so statistics would be per microbatch, not the batch's. Use schedule='gpipe' or 'circular'.")
+      (_, (sums, scale)), grads = pipelining.one_f_one_b(weighted_sum, params, micro_batch, micro_weights, piped,
+                                                         _add_sums)
+    else:
+      (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
   # Unscaled in float32 (a power of two over a power of two: exact), before any accumulation or reduction.
   widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
   return sums._replace(grads=jax.tree.map(widen, grads))
+
+
+def _add_sums(total: tuple, part: tuple) -> tuple:
+  """One microbatch's ``(sums, scale)`` added to ``total`` (the scale, the same for every microbatch, kept)."""
+  (sums, _), (more, scale) = total, part
+  if more.model_state is not None:
+    raise ValueError("schedule='1f1b' with a loss that returns a model state: statistics would be per microbatch; "
+                     "use schedule='gpipe' or 'circular'.")
+  added = jax.tree.map(jnp.add, sums._replace(model_state=None), more._replace(model_state=None))
+  return added, scale
 
 
 def _accumulated(settings: StepConfig, micro_gradient: Callable[..., LocalGradient], batch: Any, weights: Any,
