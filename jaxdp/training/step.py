@@ -109,7 +109,11 @@ def apply_update(
     # A small state: the update is computed and selected leaf by leaf, each select fused into the leaf's
     # update (a conditional would write out every gradient leaf as its operand: one more kernel per leaf).
     new_state = step(operand)
-    return jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_state, state)
+    same = jax.tree.structure(new_state) == jax.tree.structure(state) and all(
+        (new.shape, new.dtype, varying_axes(new)) == (old.shape, old.dtype, varying_axes(old))
+        for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)))
+    if same:  # else the conditional below refuses the update with JAX's own error, as for a large state
+      return jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_state, state)
   # A large one: a conditional, where a select would copy every buffer each step. The division and the cast
   # happen inside the branch, fused into the update's pass over the gradient.
   return lax.cond(apply, step, lambda operand: operand[0], operand)
