@@ -558,6 +558,28 @@ def _is_trivial(tree: Any, axis_name: str) -> bool:
 
 # Leaves of up to this many bytes share one flat operand (per dtype) in an all-reduce.
 PACK_BYTES = 1 << 18
+# XLA CPU runs a program's kernels one after another on the calling thread when none of its buffers exceeds
+# 512 bytes (its executor's execute_sequential_buffer_threshold), and on its thread pool otherwise; on a step
+# that small the pool's hand-offs cost more than the kernels (measured: 2.4x the step at 96 leaves). So a
+# small gradient (every leaf and the whole row of at most ROW_BYTES and SMALL_ROWS * ROW_BYTES) is packed
+# in rows of at most ROW_BYTES (several operands of one all-reduce), where a larger one has one row.
+ROW_BYTES = 512
+SMALL_ROWS = 16
+
+
+def rows_of(nbytes: list) -> list:
+  """The positions ``0 .. len(nbytes) - 1`` of leaves of these byte sizes cut into packed rows, in order: one
+  row, or for a small gradient rows of at most :data:`ROW_BYTES` each (see :data:`SMALL_ROWS`)."""
+  if not nbytes or sum(nbytes) <= ROW_BYTES or max(nbytes) > ROW_BYTES or sum(nbytes) > SMALL_ROWS * ROW_BYTES:
+    return [list(range(len(nbytes)))]
+  rows, size = [[]], 0
+  for i, b in enumerate(nbytes):
+    if rows[-1] and size + b > ROW_BYTES:
+      rows.append([])
+      size = 0
+    rows[-1].append(i)
+    size += b
+  return rows
 
 
 def _psum(tree: Any, axis_name: str) -> Any:
@@ -566,6 +588,7 @@ def _psum(tree: Any, axis_name: str) -> Any:
 
   XLA CPU's all-reduce pays a fixed cost per operand, so many small operands cost more than one flat
   operand of the same values; packing leaves of up to :data:`PACK_BYTES` costs a copy of them. Each element is summed as before: the same values, bit for bit.
+  A small gradient is packed in rows of :data:`ROW_BYTES` instead (:func:`rows_of`).
   Leaves the compiler may split over another mesh axis stay whole (packing would gather them).
   """
   if _is_trivial(tree, axis_name):
@@ -577,7 +600,8 @@ def _psum(tree: Any, axis_name: str) -> Any:
       # By type too: a leaf replicated over a manual model axis packed with one split over it would come
       # back typed as varying there (and differ from the parameter it updates).
       groups.setdefault((jnp.dtype(x.dtype), varying_axes(x)), []).append(i)
-  packs = [group for group in groups.values() if len(group) > 1]
+  packs = [[group[i] for i in row] for group in groups.values()
+           for row in rows_of([leaves[i].size * leaves[i].dtype.itemsize for i in group]) if len(row) > 1]
   packed = {i for group in packs for i in group}
   rows = [to_row([leaves[i] for i in group]) for group in packs]
   rows, whole = lax.psum((rows, [x for i, x in enumerate(leaves) if i not in packed]), axis_name)
@@ -1193,10 +1217,20 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   shared: dict = {}  # added over the key's axes only
   # One device: nothing to split or add. Otherwise split agreed leaves only where they are known to be agreed.
   parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or checks_vma(axis_name))
+  # Per replica, the small leaves split or summed whole (up to PACK_BYTES, real, splittable) are pooled per
+  # dtype into rows as _psum packs them (rows_of), in tree order: XLA reads the rows the reduction packed
+  # (their slices, concatenated again, are those rows), and the norm is one reduction per row (and one window
+  # of it per device), not one per leaf. (On the global arrays the compiler partitions each leaf: a row of
+  # them could move shards.)
+  pools: dict = {}
   for leaf in jax.tree.leaves(tree):
     # Without axis_name nothing says which axes hold parts and which hold replicas (reduction="none"): none added.
     extra = frozenset() if data is None else varying_axes(leaf) - data
-    if axis_name is not None and varies(leaf, axis_name):
+    varying = axis_name is not None and varies(leaf, axis_name)
+    if axis_name is not None and not varying and leaf.size * leaf.dtype.itemsize <= PACK_BYTES and (
+        not jnp.iscomplexobj(leaf) and _splittable(leaf)):
+      pools.setdefault((bool(parts), extra, jnp.dtype(leaf.dtype)), []).append(leaf)
+    elif varying:
       squares = _squares(leaf, divisor)
       # A chunk that is the same over some of the axes (ZeRO's, over "replica" of ("replica", "data")) is summed
       # once: only where those axes' index is 0.
@@ -1208,6 +1242,13 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
       partial[extra] = partial.get(extra, 0) + _squares(_own_part(leaf, axis_name), divisor)
     else:
       shared[extra] = shared.get(extra, 0) + _squares(leaf, divisor)
+  for (split, extra, _), pool in pools.items():
+    for row in rows_of([x.size * x.dtype.itemsize for x in pool]):
+      flat = to_row([pool[i] for i in row]).reshape(-1)
+      if split:
+        partial[extra] = partial.get(extra, 0) + _squares(_own_part(flat, axis_name), divisor)
+      else:
+        shared[extra] = shared.get(extra, 0) + _squares(flat, divisor)
   total = jnp.zeros((), jnp.float32)
   for extra, squares in partial.items():
     total = total + lax.psum(squares, tuple(axis_names(axis_name)) + tuple(sorted(extra)))
