@@ -295,3 +295,39 @@ def test_train_lm_runs_diloco_and_evaluates_the_outer_params():
                  state.inner.params, result["params"])
   with pytest.raises(ValueError, match="needs --mesh replica=R,data=D"):
     train_lm.train(dataclasses.replace(config, mesh="data=4"))
+
+
+def test_a_nan_batch_skips_the_group_and_counts_as_in_the_exact_step():
+  """A NaN row in group 0's block: that group keeps its parameters and adds no weight, group 1 applies its step;
+  the call counts, and after max_consecutive_skips such calls the next raises before it runs or donates."""
+  mesh, lr = mesh_of(2, 2), 0.3
+  params = make_params()
+  state = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh)
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=4, max_consecutive_skips=2)
+  (batch, weights), (good, good_weights) = make_batches(2, seed=7)
+  batch = jax.tree.map(np.copy, batch)
+  batch["x"][0, 0] = np.nan  # group 0's first row
+  before = jax.tree.map(np.asarray, state.inner.params)
+  state, metrics = step(state, batch, weights)
+  np.testing.assert_array_equal(np.asarray(metrics["skipped"]), [1, 0])
+  np.testing.assert_array_equal(np.asarray(metrics["nonfinite"]), [1, 0])
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[0], b[0]), state.inner.params, before)
+  grads, _ = mean_grad(params, *rows_of(1, 2, batch, weights))
+  close(jax.tree.map(lambda x: x[1], state.inner.params), jax.tree.map(lambda p, g: p - lr * g, params, grads))
+  np.testing.assert_allclose(np.asarray(state.period_weight)[0], 0.0)
+  state, _ = step(state, batch, weights)  # two in a row: the limit
+  copy = jax.tree.map(np.asarray, state)
+  with pytest.raises(FloatingPointError, match="the last 2 steps all had a NaN or Inf .* replica group"):
+    step(state, good, good_weights)
+  _leaves_alive_and_equal(state, copy)
+  assert step.consecutive_skips == 2
+  step.reset_nonfinite_guard()
+  state, metrics = step(state, good, good_weights)
+  np.testing.assert_array_equal(np.asarray(metrics["skipped"]), [0, 0])
+  state, _ = step(state, batch, weights)  # a good call in between restarts the count
+  state, _ = step(state, good, good_weights)
+  state, _ = step(state, batch, weights)
+  state, _ = step(state, good, good_weights)
+  assert step.consecutive_skips <= 1
+  with pytest.raises(ValueError, match="max_consecutive_skips"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=4, max_consecutive_skips=0)

@@ -273,14 +273,17 @@ class SkipWatch:
 
   Attributes:
     limit: ``max_consecutive_skips`` (an int >= 1), or ``None``: never raises.
+    read: how a count on the devices is read (:func:`read_scalar` of a replicated count, the default;
+      :func:`read_max` of one count per DiLoCo group).
     count: the non-finite steps in a row, as of the last count read.
     pending: each call's count on the devices, not read yet (oldest first).
   """
 
   def __init__(self, limit: int | None, where: str = "replica",
                consequence: str = "every replica skipped them, so the replicas are still consistent and the state "
-                                  "passed in is the last good one."):
+                                  "passed in is the last good one.", read: Callable[[Any], int] | None = None):
     self.limit, self.where, self.consequence = limit, where, consequence
+    self.read = read_scalar if read is None else read  # a count on the devices -> its value on the host
     self.count = 0
     self.padded = False  # whether one of those steps had padding rows (all-zero weight)
     self.pending: collections.deque = collections.deque()
@@ -308,7 +311,7 @@ class SkipWatch:
           self.pending_padded.pop(id(pending.popleft()), None)
         count = pending.popleft()
         padded = self.pending_padded.pop(id(count), None)
-        self.count = read_scalar(count)
+        self.count = self.read(count)
         self.padded = bool(self.count and padded is not None and read_total(padded))
     if self.count >= self.limit:
       padding = (
@@ -328,6 +331,18 @@ class SkipWatch:
 def read_scalar(x: jax.Array) -> int:
   """A replicated scalar's value, from this process's first copy (a fraction of ``jax.device_get``'s cost)."""
   return int(np.asarray(x.addressable_data(0)))
+
+
+def read_max(x: jax.Array) -> int:
+  """The largest value of a per-device (or per-group) count over every process's devices: the largest of this
+  process's shards, then, with several processes, of every process's (one small all-gather; every process
+  reads at the same call, so they agree)."""
+  local = max(int(np.max(np.asarray(shard.data))) for shard in x.addressable_shards)
+  if jax.process_count() == 1:
+    return local
+  from jax.experimental import multihost_utils
+
+  return int(np.max(multihost_utils.process_allgather(np.asarray(local, np.int32))))
 
 
 def read_total(x: jax.Array) -> int:
