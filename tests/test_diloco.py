@@ -331,3 +331,43 @@ def test_a_nan_batch_skips_the_group_and_counts_as_in_the_exact_step():
   assert step.consecutive_skips <= 1
   with pytest.raises(ValueError, match="max_consecutive_skips"):
     jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=4, max_consecutive_skips=0)
+
+
+def _run(step, state, batches):
+  for batch, weights in batches:
+    state, _ = step(state, batch, weights)
+  return state
+
+
+def test_a_checkpoint_resumes_bit_for_bit_and_refuses_another_group_count(tmp_path):
+  """k steps, save (mid-period: the groups differ, the period's weights are not zero), restore, continue: the
+  state equals the uninterrupted run's bit for bit. Another group count, or the TrainState restore, is refused."""
+  mesh, h = mesh_of(2, 2), 2
+  params, inner, outer = make_params(3), optax.adam(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True)
+  batches = make_batches(6, seed=8)
+  make_step = lambda: jaxdp.make_diloco_step(loss_fn, inner, mesh, inner_steps=h)  # noqa: E731
+  whole = _run(make_step(), jaxdp.init_diloco_state(params, inner, mesh), batches)
+  first = _run(make_step(), jaxdp.init_diloco_state(params, inner, mesh), batches[:3])
+  assert float(np.sum(np.asarray(first.period_weight))) > 0
+  with jaxdp.CheckpointManager(tmp_path / "ckpt", enable_async_checkpointing=False) as ckpt:
+    assert ckpt.save(3, first, metadata={"run": "diloco"})
+    restored = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=jaxdp.data_parallel(mesh),
+                                   outer_optimizer=outer)
+    assert restored.step == 3 and restored.data_step == 3 and restored.metadata == {"run": "diloco"}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.state, first)
+    assert restored.state.inner.params["w"].sharding.spec == jax.sharding.PartitionSpec("replica")
+    resumed = _run(make_step(), restored.state, batches[3:])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed, whole)
+    # One device per group: the same values (each group's state is replicated within its group).
+    narrow = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh_of(2, 1)).state
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), narrow, first)
+    with pytest.raises(ValueError, match="2 DiLoCo replica groups, but the mesh's outer axis 'replica' has 4"):
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh_of(4, 1))
+    with pytest.raises(ValueError, match="holds a DiLoCo state.*restore_diloco"):
+      ckpt.restore(params=params, optimizer=inner, layout=jaxdp.data_mesh(jax.devices()[:4]))
+    with pytest.raises(ValueError, match="(?s)does not match the target state.*outer_opt_state"):
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh, outer_optimizer=optax.adam(0.1))
+  with jaxdp.CheckpointManager(tmp_path / "plain", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(1, jaxdp.init_state(params, inner, jaxdp.data_mesh(jax.devices()[:2])))
+    with pytest.raises(ValueError, match="holds a jaxdp.TrainState, not a DiLoCo state"):
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh)

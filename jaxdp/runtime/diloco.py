@@ -175,6 +175,12 @@ def init_diloco_state(
   Returns:
     A :class:`DiLoCoState` of fresh buffers.
   """
+  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state)
+  return jax.jit(build, out_shardings=shardings)(params, model_state)
+
+
+def _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state):
+  """``(build(params, model_state) -> DiLoCoState, its shardings)``, the arguments checked."""
   mesh = _group_mesh(layout, outer_axis)
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
@@ -191,7 +197,24 @@ def init_diloco_state(
     return DiLoCoState(inner, outer, outer_optimizer.init(outer), step, period_weight)
 
   abstract = jax.eval_shape(build, params, model_state)
-  return jax.jit(build, out_shardings=_state_shardings(abstract, mesh, outer_axis))(params, model_state)
+  return build, _state_shardings(abstract, mesh, outer_axis)
+
+
+def abstract_diloco_state(
+    params: Any,
+    inner_optimizer: optax.GradientTransformation,
+    layout: DataParallel | Mesh | None = None,
+    *,
+    outer_axis: str = "replica",
+    outer_optimizer: optax.GradientTransformation | None = None,
+    model_state: Any = None,
+) -> DiLoCoState:
+  """The :class:`DiLoCoState` :func:`init_diloco_state` would build, as ``jax.ShapeDtypeStruct``s with their
+  shardings on the layout's mesh (what :meth:`jaxdp.CheckpointManager.restore_diloco` reads into); nothing is
+  computed. ``params`` and ``model_state`` may be ``ShapeDtypeStruct``s."""
+  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state)
+  abstract = jax.eval_shape(build, params, model_state)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
 class DiLoCoStep:
