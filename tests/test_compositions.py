@@ -81,3 +81,38 @@ def _verify(shape, names, axes, zero_stage, specs, accum):
                          model_state=variables["batch_stats"], rng=jax.random.key(1), example_ids="id",
                          accum_steps=accum)
   return report
+
+
+class Plain(nn.Module):
+  @nn.compact
+  def __call__(self, x, train):
+    h = jaxdp.adapters.linen.Dropout(0.25, deterministic=not train)(nn.relu(nn.Dense(8)(x)))
+    return nn.Dense(2)(h)
+
+
+def plain_loss(params, batch, rng=None, *, train):
+  out = Plain().apply({"params": params}, batch["x"], train, rngs={"dropout": rng} if rng is not None else {})
+  return jnp.sum((out - batch["y"]) ** 2, axis=-1)
+
+
+PLAIN_SPECS = {"Dense_0": TP_SPECS["Dense_0"], "Dense_1": TP_SPECS["Dense_1"]}
+ACCUMULATED = {
+    # name: (mesh shape, axis names, data axes, zero stage, tensor-parallel specs)
+    "hybrid x accumulation": ((2, 4), ("replica", "data"), ("replica", "data"), 0, None),
+    "tensor parallel x ZeRO-3 x accumulation": ((4, 2), ("data", "model"), "data", 3, PLAIN_SPECS),
+}
+
+
+@pytest.mark.parametrize("case", ACCUMULATED)
+def test_accumulation_with_dropout_on_combined_layouts_is_one_devices(case):
+  shape, names, axes, zero_stage, specs = ACCUMULATED[case]
+  layout = jaxdp.data_parallel(_mesh(shape, names), axis_name=axes, zero_stage=zero_stage, param_specs=specs)
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(29, 4)).astype(np.float32)
+  data = {"x": x, "y": rng.normal(size=(29, 2)).astype(np.float32), "id": np.arange(29, dtype=np.int32)}
+  params = Plain().init(jax.random.key(0), x[:1], False)["params"]
+  rows = -(-(-(-29 // layout.replicas)) // 2) * 2
+  report = verify.verify(plain_loss, optax.adam(0.05), layout, params,
+                         [jaxdp.split_batch(data, layout.mesh, axis_name=axes, rows=rows)], rng=jax.random.key(1),
+                         example_ids="id", accum_steps=2)
+  assert not report.diverged and report.worst < 1e-12, str(report)

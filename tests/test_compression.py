@@ -155,6 +155,19 @@ def test_a_user_reduction_under_zero_two_and_three_equals_the_exact_step(zero_st
   np.testing.assert_array_equal(np.asarray(gathered.compression), [2, 2, 2, 2])
 
 
+def test_full_rank_with_accumulation_equals_the_exact_step():
+  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  exact = _run(params, batches, weights)
+  mesh, opt = _mesh(4), optax.sgd(LR)
+  reduction = jaxdp.reductions.powersgd(12, start_iter=0, min_compression_rate=0)
+  state = jaxdp.init_state(params, opt, mesh, reduction=reduction)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, reduction=reduction, accum_steps=2)
+  for batch in batches:
+    state, _ = step(state, batch, weights)
+  for k in params:
+    np.testing.assert_allclose(jaxdp.gather_state(state).params[k], exact[-1].params[k], rtol=1e-5, atol=1e-6)
+
+
 def test_stage_one_equals_stage_zero():
   params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
   compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)

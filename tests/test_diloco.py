@@ -86,11 +86,13 @@ def close(actual, expected):
                actual, expected)
 
 
-def test_h1_sgd_is_the_exact_global_step():
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_h1_sgd_is_the_exact_global_step(accum_steps):
   mesh = mesh_of(2, 2)
   params, lr = make_params(), 0.3
   state = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh, outer_optimizer=optax.sgd(1.0))
-  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0))
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0),
+                                accum_steps=accum_steps)
   expected = params
   for batch, weights in make_batches(3):
     state, metrics = step(state, batch, weights)

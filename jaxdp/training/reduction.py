@@ -1295,6 +1295,12 @@ def _spec_axes(x: Any) -> set | None:
     spec = jax.typeof(x).sharding.spec
   except (AttributeError, TypeError):
     return None
+  except AssertionError:
+    # jax 0.10: typeof of a ShapeDtypeStruct typed as varying over a manual axis whose sharding's mesh is not
+    # the manual one (accumulation's first micro-batch, on a mesh with a model axis): read its sharding's spec.
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    if spec is None:
+      return None
   return {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
 
 
