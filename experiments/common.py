@@ -275,3 +275,47 @@ def write_json(path, obj) -> pathlib.Path:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(obj, indent=1, default=float) + "\n")
   return path
+
+
+def tensorboard_writer(logdir: str | pathlib.Path):
+  """A tensorboardX ``SummaryWriter`` on ``logdir``; tensorboardX is optional, imported only here."""
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    raise SystemExit("--tensorboard writes TensorBoard event files with tensorboardX, which is not installed: "
+                     "pip install 'jaxdp[tensorboard]' (or pip install tensorboardX), or run without --tensorboard.") from None
+  return SummaryWriter(logdir=str(logdir))
+
+
+class MetricsSink:
+  """The step metrics of a run: ``metrics.jsonl`` (one JSON object a step) in ``folder``, and with ``tensorboard``
+  the same numbers as TensorBoard scalars in ``folder/tensorboard`` (tensorboardX; ``tensorboard --logdir``).
+
+  ``write(line)`` takes one ``metrics.jsonl`` line, the JSON of a record with a ``"step"``; every other number of
+  it becomes a scalar of that name at that step. A context manager: leaving it closes both.
+  """
+
+  def __init__(self, folder: str | pathlib.Path, *, append: bool = False, tensorboard: bool = False):
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    self._writer = tensorboard_writer(folder / "tensorboard") if tensorboard else None
+    self._file = open(folder / "metrics.jsonl", "a" if append else "w")
+
+  def write(self, line: str) -> None:
+    self._file.write(line)
+    if self._writer is not None:
+      record = json.loads(line)
+      for name, value in record.items():
+        if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+          self._writer.add_scalar(name, value, global_step=record["step"])
+
+  def close(self) -> None:
+    self._file.close()
+    if self._writer is not None:
+      self._writer.close()
+
+  def __enter__(self) -> "MetricsSink":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -399,8 +399,12 @@ def plot(result: dict, path) -> None:
   for i, row in enumerate(result["rows"]):
     points = [p for p in row["curve"] if p["step"] > 0]
     style = "-" if row["method"] in ("exact", "bf16", "float16_dynamic") else ("--" if "powersgd" in row["method"] else ":")
-    kw = dict(color="black" if row["method"] == "exact" else f"C{i}", ls=style, marker=".", label=row["method"],
-              lw=2.5 if row["method"] == "exact" else 1.5, zorder=1 if row["method"] == "exact" else 2)
+    exact_row = row["method"] == "exact"
+    # Lines that lie on top of each other (exact, bf16, float16; the DiLoCo pair) stay apart by their markers:
+    # a shape each, hollow, on staggered points.
+    kw = dict(color="black" if exact_row else f"C{i}", ls=style, label=row["method"], lw=2.5 if exact_row else 1.5,
+              zorder=1 if exact_row else 2, marker=None if exact_row else "os^vD<>Px*"[i % 10], mfc="none", ms=6,
+              markevery=(i % 3, 3))
     left.plot([p["step"] for p in points], [p["val_loss"] for p in points], **kw)
     sent = [p for p in points if p["bytes_communicated"] > 0]  # log axis: DiLoCo sends nothing before its first sync
     right.plot([p["bytes_communicated"] for p in sent], [p["val_loss"] for p in sent], **kw)
@@ -414,9 +418,27 @@ def plot(result: dict, path) -> None:
   right.set(xscale="log", xlabel="bytes sent per device, cumulative", ylabel="validation loss (nats/byte)",
             title="loss against bytes communicated")
   left.legend(fontsize="small")
+  overlapping = overlapping_methods(result["rows"])
+  if overlapping:
+    right.text(0.02, 0.07, "on top of each other (final losses within 0.2%):\n" + "\n".join(overlapping),
+              transform=right.transAxes, fontsize="x-small", va="bottom", color="0.3")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def overlapping_methods(rows: list[dict], tolerance: float = 2e-3) -> list[str]:
+  """Groups of methods whose final losses are within ``tolerance`` (relative) of each other, as "a, b, c"."""
+  ordered = sorted(rows, key=lambda r: r["final_val_loss"])
+  groups, group = [], [ordered[0]]
+  for row in ordered[1:]:
+    if row["final_val_loss"] - group[0]["final_val_loss"] <= tolerance * group[0]["final_val_loss"]:
+      group.append(row)
+    else:
+      groups.append(group)
+      group = [row]
+  groups.append(group)
+  return [", ".join(r["method"] for r in g) for g in groups if len(g) > 1]
 
 
 def _percent(x: float) -> str:
@@ -458,9 +480,17 @@ def main(argv=None) -> dict:
   p.add_argument("--reuse", help="earlier communication.json files of the same setup, comma-separated: their methods' "
                  "rows are kept, only the others are trained (the runs are deterministic on CPU)")
   p.add_argument("--no-progress", dest="progress", action="store_false")
+  p.add_argument("--plot-only", metavar="JSON", help="draw communication.png from a communication.json (e.g. "
+                 "docs/data/communication.json) into --out without training; with --publish, into docs/")
   common.add_output_args(p, "out/communication", quick="out/communication_quick")
   args = p.parse_args(argv)
   common.check_publish(p, args)
+  if args.plot_only:
+    result = json.loads(pathlib.Path(args.plot_only).read_text())
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    plot(result, pathlib.Path(args.out) / "communication.png")
+    common.publish(args, {"communication.png": "communication.png"})
+    return result
   common.fill_defaults(args, FULL, QUICK)
   diloco_h = [int(h) for h in str(args.diloco_h).split(",") if h.strip()]
   methods = args.methods.split(",") if args.methods else method_names(diloco_h)

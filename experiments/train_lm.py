@@ -48,7 +48,8 @@ stage holds ``--layers / P`` blocks, the embedding and the head run on every
 stage, and the batch is replicated over ``stage`` (see docs/pipeline.md).
 
 Outputs (``--out``, default ``out/lm``; ``out/lm_quick`` with ``--quick``): ``metrics.jsonl`` (one line per step:
-step, loss, tokens, grad_norm, time) and ``summary.json``; with ``--compare``
+step, loss, tokens, grad_norm, time; with ``--tensorboard`` also as TensorBoard scalars in ``tensorboard/``, which
+needs tensorboardX: ``pip install 'jaxdp[tensorboard]'``) and ``summary.json``; with ``--compare``
 one sub-folder per run, ``compare.json`` and ``loss_curves.png``. With
 ``--ckpt-dir DIR`` the run checkpoints every ``--ckpt-every`` steps and, started
 again with the same flags, resumes from the latest checkpoint (bitwise the
@@ -122,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--ckpt-dir", default=None, help="checkpoint here every --ckpt-every steps and resume from the latest")
   p.add_argument("--ckpt-every", type=int, default=50)
   p.add_argument("--no-progress", dest="progress", action="store_false")
+  p.add_argument("--tensorboard", action="store_true",
+                 help="also write the step metrics as TensorBoard scalars in OUT/tensorboard (needs tensorboardX)")
   return p
 
 
@@ -226,6 +229,7 @@ class Config:
   ckpt_dir: str | None = None
   ckpt_every: int = 50
   progress: bool = True
+  tensorboard: bool = False
 
 
 def select_devices(n: int | None) -> list[jax.Device]:
@@ -468,7 +472,7 @@ def train(config: Config, *, devices=None, reduction: str | None = None, data=No
       if specs is not None and layers is None:  # restore places the params replicated over "model"; split them again
         state = jaxdp.place_state(state, optimizer, dp)
       print(f"resuming from {config.ckpt_dir} at step {start}")
-    with _metrics_file(out, append=start > 0) as sink:
+    with _metrics_file(out, append=start > 0, tensorboard=config.tensorboard) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
   val = evaluate(loss_fn, state, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name,
                  layers=layers, pipeline_plan=pipeline_plan)
@@ -543,7 +547,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
                                      data=pipeline)
       state, start, done = restored.state, restored.data_step, restored.step
       print(f"resuming from {config.ckpt_dir} at step {start}")
-    with _metrics_file(out, append=start > 0) as sink:
+    with _metrics_file(out, append=start > 0, tensorboard=config.tensorboard) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
   outer = jaxdp.TrainState(jaxdp.runtime.diloco.diloco_params(state), None, state.inner_step)
   val = evaluate(loss_fn, outer, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
@@ -562,11 +566,10 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
           "step": step}
 
 
-def _metrics_file(out: str | None, append: bool = False):
+def _metrics_file(out: str | None, append: bool = False, tensorboard: bool = False):
   if out is None:
     return contextlib.nullcontext(None)
-  pathlib.Path(out).mkdir(parents=True, exist_ok=True)
-  return open(pathlib.Path(out) / "metrics.jsonl", "a" if append else "w")
+  return common.MetricsSink(out, append=append, tensorboard=tensorboard)
 
 
 def _checkpoints(config: Config):

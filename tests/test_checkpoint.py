@@ -245,7 +245,7 @@ def test_the_data_position_is_kept_on_another_device_count(tmp_path):
     assert ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2)).data_step == 2 * old.steps_per_epoch + 1
     assert ckpt.restore(params=init_params(), optimizer=OPT, mesh=mesh_of(2), pipeline=old).data_step == \
         2 * old.steps_per_epoch + 1
-    with pytest.raises(TypeError, match=r"pipeline must be a jaxdp\.DataPipeline or None, got list.*StreamingPipeline"):
+    with pytest.raises(TypeError, match=r"data must be a jaxdp\.DataPipeline, a jaxdp\.io\.grain\.GrainPipeline or None, got list.*StreamingPipeline"):
       ckpt.save(40, state, pipeline=[old])
     # Another seed or dataset: the epochs' orders differ.
     for other in (pipeline_of(2, 3, seed=1), pipeline_of(2, 3, length=30)):

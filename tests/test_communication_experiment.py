@@ -79,3 +79,13 @@ def test_bytes_per_step(written):
   n = TINY.steps
   assert psgd["bytes_per_step_incl_warmup"] == pytest.approx((rows["exact"]["bytes_per_step"]
                                                               + (n - 1) * psgd["bytes_per_step"]) / n)
+
+
+def test_plot_only_redraws_the_committed_json_without_training(tmp_path):
+  """--plot-only: the PNG from docs/data/communication.json, no training; overlapping lines are named on it."""
+  committed = pathlib.Path(__file__).parents[1] / "docs" / "data" / "communication.json"
+  result = communication.main(["--plot-only", str(committed), "--out", str(tmp_path)])
+  assert (tmp_path / "communication.png").stat().st_size > 0
+  assert result == json.loads(committed.read_text())
+  groups = communication.overlapping_methods(result["rows"])
+  assert any("exact" in group and "bf16" in group for group in groups)

@@ -126,9 +126,9 @@ def test_dropout_trains_with_the_steps_rng_and_replicas_stay_equal():
   jaxdp.assert_replicas_equal(state)
 
 
-def test_training_without_a_mask_is_refused_and_the_state_is_kept():
-  """Forgetting mask=weights in a training step is an error (padding would enter the statistics), raised before
-  the caller's state is donated; evaluation needs no mask."""
+def test_training_without_a_mask_takes_the_steps_weights():
+  """Without mask= a jaxdp BatchNorm in a training step takes the weights of its rows from the step: the same
+  state as passing mask=weights by hand (padding rows never enter the statistics)."""
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   model = Net(norm=jaxdp.adapters.linen.BatchNorm)
   variables = model.init(jax.random.key(0), np.zeros((2, D), np.float32), train=False)
@@ -138,10 +138,17 @@ def test_training_without_a_mask_is_refused_and_the_state_is_kept():
                                mutable=["batch_stats"])
     return jaxdp.LossOutput(0.5 * (out - batch["y"]) ** 2, model_state=updates["batch_stats"])
 
-  state = jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"])
-  with pytest.raises(ValueError, match=r"jaxdp\.adapters\.linen\.BatchNorm .* without a mask.*mask=weights"):
-    jaxdp.make_train_step(no_mask, OPT, mesh)(state, *jaxdp.shard_uneven(portions(), mesh))
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), jaxdp.gather_state(state).params, variables["params"])
+  def by_hand(params, batch, *, model_state, weights, train):
+    out, updates = model.apply({"params": params, "batch_stats": model_state}, batch["x"], train, mask=weights,
+                               mutable=["batch_stats"])
+    return jaxdp.LossOutput(0.5 * (out - batch["y"]) ** 2, model_state=updates["batch_stats"])
+
+  data = jaxdp.shard_uneven(portions(), mesh)
+  states = [jaxdp.make_train_step(fn, OPT, mesh)(
+      jaxdp.init_state(variables["params"], OPT, mesh, model_state=variables["batch_stats"]), *data)[0]
+      for fn in (no_mask, by_hand)]
+  ours, theirs = (jaxdp.gather_state(s) for s in states)
+  jax.tree.map(np.testing.assert_array_equal, (ours.params, ours.model_state), (theirs.params, theirs.model_state))
 
 
 @pytest.mark.parametrize("field", [{"axis_index_groups": [[0, 1]]}, {"use_fast_variance": False},

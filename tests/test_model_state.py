@@ -320,23 +320,34 @@ def test_loss_with_a_collective_passes_the_checks():
 # Ordinary code after jaxdp -----------------------------------------------------------------------------
 
 
-def test_returned_arrays_work_in_ordinary_code():
-  """State from a step on a user's Explicit mesh: jnp with fresh arrays, nnx metrics, nnx.update, jit."""
+@pytest.mark.parametrize("where", ["explicit mesh, in its context", "auto_mesh twin, no context"])
+def test_returned_arrays_work_in_ordinary_code(where):
+  """State from a step on a user's Explicit mesh: jnp with fresh arrays, nnx metrics, nnx.update, jit.
+
+  The state lives on the user's mesh; JAX's rule for arrays typed on an Explicit mesh is that single-device
+  code meets them inside ``jax.set_mesh(mesh)`` (outside it a metrics object's ``reset()`` fails with "Length of
+  device assignment 1 is not equal to the size of the mesh 4", as it does for the user's own arrays). A program
+  that wants Auto-typed arrays usable anywhere passes ``jaxdp.sharding.layout.auto_mesh(mesh)`` instead."""
+  import contextlib
+
   from jax.sharding import AxisType, Mesh
 
-  mesh = Mesh(np.array(jax.devices()[:4]), ("data",), axis_types=(AxisType.Explicit,))
+  users = Mesh(np.array(jax.devices()[:4]), ("data",), axis_types=(AxisType.Explicit,))
+  mesh = users if where.startswith("explicit") else jaxdp.sharding.layout.auto_mesh(users)
   state = jaxdp.init_state(init_params(0), OPT, mesh, model_state=init_model_state())
   batches, weights = device_data(Case(4, (2, 1, 0, 3), True, 1, 0, 1, 0), 0)
   state, metrics = jaxdp.make_train_step(loss_fn, OPT, mesh)(state, *jaxdp.shard_uneven(batches, mesh, weights=weights))
-  w1 = state.params["w1"] + jnp.ones((D, H))
-  assert w1.shape == (D, H) and float(jnp.sum(state.model_state["mean"] * jnp.arange(H))) == pytest.approx(
-      float(np.sum(np.asarray(state.model_state["mean"]) * np.arange(H))), rel=1e-6)
-  average = nnx.metrics.Average()
-  average.update(values=metrics["loss"])
-  average.reset()  # failed with "Length of device assignment 1 is not equal to the size of the mesh 4"
-  average.update(values=jnp.ones(3))
-  assert float(average.compute()) == 1.0
-  assert jax.jit(lambda p, x: x @ p["w1"])(state.params, jnp.ones((2, D))).shape == (2, H)
+  assert state.params["w1"].sharding.mesh == mesh
+  with jax.set_mesh(mesh) if mesh is users else contextlib.nullcontext():
+    w1 = state.params["w1"] + jnp.ones((D, H))
+    assert w1.shape == (D, H) and float(jnp.sum(state.model_state["mean"] * jnp.arange(H))) == pytest.approx(
+        float(np.sum(np.asarray(state.model_state["mean"]) * np.arange(H))), rel=1e-6)
+    average = nnx.metrics.Average()
+    average.update(values=metrics["loss"])
+    average.reset()  # failed with "Length of device assignment 1 is not equal to the size of the mesh 4"
+    average.update(values=jnp.ones(3))
+    assert float(average.compute()) == 1.0
+    assert jax.jit(lambda p, x: x @ p["w1"])(state.params, jnp.ones((2, D))).shape == (2, H)
 
 
 def test_an_integer_state_that_differs_between_replicas_is_refused():

@@ -210,32 +210,42 @@ def test_dropout_keys_differ_by_replica_and_step_and_need_a_key():
     jaxdp.make_train_step(loss_fn, OPT, mesh)(new, *jaxdp.shard_uneven(data, mesh))
 
 
-def test_batchnorm_without_a_mask_is_refused_in_a_training_step():
-  """The default path never lets padding into batch statistics: forgetting mask= is an error, not a drift."""
+def same_training(mesh, loss_fns, params, model_state, data, **rng):
+  """The gathered states after one step of each loss in ``loss_fns`` from the same start, checked leaf-equal."""
+  states = [jaxdp.gather_state(jaxdp.make_train_step(fn, OPT, mesh)(
+      jaxdp.init_state(params, OPT, mesh, model_state=model_state), *data, **rng)[0])
+      for fn in loss_fns]
+  jax.tree.map(np.testing.assert_array_equal, *[(s.params, s.model_state) for s in states])
+
+
+def test_batchnorm_without_a_mask_takes_the_steps_weights():
+  """Without mask= the BatchNorm takes the weights of its rows from the step: padding never enters the statistics
+  (the same state as mask=weights by hand), and evaluation runs on the running statistics."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   definition, params, model_state = jaxdp.adapters.nnx.split(Net(rngs=nnx.Rngs(0)))
   no_mask = jaxdp.adapters.nnx.loss_fn(definition, lambda model, batch: 0.5 * (model(batch["x"]) - batch["y"]) ** 2)
+  by_hand = jaxdp.adapters.nnx.loss_fn(
+      definition, lambda model, batch, *, weights: 0.5 * (model(batch["x"], mask=weights) - batch["y"]) ** 2)
+  data = jaxdp.shard_uneven(portions((2, 1)), mesh)
+  same_training(mesh, (no_mask, by_hand), params, model_state, data, rng=jax.random.key(0))
   state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
-  with pytest.raises(ValueError, match=r"without a mask.*mask=weights"):
-    jaxdp.make_train_step(no_mask, OPT, mesh)(state, *jaxdp.shard_uneven(portions((2, 1)), mesh), rng=jax.random.key(0))
-  out = jaxdp.make_eval_step(no_mask, mesh)(state, *jaxdp.shard_uneven(portions((2, 1)), mesh))  # eval: running stats
+  out = jaxdp.make_eval_step(no_mask, mesh)(state, *data)  # eval: running stats
   assert np.isfinite(float(out["loss"]))
 
 
-def test_batchnorm_without_a_mask_is_refused_in_a_hand_written_loss():
-  """The refusal belongs to the training step, not to jaxdp.adapters.nnx.loss_fn: a loss written with nnx.merge by hand
-  trained its BatchNorm on the padding rows (no error) before."""
+def test_batchnorm_without_a_mask_takes_the_steps_weights_in_a_hand_written_loss():
+  """The step's weights belong to the training step, not to jaxdp.adapters.nnx.loss_fn: a loss written with nnx.merge
+  by hand gets them too (it trained its BatchNorm on the padding rows before)."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
   graphdef, params, model_state, rest = nnx.split(Net(rngs=nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
 
-  def by_hand(params, batch, *, model_state):
-    model = nnx.merge(graphdef, params, model_state, rest)
-    losses = 0.5 * (model(batch["x"]) - batch["y"]) ** 2
+  def by_hand(params, batch, *, model_state, weights, masked):
+    model = nnx.merge(graphdef, params, model_state, rest, copy=True)  # fresh Variables, mutable in the trace
+    losses = 0.5 * (model(batch["x"], mask=weights if masked else None) - batch["y"]) ** 2
     return jaxdp.LossOutput(losses, model_state=nnx.state(model, nnx.BatchStat))
 
-  state = jaxdp.init_state(params, OPT, mesh, model_state=model_state)
-  with pytest.raises(ValueError, match=r"without a mask.*mask=weights"):
-    jaxdp.make_train_step(by_hand, OPT, mesh)(state, *jaxdp.shard_uneven(portions((2, 1)), mesh))
+  data = jaxdp.shard_uneven(portions((2, 1)), mesh)
+  same_training(mesh, [functools.partial(by_hand, masked=m) for m in (False, True)], params, model_state, data)
 
 
 @pytest.mark.parametrize("mask", [False, True])
@@ -266,8 +276,8 @@ def test_flax_batchnorm_is_refused_in_a_hand_written_loss(mask):
   assert model(jnp.ones((3, D))).shape == (3,)  # outside a jaxdp step flax's layer runs as ever
 
 
-def test_masked_moments_without_weights_is_refused_in_a_training_step():
-  """jaxdp.masked_moments(x) in a loss counted the padding rows; with the step's weights it is exact."""
+def test_masked_moments_without_weights_takes_the_steps_weights():
+  """jaxdp.masked_moments(x) in a loss counted the padding rows; it now takes the step's weights, as weights=weights."""
   mesh = jaxdp.data_mesh(jax.devices()[:2])
 
   def loss(params, batch, *, weights, use_weights):
@@ -276,11 +286,10 @@ def test_masked_moments_without_weights_is_refused_in_a_training_step():
     z = (h - moments.mean[None, :]) / jnp.sqrt(moments.var[None, :] + 1e-5)
     return 0.5 * (z.sum(-1) - batch["y"]) ** 2
 
-  state = jaxdp.init_state({"w": np.ones((D,), np.float32)}, OPT, mesh)
   data = jaxdp.shard_uneven(portions((2, 1)), mesh)
-  with pytest.raises(ValueError, match=r"jaxdp\.masked_moments is computing training statistics without weights.*weights=weights"):
-    jaxdp.make_train_step(functools.partial(loss, use_weights=False), OPT, mesh, donate=False)(state, *data)
-  jaxdp.make_train_step(functools.partial(loss, use_weights=True), OPT, mesh)(state, *data)
+  states = [jaxdp.gather_state(jaxdp.make_train_step(functools.partial(loss, use_weights=u), OPT, mesh)(
+      jaxdp.init_state({"w": np.ones((D,), np.float32)}, OPT, mesh), *data)[0]) for u in (False, True)]
+  np.testing.assert_array_equal(states[0].params["w"], states[1].params["w"])
 
 
 def test_a_state_without_the_models_state_is_refused_by_name():

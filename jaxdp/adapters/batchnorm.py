@@ -77,7 +77,7 @@ from flax.nnx.nn import dtypes
 from jax import lax
 
 from jaxdp.sharding.layout import axis_names
-from jaxdp.core.loss import step_axis
+from jaxdp.core.loss import step_axis, step_weights
 
 __all__ = ["BatchNorm", "Moments", "masked_moments"]
 
@@ -126,7 +126,8 @@ def _refuse_linen_batchnorm(next_fun, args, kwargs, context):
           f"flax.linen.BatchNorm ({module.name or 'unnamed'}) is computing batch statistics inside a jaxdp training "
           "step, where they are not the global batch's: without mask= the zero-weight padding rows enter them, and "
           "with mask= its pmean weighs every device equally (off on uneven splits, NaN on a device without rows). "
-          "Use jaxdp.adapters.linen.BatchNorm (the same fields and variables) and call it with mask=weights, or compute "
+          "Use jaxdp.adapters.linen.BatchNorm (the same fields and variables; it takes the step's weights, no mask "
+          "needed), or compute "
           "them with jaxdp.masked_moments(x, weights) (exact over every device's real rows; axis_name=None for "
           "per-device statistics). Evaluation (use_running_average=True) is unaffected."
       )
@@ -140,7 +141,8 @@ _PADDED_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdp_padde
 @contextlib.contextmanager
 def training_batch_guards():
   """Entered while a training step traces ``loss_fn``: linen's own ``BatchNorm`` raises in training mode, and
-  :class:`BatchNorm` / :class:`jaxdp.adapters.linen.BatchNorm` refuse to compute statistics without a mask."""
+  :class:`BatchNorm` / :class:`jaxdp.adapters.linen.BatchNorm` without a mask and without step weights refuse to
+  compute statistics."""
   token = _PADDED_STEP.set(True)
   try:
     with linen.intercept_methods(_refuse_linen_batchnorm), _nnx_batchnorm_guarded():
@@ -249,8 +251,8 @@ def masked_moments(
   Args:
     x: the input, e.g. ``[b, c]`` or ``[b, h, w, c]``; float16/bfloat16 are
       upcast, statistics are computed in float32 at least.
-    weights: ``None`` (every element weighs 1; refused inside a jaxdp
-      training step, whose batch may hold padding rows), or bool/numeric values
+    weights: ``None`` (every element weighs 1; inside a jaxdp step, the
+      step's weights of the rows, see :func:`step_mask`), or bool/numeric values
       ``>= 0``, 0 marking padding. Two broadcasting rules: weights of lower
       rank than ``x`` are aligned with ``x``'s *non-feature* axes from the
       first one, trailing size-1 axes being added (``[b]`` for ``x``
@@ -269,12 +271,12 @@ def masked_moments(
   Returns:
     :class:`Moments` of the feature shape (``count``: see there).
   """
-  if weights is None:  # in a training step the batch may hold padding rows, which only the weights exclude
-    refuse_unmasked_training(None, "jaxdp.masked_moments", "weights")
   x = jnp.asarray(x)
   dtype = jnp.promote_types(x.dtype, jnp.float32)  # float32 at least; float64 stays float64
   x = x.astype(dtype)
   features = canonical_axes(x.ndim, feature_axes)
+  # In a jaxdp step the batch may hold padding rows, which only the weights exclude: the step's, when none given.
+  weights = step_mask(weights, x, features, "jaxdp.masked_moments", "weights")
   reduce_axes = tuple(i for i in range(x.ndim) if i not in features)
   w = None if weights is None else _full_weights(weights, x.shape, features, dtype)
   sums = _local_sums(x, w, reduce_axes, features)
@@ -317,6 +319,32 @@ def check_supported(axis_index_groups: Any, use_fast_variance: bool) -> None:
     raise ValueError("use_fast_variance=False would need a second psum; only E[x²] − E[x]² (one psum) is supported.")
 
 
+def step_mask(mask: Any, x: Any, feature_axes: tuple[int, ...], module: str, argument: str = "mask") -> Any:
+  """``mask``, or when it is ``None`` inside a jaxdp step the weights of the rows ``loss_fn`` runs on.
+
+  The step's weights are this replica's (of the current micro-batch), ``[b]`` or ``[b, t]``; they fit an input
+  whose non-feature axes start with their shape (the batch on axis 0, as for jaxdp's Dropout). An input they do
+  not fit is refused, naming ``argument``, rather than normalised over rows the weights do not describe.
+  """
+  if mask is not None:
+    return mask
+  weights = step_weights()
+  if weights is None:
+    refuse_unmasked_training(None, module, argument)
+    return None
+  shape = jnp.shape(x)
+  rows = tuple(n for i, n in enumerate(shape) if i not in feature_axes)
+  if 0 in feature_axes or rows[:jnp.ndim(weights)] != tuple(jnp.shape(weights)):
+    raise ValueError(
+        f"{module} was called without {argument}= inside a jaxdp step, so it takes the padding weights of the rows "
+        f"from the step: this replica's weights have shape {tuple(jnp.shape(weights))}, but the input has shape "
+        f"{shape} with feature axes {feature_axes}, whose other axes do not start with that shape (the batch on axis "
+        f"0). Pass {argument}= yourself: weights (0 = padding) of the input's leading non-feature axes, e.g. the "
+        "`weights` loss_fn receives, reshaped as the rows were."
+    )
+  return weights
+
+
 def refuse_unmasked_training(mask: Any, module: str, argument: str = "mask") -> None:
   """Raises if a BatchNorm computes training statistics in a jaxdp training step without a mask."""
   if mask is None and _PADDED_STEP.get():
@@ -344,7 +372,7 @@ def _refuse_flax_nnx_batchnorm(call):
           "flax's nnx.BatchNorm is computing batch statistics inside a jaxdp training step, where they are not the "
           "global batch's: without mask= the zero-weight padding rows enter them, and with mask= its pmean weighs "
           "every device equally (off on uneven splits, NaN on a device without rows). Use jaxdp.adapters.nnx.BatchNorm (the "
-          "same arguments and variables) and call it with mask=weights, or compute them with "
+          "same arguments and variables; it takes the step's weights, no mask needed), or compute them with "
           "jaxdp.masked_moments(x, weights). Evaluation (use_running_average=True) is unaffected."
       )
     return call(self, x, use_running_average, *args, **kwargs)
@@ -478,8 +506,10 @@ class BatchNorm(nnx.Module):
     Args:
       x: the input; ``axis`` holds the features.
       use_running_average: overrides the attribute of the same name.
-      mask: ``None`` or weights ``>= 0`` (bool or numeric; 0 = padding) of
-        the leading non-feature axes (e.g. ``[b]``) or broadcastable to ``x``.
+      mask: ``None`` (inside a jaxdp step: the step's weights of the rows,
+        see :func:`step_mask`) or weights ``>= 0`` (bool or numeric; 0 =
+        padding) of the leading non-feature axes (e.g. ``[b]``) or
+        broadcastable to ``x``.
         Numeric weights weigh each row's statistics (frequency weights);
         flax's boolean mask counts each row once: with sample weights, pass
         ``mask=weights > 0`` for flax's statistics.
@@ -499,7 +529,7 @@ class BatchNorm(nnx.Module):
     bias = self.bias[...] if self.bias is not None else None
     x, mean, var, scale, bias = self.promote_dtype((x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype)
     if not use_running_average:
-      refuse_unmasked_training(mask, "jaxdp.adapters.nnx.BatchNorm")
+      mask = step_mask(mask, x, feature_axes, "jaxdp.adapters.nnx.BatchNorm")
       mean, var, count = masked_moments(x, mask, axis_name=self.axis_name, feature_axes=feature_axes)
       self.mean[...] = running_update(self.mean[...], mean, count, self.momentum)
       self.var[...] = running_update(self.var[...], var, count, self.momentum)

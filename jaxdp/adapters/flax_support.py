@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from flax.core import meta
 
 from jaxdp.adapters.batchnorm import training_batch_guards
@@ -29,9 +30,49 @@ BEFORE_STEP_ATTRIBUTE = "jaxdp_before_train_step"
 """Set on the losses :func:`jaxdp.adapters.nnx.loss` makes: the check that their Module has not changed mode."""
 
 
-def tracing(train: bool) -> contextlib.AbstractContextManager:
-  """The BatchNorm guards while a training step traces ``loss_fn`` (its batch may hold padding rows)."""
-  return training_batch_guards() if train else contextlib.nullcontext()
+@contextlib.contextmanager
+def tracing(train: bool):
+  """While a jaxdp step traces ``loss_fn``: the BatchNorm guards when training (its batch may hold padding
+  rows), and flax's partitioning boxes applied without the step's manual axes (:func:`annotations_in_step`)."""
+  with annotations_in_step(), training_batch_guards() if train else contextlib.nullcontext():
+    yield
+
+
+@contextlib.contextmanager
+def annotations_in_step():
+  """linen's ``nn.with_partitioning`` boxes, where flax applies them inside a jaxdp step, name no manual axis.
+
+  flax applies a box's spec as a ``with_sharding_constraint`` whenever a mesh is in context, and inside the
+  step's ``shard_map`` one always is, its data axes manual: a box over ``"data"`` then fails (a manual axis, or
+  a rank error where ``nn.DenseGeneral`` constrains its flattened kernel). jaxdp takes an annotation's data
+  axis as the model's FSDP placement, which ``zero_stage=`` decides (:func:`jaxdp.init_state` drops it
+  too): here the box is applied over its other axes only (a model axis the compiler partitions is still
+  constrained). Entered only while a step traces ``loss_fn``; flax is unchanged outside it.
+  """
+  original = meta.Partitioned.unbox
+
+  def unbox(self, apply_constraint=True):
+    manual = _manual_axes()
+    if apply_constraint and manual:
+      names = [tuple(a for a in ((n,) if isinstance(n, str) else n or ()) if a not in manual) for n in self.names]
+      names = [None if not n else n[0] if len(n) == 1 else n for n in names]
+      while names and names[-1] is None:
+        names.pop()
+      self = self.replace(names=tuple(names))
+    return original(self, apply_constraint)
+
+  meta.Partitioned.unbox = unbox
+  try:
+    yield
+  finally:
+    meta.Partitioned.unbox = original
+
+
+def _manual_axes() -> frozenset:
+  try:
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+  except (AttributeError, TypeError):  # a JAX without mesh information here
+    return frozenset()
 
 
 def notes(error: BaseException, loss_fn: Callable, core_notes: list) -> list[str]:
@@ -122,3 +163,70 @@ def example_ids() -> contextlib.AbstractContextManager:
 register_model_support(ModelSupport(tracing=tracing, notes=notes, unbox=unbox, before_step=before_step,
                                     check_params=check_params, check_optimizer=check_optimizer,
                                     example_ids=example_ids))
+
+
+# Stacks of identical blocks (jaxdp.adapters.linen.stack_blocks, jaxdp.adapters.nnx.stack_blocks).
+
+
+def _signature(tree: Any, is_leaf: Callable | None) -> tuple:
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  described = []
+  for path, x in leaves:
+    v = _value(x)
+    described.append((jax.tree_util.keystr(path), tuple(np.shape(v)), str(getattr(v, "dtype", np.asarray(v).dtype))))
+  return treedef, tuple(described)
+
+
+def _value(x: Any) -> Any:
+  return x.get_value() if hasattr(x, "get_value") else (x.unbox() if isinstance(x, meta.AxisMetadata) else x)
+
+
+def check_identical(trees: list, names: list[str], is_leaf: Callable | None = None) -> None:
+  """Refuses blocks that differ in structure, leaf shapes or dtypes, naming the first that differs from the first."""
+  first = _signature(trees[0], is_leaf)
+  for tree, name in zip(trees[1:], names[1:]):
+    other = _signature(tree, is_leaf)
+    if other != first:
+      if other[0] != first[0]:
+        why = f"its structure differs ({other[0]} vs {first[0]})"
+      else:
+        (path, *a), (_, *b) = next((o, f) for o, f in zip(other[1], first[1]) if o != f)
+        why = f"its leaf {path} is {a[1]}{list(a[0])}, {names[0]}'s {b[1]}{list(b[0])}"
+      raise ValueError(
+          f"{name} is not identical to {names[0]}: {why}. Only identical blocks stack into one array per leaf "
+          "(leading axis L); keep blocks that differ outside the stack."
+      )
+
+
+def stack_leaf(*xs: Any) -> Any:
+  """One leaf of a stack: the blocks' values stacked on a new leading axis; flax partitioning boxes and nnx
+  Variables keep their metadata, the layer axis added unsplit (``None``)."""
+  first = xs[0]
+  value = jax.numpy.stack([_value(x) for x in xs])
+  if isinstance(first, meta.AxisMetadata):
+    return first.replace_boxed(value).add_axis(0, {"partition_name": None})
+  if hasattr(first, "get_value"):  # an nnx Variable
+    sharding = first.get_metadata().get("out_sharding")
+    extra = {} if sharding is None else {"out_sharding": (None, *sharding)}
+    return first.replace(value, **extra)
+  return value
+
+
+def unstack_leaf(x: Any, i: int) -> Any:
+  """Layer ``i`` of a stacked leaf (the inverse of :func:`stack_leaf`)."""
+  value = _value(x)[i]
+  if isinstance(x, meta.AxisMetadata):
+    return x.replace_boxed(value).remove_axis(0, {"partition_name": None})
+  if hasattr(x, "get_value"):
+    sharding = x.get_metadata().get("out_sharding")
+    extra = {} if sharding is None else {"out_sharding": tuple(sharding[1:])}
+    return x.replace(value, **extra)
+  return value
+
+
+def stack_length(tree: Any, is_leaf: Callable | None, what: str) -> int:
+  """The common leading size of a stack's leaves (a ``ValueError`` naming ``what`` if there is none)."""
+  sizes = {np.shape(_value(x))[0] if np.ndim(_value(x)) else None for x in jax.tree.leaves(tree, is_leaf=is_leaf)}
+  if len(sizes) != 1 or None in sizes:
+    raise ValueError(f"{what} is not a stack: its leaves need one common leading (layer) axis, got sizes {sizes}.")
+  return sizes.pop()

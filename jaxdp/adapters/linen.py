@@ -9,41 +9,46 @@ the zero-weight padding rows into its statistics, and with ``mask=`` its
 fields, call, variable names and collections (``params``: ``scale``,
 ``bias``; ``batch_stats``: ``mean``, ``var``), so a model and its saved
 variables keep working; its training statistics are
-:func:`jaxdp.masked_moments` over the real rows of every device::
+:func:`jaxdp.masked_moments` over the real rows of every device, weighted by
+the step's weights when no ``mask`` is passed (nested BatchNorms need
+nothing threaded)::
 
   class Net(nn.Module):
     @nn.compact
-    def __call__(self, x, train, mask=None):
-      x = jaxdp.adapters.linen.BatchNorm(use_running_average=not train)(nn.Dense(64)(x), mask=mask)
+    def __call__(self, x, train):
+      x = jaxdp.adapters.linen.BatchNorm(use_running_average=not train)(nn.Dense(64)(x))
       ...
 
-  def loss_fn(params, batch, *, model_state, weights, train):
+  def loss_fn(params, batch, *, model_state, train):
     out, updates = model.apply({"params": params, "batch_stats": model_state}, batch["x"], train,
-                               mask=weights, mutable=["batch_stats"])
+                               mutable=["batch_stats"])
     return jaxdp.LossOutput(losses(out, batch), model_state=updates["batch_stats"])
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen
+from flax.core import meta
 from flax.linen import dtypes, initializers
 from jax import lax
+from jaxdp.adapters import flax_support
 from jaxdp.core import randomness
 from jaxdp.adapters.batchnorm import (
     STEP_AXIS,
     canonical_axes,
     check_supported,
     masked_moments,
-    refuse_unmasked_training,
     running_update,
+    step_mask,
 )
 
-__all__ = ["BatchNorm", "Dropout"]
+__all__ = ["BatchNorm", "Dropout", "stack_blocks", "unstack_blocks"]
 
 
 class BatchNorm(linen.Module):
@@ -59,8 +64,9 @@ class BatchNorm(linen.Module):
     axis of the jaxdp step it runs in (in plain single-device code the whole
     batch it sees); ``None`` gives per-device statistics;
   * ``mask`` may be numeric weights ``>= 0`` and of lower rank than ``x``
-    (``[b]``: the weights ``loss_fn`` receives). Inside a jaxdp training step
-    it is required: the step's batches may hold padding rows;
+    (``[b]``: the weights ``loss_fn`` receives). Without it, inside a jaxdp
+    step, the step's weights of the rows are used (this replica's, of the
+    current micro-batch), so padding rows never enter the statistics;
   * the running statistics follow linen's update, ``ra = momentum·ra +
     (1 − momentum)·batch_stat``, and stay unchanged when the batch has no
     real row (linen's would take NaN);
@@ -94,8 +100,10 @@ class BatchNorm(linen.Module):
     Args:
       x: the input; ``axis`` holds the features.
       use_running_average: overrides the field of the same name.
-      mask: ``None`` or weights ``>= 0`` (bool or numeric; 0 = padding) of
-        the leading non-feature axes (e.g. ``[b]``) or broadcastable to ``x``.
+      mask: ``None`` (inside a jaxdp step: the step's weights of the rows,
+        see :func:`jaxdp.adapters.batchnorm.step_mask`) or weights ``>= 0``
+        (bool or numeric; 0 = padding) of the leading non-feature axes (e.g.
+        ``[b]``) or broadcastable to ``x``.
         Numeric weights weigh each row's statistics (frequency weights);
         flax's boolean mask counts each row once: with sample weights, pass
         ``mask=weights > 0`` for flax's statistics.
@@ -115,10 +123,10 @@ class BatchNorm(linen.Module):
     if use_running_average:
       mean, var = ra_mean.value, ra_var.value
     else:
-      refuse_unmasked_training(mask, "jaxdp.adapters.linen.BatchNorm")
       # At init linen computes the statistics without synchronising and leaves the running ones as created.
       axis_name = None if self.is_initializing() else self.axis_name
       stats_x = x if self.dtype is None else x.astype(jnp.promote_types(self.dtype, x.dtype))
+      mask = step_mask(mask, stats_x, feature_axes, "jaxdp.adapters.linen.BatchNorm")
       mean, var, count = masked_moments(stats_x, mask, axis_name=axis_name, feature_axes=feature_axes)
       mean, var = mean.reshape(feature_shape), var.reshape(feature_shape)
       if not self.is_initializing():
@@ -192,3 +200,78 @@ def refusing_flax_dropout():
   """Entered by a training step with ``example_ids`` while it traces ``loss_fn`` (see :func:`_refuse_flax_dropout`)."""
   with linen.intercept_methods(_refuse_flax_dropout):
     yield
+
+
+def _block_keys(params: Any, prefix: str) -> list[str]:
+  """The keys ``{prefix}_0 .. {prefix}_{N-1}`` of ``params``, in layer order; refuses a gap or none."""
+  if not isinstance(prefix, str) or not prefix:
+    raise TypeError(f"prefix must be the blocks' attribute name (a non-empty string), got {prefix!r}.")
+  if not isinstance(params, Mapping):
+    raise TypeError(f"params must be a linen params dict (variables['params']), got {type(params).__name__}.")
+  found = {}
+  for key in params:
+    head, _, index = str(key).rpartition("_")
+    if head == prefix and index.isdigit():
+      found[int(index)] = key
+  if not found:
+    raise ValueError(
+        f"params has no {prefix}_0, {prefix}_1, ... (keys: {sorted(map(str, params))[:8]}); pass prefix= the name of "
+        "the list of blocks in the model's setup (self.blocks = [...] gives blocks_0, blocks_1, ...)."
+    )
+  missing = sorted(set(range(max(found) + 1)) - set(found))
+  if missing:
+    raise ValueError(f"params has {prefix}_{max(found)} but no {', '.join(f'{prefix}_{i}' for i in missing)}.")
+  return [found[i] for i in range(len(found))]
+
+
+def stack_blocks(params: Any, prefix: str = "blocks") -> dict:
+  """A linen model's list of identical blocks as one stack: what ``layers=`` and ``jaxdp.scan_layers`` take.
+
+  A list attribute of a linen ``setup`` (``self.blocks = [Block() for _ in range(N)]``) names its
+  params ``blocks_0 .. blocks_{N-1}``. This returns ``params`` with those entries replaced by one entry
+  ``blocks`` whose every leaf has a leading layer axis of size ``N`` (layer ``i`` at index ``i``), the
+  other entries unchanged. ``nn.with_partitioning`` boxes keep their names, the layer axis unsplit. Run a
+  layer with the block's own module, ``Block().apply({"params": layer}, h)``, and the rest of the model
+  with ``model.apply({"params": params}, ..., method=...)`` (see docs/porting-linen.md).
+
+  Args:
+    params: ``variables["params"]`` of the model (a dict or FrozenDict).
+    prefix: the name of the list attribute, default ``"blocks"``; also the stack's key.
+
+  Raises:
+    ValueError: no ``{prefix}_i`` entries, a gap in their numbers, a ``prefix`` entry already there, or
+      blocks that differ in structure, shape or dtype (named).
+  """
+  keys = _block_keys(params, prefix)
+  if prefix in params:
+    raise ValueError(f"params already has an entry {prefix!r}; stack into another key, or rename it.")
+  blocks = [params[k] for k in keys]
+  is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+  flax_support.check_identical(blocks, [f"params[{k!r}]" for k in keys], is_box)
+  stacked = jax.tree.map(flax_support.stack_leaf, *blocks, is_leaf=is_box)
+  out = {k: v for k, v in params.items() if k not in set(keys)}
+  out[prefix] = stacked
+  return out
+
+
+def unstack_blocks(params: Any, prefix: str = "blocks") -> dict:
+  """The inverse of ``stack_blocks``: the stack ``params[prefix]`` back as ``{prefix}_0 .. {prefix}_{N-1}``.
+
+  For the original model: its checkpoints, its inference code, ``model.apply`` of its own ``__call__``.
+  ``unstack_blocks(stack_blocks(p)) == p`` (the entries' order aside).
+
+  Raises:
+    ValueError: no ``prefix`` entry, leaves without a common leading axis, or an entry ``{prefix}_i``
+      already there.
+  """
+  if not isinstance(params, Mapping) or prefix not in params:
+    raise ValueError(f"params has no stack {prefix!r}; pass prefix= the key stack_blocks wrote.")
+  is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+  n = flax_support.stack_length(params[prefix], is_box, f"params[{prefix!r}]")
+  taken = [f"{prefix}_{i}" for i in range(n) if f"{prefix}_{i}" in params]
+  if taken:
+    raise ValueError(f"params already has {taken}; unstack into params without them.")
+  out = {k: v for k, v in params.items() if k != prefix}
+  for i in range(n):
+    out[f"{prefix}_{i}"] = jax.tree.map(lambda x: flax_support.unstack_leaf(x, i), params[prefix], is_leaf=is_box)
+  return out

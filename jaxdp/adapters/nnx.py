@@ -51,13 +51,15 @@ import numpy as np
 from flax import nnx
 from jaxdp.core import randomness
 from jaxdp.adapters.batchnorm import BatchNorm
+from jaxdp.adapters import flax_support
 from jaxdp.adapters.flax_support import BEFORE_STEP_ATTRIBUTE, NNX_LOSS_ATTRIBUTE
 from jaxdp.core.loss import LossOutput, declared_keywords, scalar_mean_message
 from jaxdp.sharding.layerwise import gather as _gather_leaves
 from jaxdp.sharding.layout import gather_state
 from jaxdp.core.state import TrainState
 
-__all__ = ["BatchNorm", "Definition", "Dropout", "loss_fn", "merge", "partition_specs", "split", "update"]
+__all__ = ["BatchNorm", "Definition", "Dropout", "loss_fn", "merge", "partition_specs", "split", "stack_blocks",
+           "unstack_blocks", "update"]
 
 _USER_KEYWORDS = ("weights", "rngs", "train", "axis_name")
 
@@ -217,8 +219,8 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False,
         f"model has flax nnx.BatchNorm layers ({', '.join(flax_bn[:4])}): their training statistics include "
         "jaxdp's zero-weight padding rows, and across devices they average per-device means with equal weight, "
         "which is not the global batch's statistic for uneven splits. Replace them with jaxdp.adapters.nnx.BatchNorm "
-        "(same arguments; pass mask=weights in the call), or pass allow_flax_batchnorm=True if they only run on "
-        "their running averages."
+        "(same arguments; in a jaxdp step it takes the weights of its rows from the step), or pass "
+        "allow_flax_batchnorm=True if they only run on their running averages."
     )
   if keep_frozen not in (None, True, False):
     raise TypeError(f"keep_frozen must be True, False or None, got {keep_frozen!r}.")
@@ -332,7 +334,7 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
       losses, ``(losses, {name: values})`` with metrics of the losses'
       shape, or a :class:`jaxdp.LossOutput` without model state. It may
       declare these keywords: ``weights`` (this replica's row weights, 0 for
-      padding: pass them to ``jaxdp.adapters.nnx.BatchNorm(..., mask=weights)``),
+      padding; jaxdp.adapters.nnx.BatchNorm takes them from the step itself),
       ``rngs`` (an ``nnx.Rngs`` of the per-replica key, ``None`` in
       evaluation), ``train`` and ``axis_name``.
 
@@ -482,3 +484,59 @@ def gather(layer: nnx.Module) -> nnx.Module:
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   return nnx.merge(graphdef, _gather_leaves(params), rest)
 
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def stack_blocks(blocks: Any) -> nnx.Module:
+  """A Python list of identical nnx blocks as one stacked block: what ``layers=`` and ``jaxdp.scan_layers`` take.
+
+  Returns a module of the blocks' class whose every variable has a leading layer axis of size ``N``
+  (block ``i`` at index ``i``), the module that ``nnx.vmap`` over the block's constructor makes; the
+  partitioning metadata (``nnx.with_partitioning``) gets the layer axis unsplit. Set it in the model in
+  place of the list (``model.blocks = stack_blocks(model.blocks)``), ``split`` the model, and run the
+  stack with ``jaxdp.scan_layers`` over ``nnx.split(model.blocks)``'s state (see docs/porting-nnx.md).
+
+  Args:
+    blocks: a list (or ``nnx.List``) of modules of one class with identical variables (structure,
+      shapes, dtypes).
+
+  Raises:
+    ValueError: an empty list, or blocks of different graphs, shapes or dtypes (the first that differs named).
+    TypeError: an entry that is not an ``nnx.Module``.
+  """
+  blocks = list(blocks) if not isinstance(blocks, nnx.Module) or isinstance(blocks, nnx.List) else None
+  if not blocks:
+    raise ValueError("blocks must be a non-empty list of nnx modules (e.g. model.blocks).")
+  bad = [i for i, b in enumerate(blocks) if not isinstance(b, nnx.Module)]
+  if bad:
+    raise TypeError(f"blocks[{bad[0]}] is a {type(blocks[bad[0]]).__name__}, not an nnx.Module.")
+  split = [nnx.split(b) for b in blocks]
+  names = [f"blocks[{i}]" for i in range(len(blocks))]
+  for (graphdef, _), name in zip(split[1:], names[1:]):
+    if graphdef != split[0][0]:
+      raise ValueError(f"{name} is not the same graph as blocks[0] (another class, layer or attribute); only "
+                       "identical blocks stack.")
+  states = [state for _, state in split]
+  flax_support.check_identical(states, names, _is_variable)
+  stacked = jax.tree.map(flax_support.stack_leaf, *states, is_leaf=_is_variable)
+  return nnx.merge(split[0][0], stacked)
+
+
+def unstack_blocks(stacked: nnx.Module) -> list[nnx.Module]:
+  """The inverse of ``stack_blocks``: a stacked block as the list of its ``N`` layers, each a block of its own.
+
+  For the original model (``model.blocks = nnx.List(unstack_blocks(model.blocks))``): its checkpoints and
+  its inference code. The layers' values are those of the stack at index ``i``.
+
+  Raises:
+    ValueError: variables without a common leading (layer) axis.
+  """
+  if not isinstance(stacked, nnx.Module):
+    raise TypeError(f"stacked must be an nnx.Module (from stack_blocks or nnx.vmap), got {type(stacked).__name__}.")
+  graphdef, state = nnx.split(stacked)
+  n = flax_support.stack_length(state, _is_variable, "stacked")
+  return [nnx.merge(graphdef, jax.tree.map(lambda x: flax_support.unstack_leaf(x, i), state, is_leaf=_is_variable))
+          for i in range(n)]

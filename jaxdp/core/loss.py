@@ -159,6 +159,27 @@ def in_step(axis_name: Any):
     _STEP_AXIS.reset(token)
 
 
+# The row weights of the loss_fn call being traced (this replica's, of the current micro-batch): jaxdp's BatchNorm
+# and masked_moments take them when no mask is given, as its Dropout takes the example ids.
+_STEP_WEIGHTS: contextvars.ContextVar = contextvars.ContextVar("jaxdp_step_weights", default=None)
+
+
+def step_weights() -> jax.Array | None:
+  """The weights (``[b]`` or ``[b, t]``, 0 = padding) of the rows the jaxdp step's ``loss_fn`` is traced on, else
+  ``None``: this replica's, of the current micro-batch under ``accum_steps``; all ones when the step got none."""
+  return _STEP_WEIGHTS.get()
+
+
+@contextlib.contextmanager
+def using_step_weights(weights: Any):
+  """Within this context, :func:`step_weights` returns ``weights`` (``None`` clears them)."""
+  token = _STEP_WEIGHTS.set(weights)
+  try:
+    yield
+  finally:
+    _STEP_WEIGHTS.reset(token)
+
+
 def declared_keywords(fn: Callable, names: tuple[str, ...]) -> frozenset:
   """The ``names`` that ``fn`` accepts as keyword arguments (all of them if it takes ``**kwargs``)."""
   try:
@@ -252,7 +273,7 @@ def call_loss(
         "its own key), or call the step without rng=. Nothing ran and nothing was donated."
     )
   try:
-    with in_step(axis_name), _supported_call(train):
+    with in_step(axis_name), using_step_weights(weights), _supported_call(train):
       out = loss_fn(*args, **keywords)
   except Exception as e:  # the user's own error, unchanged: only say where it happened
     where = ("the training step was traced on one device's slice of the batch (or one micro-batch of it under "

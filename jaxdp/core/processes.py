@@ -27,7 +27,7 @@ def _describe(value: Any) -> list[tuple[str, str]]:
   return described
 
 
-def _allgather_bytes(payload: bytes) -> list[bytes]:
+def allgather_bytes(payload: bytes) -> list[bytes]:
   """Every process's ``payload``, in process order (one collective per length agreement and data)."""
   from jax.experimental import multihost_utils
 
@@ -96,7 +96,7 @@ def assert_same_across_processes(value: Any, name: str = "value") -> None:
   digests = np.asarray(multihost_utils.process_allgather(digest, tiled=False))
   if np.all(digests == digests[:1]):
     return
-  descriptions = [[tuple(item) for item in json.loads(b)] for b in _allgather_bytes(payload)]
+  descriptions = [[tuple(item) for item in json.loads(b)] for b in allgather_bytes(payload)]
   raise ValueError(
       f"processes disagree on {name} (this is process {jax.process_index()} of {jax.process_count()}); "
       f"every process must pass the same {name}:\n  {_differences(name, descriptions)}"

@@ -87,14 +87,13 @@ from jaxdp.io import record as record_lib
 from jaxdp.core.checks import check_int, check_not_donated, check_optimizer, check_params, check_state
 from jaxdp.io.record import RNG
 from jaxdp.io.data import DataPipeline
+from jaxdp.io.grain import GrainPipeline, gather_states, restore_states
 from jaxdp.runtime.distributed import assert_same_across_processes
 from jaxdp.sharding.layout import (
     axis_names,
-    auto_mesh,
-    check_param_specs,
+    annotated_model_specs,
     data_size,
     make_layout,
-    model_specs_of,
 )
 from jaxdp.core.loss_scaling import abstract_loss_scale
 from jaxdp.sharding.parallel import DataParallel, as_layout
@@ -154,15 +153,30 @@ class Restored(NamedTuple):
 
 
 def _check_pipeline(pipeline: Any) -> None:
-  if pipeline is not None and not isinstance(pipeline, DataPipeline):
+  if pipeline is not None and not isinstance(pipeline, (DataPipeline, GrainPipeline)):
     raise TypeError(
-        f"pipeline must be a jaxdp.DataPipeline or None, got {type(pipeline).__name__}; a StreamingPipeline has no "
-        "position to save (a stream is read once), so resuming one is up to its source."
+        f"data must be a jaxdp.DataPipeline, a jaxdp.io.grain.GrainPipeline or None, got {type(pipeline).__name__}; "
+        "a StreamingPipeline has no position to save (a stream is read once), so resuming one is up to its source."
     )
 
 
 def _resumed_data_step(record: dict, pipeline: DataPipeline | None, mesh: Mesh, axis_name: Any, where: str) -> int:
   """The ``data_step`` to resume from: the saved one, converted to ``pipeline``'s batches, or refused if ambiguous."""
+  if isinstance(pipeline, GrainPipeline):  # its position is set once the state is read (restore_states)
+    if "data_states" not in record:
+      raise ValueError(
+          f"{where} was saved without a GrainPipeline's position (save(..., data=pipeline)), so a GrainPipeline "
+          "cannot resume from it; restore without data= and start the data at a new epoch."
+      )
+    restore_states(pipeline, record["data_states"], where, check_only=True)
+    return record["data_step"]
+  if "data_states" in record:
+    if pipeline is not None:
+      raise ValueError(
+          f"{where} was saved with a GrainPipeline's position; a DataPipeline cannot resume from it. Restore with "
+          "data=<the run's GrainPipeline>, or without data=."
+      )
+    return record["data_step"]
   position = record.get("data_position")
   if position is not None:
     if pipeline is not None:
@@ -252,13 +266,6 @@ def _empty_array(target: jax.ShapeDtypeStruct) -> jax.Array:
   """The zero-size array of ``target``'s shape and dtype, placed with its sharding (what its checkpoint holds)."""
   empty = np.zeros(target.shape, target.dtype)
   return jax.make_array_from_callback(target.shape, target.sharding, lambda index: empty[index])
-
-
-def _target_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -> Any:
-  """The params' model-axis specs: ``param_specs`` checked, else read off the template's shardings."""
-  if param_specs is not None:
-    return check_param_specs(param_specs, params, mesh, axis_name)
-  return model_specs_of(params, mesh, axis_name)
 
 
 class CheckpointManager:
@@ -479,7 +486,9 @@ class CheckpointManager:
         (:meth:`DataPipeline.position`), so that ``restore(...,
         pipeline=)`` resumes at the same example with another global batch
         (another device count) or refuses. A step count alone is only right
-        for the same global batch.
+        for the same global batch. Or a ``jaxdp.io.grain.GrainPipeline``:
+        every process's position (its grain iterator's state) is recorded,
+        one entry per process.
       metadata: JSON-serialisable user data (a config, metrics).
       force: save even if ``step`` is not a multiple of ``save_interval_steps``.
 
@@ -549,7 +558,8 @@ class CheckpointManager:
         rng_impl=rng_impl,
         metadata=metadata,
         devices=_device_count(state),
-        data_position=None if pipeline is None else pipeline.position(data_step),
+        data_position=pipeline.position(data_step) if isinstance(pipeline, DataPipeline) else None,
+        data_states=gather_states(pipeline) if isinstance(pipeline, GrainPipeline) else None,
         mesh_shape=_mesh_shape(state),
     )
     stored = [(c, x) for c, x in named if not _is_empty(x)]  # the record alone restores a zero-size leaf
@@ -637,7 +647,10 @@ class CheckpointManager:
         A checkpoint saved without ``data=`` restored with it onto
         another number of data-parallel devices is refused too (read off
         the saved mesh; for a record without one, the total device count is
-        what is compared).
+        what is compared). A ``jaxdp.io.grain.GrainPipeline`` is set to this
+        process's saved position (its next example is the one after the
+        saved step's), once the state is read; a checkpoint of another
+        process count, or without a grain position, is refused.
 
     Returns:
       A :class:`Restored` ``(state, rng, data_step, step, metadata)``. The
@@ -660,7 +673,7 @@ class CheckpointManager:
     mesh, axis_name, zero_stage, layers = layout.mesh, layout.axis_name, layout.zero_stage, layout.layers
     param_specs, stage_axis = layout.param_specs, layout.stage_axis
     _check_pipeline(pipeline)
-    model_specs = _target_specs(params, param_specs, mesh, axis_name)
+    params, model_specs = annotated_model_specs(params, param_specs, mesh, axis_name)  # as init_state reads them
     step = self._resolve_step(step)
     expected = record_lib.abstract_full_state(params, optimizer, model_state)
     replicas = data_size(mesh, axis_name)
@@ -676,7 +689,6 @@ class CheckpointManager:
     _check_compression_record(record, resolved, replicas, self._where(step))
     record_lib.check_against(record, expected, self._where(step))
     data_step = _resumed_data_step(record, pipeline, mesh, axis_name, self._where(step))
-    mesh = auto_mesh(mesh)  # as init_state places a state
     shardings = make_layout(expected, mesh, axis_name, zero_stage, model_specs, layers, stage_axis).shardings(mesh)
     entries = {tuple(e["path"]): e for e in record["leaves"]}
     layout = dict(zip((c for c, _ in record_lib.named_leaves(expected)), jax.tree.leaves(shardings)))
@@ -700,6 +712,8 @@ class CheckpointManager:
     if RNG in arrays:
       impl = record["rng_impl"]
       rng = arrays[RNG] if impl is None else jax.random.wrap_key_data(arrays[RNG], impl=impl)
+    if isinstance(pipeline, GrainPipeline):
+      restore_states(pipeline, record["data_states"], self._where(step))
     return Restored(state, rng, data_step, step, record["metadata"])
 
   def restore_diloco(

@@ -469,7 +469,7 @@ def _row_signature(portion: Any) -> tuple:
 
 
 class DataPipeline:
-  """An epoch-shuffled, resumable input pipeline that splits every global batch over the devices.
+  """An epoch-shuffled (or ordered), resumable input pipeline that splits every global batch over the devices.
 
   Every example of ``dataset`` is used exactly once per epoch: no duplicates
   (unlike PyTorch's ``DistributedSampler``) and no dropped tail. A step takes
@@ -481,7 +481,8 @@ class DataPipeline:
   Padding rows copy a real row (``pad="copy"``, see :func:`shard_uneven`): the
   device's own first, or example 0 of the dataset for a device with no
   example in the step (the same row whichever process loads it). The order is
-  a function of ``(seed, epoch)`` only (:func:`epoch_permutation`) and
+  a function of ``(seed, epoch)`` only (:func:`epoch_permutation`; the
+  dataset's own order with ``shuffle=False``) and
   ``batch_at(step)`` is what iteration yields at ``step``, so a run resumes
   from a step counter.
 
@@ -527,6 +528,7 @@ class DataPipeline:
       seed: int = 0,
       axis_name: str | tuple[str, ...] = "data",
       pad: str = "copy",
+      shuffle: bool = True,
   ):
     """Builds the pipeline and checks ``collate`` on example 0.
 
@@ -550,8 +552,18 @@ class DataPipeline:
         replicated over any other axis.
       pad: what padding rows hold, ``"copy"`` (default) or ``"zeros"`` (see
         :func:`shard_uneven`).
+      shuffle: ``True`` (default): each epoch visits the examples in the
+        order :func:`epoch_permutation` gives for ``(seed, epoch)``;
+        ``False``: in the dataset's own order, every epoch (``seed`` then
+        unused), e.g. to compare against an existing run that reads its data
+        in order. Either way every example is used once per epoch and the
+        last, uneven batch is padded with weight-0 rows.
     """
     check_mesh_axis(mesh, axis_name)
+    if not isinstance(shuffle, bool):
+      raise TypeError(f"shuffle must be True or False, got {type(shuffle).__name__}; pass shuffle=False to keep "
+                      "the dataset's order.")
+    self.shuffle = shuffle
     self.pad = check_pad(pad)
     if not callable(collate):
       raise ValueError(f"collate must be callable, got {type(collate).__name__}; pass collate(examples) -> (batch, weights).")
@@ -582,7 +594,8 @@ class DataPipeline:
     # between processes would train some examples twice and others never, silently (the shapes still agree).
     assert_same_across_processes(
         {"len(dataset)": self.num_examples, "seed": self.seed, "per_device_batch": self.per_device_batch,
-         "global_batch": self.global_batch, "devices": self.n_devices, "pad": self.pad}, "DataPipeline arguments")
+         "global_batch": self.global_batch, "devices": self.n_devices, "pad": self.pad, "shuffle": self.shuffle},
+        "DataPipeline arguments")
     probe = _collated(collate, [dataset[0]], None)
     self._empty = jax.tree.map(lambda x: x[:0], probe)  # the portion of a device with no examples
     # An empty portion's padding copies example 0, not a row of another device of the step: that row may be
@@ -592,7 +605,8 @@ class DataPipeline:
 
   def _order(self, epoch: int) -> np.ndarray:
     if self._cached_order is None or self._cached_order[0] != epoch:
-      self._cached_order = (epoch, epoch_permutation(self.num_examples, self.seed, epoch))
+      order = epoch_permutation(self.num_examples, self.seed, epoch) if self.shuffle else np.arange(self.num_examples)
+      self._cached_order = (epoch, order)
     return self._cached_order[1]
 
   def device_indices(self, step: int) -> list[np.ndarray]:
@@ -604,14 +618,14 @@ class DataPipeline:
   def position(self, step: int) -> dict:
     """Where ``step`` starts in the data, in examples rather than batches (what a checkpoint records).
 
-    ``{"epoch", "example", "num_examples", "seed", "global_batch", "devices"}``: ``example`` examples of
+    ``{"epoch", "example", "num_examples", "seed", "shuffle", "global_batch", "devices"}``: ``example`` examples of
     ``epoch``'s order come before ``step``. A step count alone means nothing without the global batch it
     counts: :meth:`step_at` converts a position into the step of a pipeline with another batch size.
     """
     step = check_int(step, "step", 0, "steps count from 0.")
     epoch, index = divmod(step, self.steps_per_epoch)
     return {"epoch": epoch, "example": index * self.global_batch, "num_examples": self.num_examples,
-            "seed": self.seed, "global_batch": self.global_batch, "devices": self.n_devices}
+            "seed": self.seed, "shuffle": self.shuffle, "global_batch": self.global_batch, "devices": self.n_devices}
 
   def step_at(self, position: dict) -> int:
     """This pipeline's step that starts at ``position`` (from :meth:`position`, maybe of another global batch).
@@ -621,12 +635,13 @@ class DataPipeline:
         examples would be trained twice and others never), or falls inside one of this pipeline's batches
         (its ``example`` is not a multiple of :attr:`global_batch`).
     """
-    for name, mine in (("num_examples", self.num_examples), ("seed", self.seed)):
-      if position[name] != mine:
+    saved = {"shuffle": True, **position}  # positions saved before shuffle= existed were shuffled
+    for name, mine in (("num_examples", self.num_examples), ("seed", self.seed), ("shuffle", self.shuffle)):
+      if saved[name] != mine:
         raise ValueError(
-            f"the saved data position is of a pipeline with {name}={position[name]}, this one has {mine}: the "
+            f"the saved data position is of a pipeline with {name}={saved[name]}, this one has {mine}: the "
             "epochs' orders differ, so resuming would train some examples twice and others never. Resume with "
-            "the same dataset and seed."
+            "the same dataset, seed and shuffle."
         )
     epoch, example = position["epoch"], position["example"]
     if example % self.global_batch:
@@ -1037,3 +1052,32 @@ class StreamingPipeline:
     if portions is None:
       raise StopIteration
     return _place_portions(portions, self.n_devices, self._sharding)
+
+
+# The pieces other input adapters (jaxdp.io.grain) build on: the same cut, checks and padding as the pipelines above.
+
+
+def portion_sizes(count: int, n_devices: int) -> np.ndarray:
+  """``count`` examples spread over ``n_devices`` as evenly as possible, the first ``count % n_devices`` one more."""
+  return _portion_sizes(count, n_devices)
+
+
+def collate_checked(collate: Callable, examples: list, template: Any = None) -> tuple[Any, np.ndarray]:
+  """``collate(examples)`` as numpy ``(batch, weights)``, checked as the pipelines check it (leading sizes, finite
+  float32 weights ``>= 0``, and the trailing shapes and dtypes of the zero-row portion ``template`` if given)."""
+  return _collated(collate, examples, template)
+
+
+def pad_portions(portions: Mapping[int, tuple[Any, np.ndarray]], rows: int, pad: str, spare: Any = None) -> dict:
+  """``{position: (batch, weights)}`` padded to ``rows`` rows of weight 0, as ``shard_uneven`` pads them.
+
+  Under ``pad="copy"`` a portion pads with copies of its own first real row, an empty one with copies of
+  ``spare`` (a one-row batch pytree, ``first_real_row``) if given, else of the first non-empty portion's row.
+  """
+  return _padded(portions, rows, check_pad(pad), spare)
+
+
+def first_real_row(batch: Any, weights: np.ndarray) -> Any | None:
+  """The first row of positive weight (else row 0) of a portion's ``batch``, as a one-row pytree; ``None`` if it
+  has no rows. What ``pad_portions`` copies into padding rows."""
+  return _real_row(batch, weights)

@@ -312,6 +312,7 @@ def build_record(
     metadata: Any,
     devices: int,
     data_position: dict | None = None,
+    data_states: list | None = None,
     mesh_shape: dict | None = None,
 ) -> dict:
   """The JSON record of a save of the leaves ``named`` (state leaves, then the key's data) with checksums ``sums``.
@@ -324,6 +325,7 @@ def build_record(
       "version": FORMAT_VERSION,
       "data_step": data_step,
       **({} if data_position is None else {"data_position": data_position}),
+      **({} if data_states is None else {"data_states": data_states}),  # a GrainPipeline's, one per process
       "rng_impl": rng_impl,
       "saved_from": {"devices": devices, "processes": jax.process_count(),
                      **({} if mesh_shape is None else {"mesh": mesh_shape})},
@@ -343,7 +345,8 @@ def build_record(
   }
 
 
-# What DataPipeline.position records (a checkpoint saved with pipeline=).
+# What DataPipeline.position records (a checkpoint saved with pipeline=), besides the boolean "shuffle" (absent from
+# checkpoints written before it existed, whose pipelines shuffled).
 DATA_POSITION_FIELDS = ("epoch", "example", "num_examples", "seed", "global_batch", "devices")
 
 
@@ -423,12 +426,17 @@ def check_record(record: dict) -> None:
   _require(_is_count(record.get("data_step")), "data_step", record.get("data_step"), "an integer >= 0")
   if "data_position" in record:
     position = record["data_position"]
-    _require(isinstance(position, dict) and set(position) == set(DATA_POSITION_FIELDS)
-             and all(_is_count(position[k]) for k in DATA_POSITION_FIELDS), "data_position", position,
-             f"an object of integers >= 0: {', '.join(DATA_POSITION_FIELDS)}")
+    _require(isinstance(position, dict) and set(position) - {"shuffle"} == set(DATA_POSITION_FIELDS)
+             and all(_is_count(position[k]) for k in DATA_POSITION_FIELDS)
+             and isinstance(position.get("shuffle", True), bool), "data_position", position,
+             f"an object of integers >= 0: {', '.join(DATA_POSITION_FIELDS)}, and an optional boolean shuffle")
     _require(_consistent_position(position, record["data_step"]), "data_position", position,
              f"the position of data_step {record['data_step']} (a whole number of batches into an epoch of a "
              "non-empty dataset)")
+  if "data_states" in record:
+    states = record["data_states"]
+    _require(isinstance(states, list) and len(states) > 0 and all(isinstance(x, dict) for x in states),
+             "data_states", states, "a non-empty list of objects, one GrainPipeline position per process")
   leaves = record.get("leaves")
   _require(isinstance(leaves, list) and len(leaves) > 0, "leaves", leaves, "a non-empty list of leaf entries")
   seen = {}

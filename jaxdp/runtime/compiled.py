@@ -38,6 +38,7 @@ from jaxdp.reductions import check_state as check_reduction_state
 from jaxdp.sharding.layout import (
     Layout,
     axis_names,
+    constrain,
     data_size,
     data_dim,
     data_part,
@@ -45,6 +46,7 @@ from jaxdp.sharding.layout import (
     manual_part,
     model_part,
     model_specs_of,
+    mesh_context,
     place,
     replicated,
     split_along,
@@ -268,7 +270,8 @@ class CompiledStep:
     self._check_previous_steps()
     program, args, leaves, treedef, plan, layout_key = self._prepare(state, batch, weights, rng, has_more)
     try:
-      new_leaves, metrics, guard = program(*args)
+      with mesh_context(self.mesh):  # one trace, in the context of the mesh its types name
+        new_leaves, metrics, guard = program(*args)
     except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
       host_inputs.raise_if_consumed(error, args[0])
       raise
@@ -296,7 +299,8 @@ class CompiledStep:
   ) -> jax.stages.Lowered:
     """The ``jax.stages.Lowered`` of the program a call with these inputs runs (validated and placed alike)."""
     program, args, *_ = self._prepare(state, batch, weights, rng, has_more)
-    return program.lower(*args)
+    with mesh_context(self.mesh):
+      return program.lower(*args)
 
 
 def _program(jitted: Callable, per_device: Callable, donate: bool, limit: int | None,
@@ -571,9 +575,11 @@ def _global_update_over(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, la
 
   def step(state, batch, weights, rng, has_more):
     reduced = gradient(state._replace(opt_state=None), batch, weights, rng, has_more)
+    if gather is not None:  # the update reads and writes the parameters split (a slice of the replicated ones)
+      state = state._replace(params=constrain(state.params, split_shardings))
     new_state, metrics = finish_step(optimizer, state, reduced, loss_scaling=settings.loss_scaling)
     if gather is not None:
-      new_state = new_state._replace(params=gather(jax.lax.with_sharding_constraint(new_state.params, split_shardings)))
+      new_state = new_state._replace(params=gather(constrain(new_state.params, split_shardings)))
     return new_state, metrics
 
   return step
@@ -603,7 +609,7 @@ def _in_circular_order(gradient: Callable, pipeline: pipelining.Pipeline, mesh: 
     def to_circular(x, is_layer, spec):
       if not is_layer:
         return x
-      return jax.lax.with_sharding_constraint(pipelining.circular_order(x, stages, repeats), NamedSharding(mesh, spec))
+      return constrain(pipelining.circular_order(x, stages, repeats), NamedSharding(mesh, spec))
 
     params = jax.tree.map(to_circular, state.params, layout.layers, layout.specs.params)
     reduced = gradient(state._replace(params=params), *args)
@@ -611,7 +617,7 @@ def _in_circular_order(gradient: Callable, pipeline: pipelining.Pipeline, mesh: 
     def to_natural(g, is_layer, spec):
       if not is_layer:
         return g
-      return jax.lax.with_sharding_constraint(pipelining.natural_order(g, stages, repeats), NamedSharding(mesh, spec))
+      return constrain(pipelining.natural_order(g, stages, repeats), NamedSharding(mesh, spec))
 
     return reduced._replace(grads=jax.tree.map(to_natural, reduced.grads, layout.layers, grad_specs))
 

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp.core import checks as _checks
 from jaxdp.runtime import host_inputs
 from jaxdp.core.checks import check_int, check_optimizer
-from jaxdp.sharding.layout import auto_mesh, axis_names, check_mesh_axis, place, replicated
+from jaxdp.sharding.layout import axis_names, check_mesh_axis, mesh_context, place, replicated
 from jaxdp.core.loss import check_loss_fn
 from jaxdp.analysis.reports import Collective, collectives_from_hlo
 from jaxdp.training.config import step_config
@@ -94,7 +94,7 @@ def check_int8_groups(delta_dtype: Any, groups: int) -> None:
 
 
 def _check_axes(mesh: Any, outer_axis: Any, axis_name: Any) -> Mesh:
-  """The mesh (Auto axes), after checking that it has ``outer_axis`` besides the data axes, and nothing else."""
+  """The mesh (as given), after checking that it has ``outer_axis`` besides the data axes, and nothing else."""
   if not isinstance(outer_axis, str):
     raise TypeError(f"outer_axis must name one mesh axis (a str, e.g. 'replica'), got {outer_axis!r}.")
   check_mesh_axis(mesh, axis_name)
@@ -117,7 +117,7 @@ def _check_axes(mesh: Any, outer_axis: Any, axis_name: Any) -> Mesh:
         f"mesh has axes {others} besides outer_axis={outer_axis!r} and the data axes {data}; the DiLoCo step maps "
         "over every mesh axis and does not partition the model: build the mesh over those axes only."
     )
-  return auto_mesh(mesh)
+  return mesh
 
 
 def _group_mesh(layout: Any, outer_axis: Any) -> Mesh:
@@ -364,7 +364,8 @@ class DiLoCoStep:
     count = self._count(prepared[0])
     sync = (count + 1) % self.inner_steps == 0
     try:
-      new_state, metrics, skips = self._program(sync, shardings)(*prepared, self._guard_input())
+      with mesh_context(self.mesh):  # one trace, in the context of the mesh its types name
+        new_state, metrics, skips = self._program(sync, shardings)(*prepared, self._guard_input())
     except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
       host_inputs.raise_if_consumed(error, prepared[0])
       raise
@@ -380,12 +381,14 @@ class DiLoCoStep:
   def lower_inner(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
     """The ``jax.stages.Lowered`` of the inner step (no sync) on these inputs."""
     shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
-    return self._program(False, shardings).lower(*prepared, self._guard_input())
+    with mesh_context(self.mesh):
+      return self._program(False, shardings).lower(*prepared, self._guard_input())
 
   def lower_sync(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
     """The ``jax.stages.Lowered`` of the inner step followed by the outer sync."""
     shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
-    return self._program(True, shardings).lower(*prepared, self._guard_input())
+    with mesh_context(self.mesh):
+      return self._program(True, shardings).lower(*prepared, self._guard_input())
 
   def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool, compiled: bool = True
                   ) -> dict[str, Collective]:

@@ -28,7 +28,9 @@ from jaxdp.sharding.layout import (
     data_part,
     data_dim,
     data_size,
+    constrain,
     layer_mask,
+    mesh_context,
     place,
     split_along,
 )
@@ -229,7 +231,8 @@ class EvalStep:
 
   def _run(self, program, args, state):
     try:
-      return program(*args)
+      with mesh_context(self.mesh):
+        return program(*args)
     except RuntimeError as error:  # JAX refuses a deleted input before it runs anything
       host_inputs.raise_if_consumed(error, state)
       raise
@@ -237,7 +240,8 @@ class EvalStep:
   def lower(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> jax.stages.Lowered:
     """The step for these arguments, lowered (e.g. ``.compile().as_text()`` to read its collectives)."""
     program, args = self._prepare(state, batch, weights)
-    return program.lower(*args)
+    with mesh_context(self.mesh):
+      return program.lower(*args)
 
   def evaluate(self, state: TrainState, batches: Iterable[tuple[Any, Any]]) -> dict[str, float]:
     """Exact weighted means over every ``(batch, weights)`` of ``batches`` (Python floats).
@@ -352,7 +356,7 @@ def _pipelined_eval(loss_fn: Callable[..., Any], mesh: Mesh, axis_name: Any, pip
   def run(state, batch, weights):
     def placed(x, is_layer, spec):
       x = pipelining.circular_order(x, stages, repeats) if is_layer and repeats > 1 else x
-      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+      return constrain(x, NamedSharding(mesh, spec))
 
     params = jax.tree.map(placed, state.params, stacked, params_specs)
     return mapped(state._replace(params=params), batch, weights)

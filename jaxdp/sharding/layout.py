@@ -28,6 +28,7 @@ columns) is replicated over the model axes before the data rule is applied.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from typing import Any, Iterable, NamedTuple, Sequence
@@ -53,7 +54,8 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "dat
 
   The axis type is set explicitly to ``AxisType.Auto`` so that behaviour does
   not depend on the JAX version's default, and so that the arrays jaxdp
-  returns carry no mesh axes in their types (see :func:`auto_mesh`). For
+  returns carry no mesh axes in their types (see :func:`auto_mesh`); a mesh
+  of ``jax.make_mesh`` (Explicit axes) works as well. For
   tensor parallelism or hybrid sharding build a ``Mesh`` with more axes
   (e.g. ``jax.make_mesh((4, 2), ("data", "model"))``) and pass it instead.
   """
@@ -73,16 +75,31 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "dat
 def auto_mesh(mesh: Mesh) -> Mesh:
   """``mesh`` with every axis of type ``AxisType.Auto`` (the same devices and names).
 
-  The jitted steps run on this twin of the caller's mesh, so the arrays they
-  return carry no mesh axes in their types. Arrays on an ``Explicit`` mesh
-  do, and ordinary single-device code that later meets them (``nnx.update``
-  then a metrics object's ``reset()``) fails with "Length of device
-  assignment 1 is not equal to the size of the mesh ... use jax.set_mesh".
-  Auto-typed arrays work anywhere.
+  jaxdp runs on the mesh it is given, whatever its axis types (docs/meshes.md). Arrays on an ``Explicit``
+  mesh follow JAX's rules for it: eager single-device code that meets them (``nnx.update`` then a metrics
+  object's ``reset()``) runs inside ``jax.set_mesh(mesh)``, and fails outside it with "Length of device
+  assignment 1 is not equal to the size of the mesh ... use jax.set_mesh". A program that wants arrays usable
+  anywhere gives jaxdp this twin instead: Auto-typed arrays carry no mesh axes in their types.
   """
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
   return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def mesh_context(mesh: Mesh) -> Any:
+  """The context a jaxdp program on ``mesh`` runs in: ``jax.set_mesh(mesh)`` where ``mesh`` has an Explicit axis.
+
+  A step is then traced once, whether its caller is inside ``with jax.set_mesh(mesh):`` or not, and what it
+  traces sees the mesh its arrays' types name. A mesh of Auto axes only, a caller already in this mesh's
+  context, and a call while tracing (inside the caller's own ``jit``, where ``set_mesh`` is refused: the
+  caller's context stands) get no context of their own.
+  """
+  if AxisType.Explicit not in mesh.axis_types or jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
+    return contextlib.nullcontext()
+  try:
+    return jax.set_mesh(mesh)
+  except ValueError:  # "set_mesh can only be used outside of jax.jit"
+    return contextlib.nullcontext()
 
 
 def axis_names(axis_name: Any) -> tuple[str, ...]:
@@ -171,6 +188,38 @@ def check_zero_stage(zero_stage: Any) -> None:
 def replicated(mesh: Mesh) -> NamedSharding:
   """The sharding of a value held whole by every device of ``mesh``."""
   return NamedSharding(mesh, P())
+
+
+def constrain(tree: Any, shardings: Any) -> Any:
+  """``tree`` laid out as ``shardings`` (one ``NamedSharding`` or a matching tree) inside a traced function.
+
+  JAX takes each kind of mesh axis its own way: an ``Explicit`` axis is in
+  the array's type and is moved with ``jax.sharding.reshard`` (a type
+  change), an ``Auto`` axis is the compiler's and is asked for with
+  ``with_sharding_constraint``; each refuses the other's axes. A mixed mesh
+  gets both, each naming only its own axes.
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: _constrain_leaf(x, shardings), tree)
+  return jax.tree.map(_constrain_leaf, tree, shardings)
+
+
+def _constrain_leaf(x: Any, sharding: NamedSharding) -> Any:
+  mesh = sharding.mesh
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  if explicit:
+    x = jax.sharding.reshard(x, NamedSharding(mesh, _only_axes(sharding.spec, explicit)))
+  if set(mesh.axis_names) - explicit:
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _only_axes(sharding.spec, set(mesh.axis_names) - explicit)))
+  return x
+
+
+def _only_axes(spec: P, keep: set) -> P:
+  """``spec`` naming only the mesh axes in ``keep`` (the others' dimensions left unsplit)."""
+  def part(entry):
+    names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in keep)
+    return None if not names else names[0] if len(names) == 1 else names
+  return P(*(part(e) for e in spec))
 
 
 def split_along(mesh: Mesh, axis_name: Any) -> NamedSharding:
@@ -294,15 +343,17 @@ def model_spec_of(x: Any, mesh: Mesh, axis_name: str) -> P:
   return _spec(entries)
 
 
-def check_param_specs(param_specs: Any, params: Any, mesh: Mesh, axis_name: str) -> Any:
-  """``param_specs`` checked against ``params`` and ``mesh``: a tree of ``PartitionSpec`` over the model axes."""
+def check_param_specs(param_specs: Any, params: Any, mesh: Mesh, axis_name: str, source: str = "param_specs") -> Any:
+  """``param_specs`` checked against ``params`` and ``mesh``: a tree of ``PartitionSpec`` over the model axes.
+
+  ``source``: what the messages call the specs (the argument the user passed)."""
   try:
     specs = jax.tree.leaves(jax.tree.map(lambda _, s: [s], params, param_specs), is_leaf=lambda x: isinstance(x, list))
   except ValueError as e:
-    raise ValueError(f"param_specs must have the structure of params, one PartitionSpec (or None) per leaf: {e}") from None
+    raise ValueError(f"{source} must have the structure of params, one PartitionSpec (or None) per leaf: {e}") from None
   specs = [s[0] for s in specs]
   for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs):
-    name = f"param_specs{jax.tree_util.keystr(path)}"
+    name = f"{source}{jax.tree_util.keystr(path)}"
     if spec is None:
       continue
     if not isinstance(spec, P):
@@ -581,9 +632,9 @@ def state_specs(state: TrainState) -> TrainState:
   which dimension; model axes show tensor-parallel splits.
   """
 
-  def spec(x):
+  def spec(x):  # trailing unsplit dimensions dropped: an Explicit mesh's arrays spell P() as P(None, None)
     sharding = getattr(x, "sharding", None)
-    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+    return _spec(list(sharding.spec)) if isinstance(sharding, NamedSharding) else P()
 
   return jax.tree.map(spec, state)
 
@@ -610,6 +661,32 @@ def model_specs_for(params: Any, param_specs: Any, mesh: Mesh, axis_name: str) -
   if param_specs is not None:
     return check_param_specs(param_specs, params, mesh, axis_name)
   return model_specs_of(params, mesh, axis_name)
+
+
+ANNOTATIONS = "the partitioning annotation (nn.with_partitioning) of params"
+"""What the messages call the specs a model library's boxes carried (not an argument the user passed)."""
+
+
+def annotated_model_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: Any) -> tuple[Any, Any]:
+  """``(params, model_specs)``: a model library's partitioning boxes removed and the params' model-axis specs.
+
+  ``param_specs`` (the user's argument) wins and must name model axes only. Without it, the specs come from the
+  boxes (linen's ``nn.with_partitioning``), with the data axes dropped from them: an annotation over the data
+  axis is the model's FSDP placement, which ``zero_stage=`` decides here (the FSDP guide); the model axes are
+  kept. Without either, from the arrays' own shardings (:func:`model_specs_of`).
+  """
+  params, boxed = unboxed(params)
+  if param_specs is not None:
+    return params, check_param_specs(param_specs, params, mesh, axis_name)
+  if boxed is not None:
+    return params, check_param_specs(without_axes(boxed, axis_names(axis_name)), params, mesh, axis_name, ANNOTATIONS)
+  return params, model_specs_of(params, mesh, axis_name)
+
+
+def without_axes(specs: Any, axes: Iterable[str]) -> Any:
+  """``specs`` (a ``PartitionSpec`` or a tree of them; ``None`` leaves kept) naming none of ``axes``."""
+  keep = lambda s: _spec(list(_only_axes(s, {a for e in s for a in _axes_of(e)} - set(axes))))  # noqa: E731
+  return jax.tree.map(lambda s: keep(s) if isinstance(s, P) else s, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def unboxed(params: Any) -> tuple[Any, Any]:

@@ -33,8 +33,8 @@ from jaxdp.core.checks import (
 from jaxdp.sharding.legacy import accepts_legacy_keywords
 from jaxdp.sharding.layout import (
     abstract_state,
+    annotated_model_specs,
     assert_same_values,
-    auto_mesh,
     axis_names,
     check_backend,
     check_layers,
@@ -46,7 +46,6 @@ from jaxdp.sharding.layout import (
     model_specs_for,
     place,
     replicated,
-    unboxed,
 )
 from jaxdp.core.precision import Precision, as_precision
 from jaxdp.reductions import Resolved, init_state as reductions_init, resolve
@@ -57,7 +56,8 @@ class DataParallel(NamedTuple):
   """A checked layout (build it with :func:`data_parallel`).
 
   Attributes:
-    mesh: the device mesh the steps run on (its axes typed ``Auto``).
+    mesh: the device mesh the steps run on, as the caller made it (Explicit,
+      Auto or mixed axes; the state and outputs live on it).
     axis_name: the data axis, or several (a tuple; hybrid sharding with
       ``("replica", "data")``: ZeRO splits over the last, the gradient is
       all-reduced over all).
@@ -125,7 +125,6 @@ def data_parallel(
   check_mesh_axis(mesh, axis_name)
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
-  mesh = auto_mesh(mesh)
   check_zero_stage(zero_stage)
   check_backend(backend, mesh, axis_name)
   if backend == "pmap" and zero_stage:
@@ -230,7 +229,8 @@ def init_state(
       process). Leaves that are ``NamedSharding`` arrays on the layout's
       mesh keep their split over its other (model) axes; a model library's
       partitioning boxes (linen's ``nn.with_partitioning``) are unboxed and
-      their specs used, unless the layout has ``param_specs``.
+      their model axes used, unless the layout has ``param_specs``; their
+      data axes are dropped (``zero_stage`` places the state over those).
     optimizer: an optax ``GradientTransformation``.
     layout: a :class:`DataParallel` (:func:`data_parallel`), a ``Mesh`` or
       ``None`` (every device on one ``"data"`` axis). At ZeRO stage 0 every
@@ -260,10 +260,8 @@ def init_state(
   resolved, policy = resolve(reduction), as_precision(precision)
   check_step(layout, resolved, policy)
   loss_scale = policy.init()
-  params, boxed_specs = unboxed(params)
-  param_specs = boxed_specs if layout.param_specs is None else layout.param_specs
+  params, model_specs = annotated_model_specs(params, layout.param_specs, mesh, axis_name)
   check_params_dtypes(params, "params")
-  model_specs = model_specs_for(params, param_specs, mesh, axis_name)
   if jax.process_count() > 1:
     assert_same_values(params, model_state)
   # Host values are placed as the layout says (no leaf is ever whole on one device unless replicated there).

@@ -264,7 +264,8 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running) -> 
   if rows % m_count:
     raise ValueError(
         f"scan_layers in a pipelined step: this device's {rows} rows (per micro-batch of accum_steps) do not divide "
-        f"into microbatches={m_count}; use a batch whose rows per device and micro-batch divide by {m_count}."
+        f"into microbatches={m_count}; pad the batch to rows per device and micro-batch that divide by {m_count}: "
+        "jaxdp.split_batch(batch, mesh, weights=..., rows=R) (weight-0 padding rows; shard_uneven takes rows= too)."
     )
   axes = (axis, *record.data_axes)
   s = lax.axis_index(axis)
@@ -388,5 +389,7 @@ def check_rows(batch: Any, pipe: Pipeline, replicas: int, accum_steps: int) -> N
     raise ValueError(
         f"the batch has {np.shape(leaves[0])[0]} rows: {rows} per device of the {replicas} data-parallel replicas and "
         f"micro-batch of accum_steps={accum_steps}, which do not divide into microbatches={pipe.microbatches}. "
-        f"Use a batch of a multiple of {replicas * accum_steps * pipe.microbatches} rows, or fewer microbatches."
+        f"Pad it with weight-0 rows to such a size: jaxdp.split_batch(batch, mesh, weights=..., rows=R) with R rows "
+        f"per device, R a multiple of {accum_steps * pipe.microbatches} (shard_uneven(..., rows=R) for portions, "
+        f"DataPipeline(per_device_batch=R)); or use fewer microbatches."
     )
