@@ -213,3 +213,71 @@ def test_two_steps_in_turn_both_stay_on_the_fast_path(monkeypatch):
     b, _ = second(b, batch, weights)
   counts.active = False
   assert (counts.n["signature"], counts.n["validation"], counts.n["program"]) == (0, 0, 2)
+
+
+def _many_leaves(leaves=96):
+  """A sum of ``leaves / 2`` linear models of 3 inputs, on 2 devices, Adam."""
+  rng = np.random.default_rng(0)
+  params = {f"{kind}{i:02d}": (rng.normal(size=3) if kind == "w" else np.zeros(())).astype(np.float32)
+            for i in range(leaves // 2) for kind in ("w", "b")}
+
+  def loss(p, batch):
+    pred = sum(batch["x"] @ p[f"w{i:02d}"] + p[f"b{i:02d}"] for i in range(leaves // 2))
+    return 0.5 * (pred - batch["y"]) ** 2
+
+  opt = optax.adam(0.1)
+  _, batch, weights = inputs()
+  return loss, opt, jaxdp.init_state(params, opt, MESH), batch, weights
+
+
+def _entry_shapes_bytes(text):
+  """The bytes of every array shape written in the compiled program's entry computation."""
+  import re
+
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  sizes = {"f32": 4, "s32": 4, "u32": 4, "pred": 1, "f16": 2, "bf16": 2}
+  out = []
+  for dtype, dims in re.findall(r"\b(f32|s32|u32|pred|f16|bf16)\[([\d,]*)\]", entry):
+    out.append(sizes[dtype] * int(np.prod([int(d) for d in dims.split(",") if d])))
+  return out
+
+
+def test_a_small_steps_program_stays_within_xla_cpus_sequential_threshold():
+  """XLA CPU runs a program's kernels in order on the calling thread only when no buffer exceeds 512 bytes.
+
+  64 leaves (520 bytes of gradient, loss and weight): the gradient is packed in rows of at most 512 bytes
+  (one all-reduce of several operands), the norm reads those rows, and the update selects instead of
+  branching (no conditional): no array in the program's entry exceeds 512 bytes. The values are the same.
+  """
+  loss, opt, state, batch, weights = _many_leaves(64)
+  step = jaxdp.make_train_step(loss, opt, MESH)
+  text = step.lower(state, batch, weights).compile().as_text()
+  assert max(_entry_shapes_bytes(text)) <= jaxdp.training.reduction.ROW_BYTES
+  assert " conditional(" not in text
+  entry = text[text.index("\nENTRY"):]
+  assert entry.count(" all-reduce(") == 2  # the gradient's (several rows in one), the norm's 4 bytes
+  assert jaxdp.training.reduction.rows_of([400, 400, 100]) == [[0], [1, 2]]
+  assert jaxdp.training.reduction.rows_of([100, 600]) == [[0, 1]]  # a leaf over 512 bytes: one row, as before
+
+
+def test_the_update_selects_or_branches_with_the_same_values_and_skips(monkeypatch):
+  """A small state's update is selected (``jnp.where``), a larger one's branched (``lax.cond``, forced here
+  with ``SELECT_BYTES = 0``): bit for bit the same state after a good step, and a NaN step skipped on both."""
+  from jaxdp.training import step as step_module
+
+  loss, opt, state, batch, weights = _many_leaves(8)
+  poisoned = dict(batch, x=batch["x"].at[0, 0].set(jnp.nan))
+  results = {}
+  for mode, limit in (("select", step_module.SELECT_BYTES), ("cond", 0)):
+    monkeypatch.setattr(step_module, "SELECT_BYTES", limit)
+    step = jaxdp.make_train_step(loss, opt, MESH, donate=False)
+    text = step.lower(state, batch, weights).compile().as_text()
+    assert (" conditional(" in text) == (mode == "cond")
+    good, metrics = step(state, batch, weights)
+    assert int(metrics["skipped"]) == 0
+    skipped, metrics = step(good, poisoned, weights)
+    assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite"]) == 1
+    jax.tree.map(np.testing.assert_array_equal, skipped, good)  # nothing moved, step count and moments included
+    results[mode] = good
+  jax.tree.map(np.testing.assert_array_equal, results["select"], results["cond"])

@@ -100,13 +100,13 @@ def stage_mesh(stages, data=1, replica=None):
 
 @functools.cache
 def built(stages, data, microbatches, schedule="gpipe", repeats=1, optimizer="adam", zero_stage=0, accum_steps=1,
-          replica=None):
+          replica=None, gather="step"):
   """``(step, optimizer, mesh, axis_name)``, built once per module: tests that can share a compiled step do."""
   opt, mesh = OPTIMIZERS[optimizer](), stage_mesh(stages, data, replica)
   axis_name = "data" if replica is None else ("replica", "data")
   step = jaxdp.make_train_step(loss_fn, opt, mesh, axis_name=axis_name, zero_stage=zero_stage, accum_steps=accum_steps,
-                               layers="blocks", pipeline=jaxdp.pipeline(microbatches, schedule, repeats=repeats),
-                               check_replicas=zero_stage > 0)
+                               layers="blocks", check_replicas=zero_stage > 0,
+                               pipeline=jaxdp.pipeline(microbatches, schedule, repeats=repeats, gather=gather))
   return step, opt, mesh, axis_name
 
 
@@ -175,7 +175,7 @@ def reference_means(params, data):
   return loss / weight, weight
 
 
-@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2)])
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("1f1b", 2)])
 def test_eval_on_the_pipeline_mesh(schedule, repeats):
   mesh = stage_mesh(2, 2)
   evaluate = jaxdp.make_eval_step(loss_fn, mesh, layers="blocks", pipeline=jaxdp.pipeline(2, schedule, repeats=repeats))
@@ -206,8 +206,9 @@ def test_gradient_reduced_over_the_data_axis_once_per_step():
     assert not [op for op in ops if op.kind != "all-reduce"]
 
 
-def test_nonfinite_on_one_device_skips_on_every_stage_and_replica():
-  step, opt, mesh, _ = built(2, 2, 4, "gpipe", 1, "clip_adamw")  # a step of test_equals_one_device
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_nonfinite_on_one_device_skips_on_every_stage_and_replica(schedule):
+  step, opt, mesh, _ = built(2, 2, 4, schedule, 1, "clip_adamw")  # GPipe: a step of test_equals_one_device
   (batch, w), (good, good_w) = batches(2)
   state, _ = step(jaxdp.init_state(init_params(), opt, mesh, layers="blocks"), good, good_w)
   before = jaxdp.gather_state(state)
@@ -224,8 +225,10 @@ def test_nonfinite_on_one_device_skips_on_every_stage_and_replica():
       np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
 
 
-def test_checkpoint_across_meshes_with_and_without_a_stage_axis(tmp_path):
-  piped, opt, pipe_mesh, _ = built(2, 2, 2, "circular", 2, "clip_adamw", 1, 2)  # a step of the test above
+@pytest.mark.parametrize("schedule,microbatches,repeats", [("circular", 2, 2), ("1f1b", 4, 1)])
+def test_checkpoint_across_meshes_with_and_without_a_stage_axis(tmp_path, schedule, microbatches, repeats):
+  # (steps of the tests above: the ZeRO-1, accum_steps=2 cases)
+  piped, opt, pipe_mesh, _ = built(2, 2, microbatches, schedule, repeats, "clip_adamw", 1, 2, None)
   runs = batches(6)
   plain_mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",), axis_types=(AxisType.Auto,))
   plain = jaxdp.make_train_step(loss_fn, opt, plain_mesh, zero_stage=1)
@@ -265,8 +268,12 @@ def test_errors_of_the_step_arguments():
     jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks")
   with pytest.raises(ValueError, match=r"needs microbatches >= stages.*microbatches=1"):
     jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(1, "circular", repeats=2))
-  with pytest.raises(ValueError, match=r"zero_stage=3 with a pipeline"):
-    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2), zero_stage=3)
+  with pytest.raises(ValueError, match=r"gather='all' is not a ZeRO-3 gather of a pipeline"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(2, gather="all"), zero_stage=3)
+  with pytest.raises(ValueError, match=r"repeats=2 under schedule='gpipe'"):
+    jaxdp.pipeline(4, "gpipe", repeats=2)
+  with pytest.raises(ValueError, match=r"microbatches=3 must be a multiple of 2"):
+    jaxdp.make_train_step(loss_fn, opt, mesh, layers="blocks", pipeline=jaxdp.pipeline(3, "1f1b", repeats=2))
   with pytest.raises(ValueError, match=r"not an axis of the mesh"):
     jaxdp.make_train_step(loss_fn, opt, stage_mesh(1, 2), layers="blocks", pipeline=jaxdp.pipeline(2, axis_name="pp"))
   with pytest.raises(ValueError, match=r"backend='pmap' maps over one axis only.*'stage'"):
@@ -350,3 +357,207 @@ def test_flax_nnx_stack_made_by_vmap():
       state, _ = step(state, batch, w)
     results.append(jaxdp.gather_state(state).params)
   assert_close(results[1], results[0])
+
+
+# --- 1F1B, ZeRO-3 inside the stages, layout-invariant dropout ----------------------------------------------------
+
+
+@pytest.mark.parametrize("stages,microbatches,repeats", [(1, 3, 1), (2, 1, 1), (2, 5, 1), (3, 4, 1), (4, 4, 1),
+                                                       (4, 9, 1), (2, 2, 2), (2, 6, 3), (4, 8, 2)])
+def test_one_f_one_b_table_runs_every_unit_once_in_order_with_bounded_slots(stages, microbatches, repeats):
+  # The table replayed on labels: each read of a slot finds the (microbatch, block) the table says, every forward
+  # and backward pass of every unit runs once after what it needs (the previous virtual stage's forward pass,
+  # the next one's backward pass), and the idle cells are the bubble. Virtual stage r·P + s is stage s's block r.
+  table = pipelining.one_f_one_b_table(stages, microbatches, repeats)
+  ticks = 2 * (repeats * microbatches + stages - 1)
+  assert table.kind.shape == (ticks, stages)
+  assert np.mean(table.kind == 0) == pytest.approx(pipelining.bubble_formula(stages, microbatches, repeats), abs=1e-12)
+  if repeats == 1:
+    assert table.slots <= stages and table.cotangent_slots <= stages
+  else:  # interleaved: bounded independently of M (from M = 2P on, the same for any M)
+    slots = lambda k: pipelining.one_f_one_b_table(stages, k * stages, repeats).slots  # noqa: E731
+    assert table.slots <= slots(2) == slots(4)
+  last = (stages - 1, repeats - 1)
+  inputs = np.full((stages, table.slots, 2), -1)
+  cts = np.full((stages, table.cotangent_slots, 2), -1)
+  when = {}
+  for t in range(ticks):
+    for s in range(stages):
+      kind, m, r = table.kind[t, s], table.microbatch[t, s], table.repeat[t, s]
+      k, ck = table.slot[t, s], table.cotangent_slot[t, s]
+      if kind == pipelining.FORWARD:
+        before = ("F", m, r, s - 1) if s > 0 else ("F", m, r - 1, stages - 1) if r > 0 else None
+        assert before is None or when[before] < t
+        if (s, r) == (0, 0):
+          inputs[s, k] = (m, r)
+        assert tuple(inputs[s, k]) == (m, r)
+        if (s, r) == last:
+          cts[s, ck] = (m, r)
+      elif kind == pipelining.BACKWARD:
+        after = ("F", m, r, s) if (s, r) == last else ("B", m, r, s + 1) if s < stages - 1 else ("B", m, r + 1, 0)
+        assert when[("F", m, r, s)] < t and when[after] < t
+        assert tuple(inputs[s, k]) == (m, r) and tuple(cts[s, ck]) == (m, r)
+      if kind:
+        key = ("F" if kind == pipelining.FORWARD else "B", m, r, s)
+        assert key not in when
+        when[key] = t
+    for s in range(stages):  # what arrives at the end of the tick, from the previous / next stage on the ring
+      if table.received[t, s] >= 0:
+        sender = (s - 1) % stages
+        assert table.kind[t, sender] == pipelining.FORWARD
+        inputs[s, table.received[t, s]] = (table.microbatch[t, sender], table.repeat[t, sender] + (s == 0))
+      if table.cotangent_received[t, s] >= 0:
+        sender = (s + 1) % stages
+        assert table.kind[t, sender] == pipelining.BACKWARD
+        cts[s, table.cotangent_received[t, s]] = (table.microbatch[t, sender],
+                                                  table.repeat[t, sender] - (s == stages - 1))
+  assert len(when) == 2 * stages * microbatches * repeats
+
+
+ONE_F_ONE_B_CASES = [
+    # (stages, data, microbatches, optimizer, zero_stage, accum_steps, replica)
+    (2, 2, 2, "adam", 0, 1, None),
+    (4, 1, 8, "clip_adamw", 0, 1, None),
+    (2, 2, 4, "clip_adamw", 1, 2, None),
+    (2, 2, 2, "adam", 2, 1, 2),
+]
+
+
+@pytest.mark.parametrize("stages,data,microbatches,optimizer,zero_stage,accum_steps,replica", ONE_F_ONE_B_CASES)
+def test_one_f_one_b_equals_one_device(stages, data, microbatches, optimizer, zero_stage, accum_steps, replica):
+  # 1F1B on ("stage", "data"), with ZeRO 1 and accum_steps=2, and ZeRO 2 on a hybrid ("stage", "replica", "data").
+  step, opt, mesh, axis_name = built(stages, data, microbatches, "1f1b", 1, optimizer, zero_stage, accum_steps,
+                                     replica)
+  runs = batches()
+  state, metrics = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
+  assert int(metrics["skipped"]) == 0 and int(state.step) == STEPS
+  assert_close(state.params, reference_run(opt, runs))
+  if zero_stage:
+    assert float(metrics["replica_divergence"]) == 0.0
+
+
+@pytest.mark.parametrize("stages,data,microbatches,repeats,zero_stage", [(2, 2, 2, 2, 0), (4, 1, 4, 2, 1)])
+def test_interleaved_one_f_one_b_equals_one_device(stages, data, microbatches, repeats, zero_stage):
+  # 1F1B with repeats=2: stage s runs blocks s and s + P (virtual stages), a microbatch goes round the ring twice.
+  step, opt, mesh, axis_name = built(stages, data, microbatches, "1f1b", repeats, "clip_adamw", zero_stage)
+  runs = batches()
+  state, metrics = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
+  assert int(metrics["skipped"]) == 0 and int(state.step) == STEPS
+  assert_close(state.params, reference_run(opt, runs))
+  if zero_stage:
+    assert float(metrics["replica_divergence"]) == 0.0
+
+
+@pytest.mark.parametrize("schedule,repeats,gather", [("gpipe", 1, "step"), ("gpipe", 1, "layer"),
+                                                     ("circular", 2, "step"), ("circular", 2, "layer"),
+                                                     ("1f1b", 1, "step"), ("1f1b", 1, "layer")])
+def test_zero3_inside_the_stages_equals_one_device(schedule, repeats, gather):
+  # ZeRO-3: a stage's layers split over "data" at rest, gathered once per step or one layer at a time inside the
+  # loop over microbatches; the gradient reduce-scattered back (the gather's transpose).
+  step, opt, mesh, _ = built(2, 2, 2, schedule, repeats, "clip_adamw", 3, 1, None, gather)
+  runs = batches()
+  state, metrics = train(step, mesh, opt, runs, zero_stage=3)
+  assert int(metrics["skipped"]) == 0 and float(metrics["replica_divergence"]) == 0.0
+  specs = jaxdp.state_specs(state).params
+  assert tuple(specs["blocks"]["w"])[:2] == ("stage", "data") and "data" in tuple(specs["embed"])
+  assert_close(state.params, reference_run(opt, runs))
+
+
+RATE = 0.3
+
+
+def dropout_layer(h, p, key):
+  h = jnp.tanh(h @ p["w"] + p["b"][None, :])
+  keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1 - RATE, h.shape[1:]))(jaxdp.example_keys(key))
+  return jnp.where(keep, h / (1 - RATE), 0.0), None
+
+
+def dropout_loss(params, batch, rng):
+  h = jnp.tanh(batch["x"] @ params["embed"])
+  h, _ = jaxdp.scan_layers(dropout_layer, h, params["blocks"], jax.random.split(rng, LAYERS))
+  return jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
+
+
+def reference_dropout_loss(params, x, y, w, ids, key):
+  # One device, a plain loop: row r's mask in layer i from fold_in(layer i's key, id_r).
+  h = jnp.tanh(x @ params["embed"])
+  keys = jax.random.split(key, LAYERS)
+  for i in range(LAYERS):
+    h = jnp.tanh(h @ params["blocks"]["w"][i] + params["blocks"]["b"][i][None, :])
+    rows = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(keys[i], ids)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1 - RATE, h.shape[1:]))(rows)
+    h = jnp.where(keep, h / (1 - RATE), 0.0)
+  return jnp.sum(w * jnp.sum((h @ params["head"] - y) ** 2, axis=-1)) / jnp.sum(w)
+
+
+@pytest.mark.parametrize("schedule,microbatches,repeats", [("gpipe", 4, 1), ("circular", 2, 2), ("1f1b", 2, 1)])
+def test_dropout_with_example_ids_equals_one_device(schedule, microbatches, repeats):
+  opt, rng = adam(), jax.random.key(7)
+  runs = [({**b, "id": np.arange(ROWS, dtype=np.int32) + 100 * i}, w) for i, (b, w) in enumerate(batches())]
+  params = jax.tree.map(jnp.asarray, init_params())
+  opt_state, grad = opt.init(params), jax.jit(jax.grad(reference_dropout_loss))
+  for i, (b, w) in enumerate(runs):  # the step's key at step i: fold_in(rng, i), the same on every device
+    updates, opt_state = opt.update(grad(params, b["x"], b["y"], w, b["id"], jax.random.fold_in(rng, i)), opt_state,
+                                    params)
+    params = optax.apply_updates(params, updates)
+  dp = jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks",
+                           pipeline=jaxdp.pipeline(microbatches, schedule, repeats=repeats))
+  step = jaxdp.make_train_step(dropout_loss, opt, dp, example_ids="id")
+  state = jaxdp.init_state(init_params(), opt, dp)
+  for b, w in runs:
+    state, _ = step(state, b, w, rng)
+  assert_close(state.params, params)
+
+
+def test_one_f_one_b_refuses_a_model_state():
+  def with_state(params, batch, model_state):
+    h = jnp.tanh(batch["x"] @ params["embed"])
+    h, _ = jaxdp.scan_layers(layer, h, params["blocks"], params["scale"])
+    losses = jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1)
+    return jaxdp.LossOutput(losses, model_state={"mean": model_state["mean"] * 0.9 + 0.1 * jnp.mean(h)})
+
+  mesh, opt = stage_mesh(2, 2), adam()
+  dp = jaxdp.data_parallel(mesh, layers="blocks", pipeline=jaxdp.pipeline(2, "1f1b"))
+  step = jaxdp.make_train_step(with_state, opt, dp)
+  state = jaxdp.init_state(init_params(), opt, dp, model_state={"mean": jnp.zeros(())})
+  host = jaxdp.gather_state(state)
+  batch, w = batches(1)[0]
+  with pytest.raises(ValueError, match=r"schedule='1f1b' with a model state"):
+    step(state, batch, w)
+  assert_untouched(state, host)
+
+
+def test_one_f_one_b_bf16_compute_equals_one_device_to_bf16_round_off():
+  # compute_dtype=bfloat16 (float32 master weights and sums), SGD, 3 steps: 1F1B on ("stage", "data") against the
+  # same policy on one device, and against the float32 reference; bfloat16 keeps 8 bits (spacing 2**-8 = 3.9e-3
+  # relative), and the microbatches' partial sums round differently from one device's whole-batch ones.
+  opt, runs, policy = optax.sgd(0.1), batches(3), jaxdp.precision(compute_dtype=jnp.bfloat16)
+  results = []
+  for layout in (jaxdp.data_parallel(Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))),
+                 jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks", pipeline=jaxdp.pipeline(2, "1f1b"))):
+    step = jaxdp.make_train_step(loss_fn, opt, layout, precision=policy)
+    state = jaxdp.init_state(init_params(), opt, layout)
+    for batch, w in runs:
+      state, metrics = step(state, batch, w)
+    assert int(metrics["skipped"]) == 0
+    results.append(jaxdp.gather_state(state).params)
+  assert_close(results[1], results[0], rtol=2e-2)
+  assert_close(results[1], reference_run(opt, runs), rtol=3e-2)
+
+
+def test_one_f_one_b_float16_loss_scaling_follows_one_device():
+  # compute_dtype=float16 with dynamic loss scaling: the same skipped steps and scales as one device's run of the
+  # policy (2**16 overflows here, then 2**15, then 2**14 applies), parameters within float16's round-off (2**-11).
+  opt, runs = optax.sgd(0.1), batches(3)
+  policy = jaxdp.precision(compute_dtype=jnp.float16, loss_scaling=jaxdp.dynamic_loss_scale())
+  results = []
+  for layout in (jaxdp.data_parallel(Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))),
+                 jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks", pipeline=jaxdp.pipeline(2, "1f1b"))):
+    step = jaxdp.make_train_step(loss_fn, opt, layout, precision=policy)
+    state, seen = jaxdp.init_state(init_params(), opt, layout, precision=policy), []
+    for batch, w in runs:
+      state, metrics = step(state, batch, w)
+      seen.append((int(metrics["skipped"]), float(metrics["loss_scale"])))
+    results.append((seen, jaxdp.gather_state(state).params))
+  assert results[1][0] == results[0][0] and any(not skipped for skipped, _ in results[0][0])
+  assert_close(results[1][1], results[0][1], rtol=5e-3)

@@ -538,12 +538,17 @@ def _global_update_over(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, la
     grad_specs = jax.tree.map(lambda s: manual_part(s, kept), layout.split_specs if stage >= 2 else layout.specs.params)
     if grads_split is not None:  # the scatter's specs as a stage sees its block: no stage axis
       grads_split = jax.tree.map(lambda s: model_part(s, stage_axis), grads_split)
+    if params_split is not None:  # stage 3: the gather's specs, likewise
+      params_split = jax.tree.map(lambda s: model_part(s, stage_axis), params_split)
     run = _pipelined(pipeline, mesh, axis_name, layout)
+  # Stacked leaves gathered one layer at a time inside the loss: layer-wise ZeRO-3, and a ZeRO-3 pipeline with
+  # gather="layer"; a ZeRO-3 pipeline with gather="step" gathers the stage's block once, before the schedule.
+  stacked = layout.layers if pipeline is None or (stage == 3 and pipeline.gather == "layer") else None
 
   def per_replica(state, batch, weights, rng, has_more):
     return run(
         settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more, params_split=params_split,
-        grads_split=grads_split, divide=False, stacked=None if pipeline is not None else layout.layers,
+        grads_split=grads_split, divide=False, stacked=stacked,
     )
 
   gradient = jax.shard_map(
@@ -590,11 +595,21 @@ def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout
   and a check that the loss did run every stack through it."""
   stages = mesh.shape[pipeline.axis_name]
 
+  gathered = layout.zero_stage == 3 and pipeline.gather == "step"  # the loss sees the stage's block gathered
+  split = jax.tree.leaves(layout.split_specs, is_leaf=lambda s: isinstance(s, P))
+
+  def as_seen(x, spec):
+    dim = data_dim(spec, axis_name) if gathered else None
+    shape = list(x.shape)
+    if dim is not None:
+      shape[dim] *= data_size(mesh, zero_axis(axis_name))
+    return tuple(shape)
+
   def run(settings, loss_fn, state, *args, **kwargs):
-    local = [tuple(x.shape) for x, is_layer in zip(jax.tree.leaves(state.params), jax.tree.leaves(layout.layers))
-             if is_layer]
+    local = [as_seen(x, spec) for x, spec, is_layer in zip(jax.tree.leaves(state.params), split,
+                                                           jax.tree.leaves(layout.layers)) if is_layer]
     with pipelining.running(pipeline, stages, [shape[0] * stages for shape in local], axis_names(axis_name),
-                            local) as record:
+                            local, layout.layers) as record:
       return sharded_gradient_step(settings, pipelining.checked_loss(loss_fn, record), state, *args, **kwargs)
 
   return run

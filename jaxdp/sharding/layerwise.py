@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -214,8 +215,26 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   if not isinstance(reshard_after_forward, (bool, np.bool_)):
     raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}.")
   pipelined = pipelining.active()
+  scan = functools.partial(_scan_gathered, reshard_after_forward=reshard_after_forward)
   if pipelined is not None:  # a pipelined step: this stage's block of layers, one microbatch at a time
-    return pipelining.run_stack(f, init, layers, xs, pipelined)
+    # (at ZeRO-3 with gather="layer", each unit's block gathered a layer at a time, as below)
+    if pipelined.pipeline.schedule == "1f1b":  # one part of the loss, as the 1F1B schedule traces it
+      part = pipelining.run_part(f, init, layers, xs, pipelined, scan)
+      if part is not None:
+        return part
+    return pipelining.run_stack(f, init, layers, xs, pipelined, scan=scan)
+  return scan(f, init, layers, xs)
+
+
+def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_after_forward: bool,
+                   in_loop: bool = False) -> tuple[Any, Any]:
+  """:func:`scan_layers` outside a pipeline (and on one work unit's block inside one): the layers gathered one at
+  a time with prefetch inside a layer-wise ZeRO-3 step, a ``lax.scan`` elsewhere.
+
+  ``in_loop``: inside the pipeline's loop over work units, where the same layers are gathered again each
+  unit: the gathers are tied to the unit's input, so that XLA does not hoist them out of that loop (which would
+  hold the whole block gathered, as ``gather="step"`` does).
+  """
   active = _ACTIVE.get()
   count = {np.shape(x)[0] for x in jax.tree.leaves(layers)}
   if len(count) != 1:
@@ -235,6 +254,9 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   converted, consts = jax.closure_convert(f, init, _gathered(slice_of(layers, 0), plan, active), x0)
 
   def forward(init, layers, xs, consts):
+    if in_loop:
+      layers = lax.optimization_barrier((layers, init))[0]
+
     def body(state, inputs):
       carry, current = state
       next_slice, x = inputs
@@ -257,6 +279,8 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
   def run_bwd(residuals, cotangent):
     carries, kept, layers, xs, consts = residuals
     ct_carry, ct_ys = cotangent
+    if in_loop:
+      layers = lax.optimization_barrier((layers, ct_carry))[0]
     zero_consts = jax.tree.map(jnp.zeros_like, consts)
 
     def body(state, inputs):

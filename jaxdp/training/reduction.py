@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jax.extend import core as jax_core
 
 from jaxdp.reductions.compression import compressed_sums, with_compressed
+from jaxdp.sharding import pipelining
 from jaxdp.sharding.layout import axis_names, model_part, per_model_shard
 from jaxdp.core.loss import call_loss, in_step
 from jaxdp.core.randomness import per_example
@@ -414,10 +415,10 @@ def _micro_gradient(settings: StepConfig, loss_fn: Callable[..., Any], plan: _Si
                     micro_batch: Any, micro_weights: Any, micro_rng: Any, state: Any, *, train: bool) -> LocalGradient:
   """One micro-batch's :class:`LocalGradient`: its sums and the gradient of ``Σ w·l``, float32 at least."""
 
-  def weighted_sum(p):
-    p, b = cast_floating((p, micro_batch), settings.compute_dtype)
+  def weighted_sum(p, rows=micro_batch, row_weights=micro_weights):
+    p, b = cast_floating((p, rows), settings.compute_dtype)
     sums = loss_sums(
-        loss_fn, p, b, micro_weights, rng=micro_rng, model_state=state, axis_name=settings.axis_name, train=train,
+        loss_fn, p, b, row_weights, rng=micro_rng, model_state=state, axis_name=settings.axis_name, train=train,
         example_ids=settings.example_ids,
     )
     if not plan.active:
@@ -434,11 +435,30 @@ def _micro_gradient(settings: StepConfig, loss_fn: Callable[..., Any], plan: _Si
       scale = (1.0 if scale is None else scale) / plan.loss_scale
     return value, (sums, scale)
 
+  piped = pipelining.active()
   with in_step(settings.axis_name):  # the backward pass too: a custom_vjp rule traced there may take statistics
-    (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
+    if piped is not None and piped.pipeline.schedule == "1f1b":  # the schedule takes the gradient itself
+      if state is not None:
+        raise ValueError(
+            "schedule='1f1b' with a model state (BatchNorm statistics): it runs the loss on one microbatch at a "
+            "time, so statistics would be per microbatch, not the batch's. Use schedule='gpipe' or 'circular'.")
+      (_, (sums, scale)), grads = pipelining.one_f_one_b(weighted_sum, params, micro_batch, micro_weights, piped,
+                                                         _add_sums)
+    else:
+      (_, (sums, scale)), grads = jax.value_and_grad(weighted_sum, has_aux=True)(params)
   # Unscaled in float32 (a power of two over a power of two: exact), before any accumulation or reduction.
   widen = _at_least_float32 if scale is None else (lambda g: _at_least_float32(g) * scale)
   return sums._replace(grads=jax.tree.map(widen, grads))
+
+
+def _add_sums(total: tuple, part: tuple) -> tuple:
+  """One microbatch's ``(sums, scale)`` added to ``total`` (the scale, the same for every microbatch, kept)."""
+  (sums, _), (more, scale) = total, part
+  if more.model_state is not None:
+    raise ValueError("schedule='1f1b' with a loss that returns a model state: statistics would be per microbatch; "
+                     "use schedule='gpipe' or 'circular'.")
+  added = jax.tree.map(jnp.add, sums._replace(model_state=None), more._replace(model_state=None))
+  return added, scale
 
 
 def _accumulated(settings: StepConfig, micro_gradient: Callable[..., LocalGradient], batch: Any, weights: Any,
@@ -539,6 +559,28 @@ def _is_trivial(tree: Any, axis_name: str) -> bool:
 
 # Leaves of up to this many bytes share one flat operand (per dtype) in an all-reduce.
 PACK_BYTES = 1 << 18
+# XLA CPU runs a program's kernels one after another on the calling thread when none of its buffers exceeds
+# 512 bytes (its executor's execute_sequential_buffer_threshold), and on its thread pool otherwise; on a step
+# that small the pool's hand-offs cost more than the kernels (measured: 2.4x the step at 96 leaves). So a
+# small gradient (every leaf and the whole row of at most ROW_BYTES and SMALL_ROWS * ROW_BYTES) is packed
+# in rows of at most ROW_BYTES (several operands of one all-reduce), where a larger one has one row.
+ROW_BYTES = 512
+SMALL_ROWS = 16
+
+
+def rows_of(nbytes: list) -> list:
+  """The positions ``0 .. len(nbytes) - 1`` of leaves of these byte sizes cut into packed rows, in order: one
+  row, or for a small gradient rows of at most :data:`ROW_BYTES` each (see :data:`SMALL_ROWS`)."""
+  if not nbytes or sum(nbytes) <= ROW_BYTES or max(nbytes) > ROW_BYTES or sum(nbytes) > SMALL_ROWS * ROW_BYTES:
+    return [list(range(len(nbytes)))]
+  rows, size = [[]], 0
+  for i, b in enumerate(nbytes):
+    if rows[-1] and size + b > ROW_BYTES:
+      rows.append([])
+      size = 0
+    rows[-1].append(i)
+    size += b
+  return rows
 
 
 def _psum(tree: Any, axis_name: str) -> Any:
@@ -547,6 +589,7 @@ def _psum(tree: Any, axis_name: str) -> Any:
 
   XLA CPU's all-reduce pays a fixed cost per operand, so many small operands cost more than one flat
   operand of the same values; packing leaves of up to :data:`PACK_BYTES` costs a copy of them. Each element is summed as before: the same values, bit for bit.
+  A small gradient is packed in rows of :data:`ROW_BYTES` instead (:func:`rows_of`).
   Leaves the compiler may split over another mesh axis stay whole (packing would gather them).
   """
   if _is_trivial(tree, axis_name):
@@ -558,7 +601,8 @@ def _psum(tree: Any, axis_name: str) -> Any:
       # By type too: a leaf replicated over a manual model axis packed with one split over it would come
       # back typed as varying there (and differ from the parameter it updates).
       groups.setdefault((jnp.dtype(x.dtype), varying_axes(x)), []).append(i)
-  packs = [group for group in groups.values() if len(group) > 1]
+  packs = [[group[i] for i in row] for group in groups.values()
+           for row in rows_of([leaves[i].size * leaves[i].dtype.itemsize for i in group]) if len(row) > 1]
   packed = {i for group in packs for i in group}
   rows = [to_row([leaves[i] for i in group]) for group in packs]
   rows, whole = lax.psum((rows, [x for i, x in enumerate(leaves) if i not in packed]), axis_name)
@@ -1219,10 +1263,20 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
   shared: dict = {}  # added over the key's axes only
   # One device: nothing to split or add. Otherwise split agreed leaves only where they are known to be agreed.
   parts = axis_name is not None and lax.axis_size(axis_name) > 1 and (agreed or checks_vma(axis_name))
+  # Per replica, the small leaves split or summed whole (up to PACK_BYTES, real, splittable) are pooled per
+  # dtype into rows as _psum packs them (rows_of), in tree order: XLA reads the rows the reduction packed
+  # (their slices, concatenated again, are those rows), and the norm is one reduction per row (and one window
+  # of it per device), not one per leaf. (On the global arrays the compiler partitions each leaf: a row of
+  # them could move shards.)
+  pools: dict = {}
   for leaf in jax.tree.leaves(tree):
     # Without axis_name nothing says which axes hold parts and which hold replicas (reduction="none"): none added.
     extra = frozenset() if data is None else varying_axes(leaf) - data
-    if axis_name is not None and varies(leaf, axis_name):
+    varying = axis_name is not None and varies(leaf, axis_name)
+    if axis_name is not None and not varying and leaf.size * leaf.dtype.itemsize <= PACK_BYTES and (
+        not jnp.iscomplexobj(leaf) and _splittable(leaf)):
+      pools.setdefault((bool(parts), extra, jnp.dtype(leaf.dtype)), []).append(leaf)
+    elif varying:
       squares = _squares(leaf, divisor)
       # A chunk that is the same over some of the axes (ZeRO's, over "replica" of ("replica", "data")) is summed
       # once: only where those axes' index is 0.
@@ -1234,6 +1288,13 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
       partial[extra] = partial.get(extra, 0) + _squares(_own_part(leaf, axis_name), divisor)
     else:
       shared[extra] = shared.get(extra, 0) + _squares(leaf, divisor)
+  for (split, extra, _), pool in pools.items():
+    for row in rows_of([x.size * x.dtype.itemsize for x in pool]):
+      flat = to_row([pool[i] for i in row]).reshape(-1)
+      if split:
+        partial[extra] = partial.get(extra, 0) + _squares(_own_part(flat, axis_name), divisor)
+      else:
+        shared[extra] = shared.get(extra, 0) + _squares(flat, divisor)
   total = jnp.zeros((), jnp.float32)
   for extra, squares in partial.items():
     total = total + lax.psum(squares, tuple(axis_names(axis_name)) + tuple(sorted(extra)))

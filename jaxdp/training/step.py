@@ -104,9 +104,31 @@ def apply_update(
     new_state = state._replace(params=new_params, opt_state=opt_state, step=state.step + 1, model_state=kept)
     return new_state if new_compression is None else new_state._replace(compression=new_compression)
 
-  # cond rather than a select over the whole state: a select copies every buffer each step.
-  # The division and the cast happen inside the branch, fused into the update's pass over the gradient.
-  return lax.cond(apply, step, lambda operand: operand[0], (state, model_state, grads, compression))
+  operand = (state, model_state, grads, compression)
+  if _selects(operand):
+    # A small state: the update is computed and selected leaf by leaf, each select fused into the leaf's
+    # update (a conditional would write out every gradient leaf as its operand: one more kernel per leaf).
+    new_state = step(operand)
+    same = jax.tree.structure(new_state) == jax.tree.structure(state) and all(
+        (new.shape, new.dtype, varying_axes(new)) == (old.shape, old.dtype, varying_axes(old))
+        for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)))
+    if same:  # else the conditional below refuses the update with JAX's own error, as for a large state
+      return jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_state, state)
+  # A large one: a conditional, where a select would copy every buffer each step. The division and the cast
+  # happen inside the branch, fused into the update's pass over the gradient.
+  return lax.cond(apply, step, lambda operand: operand[0], operand)
+
+
+# A state (with its gradient) of up to this many bytes is updated with selects instead of a conditional.
+SELECT_BYTES = 1 << 18
+
+
+def _selects(operand: Any) -> bool:
+  """Whether the update selects (``jnp.where``) instead of branching: a state of up to :data:`SELECT_BYTES`
+  (read at trace time) whose leaves are all numbers (a PRNG key cannot be selected)."""
+  leaves = jax.tree.leaves(operand)
+  return all(jnp.issubdtype(x.dtype, np.number) or jnp.issubdtype(x.dtype, np.bool_) for x in leaves) and (
+      sum(x.size * x.dtype.itemsize for x in leaves) <= SELECT_BYTES)
 
 
 def _check_update_types(params: Any, new_params: Any) -> None:
