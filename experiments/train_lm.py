@@ -515,8 +515,6 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   if "replica" not in mesh.axis_names or "model" in mesh.axis_names or config.zero_stage or config.scan_layers:
     raise ValueError(f"--diloco-inner-steps needs --mesh replica=R,data=D (no model axis, ZeRO stage 0, no "
                      f"--scan-layers), got --mesh {config.mesh} --zero-stage {config.zero_stage}")
-  if config.ckpt_dir is not None:
-    raise ValueError("--diloco-inner-steps does not checkpoint (--ckpt-dir): the DiLoCo state is not a TrainState")
   devices = list(mesh.devices.flat)
   n = data_parallel_size(mesh)
   _check_batch(config, n)
@@ -537,21 +535,27 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   axis_name = ("replica", "data")  # the pipeline splits the rows over both axes, as the step does
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None
-  state = jaxdp.init_diloco_state(params, optimizer, groups, outer_axis="replica")
+  state, start, done = jaxdp.init_diloco_state(params, optimizer, groups, outer_axis="replica"), 0, 0
 
   def step_fn(state, batch, weights, rng=None):
     state, metrics = step(state, batch, weights, rng)
     return state, _diloco_metrics(metrics)
 
-  with _metrics_file(out, tensorboard=config.tensorboard) as sink:
-    state, records = fit(step_fn, state, pipeline, config, rng, sink, desc)
+  with _checkpoints(config) as ckpt:
+    if ckpt is not None and ckpt.latest_step() is not None:  # the groups' states, the outer state, the period
+      restored = ckpt.restore_diloco(params=params, inner_optimizer=optimizer, layout=groups, outer_axis="replica",
+                                     data=pipeline)
+      state, start, done = restored.state, restored.data_step, restored.step
+      print(f"resuming from {config.ckpt_dir} at step {start}")
+    with _metrics_file(out, append=start > 0, tensorboard=config.tensorboard) as sink:
+      state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
   outer = jaxdp.TrainState(jaxdp.runtime.diloco.diloco_params(state), None, state.inner_step)
   val = evaluate(loss_fn, outer, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
   summary = {
       "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": 0, "scan_layers": False, "layerwise": False,
       "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
       "diloco_inner_steps": config.diloco_inner_steps, "diloco_delta_dtype": config.diloco_delta_dtype,
-      "train_sequences": len(train_set), "val_sequences": len(val_set), "start_step": 0, "steps": len(records),
+      "train_sequences": len(train_set), "val_sequences": len(val_set), "start_step": start, "steps": len(records),
       "final_loss": records[-1]["loss"] if records else None, "val_loss": None if val is None else val["loss"],
       "val_accuracy": None if val is None else val["accuracy"],
       "tokens_per_s": _throughput(records), "config": dataclasses.asdict(config),

@@ -82,12 +82,14 @@ def _reference(params, q0, batches, weights, n, rank_of):
   return trace
 
 
-def test_matches_a_plain_reference_with_uneven_weights():
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_matches_a_plain_reference_with_uneven_weights(zero_stage):
+  # At stages 2-3 the low-rank factors are all-reduced and each device keeps its slice of the decompressed sum.
   params, n = _params(), 4
   compression = jaxdp.powersgd(rank=2, start_iter=0, min_compression_rate=0)
   batches = [_batch(seed=s) for s in (1, 2, 3)]
   weights = _uneven_weights(n=n)
-  states = _run(params, batches, weights, n=n, compression=compression)
+  states = _run(params, batches, weights, n=n, compression=compression, zero_stage=zero_stage)
   q0 = {k: v for k, v in states[0].compression.q.items() if v is not None}
   assert set(q0) == {"w1", "w2"} and states[0].compression.q["b1"] is None
   trace = _reference(params, q0, batches, weights, n, None)
@@ -115,14 +117,55 @@ def test_q_identical_on_every_device_and_errors_split():
   jaxdp.assert_replicas_equal(state.params)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_full_rank_equals_the_exact_step(zero_stage):
+  # The exact step at the same stage and at stage 0 (one device's answer, tested elsewhere) both.
   params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
   exact = _run(params, batches, weights)
+  if zero_stage:
+    same_stage = _run(params, batches, weights, zero_stage=zero_stage)
+    for k in params:
+      np.testing.assert_allclose(same_stage[-1].params[k], exact[-1].params[k], rtol=1e-5, atol=1e-6)
   full = _run(params, batches, weights, zero_stage=zero_stage,
               compression=jaxdp.powersgd(rank=12, start_iter=0, min_compression_rate=0))
   for k in params:
     np.testing.assert_allclose(full[-1].params[k], exact[-1].params[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_user_reduction_under_zero_two_and_three_equals_the_exact_step(zero_stage):
+  """A user's reduction returns whole-leaf sums; at stages 2-3 each device keeps its slice of them."""
+  def plain_sum():
+    def reduce(sums, state, axis_name):
+      return jax.lax.psum(sums, axis_name), state + 1
+    return jaxdp.reductions.Reduction(lambda params, layout: jnp.zeros((), jnp.int32), reduce)
+
+  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  exact = _run(params, batches, weights)
+  mesh, opt = _mesh(4), optax.sgd(LR)
+  layout = jaxdp.data_parallel(mesh, zero_stage=zero_stage)
+  state = jaxdp.init_state(params, opt, layout, reduction=plain_sum())
+  step = jaxdp.make_train_step(loss_fn, opt, layout, reduction=plain_sum())
+  for batch in batches:
+    state, _ = step(state, batch, weights)
+  assert ("data" in tuple(state.params["w1"].sharding.spec)) == (zero_stage == 3)
+  gathered = jaxdp.gather_state(state)
+  for k in params:
+    np.testing.assert_allclose(gathered.params[k], exact[-1].params[k], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(gathered.compression), [2, 2, 2, 2])
+
+
+def test_full_rank_with_accumulation_equals_the_exact_step():
+  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  exact = _run(params, batches, weights)
+  mesh, opt = _mesh(4), optax.sgd(LR)
+  reduction = jaxdp.reductions.powersgd(12, start_iter=0, min_compression_rate=0)
+  state = jaxdp.init_state(params, opt, mesh, reduction=reduction)
+  step = jaxdp.make_train_step(loss_fn, opt, mesh, reduction=reduction, accum_steps=2)
+  for batch in batches:
+    state, _ = step(state, batch, weights)
+  for k in params:
+    np.testing.assert_allclose(jaxdp.gather_state(state).params[k], exact[-1].params[k], rtol=1e-5, atol=1e-6)
 
 
 def test_stage_one_equals_stage_zero():
@@ -214,7 +257,7 @@ def test_bad_settings():
     jaxdp.powersgd(min_compression_rate=-1.0)
   opt, compression = optax.sgd(LR), jaxdp.powersgd()
   for kwargs, match in [({"reduction": "none"}, "reduction='none'"), ({"reduction": "rank_mean"}, "rank_mean"),
-                        ({"zero_stage": 2}, "zero_stage=2"), ({"grad_reduce_dtype": jnp.bfloat16}, "bfloat16"),
+                        ({"grad_reduce_dtype": jnp.bfloat16}, "bfloat16"),
                         ({"backend": "pmap"}, "pmap")]:
     with pytest.raises(ValueError, match=match):
       jaxdp.make_train_step(loss_fn, opt, _mesh(4), compression=compression, **kwargs)

@@ -86,11 +86,13 @@ def close(actual, expected):
                actual, expected)
 
 
-def test_h1_sgd_is_the_exact_global_step():
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_h1_sgd_is_the_exact_global_step(accum_steps):
   mesh = mesh_of(2, 2)
   params, lr = make_params(), 0.3
   state = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh, outer_optimizer=optax.sgd(1.0))
-  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0))
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0),
+                                accum_steps=accum_steps)
   expected = params
   for batch, weights in make_batches(3):
     state, metrics = step(state, batch, weights)
@@ -295,3 +297,103 @@ def test_train_lm_runs_diloco_and_evaluates_the_outer_params():
                  state.inner.params, result["params"])
   with pytest.raises(ValueError, match="needs --mesh replica=R,data=D"):
     train_lm.train(dataclasses.replace(config, mesh="data=4"))
+
+
+def test_train_lm_diloco_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+  """--diloco with --ckpt-dir: killed after step 3 (mid-period: H = 2; the step-6 checkpoint removed) and
+  started again with the same flags, the run's steps 3-5 and its whole DiLoCo state are bitwise the
+  uninterrupted run's."""
+  import shutil
+
+  from experiments import train_lm
+
+  ckpt = tmp_path / "ckpt"
+  config = train_lm.Config(
+      mesh="replica=2,data=2", diloco_inner_steps=2, steps=6, batch_size=8, seq_len=16, layers=1, d_model=16,
+      heads=2, d_ff=32, dropout=0.0, max_bytes=20_000, val_every=6, progress=False, out=None, ckpt_dir=str(ckpt),
+      ckpt_every=3,
+  )
+  full = train_lm.train(config)
+  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [3, 6]
+  shutil.rmtree(ckpt / "6")  # as if killed before the last save
+  resumed = train_lm.train(config)
+  assert resumed["summary"]["start_step"] == 3 and [r["step"] for r in resumed["records"]] == [3, 4, 5]
+  assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in full["records"][3:]]
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["params"]), jax.device_get(full["params"]))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]), jax.device_get(full["state"]))
+
+
+def test_a_nan_batch_skips_the_group_and_counts_as_in_the_exact_step():
+  """A NaN row in group 0's block: that group keeps its parameters and adds no weight, group 1 applies its step;
+  the call counts, and after max_consecutive_skips such calls the next raises before it runs or donates."""
+  mesh, lr = mesh_of(2, 2), 0.3
+  params = make_params()
+  state = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh)
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=4, max_consecutive_skips=2)
+  (batch, weights), (good, good_weights) = make_batches(2, seed=7)
+  batch = jax.tree.map(np.copy, batch)
+  batch["x"][0, 0] = np.nan  # group 0's first row
+  before = jax.tree.map(np.asarray, state.inner.params)
+  state, metrics = step(state, batch, weights)
+  np.testing.assert_array_equal(np.asarray(metrics["skipped"]), [1, 0])
+  np.testing.assert_array_equal(np.asarray(metrics["nonfinite"]), [1, 0])
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[0], b[0]), state.inner.params, before)
+  grads, _ = mean_grad(params, *rows_of(1, 2, batch, weights))
+  close(jax.tree.map(lambda x: x[1], state.inner.params), jax.tree.map(lambda p, g: p - lr * g, params, grads))
+  np.testing.assert_allclose(np.asarray(state.period_weight)[0], 0.0)
+  state, _ = step(state, batch, weights)  # two in a row: the limit
+  copy = jax.tree.map(np.asarray, state)
+  with pytest.raises(FloatingPointError, match="the last 2 steps all had a NaN or Inf .* replica group"):
+    step(state, good, good_weights)
+  _leaves_alive_and_equal(state, copy)
+  assert step.consecutive_skips == 2
+  step.reset_nonfinite_guard()
+  state, metrics = step(state, good, good_weights)
+  np.testing.assert_array_equal(np.asarray(metrics["skipped"]), [0, 0])
+  state, _ = step(state, batch, weights)  # a good call in between restarts the count
+  state, _ = step(state, good, good_weights)
+  state, _ = step(state, batch, weights)
+  state, _ = step(state, good, good_weights)
+  assert step.consecutive_skips <= 1
+  with pytest.raises(ValueError, match="max_consecutive_skips"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=4, max_consecutive_skips=0)
+
+
+def _run(step, state, batches):
+  for batch, weights in batches:
+    state, _ = step(state, batch, weights)
+  return state
+
+
+def test_a_checkpoint_resumes_bit_for_bit_and_refuses_another_group_count(tmp_path):
+  """k steps, save (mid-period: the groups differ, the period's weights are not zero), restore, continue: the
+  state equals the uninterrupted run's bit for bit. Another group count, or the TrainState restore, is refused."""
+  mesh, h = mesh_of(2, 2), 2
+  params, inner, outer = make_params(3), optax.adam(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True)
+  batches = make_batches(6, seed=8)
+  make_step = lambda: jaxdp.make_diloco_step(loss_fn, inner, mesh, inner_steps=h)  # noqa: E731
+  whole = _run(make_step(), jaxdp.init_diloco_state(params, inner, mesh), batches)
+  first = _run(make_step(), jaxdp.init_diloco_state(params, inner, mesh), batches[:3])
+  assert float(np.sum(np.asarray(first.period_weight))) > 0
+  with jaxdp.CheckpointManager(tmp_path / "ckpt", enable_async_checkpointing=False) as ckpt:
+    assert ckpt.save(3, first, metadata={"run": "diloco"})
+    restored = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=jaxdp.data_parallel(mesh),
+                                   outer_optimizer=outer)
+    assert restored.step == 3 and restored.data_step == 3 and restored.metadata == {"run": "diloco"}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.state, first)
+    assert restored.state.inner.params["w"].sharding.spec == jax.sharding.PartitionSpec("replica")
+    resumed = _run(make_step(), restored.state, batches[3:])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed, whole)
+    # One device per group: the same values (each group's state is replicated within its group).
+    narrow = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh_of(2, 1)).state
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), narrow, first)
+    with pytest.raises(ValueError, match="2 DiLoCo replica groups, but the mesh's outer axis 'replica' has 4"):
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh_of(4, 1))
+    with pytest.raises(ValueError, match="holds a DiLoCo state.*restore_diloco"):
+      ckpt.restore(params=params, optimizer=inner, layout=jaxdp.data_mesh(jax.devices()[:4]))
+    with pytest.raises(ValueError, match="(?s)does not match the target state.*outer_opt_state"):
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh, outer_optimizer=optax.adam(0.1))
+  with jaxdp.CheckpointManager(tmp_path / "plain", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(1, jaxdp.init_state(params, inner, jaxdp.data_mesh(jax.devices()[:2])))
+    with pytest.raises(ValueError, match="holds a jaxdp.TrainState, not a DiLoCo state"):
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh)

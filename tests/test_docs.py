@@ -37,3 +37,29 @@ def test_the_api_reference_lists_every_public_name():
   listed = set(re.findall(r"^::: jaxdp\.(\w+)", (ROOT / "docs" / "api.md").read_text(), re.MULTILINE))
   missing = sorted(set(jaxdp.__all__) - listed)
   assert not missing, f"docs/api.md lacks ::: jaxdp.NAME for {missing}"
+
+
+def test_every_test_the_composition_table_names_exists():
+  """docs/guarantees.md's composition table: every cell's Tn is listed, every listed or quoted file::name is a test
+  function (or a parametrized one) in that file, and the counts in the text are the table's."""
+  text = (ROOT / "docs" / "guarantees.md").read_text()
+  section = text.split("## Composition table", 1)[1].split("\n## ", 1)[0]
+  listed = dict(re.findall(r"^- (T\d+): `tests/([\w./]+::\w+)`", section, re.MULTILINE))
+  rows = [line for line in section.splitlines() if line.startswith("| **")]
+  cells = [cell.strip() for row in rows for cell in row.strip("|").split("|")[1:]]
+  assert len(rows) == 21 and len(cells) == 21 * 21
+  assert {c for c in cells if c.startswith("T")} <= set(listed)
+  named = set(listed.values()) | set(re.findall(r"`(test_\w+\.py::\w+)`", section))
+  assert named
+  for ref in named:
+    file, name = ref.split("::")
+    source = (ROOT / "tests" / file).read_text()
+    assert re.search(rf"^def {name}\(", source, re.MULTILINE), f"docs/guarantees.md names {ref}, which does not exist"
+  upper = [cells[i * 21 + j] for i in range(21) for j in range(i + 1, 21)]
+  kinds = {"test": sum(c.startswith("T") for c in upper), "n/a": upper.count("n/a"), "refused": upper.count("refused"),
+           "untested": upper.count("—")}
+  assert sum(kinds.values()) == 210
+  assert (f"{kinds['test']} are tested, {kinds['n/a']} cannot exist,\n{kinds['refused']} are refused and "
+          f"{kinds['untested']} are untested") in section
+  symmetric = all(cells[i * 21 + j] == cells[j * 21 + i] for i in range(21) for j in range(21))
+  assert symmetric

@@ -368,3 +368,23 @@ def test_train_lm_runs_unchanged_under_the_launcher(tmp_path):
   assert len(launched) == len(local) == 3
   np.testing.assert_allclose(launched, local, rtol=0, atol=ATOL)
   harness.assert_no_leftovers(str(tmp_path))
+
+
+def test_diloco_with_a_group_per_process_equals_the_run_in_one_process(tmp_path):
+  """DiLoCo on 2 processes (one replica group each: the outer sync goes through gloo), checkpointed mid-period
+  and resumed, against the same run in this process on 4 devices: bit for bit (the inner all-reduces run inside
+  a process either way, and the outer sum of two groups is the same sum in either order)."""
+  from mp_workers import diloco
+
+  wait = harness.in_background(harness.launch, ["--nproc", "2", "--devices-per-proc", "2", "--timeout", "100"],
+                               [harness.WORKERS / "diloco.py", tmp_path], timeout=JOB_SECONDS)
+  one = diloco.run(jax.devices()[:4], str(tmp_path / "one"))
+  result = wait()
+  _succeeded(result)
+  harness.assert_no_leftovers(str(tmp_path))
+  assert "[rank 0] groups on processes [{0}, {1}]" in result.stdout
+  with np.load(tmp_path / "state.npz", allow_pickle=False) as saved:
+    two = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+  assert len(two) == len(one)
+  for a, b in zip(two, one):
+    np.testing.assert_array_equal(a, b)

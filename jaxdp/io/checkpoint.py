@@ -96,7 +96,8 @@ from jaxdp.sharding.layout import (
     make_layout,
 )
 from jaxdp.core.loss_scaling import abstract_loss_scale
-from jaxdp.sharding.parallel import as_layout
+from jaxdp.sharding.parallel import DataParallel, as_layout
+from jaxdp.runtime.diloco import DiLoCoState, abstract_diloco_state
 from jaxdp.reductions import init_state as reduction_state, resolve
 from jaxdp.sharding.legacy import accepts_legacy_keywords
 from jaxdp.core.state import TrainState
@@ -215,6 +216,11 @@ def _check_compression_record(record: dict, reduction: Any, replicas: int, where
         "data-parallel replicas; the error feedback is per replica. Restore onto the device count it was saved "
         "from, or restore there and start the compression afresh on the new one."
     )
+
+
+def _is_diloco(record: dict) -> bool:
+  """Whether a checkpoint's record is of a DiLoCo state (its leaves under ``inner/`` and ``outer_params/``)."""
+  return any(e["path"][0] == "outer_params" for e in record["leaves"])
 
 
 def _mesh_shape(state: TrainState) -> dict | None:
@@ -503,7 +509,12 @@ class CheckpointManager:
         with :meth:`discard_after` first, or save into another directory.
     """
     step = check_int(step, "step", 0, "steps count from 0.")
-    check_state(state)
+    if isinstance(state, DiLoCoState):  # the groups' states, the outer state and the period's counters
+      check_state(state.inner, "state.inner")
+      opt_states = (state.inner.opt_state, state.outer_opt_state)
+    else:
+      check_state(state)
+      opt_states = state.opt_state
     data_step = step if data_step is None else check_int(data_step, "data_step", 0, "pass the pipeline's next step.")
     pipeline = data
     _check_pipeline(pipeline)
@@ -542,7 +553,7 @@ class CheckpointManager:
         named,
         record_lib.checksums([x for _, x in named]),
         key_impls=key_impls,
-        opt_state_structure=record_lib.structure(state.opt_state),
+        opt_state_structure=record_lib.structure(opt_states),
         data_step=data_step,
         rng_impl=rng_impl,
         metadata=metadata,
@@ -669,6 +680,10 @@ class CheckpointManager:
     expected = expected._replace(compression=jax.eval_shape(lambda p: reduction_state(resolved, p, layout),
                                                             expected.params))
     record = self._read_record(step)
+    if _is_diloco(record):
+      raise ValueError(
+          f"{self._where(step)} holds a DiLoCo state (saved from a jaxdp.runtime.diloco.DiLoCoState); restore it "
+          "with ckpt.restore_diloco(params=, inner_optimizer=, layout=, outer_axis=, outer_optimizer=).")
     if any(e["path"][0] == "loss_scale" for e in record["leaves"]):  # a dynamic loss scale's two scalars
       expected = expected._replace(loss_scale=abstract_loss_scale())
     _check_compression_record(record, resolved, replicas, self._where(step))
@@ -700,6 +715,85 @@ class CheckpointManager:
     if isinstance(pipeline, GrainPipeline):
       restore_states(pipeline, record["data_states"], self._where(step))
     return Restored(state, rng, data_step, step, record["metadata"])
+
+  def restore_diloco(
+      self,
+      step: int | None = None,
+      *,
+      params: Any,
+      inner_optimizer: optax.GradientTransformation,
+      layout: Any,
+      outer_axis: str = "replica",
+      outer_optimizer: optax.GradientTransformation | None = None,
+      model_state: Any = None,
+      data: DataPipeline | None = None,
+  ) -> Restored:
+    """Restores a checkpoint of a :class:`jaxdp.runtime.diloco.DiLoCoState` (saved with :meth:`save`).
+
+    The arguments are :func:`jaxdp.init_diloco_state`'s (and ``data`` as for
+    :meth:`restore`); the state comes back placed as that function places
+    it, bitwise the saved one: continuing from it is the run that was never
+    interrupted. The number of replica groups (the size of ``outer_axis``)
+    must be the one saved from: each group's parameters and inner optimizer
+    state are its own between syncs, and no rule maps R groups onto R'. The
+    devices within a group may differ (the group's state is replicated
+    over them).
+
+    Returns:
+      A :class:`Restored` whose ``state`` is the ``DiLoCoState``.
+
+    Raises:
+      FileNotFoundError: no (such) complete checkpoint.
+      ValueError: a checkpoint of a ``TrainState`` (use :meth:`restore`),
+        another group count, or anything :meth:`restore` refuses.
+    """
+    check_params(params)
+    check_optimizer(inner_optimizer, "inner_optimizer")
+    _check_pipeline(data)
+    expected = abstract_diloco_state(params, inner_optimizer, layout, outer_axis=outer_axis,
+                                     outer_optimizer=outer_optimizer, model_state=model_state)
+    mesh = jax.tree.leaves(expected)[0].sharding.mesh
+    step = self._resolve_step(step)
+    record = self._read_record(step)
+    where = self._where(step)
+    if not _is_diloco(record):
+      raise ValueError(f"{where} holds a jaxdp.TrainState, not a DiLoCo state; restore it with ckpt.restore(...).")
+    groups = next(e["shape"][0] for e in record["leaves"] if e["path"] == ["period_weight"])
+    if groups != mesh.shape[outer_axis]:
+      raise ValueError(
+          f"{where} holds the state of {groups} DiLoCo replica groups, but the mesh's outer axis {outer_axis!r} has "
+          f"{mesh.shape[outer_axis]}: each group's parameters and inner optimizer state are its own between syncs, "
+          f"so they restore onto {groups} groups only. Restore onto a mesh with {outer_axis}={groups} (the devices "
+          "per group may differ), or start a run of another group count from the outer parameters "
+          "(jaxdp.init_diloco_state(restored.state.outer_params, ...))."
+      )
+    record_lib.check_against(record, expected, where, train_state=expected.inner, prefix=("inner",),
+                             opt_state=(expected.inner.opt_state, expected.outer_opt_state))
+    data_axes = layout.axis_name if isinstance(layout, DataParallel) else "data"  # as make_diloco_step reads it
+    data_step = _resumed_data_step(record, data, mesh, (outer_axis, *axis_names(data_axes)), where)
+    state, rng = self._read_state(step, record, expected)
+    return Restored(state, rng, data_step, step, record["metadata"])
+
+  def _read_state(self, step: int, record: dict, expected: Any) -> tuple[Any, jax.Array | None]:
+    """The state of ``expected`` (``ShapeDtypeStruct``s with shardings) read from checkpoint ``step``, and its key."""
+    entries = {tuple(e["path"]): e for e in record["leaves"]}
+    named = record_lib.named_leaves(expected)
+    mesh = jax.tree.leaves(expected)[0].sharding.mesh
+    target = [(c, record_lib.stored_struct(x, NamedSharding(mesh, P()) if record_lib.is_key_leaf(x) else x.sharding))
+              for c, x in named]
+    if RNG in entries:
+      key = entries[RNG]
+      target.append((RNG, jax.ShapeDtypeStruct(tuple(key["shape"]), np.dtype(key["dtype"]),
+                                               sharding=NamedSharding(mesh, P()))))
+    arrays = self._read_arrays(step, record, target)
+    self._current = step
+    leaves = [jax.device_put(jax.random.wrap_key_data(arrays[c], impl=entries[c]["key_impl"]), x.sharding)
+              if record_lib.is_key_leaf(x) else arrays[c] for c, x in named]
+    rng = None
+    if RNG in arrays:
+      impl = record["rng_impl"]
+      rng = arrays[RNG] if impl is None else jax.random.wrap_key_data(arrays[RNG], impl=impl)
+    return jax.tree.unflatten(jax.tree.structure(expected), leaves), rng
 
   def metadata(self, step: int | None = None) -> Any:
     """The user metadata saved with checkpoint ``step`` (default: the latest), without reading any array."""

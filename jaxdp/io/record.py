@@ -473,17 +473,28 @@ def listing(lines: list[str]) -> str:
   return "\n  " + "\n  ".join(lines[:MAX_LISTED] + more)
 
 
-def check_against(record: dict, expected: TrainState, where: str) -> None:
-  """Refuses a target (an abstract state) that does not fit the checkpoint's record; reads no array."""
-  saved_model_state = ["/".join(e["path"]) for e in record["leaves"] if e["path"][0] == MODEL_STATE]
-  if saved_model_state and not jax.tree.leaves(expected.model_state):
+def check_against(record: dict, expected: Any, where: str, *, train_state: Any = None, prefix: tuple = (),
+                  opt_state: Any = None) -> None:
+  """Refuses a target (an abstract state) that does not fit the checkpoint's record; reads no array.
+
+  ``expected`` is a :class:`jaxdp.TrainState`, or a tree holding one (``train_state``, at the leaf path
+  ``prefix``: a DiLoCo state's ``inner``); ``opt_state``: the optimizer states whose container types the record
+  holds (default ``train_state.opt_state``).
+  """
+  train_state = expected if train_state is None else train_state
+  opt_state = train_state.opt_state if opt_state is None else opt_state
+  at = len(prefix)
+  saved_model_state = ["/".join(e["path"]) for e in record["leaves"]
+                       if tuple(e["path"][:at]) == tuple(prefix) and e["path"][at:at + 1] == [MODEL_STATE]]
+  expected_model_state = train_state.model_state
+  if saved_model_state and not jax.tree.leaves(expected_model_state):
     raise ValueError(
         f"{where} holds model state ({', '.join(saved_model_state[:3])}"
         f"{', ...' if len(saved_model_state) > 3 else ''}) but restore got model_state=None; pass its template "
         "as model_state= (the model state given to jaxdp.init_state, e.g. flax's batch_stats, or "
         "jax.ShapeDtypeStructs of it)."
     )
-  if jax.tree.leaves(expected.model_state) and not saved_model_state:
+  if jax.tree.leaves(expected_model_state) and not saved_model_state:
     raise ValueError(
         f"{where} holds no model state (it was saved from a TrainState with model_state=None) but "
         "restore got a model_state= template; restore it with model_state=None."
@@ -501,7 +512,7 @@ def check_against(record: dict, expected: TrainState, where: str) -> None:
         f"{where} does not match the target state (params and model_state templates and "
         f"optimizer); restore with the model and optimizer it was saved with:{listing(lines)}"
     )
-  saved, target = record["opt_state_structure"], structure(expected.opt_state)
+  saved, target = record["opt_state_structure"], structure(opt_state)
   if saved != target:
     raise ValueError(
         f"{where} holds the state of another optimizer: its optimizer state is {saved}, the "

@@ -17,7 +17,9 @@ usual all-reduce; so is every leaf during the first ``start_iter`` steps
 The state (:class:`PowerSGDState`) lives in ``TrainState.compression``:
 ``q`` is replicated; ``error`` holds one ``[N, *shape]`` array per compressed
 leaf, split over the data axes so that each device holds its own replica's
-``[1, *shape]`` (that split is the same at ZeRO stages 0 and 1).
+``[1, *shape]`` (that split is the same at every ZeRO stage). At stages 2-3
+the step all-reduces the factors as at stage 0 and each device keeps its
+slice of the decompressed sum (:func:`jaxdp.training.reduction.own_slices`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ pipelined step takes the route of stages 1-3 at every stage.
 
 from __future__ import annotations
 
-import collections
 import functools
 from typing import Any, Callable
 
@@ -64,7 +63,6 @@ from jaxdp.sharding.parallel import DataParallel, as_layout, check_stages_used, 
 from jaxdp.training.step import finish_step, gather_params, sharded_gradient_step, train_step
 from jaxdp.core.state import TrainState
 
-_MAX_UNREAD_FLAGS = 2  # the non-finite count of an earlier call is read at the latest two calls later
 _COUNTS_READ_EVERY = 16  # the subnormal count of device weights is read at most every this many calls
 
 
@@ -99,12 +97,10 @@ class CompiledStep:
     self.accum_steps, self.zero_stage = config.accum_steps, layout.zero_stage
     self.max_consecutive_skips = max_consecutive_skips
     self.loss_scaling = config.loss_scaling
-    self.consecutive_skips = 0  # non-finite steps in a row, as of the last count read
-    self._skips_padded = False  # whether one of those steps had padding rows (all-zero weight)
     # The guards run on the devices (host_inputs.Guard, carried from program to program); the host reads:
     self._guard = None  # the latest Guard, the next call's input
-    self._pending: collections.deque = collections.deque()  # each call's count of non-finite steps in a row
-    self._pending_padded: dict = {}  # id(count) -> that call's per-device padding-row flags, read if tripped
+    self._skips = host_inputs.SkipWatch(max_consecutive_skips)  # each call's count of non-finite steps in a row
+    self._pending = self._skips.pending
     self._weight_counts = None  # the newest running count of subnormal device weights, not read yet
     self._counts_due = None  # a count to read at the next call (it was not done when its turn came)
     self._calls_unread = _COUNTS_READ_EVERY  # calls since that count was last read (the first is read when ready)
@@ -119,12 +115,14 @@ class CompiledStep:
     self._per_device = _per_device_weights(mesh, self._split)
     self._traces = 0  # times JAX traced one of this step's programs (one per layout, once)
 
+  @property
+  def consecutive_skips(self) -> int:
+    """The non-finite steps in a row, as of the last count read."""
+    return self._skips.count
+
   def reset_nonfinite_guard(self) -> None:
     """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
-    self.consecutive_skips = 0
-    self._skips_padded = False
-    self._pending.clear()
-    self._pending_padded.clear()
+    self._skips.reset()
     if self._guard is not None:  # the next call starts the count on the devices from zero
       self._guard = self._guard._replace(skips=None, padded=None)
 
@@ -153,38 +151,7 @@ class CompiledStep:
 
   def _check_previous_steps(self) -> None:
     self._check_previous_weights()
-    if self.max_consecutive_skips is None:
-      return
-    # Each call's program leaves the count of non-finite steps in a row (stopped at the limit): the newest one
-    # read supersedes the older. Read once done, waiting only for one two calls old: the device then still has
-    # the previous step to run while this one is prepared and dispatched. With several processes, only by
-    # count: whether a count is ready depends on each process's timing, and every process must trip at the same
-    # call (else one leaves the job while another waits in the next collective).
-    pending, ready = self._pending, jax.process_count() == 1
-    if self.consecutive_skips < self.max_consecutive_skips and pending:
-      newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - _MAX_UNREAD_FLAGS
-      if newest >= 0:
-        for _ in range(newest):
-          self._pending_padded.pop(id(pending.popleft()), None)
-        count = pending.popleft()
-        padded = self._pending_padded.pop(id(count), None)
-        self.consecutive_skips = host_inputs.read_scalar(count)
-        self._skips_padded = bool(self.consecutive_skips and padded is not None and host_inputs.read_total(padded))
-    # Once tripped it stays tripped (nothing runs, so no good step can clear it) until reset_nonfinite_guard().
-    if self.consecutive_skips >= self.max_consecutive_skips:
-      padding = (
-          " These batches hold padding rows (weight 0). Weight 0 keeps a row out of the sums but not out of the "
-          "gradient: a row the model turns into NaN (e.g. an all-zero row under a length mask: a softmax over no "
-          "position) makes the whole gradient NaN (0 * NaN). If the padding rows are zeros (pad='zeros', or your "
-          "own zero padding), pad with copies of real rows instead: jaxdp.shard_uneven, jaxdp.split_batch and the "
-          "pipelines do by default (pad='copy')."
-      ) if self._skips_padded else ""
-      raise FloatingPointError(
-          f"the last {self.consecutive_skips} steps all had a NaN or Inf gradient or loss on at least one replica; "
-          "every replica skipped them, so the replicas are still consistent and the state passed in is the last good "
-          f"one.{padding} Lower the learning rate, check the data, or raise max_consecutive_skips; then call "
-          "step.reset_nonfinite_guard() to run again."
-      )
+    self._skips.check()
 
   def _prepare(self, state, batch, weights, rng, has_more=None):
     """Runs the host input layer (:mod:`jaxdp.runtime.host_inputs`) on one call's inputs, in this order.
@@ -311,9 +278,7 @@ class CompiledStep:
     if self.donate:
       host_inputs.mark_donated(leaves)
     self._guard = host_inputs.Guard(*(new if new is not None else old for new, old in zip(guard, self._guard)))
-    if guard.skips is not None:
-      self._pending.append(guard.skips)  # the guard's own count: the user may delete or donate metrics
-      self._pending_padded[id(guard.skips)] = guard.padded
+    self._skips.push(guard.skips, guard.padded)
     if plan.device_weights and jax.process_count() == 1:
       # Not read here (that would wait for the device): read by a later call. With several processes each
       # would see only its devices' counts, and one raising alone would leave the others waiting in the next

@@ -175,6 +175,12 @@ def init_diloco_state(
   Returns:
     A :class:`DiLoCoState` of fresh buffers.
   """
+  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state)
+  return jax.jit(build, out_shardings=shardings)(params, model_state)
+
+
+def _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state):
+  """``(build(params, model_state) -> DiLoCoState, its shardings)``, the arguments checked."""
   mesh = _group_mesh(layout, outer_axis)
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
@@ -191,7 +197,24 @@ def init_diloco_state(
     return DiLoCoState(inner, outer, outer_optimizer.init(outer), step, period_weight)
 
   abstract = jax.eval_shape(build, params, model_state)
-  return jax.jit(build, out_shardings=_state_shardings(abstract, mesh, outer_axis))(params, model_state)
+  return build, _state_shardings(abstract, mesh, outer_axis)
+
+
+def abstract_diloco_state(
+    params: Any,
+    inner_optimizer: optax.GradientTransformation,
+    layout: DataParallel | Mesh | None = None,
+    *,
+    outer_axis: str = "replica",
+    outer_optimizer: optax.GradientTransformation | None = None,
+    model_state: Any = None,
+) -> DiLoCoState:
+  """The :class:`DiLoCoState` :func:`init_diloco_state` would build, as ``jax.ShapeDtypeStruct``s with their
+  shardings on the layout's mesh (what :meth:`jaxdp.CheckpointManager.restore_diloco` reads into); nothing is
+  computed. ``params`` and ``model_state`` may be ``ShapeDtypeStruct``s."""
+  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state)
+  abstract = jax.eval_shape(build, params, model_state)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
 class DiLoCoStep:
@@ -205,7 +228,7 @@ class DiLoCoStep:
   """
 
   def __init__(self, settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,
-               donate):
+               donate, max_consecutive_skips=None):
     self.settings, self.loss_fn = settings, loss_fn
     self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
     self.mesh, self.outer_axis, self.axis_name = mesh, outer_axis, settings.axis_name
@@ -220,6 +243,25 @@ class DiLoCoStep:
     self._known = None  # the state the last call returned (KnownState): placed, unshared, checked
     self._placed_rng = host_inputs.PlacedKey()
     self._rows = NamedSharding(mesh, P((outer_axis, *axis_names(self.axis_name))))  # the batch's sharding
+    # The exact step's non-finite guard (host_inputs.Guard's count on the devices, SkipWatch on the host): a call
+    # whose step was non-finite in at least one group counts; max_consecutive_skips of them in a row stop the run.
+    self.max_consecutive_skips = max_consecutive_skips
+    # Each group counts its own (no collective between the groups in the inner step); the host reads the largest.
+    self._skips = host_inputs.SkipWatch(
+        max_consecutive_skips, "replica group",
+        "that group skipped its update each time (the others applied theirs), so the state passed in holds every "
+        "group's last good parameters.", read=host_inputs.read_max)
+    self._skip_count = None  # the count on the devices, the next call's input (None: from zero)
+
+  @property
+  def consecutive_skips(self) -> int:
+    """The calls in a row whose step was non-finite in at least one group, as of the last count read."""
+    return self._skips.count
+
+  def reset_nonfinite_guard(self) -> None:
+    """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
+    self._skips.reset()
+    self._skip_count = None
 
   # Host side -------------------------------------------------------------------------------------
 
@@ -311,18 +353,26 @@ class DiLoCoStep:
       self._programs[key] = self._build(sync, shardings)
     return self._programs[key]
 
+  def _guard_input(self) -> Any:
+    if self._skip_count is None:  # per group, split over the outer axis as the groups' state is
+      self._skip_count = place(np.zeros((self.n_groups,), np.int32), NamedSharding(self.mesh, P(self.outer_axis)))
+    return self._skip_count
+
   def __call__(self, state: DiLoCoState, batch: Any, weights: jax.Array | None = None, rng: jax.Array | None = None):
+    self._skips.check()  # before anything is checked, placed or donated: a tripped step runs nothing
     shardings, prepared, leaves, treedef = self._prepare(state, batch, weights, rng)
     count = self._count(prepared[0])
     sync = (count + 1) % self.inner_steps == 0
     try:
       with mesh_context(self.mesh):  # one trace, in the context of the mesh its types name
-        new_state, metrics = self._program(sync, shardings)(*prepared)
+        new_state, metrics, skips = self._program(sync, shardings)(*prepared, self._guard_input())
     except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
       host_inputs.raise_if_consumed(error, prepared[0])
       raise
     if self.donate:
       host_inputs.mark_donated(leaves)
+    self._skip_count = skips
+    self._skips.push(skips)
     self._last = (weakref.ref(new_state.inner_step), count + 1)
     # The output has the input's structure, shapes and shardings: the next call knows it.
     self._known = host_inputs.KnownState(jax.tree.leaves(new_state), treedef, self._entry, strong=True)
@@ -332,13 +382,13 @@ class DiLoCoStep:
     """The ``jax.stages.Lowered`` of the inner step (no sync) on these inputs."""
     shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
     with mesh_context(self.mesh):
-      return self._program(False, shardings).lower(*prepared)
+      return self._program(False, shardings).lower(*prepared, self._guard_input())
 
   def lower_sync(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
     """The ``jax.stages.Lowered`` of the inner step followed by the outer sync."""
     shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
     with mesh_context(self.mesh):
-      return self._program(True, shardings).lower(*prepared)
+      return self._program(True, shardings).lower(*prepared, self._guard_input())
 
   def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool, compiled: bool = True
                   ) -> dict[str, Collective]:
@@ -377,7 +427,9 @@ class DiLoCoStep:
     delta_dtype = self.delta_dtype
     loss_fn, inner_optimizer = self.loss_fn, self.inner_optimizer
 
-    def group_step(state: DiLoCoState, batch, weights, rng):
+    limit = np.iinfo(np.int32).max if self.max_consecutive_skips is None else self.max_consecutive_skips
+
+    def group_step(state: DiLoCoState, batch, weights, rng, skips):
       inner = jax.tree.map(lambda x: x[0], state.inner)  # this group's entry
       if rng is not None:  # the groups' rows differ: so do their keys
         rng = jax.random.fold_in(rng, lax.axis_index(outer_axis))
@@ -395,24 +447,29 @@ class DiLoCoStep:
           jax.tree.map(lambda x: x[None], inner), outer_params, outer_opt_state, state.inner_step + 1,
           period_weight[None],
       )
+      # The exact step's guard, per group: its non-finite steps in a row (stopped at the limit).
+      skips = host_inputs.update_guard(host_inputs.Guard(skips[0], jnp.zeros((), jnp.int32)), metrics["nonfinite"],
+                                       None, limit, None).skips
       metrics = {name: value[None] for name, value in metrics.items()}
-      return new_state, metrics
+      return new_state, metrics, skips[None]
 
     specs = jax.tree.map(lambda s: s.spec, shardings)
     rows = P((outer_axis, *axis_names(self.axis_name)))
     mapped = jax.shard_map(
-        group_step, mesh=self.mesh, in_specs=(specs, rows, rows, P()), out_specs=(specs, P(outer_axis)),
+        group_step, mesh=self.mesh, in_specs=(specs, rows, rows, P(), P(outer_axis)),
+        out_specs=(specs, P(outer_axis), P(outer_axis)),
         # Untyped: the groups' parameters vary over the outer axis, and a typed step would take a loss varying
         # over an axis it does not reduce for a batch split over an unnamed axis (and refuse it). The outer
         # parameters are replicated by construction: computed from all-reduced values only.
         check_vma=False,
     )
 
-    def program(state, batch, weights, rng):
-      new_state, metrics = mapped(state, batch, weights, rng)
-      return new_state, {**metrics, "synced": jnp.asarray(int(sync), jnp.int32)}
+    def program(state, batch, weights, rng, skips):
+      new_state, metrics, skips = mapped(state, batch, weights, rng, skips)
+      return new_state, {**metrics, "synced": jnp.asarray(int(sync), jnp.int32)}, skips
 
-    return jax.jit(program, donate_argnums=(0,) if self.donate else (), out_shardings=(shardings, None))
+    skips = NamedSharding(self.mesh, P(outer_axis))
+    return jax.jit(program, donate_argnums=(0,) if self.donate else (), out_shardings=(shardings, None, skips))
 
 
 def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainState, period_weight, outer_axis: str,
@@ -477,6 +534,7 @@ def make_diloco_step(
     precision: Any = None,
     accum_steps: int = 1,
     donate: bool = True,
+    max_consecutive_skips: int | None = 10,
 ) -> DiLoCoStep:
   """Builds the DiLoCo step: exact data parallelism over ``axis_name`` inside each group of ``outer_axis``, and
   every ``inner_steps`` calls the outer sync across the groups.
@@ -515,6 +573,12 @@ def make_diloco_step(
       :func:`jaxdp.make_train_step` (``reductions.none()`` is refused: a
       group must stay one replica; so are reductions with a state).
     donate: donate the input state's buffers to the output state.
+    max_consecutive_skips: as for :func:`jaxdp.make_train_step`: a call
+      whose inner step had a NaN/Inf gradient or loss in at least one group
+      (that group skips its update, ``metrics["skipped"]``, and adds no
+      weight to the period) counts; after this many in a row the next call
+      raises ``FloatingPointError`` before it runs or donates anything,
+      until ``step.reset_nonfinite_guard()``. ``None`` never raises.
 
   Returns:
     A :class:`DiLoCoStep`.
@@ -548,5 +612,7 @@ def make_diloco_step(
   check_int8_groups(delta_dtype, mesh.shape[outer_axis])
   if not isinstance(donate, (bool, np.bool_)):
     raise TypeError(f"donate must be True or False, got {donate!r}.")
+  if max_consecutive_skips is not None:
+    check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
   return DiLoCoStep(settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,
-                    bool(donate))
+                    bool(donate), max_consecutive_skips)

@@ -27,6 +27,7 @@ the step's own program), and a later call reads them (:func:`read_scalar`, :func
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 import weakref
@@ -255,9 +256,93 @@ def update_guard(guard: Guard, flag: jax.Array, weights: Any, limit: int | None,
   return Guard(skips, padded, subnormal)
 
 
+MAX_UNREAD_FLAGS = 2  # the non-finite count of an earlier call is read at the latest two calls later
+
+
+class SkipWatch:
+  """The host side of the non-finite guard (``max_consecutive_skips``), shared by the train and DiLoCo steps.
+
+  Each call's program leaves its count of non-finite steps in a row (:attr:`Guard.skips`, stopped at the
+  limit) on the devices; :meth:`push` queues it and :meth:`check`, at the start of a later call, reads the
+  newest count that is ready (waiting only for one :data:`MAX_UNREAD_FLAGS` calls old: the device then still
+  has the previous step to run while this one is prepared and dispatched) and raises ``FloatingPointError``
+  once it reaches the limit. With several processes, only by count: whether a count is ready depends on each
+  process's timing, and every process must trip at the same call (else one leaves the job while another waits
+  in the next collective). Once tripped it stays tripped (nothing runs, so no good step can clear it) until
+  :meth:`reset`.
+
+  Attributes:
+    limit: ``max_consecutive_skips`` (an int >= 1), or ``None``: never raises.
+    read: how a count on the devices is read (:func:`read_scalar` of a replicated count, the default;
+      :func:`read_max` of one count per DiLoCo group).
+    count: the non-finite steps in a row, as of the last count read.
+    pending: each call's count on the devices, not read yet (oldest first).
+  """
+
+  def __init__(self, limit: int | None, where: str = "replica",
+               consequence: str = "every replica skipped them, so the replicas are still consistent and the state "
+                                  "passed in is the last good one.", read: Callable[[Any], int] | None = None):
+    self.limit, self.where, self.consequence = limit, where, consequence
+    self.read = read_scalar if read is None else read  # a count on the devices -> its value on the host
+    self.count = 0
+    self.padded = False  # whether one of those steps had padding rows (all-zero weight)
+    self.pending: collections.deque = collections.deque()
+    self.pending_padded: dict = {}  # id(count) -> that call's per-device padding-row flags, read if tripped
+
+  def reset(self) -> None:
+    self.count, self.padded = 0, False
+    self.pending.clear()
+    self.pending_padded.clear()
+
+  def push(self, skips: Any, padded: Any = None) -> None:
+    """Queues one call's count (``None``: the guard is off) and its per-device padding flags."""
+    if skips is not None:
+      self.pending.append(skips)  # the guard's own count: the user may delete or donate metrics
+      self.pending_padded[id(skips)] = padded
+
+  def check(self) -> None:
+    if self.limit is None:
+      return
+    pending, ready = self.pending, jax.process_count() == 1
+    if self.count < self.limit and pending:
+      newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - MAX_UNREAD_FLAGS
+      if newest >= 0:
+        for _ in range(newest):
+          self.pending_padded.pop(id(pending.popleft()), None)
+        count = pending.popleft()
+        padded = self.pending_padded.pop(id(count), None)
+        self.count = self.read(count)
+        self.padded = bool(self.count and padded is not None and read_total(padded))
+    if self.count >= self.limit:
+      padding = (
+          " These batches hold padding rows (weight 0). Weight 0 keeps a row out of the sums but not out of the "
+          "gradient: a row the model turns into NaN (e.g. an all-zero row under a length mask: a softmax over no "
+          "position) makes the whole gradient NaN (0 * NaN). If the padding rows are zeros (pad='zeros', or your "
+          "own zero padding), pad with copies of real rows instead: jaxdp.shard_uneven, jaxdp.split_batch and the "
+          "pipelines do by default (pad='copy')."
+      ) if self.padded else ""
+      raise FloatingPointError(
+          f"the last {self.count} steps all had a NaN or Inf gradient or loss on at least one {self.where}; "
+          f"{self.consequence}{padding} Lower the learning rate, check the data, or raise "
+          "max_consecutive_skips; then call step.reset_nonfinite_guard() to run again."
+      )
+
+
 def read_scalar(x: jax.Array) -> int:
   """A replicated scalar's value, from this process's first copy (a fraction of ``jax.device_get``'s cost)."""
   return int(np.asarray(x.addressable_data(0)))
+
+
+def read_max(x: jax.Array) -> int:
+  """The largest value of a per-device (or per-group) count over every process's devices: the largest of this
+  process's shards, then, with several processes, of every process's (one small all-gather; every process
+  reads at the same call, so they agree)."""
+  local = max(int(np.max(np.asarray(shard.data))) for shard in x.addressable_shards)
+  if jax.process_count() == 1:
+    return local
+  from jax.experimental import multihost_utils
+
+  return int(np.max(multihost_utils.process_allgather(np.asarray(local, np.int32))))
 
 
 def read_total(x: jax.Array) -> int:

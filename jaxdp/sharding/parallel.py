@@ -200,11 +200,6 @@ def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:
         "per replica, split over the data axis, which pmap's replicated state cannot hold; layers= reduce-scatters "
         "inside the backward pass. Use backend='shard_map' without layers=."
     )
-  if stateful and zero >= 2:
-    raise ValueError(
-        f"{what} with zero_stage={zero}: stages 2-3 reduce-scatter the gradient, and this reduction returns "
-        "whole-leaf sums; use zero_stage=0 or 1."
-    )
   reduce_dtype, mesh = precision.reduce_dtype, layout.mesh
   other_axes = [a for a in mesh.axis_names if a not in axis_names(layout.axis_name)]
   if (reduce_dtype is not None and np.dtype(reduce_dtype).itemsize < 4 and other_axes and layout.replicas > 1

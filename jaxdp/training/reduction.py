@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jax.extend import core as jax_core
 
 from jaxdp.reductions.compression import compressed_sums, with_compressed
@@ -1057,8 +1058,12 @@ def reduce_scattered(
     return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor)
   _check_local(grads, loss_sum, axis_name, scatter)
   compressed = None
+  specs = None if scatter is False else (jax.tree.map(lambda _: True, grads) if scatter is True else scatter)
   if settings.compression is not None:  # its leaves leave the exact all-reduce below (None there)
-    grads, compressed = compressed_sums(grads, settings.compression, settings.axis_name, compression_state, scatter)
+    whole_specs = specs
+    grads, compressed = compressed_sums(grads, settings.compression, settings.axis_name, compression_state)
+    if specs is not None:  # the compressed leaves leave the reduce-scatter too: sliced from their sums below
+      specs = _without_compressed(specs, compressed)
   # Axes the local sums vary over that the reduction does not cover (read before the packed all-reduce, which
   # types the sums as its gradient leaves are: a model-axis split there is not the loss's).
   leftover = (varying_axes(loss_sum) | varying_axes(weight_sum)) - set(axis_names(axis_name))
@@ -1073,8 +1078,12 @@ def reduce_scattered(
     done = jax.tree.map(lambda _: False, grads) if presummed is None else presummed
     grads = jax.tree.map(lambda x, d: x.astype(reduce_dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not d
                          else x, grads, done)
-  if scatter is not False:
-    specs = jax.tree.map(lambda _: True, grads) if scatter is True else scatter
+  if scatter is not False and settings.user is not None:
+    # A user reduction returns whole-leaf sums: all-reduced, then each device keeps its ZeRO slice.
+    loss_sum, weight_sum, metric_sums, contributions, totals = _psum(small, axis_name)
+    grads, compressed = _user_sums(grads, settings, compression_state)
+    grads = own_slices(grads, specs, axis_name)
+  elif scatter is not False:
     if presummed is None:
       grads = _psum_scatter(grads, specs, axis_name, bucket_bytes)
     else:
@@ -1091,7 +1100,11 @@ def reduce_scattered(
   if settings.user is not None:
     new_compression = compressed
   elif compressed is not None:
-    grads, new_compression = with_compressed(grads, compressed)
+    grads_def, sums, new_state = compressed
+    if scatter is not False:  # stages 2-3: each device keeps its slice of the decompressed sum, as a scatter would
+      whole = grads_def.flatten_up_to(whole_specs)
+      sums = {i: own_slices(a, whole[i], axis_name) for i, a in sums.items()}
+    grads, new_compression = with_compressed(grads, (grads_def, sums, new_state))
   if leftover:  # typed shard_map only (elsewhere nothing is typed as varying)
     raise ValueError(
         f"after the reduction over axis_name={axis_name!r} the loss still varies over {sorted(leftover)}: the batch "
@@ -1105,6 +1118,39 @@ def reduce_scattered(
   denominator = weight_sum if reduction == "mean" else jnp.asarray(lax.axis_size(axis_name), jnp.float32)
   grads, loss, metrics, divisor = _normalised((grads, loss_sum, metric_sums), denominator, divide)
   return ReducedGradient(grads, loss, weight_sum, metrics, model_state, totals, divisor, new_compression)
+
+
+def _without_compressed(specs: Any, compressed: tuple) -> Any:
+  """``specs`` (the gradient's tree of scatter specs) with ``None`` at the leaves PowerSGD reduces."""
+  treedef, sums, _ = compressed
+  leaves = treedef.flatten_up_to(specs)
+  return treedef.unflatten([None if i in sums else spec for i, spec in enumerate(leaves)])
+
+
+def own_slices(tree: Any, specs: Any, axis_name: Any) -> Any:
+  """Each leaf of ``tree`` (a sum, the same on every device of the data axes) cut to this device's slice along
+  the dimension its spec splits over ZeRO's axis, as :func:`_psum_scatter` leaves it (whole where none does).
+
+  For reductions that return whole-leaf sums (PowerSGD, a user's) at ZeRO stages 2-3: the same values as the
+  reduce-scatter of the exact sums would give, at the same place.
+  """
+  zero = axis_names(axis_name)[-1]
+
+  def cut(x, spec):
+    dim = _scatter_dim(spec, zero)
+    if dim is None:
+      return x
+    _check_scatter(x, dim, zero)
+
+    def own(y):
+      size = y.shape[dim] // lax.axis_size(zero)
+      return lax.dynamic_slice_in_dim(y, lax.axis_index(zero) * size, size, axis=dim)
+
+    return own(x) if spec is True else per_model_shard(own, spec, axis_name)(x)
+
+  if isinstance(specs, P) or specs is True:
+    return cut(tree, specs)
+  return jax.tree.map(cut, tree, specs, is_leaf=lambda x: isinstance(x, P) or x is True)
 
 
 def _user_sums(grads: Any, settings: StepConfig, state: Any) -> tuple[Any, Any]:
@@ -1310,6 +1356,12 @@ def _spec_axes(x: Any) -> set | None:
     spec = jax.typeof(x).sharding.spec
   except (AttributeError, TypeError):
     return None
+  except AssertionError:
+    # jax 0.10: typeof of a ShapeDtypeStruct typed as varying over a manual axis whose sharding's mesh is not
+    # the manual one (accumulation's first micro-batch, on a mesh with a model axis): read its sharding's spec.
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    if spec is None:
+      return None
   return {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
 
 
