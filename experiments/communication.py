@@ -84,8 +84,10 @@ FULL = {"steps": 300, "tail_steps": 50, "max_bytes": 1_000_000, "eval_every": 10
 QUICK = {"steps": 20, "tail_steps": 5, "max_bytes": 200_000, "eval_every": 10, "start_iter": 2, "diloco_h": "5"}
 DEVICES = 4
 POWERSGD_RANKS = (1, 2, 4)
-DILOCO = re.compile(r"diloco_h(\d+)(?:_(bf16|int8))?")
-"""``diloco_hH``: H inner steps per outer sync, the deltas all-reduced in float32, ``_bf16`` bfloat16, ``_int8`` int8."""
+DILOCO = re.compile(r"diloco_h(\d+)(?:_(bf16|int8))?(?:_olr(\d+(?:\.\d+)?))?")
+"""``diloco_hH``: H inner steps per outer sync, the deltas all-reduced in float32, ``_bf16`` bfloat16, ``_int8`` int8;
+``_olrX``: outer learning rate X (default 0.7, the paper's), Nesterov momentum 0.9 either way."""
+OUTER_LR = 0.7
 DELTA_DTYPES = {None: None, "bf16": jnp.bfloat16, "int8": jnp.int8}
 
 
@@ -117,9 +119,11 @@ def _check_available(name: str) -> None:
       _need(api, name)
   elif name == "float16_dynamic":
     _need("dynamic_loss_scale", name)
+  elif name == "onebit_adam":
+    _need("reductions.onebit_adam", name)
   elif name not in ("exact", "bf16"):
     raise ValueError(f"unknown method {name!r}; choose from exact, bf16, powersgd_rR, diloco_hH, diloco_hH_bf16, "
-                     "diloco_hH_int8, float16_dynamic")
+                     "diloco_hH_int8, diloco_hH_olrX, float16_dynamic, onebit_adam")
 
 
 def traffic(hlo: str, n: int) -> float:
@@ -159,16 +163,32 @@ def make_optimizer(config: train_lm.Config) -> optax.GradientTransformation:
   of ``lr / 10`` (held after ``config.steps``) lets the tail steps show how
   many more steps a method needs to reach the exact run's final loss.
   """
+  return optax.adamw(make_schedule(config), weight_decay=0.01)
+
+
+def make_schedule(config: train_lm.Config) -> optax.Schedule:
+  """:func:`make_optimizer`'s learning rate: warm-up over a tenth of ``config.steps``, cosine decay to lr/10."""
   warmup = max(1, config.steps // 10)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(config.steps, warmup + 1),
-                                                end_value=config.lr / 10)
-  return optax.adamw(schedule, weight_decay=0.01)
+  return optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(config.steps, warmup + 1),
+                                            end_value=config.lr / 10)
+
+
+def onebit_warmup(steps: int) -> int:
+  """1-bit Adam's exact warm-up: a fifth of the schedule (Tang et al. use 15-25% of training)."""
+  return max(1, steps // 5)
+
+
+def _exact_steps(name: str, start_iter: int, steps: int) -> int:
+  """The steps a method runs exactly before it compresses (PowerSGD's start_iter, 1-bit Adam's warm-up)."""
+  if name.startswith("powersgd_r"):
+    return start_iter
+  return onebit_warmup(steps) if name == "onebit_adam" else 0
 
 
 def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, cache: dict) -> Method:
   """The :class:`Method` called ``name`` (see :func:`method_names`); ``cache`` keeps the exact program's bytes."""
   optimizer = make_optimizer(config)
-  if name in ("exact", "bf16", "float16_dynamic") or name.startswith("powersgd_r"):
+  if name in ("exact", "bf16", "float16_dynamic", "onebit_adam") or name.startswith("powersgd_r"):
     mesh, axis = _mesh({"data": DEVICES}), "data"
     dp = jaxdp.data_parallel(mesh, axis_name=axis)
     options, notes = {}, ""  # the step's reduction and precision values (the same given to init_state)
@@ -180,11 +200,15 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
       rank = int(name.removeprefix("powersgd_r"))
       powersgd = _need("reductions.powersgd", name)
       options["reduction"] = powersgd(rank=rank, start_iter=start_iter)
+    elif name == "onebit_adam":  # AdamW's settings; its own optimizer (frozen variance after the warm-up)
+      onebit = _need("reductions.onebit_adam", name)(make_schedule(config), warmup_steps=onebit_warmup(config.steps),
+                                                    weight_decay=0.01)
+      optimizer, options["reduction"] = onebit.optimizer, onebit.reduction
     step = jaxdp.make_train_step(loss_fn, optimizer, dp, **options)
     state = jaxdp.init_state(params, optimizer, dp, **options)
 
     def step_bytes(state, batch, weights):
-      if not name.startswith("powersgd_r"):
+      if not (name.startswith("powersgd_r") or name == "onebit_adam"):
         measured = lowered_bytes(step.lower(state, batch, weights))
         if name == "exact":
           cache["exact"] = measured
@@ -195,22 +219,28 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
       if "exact" not in cache:
         cache["exact"] = lowered_bytes(jaxdp.make_train_step(loss_fn, optimizer, dp).lower(
             jaxdp.init_state(params, optimizer, dp), batch, weights))
-      warm, hot_reduction = cache["exact"], powersgd(rank=rank, start_iter=0)
+      warm, exact_steps = cache["exact"], _exact_steps(name, start_iter, config.steps)
+      if name == "onebit_adam":  # the same reduction compressing from step 0
+        hot_reduction = jaxdp.reductions.onebit.reduction(onebit.settings._replace(warmup_steps=0))
+      else:
+        hot_reduction = powersgd(rank=rank, start_iter=0)
       hot_step = jaxdp.make_train_step(loss_fn, optimizer, dp, reduction=hot_reduction)
       hot = lowered_bytes(hot_step.lower(
           jaxdp.init_state(params, optimizer, dp, reduction=hot_reduction), batch, weights))
-      return ((lambda i: warm["bytes"] if i < start_iter else hot["bytes"]),
-              (lambda i: warm["compiled_bytes"] if i < start_iter else hot["compiled_bytes"]))
+      return ((lambda i: warm["bytes"] if i < exact_steps else hot["bytes"]),
+              (lambda i: warm["compiled_bytes"] if i < exact_steps else hot["compiled_bytes"]))
 
     return Method(name, mesh, axis, state, step, lambda s: s.params, step_bytes, notes)
   if match := DILOCO.fullmatch(name):
     h, delta_dtype = int(match.group(1)), DELTA_DTYPES[match.group(2)]
+    outer = optax.sgd(float(match.group(3) or OUTER_LR), momentum=0.9, nesterov=True)
     make_step, init = _need("make_diloco_step", name), _need("init_diloco_state", name)
     outer_params = _need("diloco.diloco_params", name)
     mesh, axis = _mesh({"replica": DEVICES, "data": 1}), ("replica", "data")
     groups = jaxdp.data_parallel(mesh, axis_name="data")  # each group's data axis; "replica" is the outer one
-    step = make_step(loss_fn, optimizer, groups, outer_axis="replica", inner_steps=h, delta_dtype=delta_dtype)
-    state = init(params, optimizer, groups, outer_axis="replica")
+    step = make_step(loss_fn, optimizer, groups, outer_axis="replica", inner_steps=h, delta_dtype=delta_dtype,
+                     outer_optimizer=outer)
+    state = init(params, optimizer, groups, outer_axis="replica", outer_optimizer=outer)
 
     def step_bytes(state, batch, weights):
       inner = lowered_bytes(step.lower_inner(state, batch, weights))
@@ -220,7 +250,7 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
 
     return Method(name, mesh, axis, state, step, outer_params, step_bytes)
   raise ValueError(f"unknown method {name!r}; choose from exact, bf16, powersgd_rR, diloco_hH, diloco_hH_bf16, "
-                   "diloco_hH_int8, float16_dynamic")
+                   "diloco_hH_int8, diloco_hH_olrX, float16_dynamic, onebit_adam")
 
 
 def run_method(method: Method, config: train_lm.Config, data, loss_fn, eval_every: int, tail: int,
@@ -274,8 +304,8 @@ def summarise(name: str, result: dict, start_iter: int) -> dict:
   """One row of ``communication.json`` (without the comparisons to exact)."""
   match = DILOCO.fullmatch(name)
   period = int(match.group(1)) if match else 1
-  skip = start_iter if name.startswith("powersgd_r") else 0
   per_step, compiled = result["per_step"], result["per_step_compiled"]
+  skip = _exact_steps(name, start_iter, len(per_step))
   return {
       "method": name,
       "bytes_per_step": _period_mean(per_step, skip, period),
@@ -324,7 +354,7 @@ def _reusable_rows(reuse: list[dict] | None, setup: dict) -> dict[str, dict]:
 
 
 def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_iter: int, tail: int = 0,
-            progress: bool = True, reuse: list[dict] | None = None) -> dict:
+            progress: bool = True, reuse: list[dict] | None = None, partial=None) -> dict:
   """Trains every method of ``methods`` from one init on one data order; returns ``{"rows", "setup"}``.
 
   Each runs ``config.steps`` steps (the schedule's length, where ``final_val_loss`` is read) and ``tail``
@@ -354,7 +384,7 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
       "val_sequences": len(data[1]), "eval_every": eval_every, "powersgd_start_iter": start_iter,
       "optimizer": f"adamw lr {config.lr}, weight decay 0.01, warm-up {max(1, config.steps // 10)} steps, cosine "
                    f"decay to lr/10 at step {config.steps}, then constant",
-      "diloco_outer_optimizer": "sgd lr 0.7, Nesterov momentum 0.9", "dropout": 0.0, "seed": config.seed,
+      "diloco_outer_optimizer": f"sgd lr {OUTER_LR} (diloco_hH_olrX: X), Nesterov momentum 0.9", "dropout": 0.0, "seed": config.seed,
       "bytes": "per device and step, sent in collectives (ring), from the HLO before backend optimisation",
   }
   reused = _reusable_rows(reuse, setup)
@@ -379,7 +409,10 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
     elif not np.array_equal(first, result["first_weights"]):  # one data order for every mesh
       raise AssertionError(f"{name} saw another first batch than {methods[0]}")
     rows.append(summarise(name, result, start_iter))
-  return {"rows": compare_rows(rows), "setup": setup}
+    if partial is not None:  # the rows so far, for --reuse if the run is cut short
+      common.write_json(partial, {"rows": rows, "setup": setup})
+  # Without exact (its row reused by a later --reuse run) the rows stay without the comparisons.
+  return {"rows": compare_rows(rows) if any(r["method"] == "exact" for r in rows) else rows, "setup": setup}
 
 
 def plot(result: dict, path) -> None:
@@ -440,8 +473,13 @@ def write_outputs(result: dict, out) -> pathlib.Path:
   """Writes ``communication.json`` and ``communication.png`` into the folder ``out``; returns it."""
   out = pathlib.Path(out)
   common.write_json(out / "communication.json", result)
-  plot(result, out / "communication.png")
+  if _has_exact(result):
+    plot(result, out / "communication.png")
   return out
+
+
+def _has_exact(result: dict) -> bool:
+  return any(r["method"] == "exact" for r in result["rows"])
 
 
 def main(argv=None) -> dict:
@@ -468,12 +506,13 @@ def main(argv=None) -> dict:
   start = time.perf_counter()
   reuse = [json.loads(pathlib.Path(f).read_text()) for f in args.reuse.split(",")] if args.reuse else None
   result = compare(config, methods, args.eval_every, args.start_iter, args.tail_steps, progress=args.progress,
-                   reuse=reuse)
+                   reuse=reuse, partial=pathlib.Path(args.out) / "partial.json")
   result["machine"] = common.machine()
   result["setup"]["command"] = "python experiments/communication.py " + " ".join(sys.argv[1:] if argv is None else argv)
   result["setup"]["wall_seconds"] = time.perf_counter() - start
   out = write_outputs(result, args.out)
-  print(markdown_table(result))
+  if _has_exact(result):
+    print(markdown_table(result))
   print(f"wall time {result['setup']['wall_seconds']:.0f} s; outputs in {out}")
   common.publish(args, {"communication.json": "data/communication.json", "communication.png": "communication.png"})
   return result

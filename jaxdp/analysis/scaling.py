@@ -153,7 +153,7 @@ from typing import NamedTuple
 ALGORITHMS = ("ring", "tree", "hierarchical")
 SCHEDULES = ("jaxdp", "layerwise", "paper")
 ZERO_STAGES = (0, 1, 2, 3)
-KINDS = ("all-reduce", "reduce-scatter", "all-gather")
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 
 GB = 1e9  # the ZeRO paper's and the datasheets' GB: 10^9 bytes
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25 (Li et al. 2020)
