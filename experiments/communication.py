@@ -11,6 +11,9 @@ with the same global batch and tokens per step, dropout 0:
 - ``diloco_hH``: DiLoCo (``jaxdp.make_diloco_step``): exact inner steps within a
   replica group, an outer Nesterov step on the groups' averaged delta every H
   steps; ``diloco_hH_bf16`` / ``diloco_hH_int8`` send the delta in bfloat16 / int8;
+  ``diloco_hH_olrX``: outer learning rate X instead of the paper's 0.7;
+- ``onebit_adam``: 1-bit Adam (``jaxdp.reductions.onebit_adam``, AdamW's settings), its exact warm-up
+  a fifth of ``--steps``, then the momentum at one bit per value;
 - ``float16_dynamic``: float16 compute with dynamic loss scaling
   (``precision=jaxdp.precision(jnp.float16, loss_scaling=jaxdp.dynamic_loss_scale())``): the exact step's
   bytes, its row shows the quality.
@@ -26,12 +29,12 @@ lr/10 at ``--steps``, where every row's ``final_val_loss`` is read; then
 sees (train_lm decays to 0, after which no run could catch up).
 
 ``bytes_per_step`` counts the bytes each device sends in the step's collectives
-(all-reduce, reduce-scatter, all-gather; ring algorithm, ``traffic_bytes`` of
+(all-reduce, reduce-scatter, all-gather, all-to-all; ring algorithm, ``traffic_bytes`` of
 ``jaxdp.analysis.reports.collectives_from_hlo``) in the HLO jaxdp emits, before the backend's
 optimisation: the dtype jaxdp communicates in, as GPU and TPU backends move it
 (the CPU compiler widens bfloat16 all-reduces to float32; its count is
-``compiled_bytes_per_step``). PowerSGD's is its compressed program (after
-``start_iter``); ``bytes_per_step_incl_warmup`` averages the exact warm-up steps in.
+``compiled_bytes_per_step``). PowerSGD's and 1-bit Adam's is their compressed program (after
+``start_iter`` / the warm-up); ``bytes_per_step_incl_warmup`` averages the exact warm-up steps in.
 DiLoCo's is averaged over an outer period: ``((H - 1) inner + 1 sync) / H``.
 ``final_val_loss`` is the validation loss after step ``--steps`` (DiLoCo: of
 its outer parameters); ``steps_to_target_loss`` the first evaluation step whose
@@ -46,6 +49,9 @@ to ``docs/data/communication.json`` and ``docs/communication.png``.
   python experiments/communication.py --quick     # 20 (+5) steps on a 200 kB corpus, DiLoCo H = 5
   python experiments/communication.py --methods exact,powersgd_r2,diloco_h50
   python experiments/communication.py --reuse A/communication.json,B/communication.json   # rows already run
+  python experiments/communication.py --tradeoff LM.json[,LM2.json] --cnn CNN.json   # the bytes-quality figure
+
+PowerSGD on the digits CNN with SGD + Nesterov (over seeds) is ``experiments/communication_cnn.py``.
 
 --quick: 74 s on an idle 2-core CPU machine (all nine methods). The full run:
 6 min 35 s there.
@@ -452,6 +458,53 @@ def plot(result: dict, path) -> None:
   plt.close(fig)
 
 
+def plot_tradeoff(lm_results: list[dict], cnn: dict | None, path) -> None:
+  """Bytes against quality for every method: left, the LM runs (loss gap to exact against the bytes ratio, one
+  marker shape per run length); right, the CNN (accuracy gap in points, mean over seeds, bars from the lowest to
+  the highest seed's gap)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  def family(method: str) -> str:
+    return ("diloco" if method.startswith("diloco") else "powersgd" if method.startswith("powersgd")
+            else method.split("_")[0])
+
+  colors = {"exact": "black", "bf16": "C0", "powersgd": "C1", "diloco": "C2", "float16": "C4", "onebit": "C3"}
+  fig, axes = plt.subplots(1, 2 if cnn else 1, figsize=(13 if cnn else 7, 5), squeeze=False)
+  left = axes[0][0]
+  for result, marker in zip(lm_results, "osD^v"):
+    steps = result["setup"]["steps"]
+    for i, row in enumerate(result["rows"]):
+      x, y = row["bytes_ratio_vs_exact"], 100 * row["loss_gap_vs_exact"]
+      left.scatter(x, y, marker=marker, color=colors.get(family(row["method"]), "C7"), s=40, zorder=3)
+      left.annotate(f"{row['method']} ({steps})", (x, y), fontsize=7, xytext=(4, 3 - 9 * (i % 2)),
+                    textcoords="offset points")
+    left.scatter([], [], marker=marker, color="gray", label=f"{steps} steps")
+  left.axhline(0, color="gray", lw=0.8)
+  left.axhline(3, color="gray", lw=0.8, ls=":")
+  left.set(xscale="log", xlabel="fewer bytes per step than exact (×)", ylabel="final val loss vs exact (%)",
+           title="byte-level LM, AdamW inner optimizer, 4 devices, 1 seed")
+  left.legend(fontsize="small")
+  if cnn:
+    right = axes[0][1]
+    for i, row in enumerate(cnn["rows"]):
+      gaps = 100 * np.asarray(row["accuracy_gap_vs_exact_per_seed"])
+      x, y = row["bytes_ratio_vs_exact"], gaps.mean()
+      right.errorbar(x, y, yerr=[[y - gaps.min()], [gaps.max() - y]], fmt="o", capsize=3,
+                     color=colors.get(family(row["method"]), "C7"))
+      right.annotate(row["method"], (x, y), fontsize=7, xytext=(4, 3 - 9 * (i % 2)), textcoords="offset points")
+    right.axhline(0, color="gray", lw=0.8)
+    right.axhline(-0.5, color="gray", lw=0.8, ls=":")
+    right.set(xscale="log", xlabel="fewer bytes per step than exact (×)",
+              ylabel="final test accuracy vs exact (points)",
+              title=f"digits CNN, SGD + Nesterov 0.9, {len(cnn['setup']['seeds'])} seeds (bars: min to max)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def _percent(x: float) -> str:
   """``+6.17%``; a gap below 0.005% with its first significant digit (``-0.0003%``), not as ``-0.00%``."""
   return f"{100 * x:+.2f}%" if x == 0 or abs(x) >= 5e-5 else f"{100 * x:+.1g}%"
@@ -496,9 +549,22 @@ def main(argv=None) -> dict:
   p.add_argument("--reuse", help="earlier communication.json files of the same setup, comma-separated: their methods' "
                  "rows are kept, only the others are trained (the runs are deterministic on CPU)")
   p.add_argument("--no-progress", dest="progress", action="store_false")
+  p.add_argument("--publish-as", default="communication", help="--publish copies the outputs to docs/data/NAME.json "
+                 "and docs/NAME.png (default communication)")
+  p.add_argument("--tradeoff", help="no training: LM communication.json files (comma-separated) and, with --cnn, "
+                 "experiments/communication_cnn.py's JSON, drawn as bytes against quality in "
+                 "communication_tradeoff.png (--publish: docs/communication_tradeoff.png)")
+  p.add_argument("--cnn", help="with --tradeoff: the CNN's communication_cnn.json")
   common.add_output_args(p, "out/communication", quick="out/communication_quick")
   args = p.parse_args(argv)
   common.check_publish(p, args)
+  if args.tradeoff:
+    lm = [json.loads(pathlib.Path(f).read_text()) for f in args.tradeoff.split(",")]
+    cnn = json.loads(pathlib.Path(args.cnn).read_text()) if args.cnn else None
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    plot_tradeoff(lm, cnn, pathlib.Path(args.out) / "communication_tradeoff.png")
+    common.publish(args, {"communication_tradeoff.png": "communication_tradeoff.png"})
+    return {"lm": lm, "cnn": cnn}
   common.fill_defaults(args, FULL, QUICK)
   diloco_h = [int(h) for h in str(args.diloco_h).split(",") if h.strip()]
   methods = args.methods.split(",") if args.methods else method_names(diloco_h)
@@ -514,7 +580,8 @@ def main(argv=None) -> dict:
   if _has_exact(result):
     print(markdown_table(result))
   print(f"wall time {result['setup']['wall_seconds']:.0f} s; outputs in {out}")
-  common.publish(args, {"communication.json": "data/communication.json", "communication.png": "communication.png"})
+  common.publish(args, {"communication.json": f"data/{args.publish_as}.json",
+                        "communication.png": f"{args.publish_as}.png"})
   return result
 
 

@@ -92,7 +92,7 @@ def reference(params, batches):
         nu[k] = B2 * nu[k] + (1 - B2) * g[k] ** 2
         v_hat = nu[k] / (1 - B2 ** step)
       else:
-        mu[k] = g[k]
+        mu[k] = np.where(nu[k] > 0, g[k], 0.0)  # no update where the warm-up saw no gradient
         v_hat = nu[k] / (1 - B2 ** WARMUP)
       update = (mu[k] / (1 - B1 ** step)) / (np.sqrt(v_hat) + EPS)
       p[k] = p[k] - LR * (update + WD * p[k])

@@ -180,7 +180,8 @@ def optimizer(settings: OneBitAdam) -> optax.GradientTransformation:
 
 def scale_by_onebit_adam(b1: float, b2: float, eps: float, warmup_steps: int) -> optax.GradientTransformation:
   """Adam's scaling for ``warmup_steps`` updates (``optax.scale_by_adam``), then ``g / (1 − b1^t)`` over the
-  frozen, bias-corrected ``√v̂ + eps``, where ``g`` is the momentum the reduction sent."""
+  frozen, bias-corrected ``√v̂ + eps``, where ``g`` is the momentum the reduction sent (0 where the frozen
+  variance is 0: values that had no gradient in the whole warm-up)."""
   settings = check_settings(OneBitAdam(1.0, b1, b2, eps, 0.0, warmup_steps))
   b1, b2, eps, warmup = settings.b1, settings.b2, settings.eps, settings.warmup_steps
 
@@ -197,6 +198,10 @@ def scale_by_onebit_adam(b1: float, b2: float, eps: float, warmup_steps: int) ->
     nu = jax.tree.map(lambda g, v: jnp.where(warm, b2 * v + (1 - b2) * jnp.square(g), v), updates, state.nu)
     mu_hat = 1 - b1 ** t.astype(jnp.float32)
     nu_hat = 1 - b2 ** frozen_t
+    # After the freeze a value whose variance is 0 (no gradient in the whole warm-up: an embedding row never
+    # looked up) gets no update: the 1-bit momentum there is the sign's noise, and over √0 + eps it would be
+    # a step of scale / eps (DeepSpeed's 1-bit Adam asks for an ``exp_avg_mask`` for the same reason).
+    mu = jax.tree.map(lambda m, v: jnp.where(warm | (v > 0), m, jnp.zeros_like(m)), mu, nu)
     new = jax.tree.map(lambda m, v, g: ((m / mu_hat) / (jnp.sqrt(v / nu_hat) + eps)).astype(g.dtype), mu, nu, updates)
     return new, ScaleByOneBitAdamState(t, mu, nu)
 
