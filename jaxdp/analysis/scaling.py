@@ -153,7 +153,7 @@ from typing import NamedTuple
 ALGORITHMS = ("ring", "tree", "hierarchical")
 SCHEDULES = ("jaxdp", "layerwise", "paper")
 ZERO_STAGES = (0, 1, 2, 3)
-KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
+KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
 GB = 1e9  # the ZeRO paper's and the datasheets' GB: 10^9 bytes
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25 (Li et al. 2020)
@@ -581,9 +581,10 @@ def collective_time(kind: str, nbytes: float, n_devices: int, topology: Topology
 def ring_traffic(kind: str, nbytes: float, n_devices: int) -> float:
   """Bytes one device sends in a ring collective: 2(N−1)/N·M for an all-reduce, (N−1)/N·M otherwise.
 
-  The same convention as :attr:`jaxdp.Collective.traffic_bytes`.
+  The same convention as :attr:`jaxdp.Collective.traffic_bytes` (which also counts ``"all-to-all"``: each
+  device sends ``(N−1)/N`` of its buffer).
   """
-  _choice(kind, "kind", KINDS)
+  _choice(kind, "kind", KINDS + ("all-to-all",))
   n = _int(n_devices, "n_devices", 1)
   return (2 if kind == "all-reduce" else 1) * (n - 1) / n * _real(nbytes, "nbytes")
 
