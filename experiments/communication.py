@@ -11,6 +11,9 @@ with the same global batch and tokens per step, dropout 0:
 - ``diloco_hH``: DiLoCo (``jaxdp.make_diloco_step``): exact inner steps within a
   replica group, an outer Nesterov step on the groups' averaged delta every H
   steps; ``diloco_hH_bf16`` / ``diloco_hH_int8`` send the delta in bfloat16 / int8;
+  ``diloco_hH_olrX``: outer learning rate X instead of the paper's 0.7;
+- ``onebit_adam``: 1-bit Adam (``jaxdp.reductions.onebit_adam``, AdamW's settings), its exact warm-up
+  a fifth of ``--steps``, then the momentum at one bit per value;
 - ``float16_dynamic``: float16 compute with dynamic loss scaling
   (``precision=jaxdp.precision(jnp.float16, loss_scaling=jaxdp.dynamic_loss_scale())``): the exact step's
   bytes, its row shows the quality.
@@ -26,12 +29,12 @@ lr/10 at ``--steps``, where every row's ``final_val_loss`` is read; then
 sees (train_lm decays to 0, after which no run could catch up).
 
 ``bytes_per_step`` counts the bytes each device sends in the step's collectives
-(all-reduce, reduce-scatter, all-gather; ring algorithm, ``traffic_bytes`` of
+(all-reduce, reduce-scatter, all-gather, all-to-all; ring algorithm, ``traffic_bytes`` of
 ``jaxdp.analysis.reports.collectives_from_hlo``) in the HLO jaxdp emits, before the backend's
 optimisation: the dtype jaxdp communicates in, as GPU and TPU backends move it
 (the CPU compiler widens bfloat16 all-reduces to float32; its count is
-``compiled_bytes_per_step``). PowerSGD's is its compressed program (after
-``start_iter``); ``bytes_per_step_incl_warmup`` averages the exact warm-up steps in.
+``compiled_bytes_per_step``). PowerSGD's and 1-bit Adam's is their compressed program (after
+``start_iter`` / the warm-up); ``bytes_per_step_incl_warmup`` averages the exact warm-up steps in.
 DiLoCo's is averaged over an outer period: ``((H - 1) inner + 1 sync) / H``.
 ``final_val_loss`` is the validation loss after step ``--steps`` (DiLoCo: of
 its outer parameters); ``steps_to_target_loss`` the first evaluation step whose
@@ -46,6 +49,9 @@ to ``docs/data/communication.json`` and ``docs/communication.png``.
   python experiments/communication.py --quick     # 20 (+5) steps on a 200 kB corpus, DiLoCo H = 5
   python experiments/communication.py --methods exact,powersgd_r2,diloco_h50
   python experiments/communication.py --reuse A/communication.json,B/communication.json   # rows already run
+  python experiments/communication.py --tradeoff LM.json[,LM2.json] --cnn CNN.json   # the bytes-quality figure
+
+PowerSGD on the digits CNN with SGD + Nesterov (over seeds) is ``experiments/communication_cnn.py``.
 
 --quick: 74 s on an idle 2-core CPU machine (all nine methods). The full run:
 6 min 35 s there.
@@ -84,8 +90,10 @@ FULL = {"steps": 300, "tail_steps": 50, "max_bytes": 1_000_000, "eval_every": 10
 QUICK = {"steps": 20, "tail_steps": 5, "max_bytes": 200_000, "eval_every": 10, "start_iter": 2, "diloco_h": "5"}
 DEVICES = 4
 POWERSGD_RANKS = (1, 2, 4)
-DILOCO = re.compile(r"diloco_h(\d+)(?:_(bf16|int8))?")
-"""``diloco_hH``: H inner steps per outer sync, the deltas all-reduced in float32, ``_bf16`` bfloat16, ``_int8`` int8."""
+DILOCO = re.compile(r"diloco_h(\d+)(?:_(bf16|int8))?(?:_olr(\d+(?:\.\d+)?))?")
+"""``diloco_hH``: H inner steps per outer sync, the deltas all-reduced in float32, ``_bf16`` bfloat16, ``_int8`` int8;
+``_olrX``: outer learning rate X (default 0.7, the paper's), Nesterov momentum 0.9 either way."""
+OUTER_LR = 0.7
 DELTA_DTYPES = {None: None, "bf16": jnp.bfloat16, "int8": jnp.int8}
 
 
@@ -117,9 +125,11 @@ def _check_available(name: str) -> None:
       _need(api, name)
   elif name == "float16_dynamic":
     _need("dynamic_loss_scale", name)
+  elif name == "onebit_adam":
+    _need("reductions.onebit_adam", name)
   elif name not in ("exact", "bf16"):
     raise ValueError(f"unknown method {name!r}; choose from exact, bf16, powersgd_rR, diloco_hH, diloco_hH_bf16, "
-                     "diloco_hH_int8, float16_dynamic")
+                     "diloco_hH_int8, diloco_hH_olrX, float16_dynamic, onebit_adam")
 
 
 def traffic(hlo: str, n: int) -> float:
@@ -159,16 +169,32 @@ def make_optimizer(config: train_lm.Config) -> optax.GradientTransformation:
   of ``lr / 10`` (held after ``config.steps``) lets the tail steps show how
   many more steps a method needs to reach the exact run's final loss.
   """
+  return optax.adamw(make_schedule(config), weight_decay=0.01)
+
+
+def make_schedule(config: train_lm.Config) -> optax.Schedule:
+  """:func:`make_optimizer`'s learning rate: warm-up over a tenth of ``config.steps``, cosine decay to lr/10."""
   warmup = max(1, config.steps // 10)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(config.steps, warmup + 1),
-                                                end_value=config.lr / 10)
-  return optax.adamw(schedule, weight_decay=0.01)
+  return optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(config.steps, warmup + 1),
+                                            end_value=config.lr / 10)
+
+
+def onebit_warmup(steps: int) -> int:
+  """1-bit Adam's exact warm-up: a fifth of the schedule (Tang et al. use 15-25% of training)."""
+  return max(1, steps // 5)
+
+
+def _exact_steps(name: str, start_iter: int, steps: int) -> int:
+  """The steps a method runs exactly before it compresses (PowerSGD's start_iter, 1-bit Adam's warm-up)."""
+  if name.startswith("powersgd_r"):
+    return start_iter
+  return onebit_warmup(steps) if name == "onebit_adam" else 0
 
 
 def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, cache: dict) -> Method:
   """The :class:`Method` called ``name`` (see :func:`method_names`); ``cache`` keeps the exact program's bytes."""
   optimizer = make_optimizer(config)
-  if name in ("exact", "bf16", "float16_dynamic") or name.startswith("powersgd_r"):
+  if name in ("exact", "bf16", "float16_dynamic", "onebit_adam") or name.startswith("powersgd_r"):
     mesh, axis = _mesh({"data": DEVICES}), "data"
     dp = jaxdp.data_parallel(mesh, axis_name=axis)
     options, notes = {}, ""  # the step's reduction and precision values (the same given to init_state)
@@ -180,11 +206,15 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
       rank = int(name.removeprefix("powersgd_r"))
       powersgd = _need("reductions.powersgd", name)
       options["reduction"] = powersgd(rank=rank, start_iter=start_iter)
+    elif name == "onebit_adam":  # AdamW's settings; its own optimizer (frozen variance after the warm-up)
+      onebit = _need("reductions.onebit_adam", name)(make_schedule(config), warmup_steps=onebit_warmup(config.steps),
+                                                    weight_decay=0.01)
+      optimizer, options["reduction"] = onebit.optimizer, onebit.reduction
     step = jaxdp.make_train_step(loss_fn, optimizer, dp, **options)
     state = jaxdp.init_state(params, optimizer, dp, **options)
 
     def step_bytes(state, batch, weights):
-      if not name.startswith("powersgd_r"):
+      if not (name.startswith("powersgd_r") or name == "onebit_adam"):
         measured = lowered_bytes(step.lower(state, batch, weights))
         if name == "exact":
           cache["exact"] = measured
@@ -195,22 +225,28 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
       if "exact" not in cache:
         cache["exact"] = lowered_bytes(jaxdp.make_train_step(loss_fn, optimizer, dp).lower(
             jaxdp.init_state(params, optimizer, dp), batch, weights))
-      warm, hot_reduction = cache["exact"], powersgd(rank=rank, start_iter=0)
+      warm, exact_steps = cache["exact"], _exact_steps(name, start_iter, config.steps)
+      if name == "onebit_adam":  # the same reduction compressing from step 0
+        hot_reduction = jaxdp.reductions.onebit.reduction(onebit.settings._replace(warmup_steps=0))
+      else:
+        hot_reduction = powersgd(rank=rank, start_iter=0)
       hot_step = jaxdp.make_train_step(loss_fn, optimizer, dp, reduction=hot_reduction)
       hot = lowered_bytes(hot_step.lower(
           jaxdp.init_state(params, optimizer, dp, reduction=hot_reduction), batch, weights))
-      return ((lambda i: warm["bytes"] if i < start_iter else hot["bytes"]),
-              (lambda i: warm["compiled_bytes"] if i < start_iter else hot["compiled_bytes"]))
+      return ((lambda i: warm["bytes"] if i < exact_steps else hot["bytes"]),
+              (lambda i: warm["compiled_bytes"] if i < exact_steps else hot["compiled_bytes"]))
 
     return Method(name, mesh, axis, state, step, lambda s: s.params, step_bytes, notes)
   if match := DILOCO.fullmatch(name):
     h, delta_dtype = int(match.group(1)), DELTA_DTYPES[match.group(2)]
+    outer = optax.sgd(float(match.group(3) or OUTER_LR), momentum=0.9, nesterov=True)
     make_step, init = _need("make_diloco_step", name), _need("init_diloco_state", name)
     outer_params = _need("diloco.diloco_params", name)
     mesh, axis = _mesh({"replica": DEVICES, "data": 1}), ("replica", "data")
     groups = jaxdp.data_parallel(mesh, axis_name="data")  # each group's data axis; "replica" is the outer one
-    step = make_step(loss_fn, optimizer, groups, outer_axis="replica", inner_steps=h, delta_dtype=delta_dtype)
-    state = init(params, optimizer, groups, outer_axis="replica")
+    step = make_step(loss_fn, optimizer, groups, outer_axis="replica", inner_steps=h, delta_dtype=delta_dtype,
+                     outer_optimizer=outer)
+    state = init(params, optimizer, groups, outer_axis="replica", outer_optimizer=outer)
 
     def step_bytes(state, batch, weights):
       inner = lowered_bytes(step.lower_inner(state, batch, weights))
@@ -220,7 +256,7 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
 
     return Method(name, mesh, axis, state, step, outer_params, step_bytes)
   raise ValueError(f"unknown method {name!r}; choose from exact, bf16, powersgd_rR, diloco_hH, diloco_hH_bf16, "
-                   "diloco_hH_int8, float16_dynamic")
+                   "diloco_hH_int8, diloco_hH_olrX, float16_dynamic, onebit_adam")
 
 
 def run_method(method: Method, config: train_lm.Config, data, loss_fn, eval_every: int, tail: int,
@@ -274,8 +310,8 @@ def summarise(name: str, result: dict, start_iter: int) -> dict:
   """One row of ``communication.json`` (without the comparisons to exact)."""
   match = DILOCO.fullmatch(name)
   period = int(match.group(1)) if match else 1
-  skip = start_iter if name.startswith("powersgd_r") else 0
   per_step, compiled = result["per_step"], result["per_step_compiled"]
+  skip = _exact_steps(name, start_iter, len(per_step))
   return {
       "method": name,
       "bytes_per_step": _period_mean(per_step, skip, period),
@@ -324,7 +360,7 @@ def _reusable_rows(reuse: list[dict] | None, setup: dict) -> dict[str, dict]:
 
 
 def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_iter: int, tail: int = 0,
-            progress: bool = True, reuse: list[dict] | None = None) -> dict:
+            progress: bool = True, reuse: list[dict] | None = None, partial=None) -> dict:
   """Trains every method of ``methods`` from one init on one data order; returns ``{"rows", "setup"}``.
 
   Each runs ``config.steps`` steps (the schedule's length, where ``final_val_loss`` is read) and ``tail``
@@ -354,7 +390,7 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
       "val_sequences": len(data[1]), "eval_every": eval_every, "powersgd_start_iter": start_iter,
       "optimizer": f"adamw lr {config.lr}, weight decay 0.01, warm-up {max(1, config.steps // 10)} steps, cosine "
                    f"decay to lr/10 at step {config.steps}, then constant",
-      "diloco_outer_optimizer": "sgd lr 0.7, Nesterov momentum 0.9", "dropout": 0.0, "seed": config.seed,
+      "diloco_outer_optimizer": f"sgd lr {OUTER_LR} (diloco_hH_olrX: X), Nesterov momentum 0.9", "dropout": 0.0, "seed": config.seed,
       "bytes": "per device and step, sent in collectives (ring), from the HLO before backend optimisation",
   }
   reused = _reusable_rows(reuse, setup)
@@ -379,7 +415,10 @@ def compare(config: train_lm.Config, methods: list[str], eval_every: int, start_
     elif not np.array_equal(first, result["first_weights"]):  # one data order for every mesh
       raise AssertionError(f"{name} saw another first batch than {methods[0]}")
     rows.append(summarise(name, result, start_iter))
-  return {"rows": compare_rows(rows), "setup": setup}
+    if partial is not None:  # the rows so far, for --reuse if the run is cut short
+      common.write_json(partial, {"rows": rows, "setup": setup})
+  # Without exact (its row reused by a later --reuse run) the rows stay without the comparisons.
+  return {"rows": compare_rows(rows) if any(r["method"] == "exact" for r in rows) else rows, "setup": setup}
 
 
 def plot(result: dict, path) -> None:
@@ -441,6 +480,53 @@ def overlapping_methods(rows: list[dict], tolerance: float = 2e-3) -> list[str]:
   return [", ".join(r["method"] for r in g) for g in groups if len(g) > 1]
 
 
+def plot_tradeoff(lm_results: list[dict], cnn: dict | None, path) -> None:
+  """Bytes against quality for every method: left, the LM runs (loss gap to exact against the bytes ratio, one
+  marker shape per run length); right, the CNN (accuracy gap in points, mean over seeds, bars from the lowest to
+  the highest seed's gap)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  def family(method: str) -> str:
+    return ("diloco" if method.startswith("diloco") else "powersgd" if method.startswith("powersgd")
+            else method.split("_")[0])
+
+  colors = {"exact": "black", "bf16": "C0", "powersgd": "C1", "diloco": "C2", "float16": "C4", "onebit": "C3"}
+  fig, axes = plt.subplots(1, 2 if cnn else 1, figsize=(13 if cnn else 7, 5), squeeze=False)
+  left = axes[0][0]
+  for result, marker in zip(lm_results, "osD^v"):
+    steps = result["setup"]["steps"]
+    for i, row in enumerate(result["rows"]):
+      x, y = row["bytes_ratio_vs_exact"], 100 * row["loss_gap_vs_exact"]
+      left.scatter(x, y, marker=marker, color=colors.get(family(row["method"]), "C7"), s=40, zorder=3)
+      left.annotate(f"{row['method']} ({steps})", (x, y), fontsize=7, xytext=(4, 3 - 9 * (i % 2)),
+                    textcoords="offset points")
+    left.scatter([], [], marker=marker, color="gray", label=f"{steps} steps")
+  left.axhline(0, color="gray", lw=0.8)
+  left.axhline(3, color="gray", lw=0.8, ls=":")
+  left.set(xscale="log", xlabel="fewer bytes per step than exact (×)", ylabel="final val loss vs exact (%)",
+           title="byte-level LM, AdamW inner optimizer, 4 devices, 1 seed")
+  left.legend(fontsize="small")
+  if cnn:
+    right = axes[0][1]
+    for i, row in enumerate(cnn["rows"]):
+      gaps = 100 * np.asarray(row["accuracy_gap_vs_exact_per_seed"])
+      x, y = row["bytes_ratio_vs_exact"], gaps.mean()
+      right.errorbar(x, y, yerr=[[y - gaps.min()], [gaps.max() - y]], fmt="o", capsize=3,
+                     color=colors.get(family(row["method"]), "C7"))
+      right.annotate(row["method"], (x, y), fontsize=7, xytext=(4, 3 - 9 * (i % 2)), textcoords="offset points")
+    right.axhline(0, color="gray", lw=0.8)
+    right.axhline(-0.5, color="gray", lw=0.8, ls=":")
+    right.set(xscale="log", xlabel="fewer bytes per step than exact (×)",
+              ylabel="final test accuracy vs exact (points)",
+              title=f"digits CNN, SGD + Nesterov 0.9, {len(cnn['setup']['seeds'])} seeds (bars: min to max)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def _percent(x: float) -> str:
   """``+6.17%``; a gap below 0.005% with its first significant digit (``-0.0003%``), not as ``-0.00%``."""
   return f"{100 * x:+.2f}%" if x == 0 or abs(x) >= 5e-5 else f"{100 * x:+.1g}%"
@@ -462,8 +548,13 @@ def write_outputs(result: dict, out) -> pathlib.Path:
   """Writes ``communication.json`` and ``communication.png`` into the folder ``out``; returns it."""
   out = pathlib.Path(out)
   common.write_json(out / "communication.json", result)
-  plot(result, out / "communication.png")
+  if _has_exact(result):
+    plot(result, out / "communication.png")
   return out
+
+
+def _has_exact(result: dict) -> bool:
+  return any(r["method"] == "exact" for r in result["rows"])
 
 
 def main(argv=None) -> dict:
@@ -482,6 +573,12 @@ def main(argv=None) -> dict:
   p.add_argument("--no-progress", dest="progress", action="store_false")
   p.add_argument("--plot-only", metavar="JSON", help="draw communication.png from a communication.json (e.g. "
                  "docs/data/communication.json) into --out without training; with --publish, into docs/")
+  p.add_argument("--publish-as", default="communication", help="--publish copies the outputs to docs/data/NAME.json "
+                 "and docs/NAME.png (default communication)")
+  p.add_argument("--tradeoff", help="no training: LM communication.json files (comma-separated) and, with --cnn, "
+                 "experiments/communication_cnn.py's JSON, drawn as bytes against quality in "
+                 "communication_tradeoff.png (--publish: docs/communication_tradeoff.png)")
+  p.add_argument("--cnn", help="with --tradeoff: the CNN's communication_cnn.json")
   common.add_output_args(p, "out/communication", quick="out/communication_quick")
   args = p.parse_args(argv)
   common.check_publish(p, args)
@@ -491,6 +588,13 @@ def main(argv=None) -> dict:
     plot(result, pathlib.Path(args.out) / "communication.png")
     common.publish(args, {"communication.png": "communication.png"})
     return result
+  if args.tradeoff:
+    lm = [json.loads(pathlib.Path(f).read_text()) for f in args.tradeoff.split(",")]
+    cnn = json.loads(pathlib.Path(args.cnn).read_text()) if args.cnn else None
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    plot_tradeoff(lm, cnn, pathlib.Path(args.out) / "communication_tradeoff.png")
+    common.publish(args, {"communication_tradeoff.png": "communication_tradeoff.png"})
+    return {"lm": lm, "cnn": cnn}
   common.fill_defaults(args, FULL, QUICK)
   diloco_h = [int(h) for h in str(args.diloco_h).split(",") if h.strip()]
   methods = args.methods.split(",") if args.methods else method_names(diloco_h)
@@ -498,14 +602,16 @@ def main(argv=None) -> dict:
   start = time.perf_counter()
   reuse = [json.loads(pathlib.Path(f).read_text()) for f in args.reuse.split(",")] if args.reuse else None
   result = compare(config, methods, args.eval_every, args.start_iter, args.tail_steps, progress=args.progress,
-                   reuse=reuse)
+                   reuse=reuse, partial=pathlib.Path(args.out) / "partial.json")
   result["machine"] = common.machine()
   result["setup"]["command"] = "python experiments/communication.py " + " ".join(sys.argv[1:] if argv is None else argv)
   result["setup"]["wall_seconds"] = time.perf_counter() - start
   out = write_outputs(result, args.out)
-  print(markdown_table(result))
+  if _has_exact(result):
+    print(markdown_table(result))
   print(f"wall time {result['setup']['wall_seconds']:.0f} s; outputs in {out}")
-  common.publish(args, {"communication.json": "data/communication.json", "communication.png": "communication.png"})
+  common.publish(args, {"communication.json": f"data/{args.publish_as}.json",
+                        "communication.png": f"{args.publish_as}.png"})
   return result
 
 

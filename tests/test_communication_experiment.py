@@ -17,7 +17,8 @@ TINY = train_lm.Config(steps=4, batch_size=8, seq_len=32, layers=1, d_model=16, 
                        max_bytes=None, progress=False, out=None)
 # float16_dynamic needs jaxdp's dynamic loss scaling, merged from another branch than PowerSGD and DiLoCo.
 HAS_LOSS_SCALING = hasattr(jaxdp, "dynamic_loss_scale")
-METHODS = ["exact", "bf16", "powersgd_r1", "diloco_h2", "diloco_h2_int8"] + ["float16_dynamic"] * HAS_LOSS_SCALING
+METHODS = (["exact", "bf16", "powersgd_r1", "diloco_h2", "diloco_h2_int8", "onebit_adam"]
+           + ["float16_dynamic"] * HAS_LOSS_SCALING)
 ROW_KEYS = {"method", "bytes_per_step", "compiled_bytes_per_step", "bytes_per_step_incl_warmup", "final_val_loss",
             "steps_to_target_loss", "loss_gap_vs_exact", "bytes_ratio_vs_exact", "curve", "seconds"}
 
@@ -79,6 +80,19 @@ def test_bytes_per_step(written):
   n = TINY.steps
   assert psgd["bytes_per_step_incl_warmup"] == pytest.approx((rows["exact"]["bytes_per_step"]
                                                               + (n - 1) * psgd["bytes_per_step"]) / n)
+  # 1-bit Adam: its first onebit_warmup(4) = 1 step exact, then one bit per value (an all-to-all of the signs and a
+  # psum of the servers' chunks, 2.25 / 8 of a float32 value's ring bytes at N = 4, plus per-chunk scales).
+  onebit = rows["onebit_adam"]
+  warm = communication.onebit_warmup(n)
+  assert onebit["bytes_per_step"] < rows["exact"]["bytes_per_step"] / 10
+  assert onebit["bytes_per_step_incl_warmup"] == pytest.approx((warm * rows["exact"]["bytes_per_step"]
+                                                                + (n - warm) * onebit["bytes_per_step"]) / n)
+
+
+def test_diloco_names_carry_the_outer_learning_rate():
+  assert communication.DILOCO.fullmatch("diloco_h50_olr0.5").groups() == ("50", None, "0.5")
+  assert communication.DILOCO.fullmatch("diloco_h10_int8_olr1").groups() == ("10", "int8", "1")
+  assert communication.DILOCO.fullmatch("diloco_h10").groups() == ("10", None, None)
 
 
 def test_plot_only_redraws_the_committed_json_without_training(tmp_path):

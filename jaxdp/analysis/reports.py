@@ -18,10 +18,10 @@ import numpy as np
 from jaxdp.sharding.layout import data_size, zero_axis
 
 
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]")
-_OPCODE = re.compile(r"(all-reduce|reduce-scatter|all-gather)(-start|-done)?")
+_OPCODE = re.compile(r"(all-reduce|reduce-scatter|all-gather|all-to-all)(-start|-done)?")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
@@ -100,7 +100,7 @@ class HloCollective(NamedTuple):
   """One collective op of optimized HLO text.
 
   Attributes:
-    kind: ``"all-reduce"``, ``"reduce-scatter"`` or ``"all-gather"``.
+    kind: ``"all-reduce"``, ``"reduce-scatter"``, ``"all-gather"`` or ``"all-to-all"``.
     nbytes: bytes of its per-device result (of the ``-done`` op for an async pair).
     group: how many devices it spans (its ``replica_groups``), ``None`` where the HLO does not say.
     line: the HLO line that starts it (the sync op, or the ``-start`` of an async pair), with its metadata.
@@ -113,7 +113,7 @@ class HloCollective(NamedTuple):
 
 
 def hlo_collectives(hlo: str) -> list[HloCollective]:
-  """Every all-reduce, reduce-scatter and all-gather of optimized HLO text, in program order.
+  """Every all-reduce, reduce-scatter, all-gather and all-to-all of optimized HLO text, in program order.
 
   An async ``-start``/``-done`` pair counts once. Counts are static: an op in a loop body appears once.
   """
@@ -146,7 +146,7 @@ class Collective(NamedTuple):
 
 
 def collectives_from_hlo(hlo: str, n_devices: int) -> dict[str, Collective]:
-  """Counts and sizes the all-reduce, reduce-scatter and all-gather ops of optimized HLO text.
+  """Counts and sizes the all-reduce, reduce-scatter, all-gather and all-to-all ops of optimized HLO text.
 
   Each op's ring traffic uses the size of its own device group (its
   ``replica_groups``: a model-axis op spans the model axis, not the data

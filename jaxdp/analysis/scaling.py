@@ -581,9 +581,10 @@ def collective_time(kind: str, nbytes: float, n_devices: int, topology: Topology
 def ring_traffic(kind: str, nbytes: float, n_devices: int) -> float:
   """Bytes one device sends in a ring collective: 2(N−1)/N·M for an all-reduce, (N−1)/N·M otherwise.
 
-  The same convention as :attr:`jaxdp.Collective.traffic_bytes`.
+  The same convention as :attr:`jaxdp.Collective.traffic_bytes` (which also counts ``"all-to-all"``: each
+  device sends ``(N−1)/N`` of its buffer).
   """
-  _choice(kind, "kind", KINDS)
+  _choice(kind, "kind", KINDS + ("all-to-all",))
   n = _int(n_devices, "n_devices", 1)
   return (2 if kind == "all-reduce" else 1) * (n - 1) / n * _real(nbytes, "nbytes")
 

@@ -291,3 +291,7 @@ def check_state(state: Any, params: Any, reduction: Any, layout: Any, name: str 
         f"{jax.tree.leaves(want)[:4]}...). Make the state with jaxdp.init_state(..., reduction=) with the same "
         "reduction and layout."
     )
+
+
+from jaxdp.reductions import onebit  # noqa: E402  (after Reduction: onebit builds one)
+from jaxdp.reductions.onebit import onebit_adam  # noqa: E402
