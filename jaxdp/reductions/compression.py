@@ -2,7 +2,9 @@
 
 The exact step all-reduces every gradient leaf whole. With
 ``make_train_step(..., compression=jaxdp.powersgd(rank=2))`` each large
-matrix leaf ``[m, n]`` (``shape[0] × rest``) instead sends two small sums,
+leaf, viewed as the matrix ``[m, n]`` with ``m = prod(shape[:-1])`` and
+``n = shape[-1]`` (flax's layout puts the output features last; see
+:func:`matrix_shape`), instead sends two small sums,
 ``P = Σ_i M_i Q`` (``[m, r]``) and ``Q' = Σ_i M_iᵀ P̂`` (``[n, r]``), where
 ``M_i`` is replica ``i``'s local weighted gradient sum ``Σ w·∇l`` plus its
 error feedback ``e_i`` and ``P̂`` is ``P`` orthonormalised (QR, float32).
@@ -116,11 +118,21 @@ def check_compression(compression: Any) -> None:
              min_compression_rate=compression.min_compression_rate, seed=compression.seed)
 
 
+def matrix_shape(shape: tuple) -> tuple[int, int]:
+  """The ``(m, n)`` matrix PowerSGD views a leaf of ``shape`` (2 dims or more) as: ``prod(shape[:-1]) × shape[-1]``.
+
+  Flax puts the output features last (a Dense kernel is ``[in, out]``, a convolution kernel ``[kh, kw, in, out]``),
+  so the matrix is ``inputs × outputs``, the view of Vogels et al. (torch's ``[out, in, kh, kw]`` as ``out × rest``,
+  transposed). A 2-D leaf is itself.
+  """
+  return math.prod(shape[:-1]), shape[-1]
+
+
 def leaf_rank(shape: tuple, compression: PowerSGD, dtype: Any = jnp.float32) -> int | None:
   """The rank a leaf of ``shape`` and ``dtype`` is compressed at, or ``None`` where it is reduced exactly."""
   if len(shape) < 2 or not jnp.issubdtype(dtype, jnp.floating):
     return None
-  m, n = shape[0], math.prod(shape[1:])
+  m, n = matrix_shape(shape)
   r = min(compression.rank, m, n)
   if m * n <= (m + n) * r * compression.min_compression_rate or not m * n:
     return None
@@ -152,7 +164,7 @@ def init_compression(params: Any, compression: PowerSGD | None, replicas: int) -
       errors.append(None)
       continue
     acc = jnp.promote_types(dtype, jnp.float32)  # gradients are summed in float32 at least
-    qs.append(jax.random.normal(jax.random.fold_in(key, k), (math.prod(shape[1:]), r), acc))
+    qs.append(jax.random.normal(jax.random.fold_in(key, k), (matrix_shape(shape)[1], r), acc))
     errors.append(jnp.zeros((replicas, *shape), acc))
   return PowerSGDState(treedef.unflatten(qs), treedef.unflatten(errors), jnp.zeros((), jnp.int32))
 
@@ -227,7 +239,7 @@ def powersgd_sum(grads: list, state: PowerSGDState, compression: PowerSGD, axis_
 
   def compressed(operand):
     grads, qs, errors = operand
-    ms = [(g + e[0].astype(g.dtype)).reshape(g.shape[0], -1) for g, e in zip(grads, errors)]
+    ms = [(g + e[0].astype(g.dtype)).reshape(matrix_shape(g.shape)) for g, e in zip(grads, errors)]
     ps = lax.psum([m @ q.astype(m.dtype) for m, q in zip(ms, qs)], axes)
     ps = [_orthonormal(p) for p in ps]
     new_qs = lax.psum([m.T @ p for m, p in zip(ms, ps)], axes)
