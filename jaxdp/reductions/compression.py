@@ -123,7 +123,8 @@ def matrix_shape(shape: tuple) -> tuple[int, int]:
 
   Flax puts the output features last (a Dense kernel is ``[in, out]``, a convolution kernel ``[kh, kw, in, out]``),
   so the matrix is ``inputs × outputs``, the view of Vogels et al. (torch's ``[out, in, kh, kw]`` as ``out × rest``,
-  transposed). A 2-D leaf is itself.
+  transposed). A 2-D leaf is itself. A kernel with several output dimensions (``nnx.LinearGeneral`` with
+  ``out_features=(3, heads, head_dim)``: ``[d, 3, heads, head_dim]``) is ``(d·3·heads) × head_dim``.
   """
   return math.prod(shape[:-1]), shape[-1]
 
