@@ -74,8 +74,11 @@ def _reference(params, q0, batches, weights, n, rank_of):
       if k not in q:
         summed[k] = sum(g[k] for g in local)
         continue
-      # the matrix of a leaf: every dimension but the last (flax's output features) by the last
-      ms = [(local[i][k] + errors[k][i]).reshape(-1, params[k].shape[-1]) for i in range(n)]
+      # the matrix of a leaf: the split shape[:k] x shape[k:] closest to square (ties: the first found, smaller k)
+      shape = params[k].shape
+      splits = [(int(np.prod(shape[:j])), int(np.prod(shape[j:]))) for j in range(1, len(shape))]
+      cols = min(splits, key=lambda mn: max(mn) / min(mn))[1]
+      ms = [(local[i][k] + errors[k][i]).reshape(-1, cols) for i in range(n)]
       p = sum(m @ q[k] for m in ms)
       p = jnp.linalg.qr(p)[0]
       q[k] = sum(m.T @ p for m in ms)
@@ -217,11 +220,13 @@ def test_start_iter_steps_are_exact_and_small_leaves_too():
   assert state.compression.q["w1"].shape == (12, 2) and state.compression.error["w1"].shape == (4, 8, 12)
 
 
-def test_a_leaf_of_more_dims_is_inputs_by_output_features():
-  # flax's layouts put the output features last: a conv kernel [kh, kw, in, out] is the (kh*kw*in) x out matrix
+def test_a_leaf_of_more_dims_is_its_most_square_split():
+  # the split shape[:k] x shape[k:] closest to square: the fewest rank-r factor values r*(m+n)
   from jaxdp.reductions.compression import leaf_rank, matrix_shape
 
-  assert matrix_shape((8, 12)) == (8, 12)
+  assert matrix_shape((8, 12)) == (8, 12) and matrix_shape((12, 8)) == (12, 8)
+  assert matrix_shape((3, 3, 16, 32)) == (144, 32) and matrix_shape((3, 3, 1, 16)) == (9, 16)
+  assert matrix_shape((64, 3, 4, 16)) == (64, 192)  # tie with 192 x 64: the first split (inputs x outputs)
   assert matrix_shape((3, 3, 8, 64)) == (72, 64) and matrix_shape((5, 4, 7)) == (20, 7)
   compression = jaxdp.powersgd(rank=2)  # min_compression_rate 2: m*n > (m+n)*2*2
   assert leaf_rank((3, 3, 8, 64), compression) == 2  # 4608 > 544; as 3 x 1536 it was sent exactly (4608 <= 6156)

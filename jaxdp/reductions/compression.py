@@ -119,14 +119,22 @@ def check_compression(compression: Any) -> None:
 
 
 def matrix_shape(shape: tuple) -> tuple[int, int]:
-  """The ``(m, n)`` matrix PowerSGD views a leaf of ``shape`` (2 dims or more) as: ``prod(shape[:-1]) × shape[-1]``.
+  """The ``(m, n)`` matrix PowerSGD views a leaf of ``shape`` (2 dims or more) as: its most-square contiguous split.
 
-  Flax puts the output features last (a Dense kernel is ``[in, out]``, a convolution kernel ``[kh, kw, in, out]``),
-  so the matrix is ``inputs × outputs``, the view of Vogels et al. (torch's ``[out, in, kh, kw]`` as ``out × rest``,
-  transposed). A 2-D leaf is itself. A kernel with several output dimensions (``nnx.LinearGeneral`` with
-  ``out_features=(3, heads, head_dim)``: ``[d, 3, heads, head_dim]``) is ``(d·3·heads) × head_dim``.
+  Among the splits of the dims into a leading and a trailing group, ``m = prod(shape[:k])``, ``n = prod(shape[k:])``
+  for ``k = 1 .. ndim - 1``, it is the one with the smallest ``max(m, n) / min(m, n)`` (ties: the larger ``k``, output
+  dims last) — the split whose rank-``r`` factors ``r·(m + n)`` are fewest, so the best compression the shape allows.
+  A 2-D leaf is itself. A flax convolution kernel ``[3, 3, 16, 32]`` is ``144 × 32`` (inputs × outputs),
+  ``[3, 3, 1, 16]`` is ``9 × 16``, an ``nnx.LinearGeneral`` kernel ``[64, 3, 4, 16]`` is ``64 × 192``.
   """
-  return math.prod(shape[:-1]), shape[-1]
+  best = None
+  for k in range(1, len(shape)):
+    m, n = math.prod(shape[:k]), math.prod(shape[k:])
+    # Compare max/min ratios by cross-multiplying (exact in integers); a zero-size dim makes every split equal.
+    key = (max(m, n) * min(best) if best else 0, max(best) * min(m, n) if best else 0)
+    if best is None or key[0] < key[1]:
+      best = (m, n)
+  return best
 
 
 def leaf_rank(shape: tuple, compression: PowerSGD, dtype: Any = jnp.float32) -> int | None:
