@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jaxdp
+from helpers import assert_close_to_scale
 from helpers import mesh_of as _mesh
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -23,7 +24,10 @@ def _params(seed=0, shapes=None):
 
 def loss_fn(params, batch):
   h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
-  return jnp.sum((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
+  out = h @ params["w2"]
+  if "conv" in params:  # a flax-layout convolution kernel [kh, kw, in, out] over x seen as a 2 x 2 x 2 image
+    out = out + jnp.einsum("rhwc,hwco->ro", batch["x"].reshape(-1, 2, 2, 2), params["conv"])
+  return jnp.sum((out - batch["y"]) ** 2, axis=-1)
 
 
 def _batch(rows=16, seed=1):
@@ -70,7 +74,11 @@ def _reference(params, q0, batches, weights, n, rank_of):
       if k not in q:
         summed[k] = sum(g[k] for g in local)
         continue
-      ms = [(local[i][k] + errors[k][i]).reshape(params[k].shape[0], -1) for i in range(n)]
+      # the matrix of a leaf: the split shape[:k] x shape[k:] closest to square (ties: the first found, smaller k)
+      shape = params[k].shape
+      splits = [(int(np.prod(shape[:j])), int(np.prod(shape[j:]))) for j in range(1, len(shape))]
+      cols = min(splits, key=lambda mn: max(mn) / min(mn))[1]
+      ms = [(local[i][k] + errors[k][i]).reshape(-1, cols) for i in range(n)]
       p = sum(m @ q[k] for m in ms)
       p = jnp.linalg.qr(p)[0]
       q[k] = sum(m.T @ p for m in ms)
@@ -85,13 +93,15 @@ def _reference(params, q0, batches, weights, n, rank_of):
 @pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_matches_a_plain_reference_with_uneven_weights(zero_stage):
   # At stages 2-3 the low-rank factors are all-reduced and each device keeps its slice of the decompressed sum.
-  params, n = _params(), 4
+  # conv [2, 2, 2, 6] is the matrix 8 x 6 (rank 2 loses; shape[0] x rest, 2 x 24, would be exact at rank 2).
+  params, n = _params(shapes={"w1": (8, 12), "b1": (12,), "w2": (12, 6), "conv": (2, 2, 2, 6)}), 4
   compression = jaxdp.powersgd(rank=2, start_iter=0, min_compression_rate=0)
   batches = [_batch(seed=s) for s in (1, 2, 3)]
   weights = _uneven_weights(n=n)
   states = _run(params, batches, weights, n=n, compression=compression, zero_stage=zero_stage)
   q0 = {k: v for k, v in states[0].compression.q.items() if v is not None}
-  assert set(q0) == {"w1", "w2"} and states[0].compression.q["b1"] is None
+  assert set(q0) == {"w1", "w2", "conv"} and states[0].compression.q["b1"] is None
+  assert q0["conv"].shape == (6, 2) and states[0].compression.error["conv"].shape == (n, 2, 2, 2, 6)
   trace = _reference(params, q0, batches, weights, n, None)
   for state, (ref_params, ref_q, ref_errors) in zip(states[1:], trace):
     for k in params:
@@ -130,6 +140,19 @@ def test_full_rank_equals_the_exact_step(zero_stage):
               compression=jaxdp.powersgd(rank=12, start_iter=0, min_compression_rate=0))
   for k in params:
     np.testing.assert_allclose(full[-1].params[k], exact[-1].params[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_full_rank_of_a_conv_kernel_equals_the_exact_step(zero_stage):
+  # conv [2, 2, 2, 6] is the matrix 8 x 6 (its rank is capped at 6), so it is sent whole like w1 and w2; the
+  # trained parameters carry QR's float32 round-off (1.2e-5 of the scale measured).
+  params = _params(shapes={"w1": (8, 12), "b1": (12,), "w2": (12, 6), "conv": (2, 2, 2, 6)})
+  batches, weights = [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  exact = _run(params, batches, weights)
+  compression = jaxdp.powersgd(rank=12, start_iter=0, min_compression_rate=0)
+  full = _run(params, batches, weights, zero_stage=zero_stage, compression=compression)
+  assert full[0].compression.q["conv"].shape == (6, 6)
+  assert_close_to_scale(full[-1].params, exact[-1].params, rtol=5e-5)
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
@@ -197,6 +220,22 @@ def test_start_iter_steps_are_exact_and_small_leaves_too():
   assert state.compression.q["w1"].shape == (12, 2) and state.compression.error["w1"].shape == (4, 8, 12)
 
 
+def test_a_leaf_of_more_dims_is_its_most_square_split():
+  # the split shape[:k] x shape[k:] closest to square: the fewest rank-r factor values r*(m+n)
+  from jaxdp.reductions.compression import leaf_rank, matrix_shape
+
+  assert matrix_shape((8, 12)) == (8, 12) and matrix_shape((12, 8)) == (12, 8)
+  assert matrix_shape((3, 3, 16, 32)) == (144, 32) and matrix_shape((3, 3, 1, 16)) == (9, 16)
+  assert matrix_shape((64, 3, 4, 16)) == (64, 192)  # tie with 192 x 64: the first split (inputs x outputs)
+  assert matrix_shape((3, 3, 8, 64)) == (72, 64) and matrix_shape((5, 4, 7)) == (20, 7)
+  compression = jaxdp.powersgd(rank=2)  # min_compression_rate 2: m*n > (m+n)*2*2
+  assert leaf_rank((3, 3, 8, 64), compression) == 2  # 4608 > 544; as 3 x 1536 it was sent exactly (4608 <= 6156)
+  assert leaf_rank((3, 3, 1, 4), compression) is None  # 9 x 4: 36 <= 52, too small to pay
+  params = {"conv": np.zeros((3, 3, 8, 64), np.float32)}
+  state = jaxdp.init_compression(params, compression, 4)
+  assert state.q["conv"].shape == (64, 2) and state.error["conv"].shape == (4, 3, 3, 8, 64)
+
+
 def _all_reduce_sizes(hlo):
   from jaxdp.analysis.reports import hlo_collectives
 
@@ -242,6 +281,23 @@ def test_checkpoint_round_trip(tmp_path):
       ckpt.restore(params=params, optimizer=opt, mesh=_mesh(2), compression=compression)
     with pytest.raises(ValueError, match="compression"):
       ckpt.restore(params=params, optimizer=opt, mesh=mesh)
+
+
+def test_a_checkpoint_of_the_old_matrix_view_is_refused(tmp_path):
+  """Before, a leaf of 3+ dims was the matrix shape[0] x rest, so its saved Q was [prod(shape[1:]), r]; such a
+  checkpoint is refused by name, not restored into a step that would multiply by the wrong Q."""
+  params = _params(shapes={"w1": (8, 12), "b1": (12,), "w2": (12, 6), "conv": (2, 2, 2, 6)})
+  mesh, opt = _mesh(4), optax.sgd(LR)
+  compression = jaxdp.powersgd(rank=1, start_iter=0, min_compression_rate=0)
+  state = jaxdp.init_state(params, opt, mesh, compression=compression)
+  assert state.compression.q["conv"].shape == (6, 1)
+  old_q = jax.device_put(np.ones((2 * 2 * 6, 1), np.float32), state.compression.q["conv"].sharding)
+  old = state._replace(compression=state.compression._replace(q={**state.compression.q, "conv": old_q}))
+  with jaxdp.CheckpointManager(tmp_path / "ckpt") as ckpt:
+    ckpt.save(1, old, force=True)
+    ckpt.wait()
+    with pytest.raises(ValueError, match=r"compression/q/conv: shape \(24, 1\) in the checkpoint, \(6, 1\) in the target"):
+      ckpt.restore(params=params, optimizer=opt, mesh=mesh, compression=compression)
 
 
 @pytest.mark.parametrize("rank", [0, -1, 1.5, True, "2"])

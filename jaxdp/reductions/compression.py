@@ -2,7 +2,9 @@
 
 The exact step all-reduces every gradient leaf whole. With
 ``make_train_step(..., compression=jaxdp.powersgd(rank=2))`` each large
-matrix leaf ``[m, n]`` (``shape[0] × rest``) instead sends two small sums,
+leaf, viewed as the matrix ``[m, n]`` with ``m = prod(shape[:-1])`` and
+``n = shape[-1]`` (flax's layout puts the output features last; see
+:func:`matrix_shape`), instead sends two small sums,
 ``P = Σ_i M_i Q`` (``[m, r]``) and ``Q' = Σ_i M_iᵀ P̂`` (``[n, r]``), where
 ``M_i`` is replica ``i``'s local weighted gradient sum ``Σ w·∇l`` plus its
 error feedback ``e_i`` and ``P̂`` is ``P`` orthonormalised (QR, float32).
@@ -116,11 +118,30 @@ def check_compression(compression: Any) -> None:
              min_compression_rate=compression.min_compression_rate, seed=compression.seed)
 
 
+def matrix_shape(shape: tuple) -> tuple[int, int]:
+  """The ``(m, n)`` matrix PowerSGD views a leaf of ``shape`` (2 dims or more) as: its most-square contiguous split.
+
+  Among the splits of the dims into a leading and a trailing group, ``m = prod(shape[:k])``, ``n = prod(shape[k:])``
+  for ``k = 1 .. ndim - 1``, it is the one with the smallest ``max(m, n) / min(m, n)`` (ties: the larger ``k``, output
+  dims last) — the split whose rank-``r`` factors ``r·(m + n)`` are fewest, so the best compression the shape allows.
+  A 2-D leaf is itself. A flax convolution kernel ``[3, 3, 16, 32]`` is ``144 × 32`` (inputs × outputs),
+  ``[3, 3, 1, 16]`` is ``9 × 16``, an ``nnx.LinearGeneral`` kernel ``[64, 3, 4, 16]`` is ``64 × 192``.
+  """
+  best = None
+  for k in range(1, len(shape)):
+    m, n = math.prod(shape[:k]), math.prod(shape[k:])
+    # Compare max/min ratios by cross-multiplying (exact in integers); a zero-size dim makes every split equal.
+    key = (max(m, n) * min(best) if best else 0, max(best) * min(m, n) if best else 0)
+    if best is None or key[0] < key[1]:
+      best = (m, n)
+  return best
+
+
 def leaf_rank(shape: tuple, compression: PowerSGD, dtype: Any = jnp.float32) -> int | None:
   """The rank a leaf of ``shape`` and ``dtype`` is compressed at, or ``None`` where it is reduced exactly."""
   if len(shape) < 2 or not jnp.issubdtype(dtype, jnp.floating):
     return None
-  m, n = shape[0], math.prod(shape[1:])
+  m, n = matrix_shape(shape)
   r = min(compression.rank, m, n)
   if m * n <= (m + n) * r * compression.min_compression_rate or not m * n:
     return None
@@ -152,7 +173,7 @@ def init_compression(params: Any, compression: PowerSGD | None, replicas: int) -
       errors.append(None)
       continue
     acc = jnp.promote_types(dtype, jnp.float32)  # gradients are summed in float32 at least
-    qs.append(jax.random.normal(jax.random.fold_in(key, k), (math.prod(shape[1:]), r), acc))
+    qs.append(jax.random.normal(jax.random.fold_in(key, k), (matrix_shape(shape)[1], r), acc))
     errors.append(jnp.zeros((replicas, *shape), acc))
   return PowerSGDState(treedef.unflatten(qs), treedef.unflatten(errors), jnp.zeros((), jnp.int32))
 
@@ -227,7 +248,7 @@ def powersgd_sum(grads: list, state: PowerSGDState, compression: PowerSGD, axis_
 
   def compressed(operand):
     grads, qs, errors = operand
-    ms = [(g + e[0].astype(g.dtype)).reshape(g.shape[0], -1) for g, e in zip(grads, errors)]
+    ms = [(g + e[0].astype(g.dtype)).reshape(matrix_shape(g.shape)) for g, e in zip(grads, errors)]
     ps = lax.psum([m @ q.astype(m.dtype) for m, q in zip(ms, qs)], axes)
     ps = [_orthonormal(p) for p in ps]
     new_qs = lax.psum([m.T @ p for m, p in zip(ms, ps)], axes)
