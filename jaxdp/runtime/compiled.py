@@ -99,7 +99,9 @@ class CompiledStep:
     self.accum_steps, self.zero_stage = config.accum_steps, layout.zero_stage
     self.max_consecutive_skips = max_consecutive_skips
     self.loss_scaling = config.loss_scaling
-    self.consecutive_skips = 0  # non-finite steps in a row, as of the last count read
+    self._skips = 0  # non-finite steps in a row, as of the last count read (consecutive_skips)
+    self._skips_unread = None  # the count a call chose, not read: below the limit (read by consecutive_skips)
+    self._skips_bound = 0  # at least the chosen count: it grows by at most one a call
     self._skips_padded = False  # whether one of those steps had padding rows (all-zero weight)
     # The guards run on the devices (host_inputs.Guard, carried from program to program); the host reads:
     self._guard = None  # the latest Guard, the next call's input
@@ -119,9 +121,17 @@ class CompiledStep:
     self._per_device = _per_device_weights(mesh, self._split)
     self._traces = 0  # times JAX traced one of this step's programs (one per layout, once)
 
+  @property
+  def consecutive_skips(self) -> int:
+    """Non-finite steps in a row, as counted up to the step whose count the last call checked."""
+    if self._skips_unread is not None:  # that call did not need the value: read now
+      self._skips = self._skips_bound = host_inputs.read_scalar(self._skips_unread)
+      self._skips_unread = None
+    return self._skips
+
   def reset_nonfinite_guard(self) -> None:
     """Clears the count of consecutive non-finite steps, so that a tripped step runs again."""
-    self.consecutive_skips = 0
+    self._skips, self._skips_unread, self._skips_bound = 0, None, 0
     self._skips_padded = False
     self._pending.clear()
     self._pending_padded.clear()
@@ -160,18 +170,25 @@ class CompiledStep:
     # the previous step to run while this one is prepared and dispatched. With several processes, only by
     # count: whether a count is ready depends on each process's timing, and every process must trip at the same
     # call (else one leaves the job while another waits in the next collective).
-    pending, ready = self._pending, jax.process_count() == 1
-    if self.consecutive_skips < self.max_consecutive_skips and pending:
+    # The count grows by at most one a call: a count that cannot have reached the limit (the last one read plus
+    # the calls since) is chosen but not read (a read is a transfer); consecutive_skips reads it if asked.
+    pending, ready, limit = self._pending, jax.process_count() == 1, self.max_consecutive_skips
+    if self._skips_bound < limit and pending:  # once tripped the bound is the count read: no more reads
       newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - _MAX_UNREAD_FLAGS
       if newest >= 0:
         for _ in range(newest):
           self._pending_padded.pop(id(pending.popleft()), None)
         count = pending.popleft()
         padded = self._pending_padded.pop(id(count), None)
-        self.consecutive_skips = host_inputs.read_scalar(count)
-        self._skips_padded = bool(self.consecutive_skips and padded is not None and host_inputs.read_total(padded))
+        bound = self._skips_bound + newest + 1
+        if bound < limit:
+          self._skips_unread, self._skips_bound = count, bound
+        else:
+          self._skips = self._skips_bound = host_inputs.read_scalar(count)
+          self._skips_unread = None
+          self._skips_padded = bool(self._skips and padded is not None and host_inputs.read_total(padded))
     # Once tripped it stays tripped (nothing runs, so no good step can clear it) until reset_nonfinite_guard().
-    if self.consecutive_skips >= self.max_consecutive_skips:
+    if self._skips >= limit:
       padding = (
           " These batches hold padding rows (weight 0). Weight 0 keeps a row out of the sums but not out of the "
           "gradient: a row the model turns into NaN (e.g. an all-zero row under a length mask: a softmax over no "
@@ -180,7 +197,7 @@ class CompiledStep:
           "pipelines do by default (pad='copy')."
       ) if self._skips_padded else ""
       raise FloatingPointError(
-          f"the last {self.consecutive_skips} steps all had a NaN or Inf gradient or loss on at least one replica; "
+          f"the last {self._skips} steps all had a NaN or Inf gradient or loss on at least one replica; "
           "every replica skipped them, so the replicas are still consistent and the state passed in is the last good "
           f"one.{padding} Lower the learning rate, check the data, or raise max_consecutive_skips; then call "
           "step.reset_nonfinite_guard() to run again."

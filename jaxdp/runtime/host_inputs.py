@@ -45,6 +45,8 @@ def mark_donated(leaves: list) -> None:
   """Records that a step consumed ``leaves``, the arrays of a placed state (see
   :func:`jaxdp.core.checks.mark_donated`)."""
   global _donations
+  if all(map(_is_deleted, leaves)):  # the usual case: XLA deleted every donated buffer
+    return
   alive = list(itertools.filterfalse(_is_deleted, leaves))
   if alive:  # most are deleted by the donation; a live numpy view keeps some (CPU)
     _donations += 1
