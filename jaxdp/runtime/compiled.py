@@ -174,7 +174,10 @@ class CompiledStep:
     # the calls since) is chosen but not read (a read is a transfer); consecutive_skips reads it if asked.
     pending, ready, limit = self._pending, jax.process_count() == 1, self.max_consecutive_skips
     if self._skips_bound < limit and pending:  # once tripped the bound is the count read: no more reads
-      newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - _MAX_UNREAD_FLAGS
+      if self._skips_bound + len(pending) < limit:  # even the newest count is below the limit
+        newest = len(pending) - 1
+      else:
+        newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - _MAX_UNREAD_FLAGS
       if newest >= 0:
         for _ in range(newest):
           self._pending_padded.pop(id(pending.popleft()), None)
