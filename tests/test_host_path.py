@@ -146,6 +146,39 @@ def test_what_the_fast_path_skips_is_checked_again_once_anything_changes(monkeyp
   step(swapped, batch, weights)
 
 
+def test_a_known_state_donated_to_another_program_is_still_refused():
+  """The fast path still looks for deleted leaves: JAX's dispatch crashes the process on a donated buffer."""
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH)
+  state, batch, weights = inputs()
+  state, _ = step(state, batch, weights)
+  jax.jit(lambda x: x * 2, donate_argnums=0)(state.params["w"])  # the user's own program consumes one leaf
+  with pytest.raises(ValueError, match=r"state.params\['w'\] was donated to an earlier step"):
+    step(state, batch, weights)
+
+
+def test_the_nonfinite_count_is_read_only_once_it_may_have_reached_the_limit(monkeypatch):
+  """A count grows by at most one a call: below the limit it is not read (a transfer), and the guard still
+  trips one call after the limit is reached when the steps keep up."""
+  limit = 4
+  step = jaxdp.make_train_step(loss_fn, OPT, MESH, max_consecutive_skips=limit)
+  state, batch, weights = inputs()
+  reads = []
+  read = host_inputs.read_scalar
+  monkeypatch.setattr(host_inputs, "read_scalar", lambda x: reads.append(x) or read(x))
+  calls = 2 * limit + 1
+  for _ in range(calls):
+    state, _ = jax.block_until_ready(step(state, batch, weights))
+  # Call k checks call k-1's count; the bound reaches the limit every `limit` checks.
+  assert len(reads) == (calls - 1) // limit
+  nan = jax.tree.map(lambda x: x.at[0].set(jnp.nan), batch)
+  with pytest.raises(FloatingPointError, match=rf"the last {limit} steps"):
+    for tripped_at in range(1, 2 * limit):
+      state, _ = jax.block_until_ready(step(state, nan, weights))
+      assert step.consecutive_skips == max(tripped_at - 1, 0)  # read on demand: as of the count last checked
+  assert tripped_at == limit + 1
+  assert int(state.step) == calls  # the non-finite steps were skipped
+
+
 CACHE_WORKER = textwrap.dedent("""
     import json, os, sys
     import jax

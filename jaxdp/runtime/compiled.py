@@ -172,12 +172,14 @@ class CompiledStep:
     # call (else one leaves the job while another waits in the next collective).
     # The count grows by at most one a call: a count that cannot have reached the limit (the last one read plus
     # the calls since) is chosen but not read (a read is a transfer); consecutive_skips reads it if asked.
-    pending, ready, limit = self._pending, jax.process_count() == 1, self.max_consecutive_skips
+    pending, limit = self._pending, self.max_consecutive_skips
     if self._skips_bound < limit and pending:  # once tripped the bound is the count read: no more reads
       if self._skips_bound + len(pending) < limit:  # even the newest count is below the limit
         newest = len(pending) - 1
+      elif jax.process_count() == 1 and pending[-1].is_ready():
+        newest = len(pending) - 1
       else:
-        newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - _MAX_UNREAD_FLAGS
+        newest = len(pending) - _MAX_UNREAD_FLAGS
       if newest >= 0:
         for _ in range(newest):
           self._pending_padded.pop(id(pending.popleft()), None)
@@ -330,7 +332,7 @@ class CompiledStep:
       raise
     if self.donate:
       host_inputs.mark_donated(leaves)
-    self._guard = host_inputs.Guard(*(new if new is not None else old for new, old in zip(guard, self._guard)))
+    self._guard = host_inputs.merge_guard(guard, self._guard)
     if guard.skips is not None:
       self._pending.append(guard.skips)  # the guard's own count: the user may delete or donate metrics
       self._pending_padded[id(guard.skips)] = guard.padded

@@ -256,6 +256,14 @@ def fresh_guard(guard: Guard | None, *, skips: bool, weights: bool, place_scalar
                part(guard.subnormal, weights, lambda: place_split(np.zeros((n,), np.int32))))
 
 
+def merge_guard(new: Guard, old: Guard) -> Guard:
+  """``new``, with ``old``'s part wherever ``new`` does not carry one (kept for a later call)."""
+  if (new.skips is not None or old.skips is None) and (new.padded is not None or old.padded is None) and (
+      new.subnormal is not None or old.subnormal is None):
+    return new  # the usual call: every part ``old`` had, carried
+  return Guard(*(part if part is not None else kept for part, kept in zip(new, old)))
+
+
 def update_guard(guard: Guard, flag: jax.Array, weights: Any, limit: int | None, per_device: Callable) -> Guard:
   """The guard after one step (traced in the step's program). ``flag``: the step's ``metrics["nonfinite"]``;
   ``per_device(weights)``: per device, whether it has a row of weight 0 and how many subnormal weights."""
@@ -277,4 +285,5 @@ def read_scalar(x: jax.Array) -> int:
 
 def read_total(x: jax.Array) -> int:
   """The sum of the values of this process's devices of a per-device array."""
-  return int(sum(np.sum(np.asarray(shard.data)) for shard in x.addressable_shards))
+  # addressable_data(i) is device i's buffer (shard 0 for all i when replicated), without building the Shards.
+  return int(sum(np.sum(np.asarray(x.addressable_data(i))) for i in range(len(x.sharding.addressable_devices))))
