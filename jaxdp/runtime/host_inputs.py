@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+import types
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -46,6 +47,8 @@ def mark_donated(leaves: list) -> None:
   """Records that a step consumed ``leaves``, the arrays of a placed state (see
   :func:`jaxdp.core.checks.mark_donated`)."""
   global _donations
+  if not leaves or _deleted(leaves, all):  # the usual case: XLA deleted every donated buffer
+    return
   alive = list(itertools.filterfalse(_is_deleted, leaves))
   if alive:  # most are deleted by the donation; a live numpy view keeps some (CPU)
     _donations += 1
@@ -53,6 +56,18 @@ def mark_donated(leaves: list) -> None:
 
 
 _is_deleted = operator.methodcaller("is_deleted")  # a placed state's leaves are all jax.Arrays
+
+
+def _deleted(leaves: list, reduce: Callable = any) -> bool:
+  """``reduce`` (``any`` or ``all``) of whether each of ``leaves`` (jax.Arrays, at least one) is deleted: by the
+  array class's own method when they all share it (a third of the cost of looking it up on each)."""
+  method = getattr(type(leaves[0]), "is_deleted", None)
+  if not isinstance(method, types.FunctionType):  # jax's own (compiled) method: it refuses any other class
+    try:
+      return reduce(map(method, leaves))
+    except TypeError:  # leaves of another array class
+      pass
+  return reduce(map(_is_deleted, leaves))
 
 
 class KnownState:
@@ -77,7 +92,7 @@ def known_state(known: KnownState | None, leaves: list, treedef: Any) -> Any:
   held = known.leaves if known.strong else [ref() for ref in known.leaves]
   # Deleted (consumed by a step since): JAX's dispatch does not always refuse a deleted donated array (it can
   # crash the process), so the state goes the full way, which names the leaf.
-  if all(map(operator.is_, leaves, held)) and not any(map(_is_deleted, leaves)):
+  if all(map(operator.is_, leaves, held)) and not (leaves and _deleted(leaves)):
     return known.key
   return None
 
@@ -242,6 +257,14 @@ def fresh_guard(guard: Guard | None, *, skips: bool, weights: bool, place_scalar
                part(guard.subnormal, weights, lambda: place_split(np.zeros((n,), np.int32))))
 
 
+def merge_guard(new: Guard, old: Guard) -> Guard:
+  """``new``, with ``old``'s part wherever ``new`` does not carry one (kept for a later call)."""
+  if (new.skips is not None or old.skips is None) and (new.padded is not None or old.padded is None) and (
+      new.subnormal is not None or old.subnormal is None):
+    return new  # the usual call: every part ``old`` had, carried
+  return Guard(*(part if part is not None else kept for part, kept in zip(new, old)))
+
+
 def update_guard(guard: Guard, flag: jax.Array, weights: Any, limit: int | None, per_device: Callable) -> Guard:
   """The guard after one step (traced in the step's program). ``flag``: the step's ``metrics["nonfinite"]``;
   ``per_device(weights)``: per device, whether it has a row of weight 0 and how many subnormal weights."""
@@ -347,4 +370,5 @@ def read_max(x: jax.Array) -> int:
 
 def read_total(x: jax.Array) -> int:
   """The sum of the values of this process's devices of a per-device array."""
-  return int(sum(np.sum(np.asarray(shard.data)) for shard in x.addressable_shards))
+  # addressable_data(i) is device i's buffer (shard 0 for all i when replicated), without building the Shards.
+  return int(sum(np.sum(np.asarray(x.addressable_data(i))) for i in range(len(x.sharding.addressable_devices))))
