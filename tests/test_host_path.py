@@ -156,6 +156,27 @@ def test_a_known_state_donated_to_another_program_is_still_refused():
     step(state, batch, weights)
 
 
+CACHE_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import jax
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    events = []
+    jax.monitoring.register_event_listener(lambda name, **_: events.append(name))
+    import numpy as np, optax, jaxdp
+    mesh = jaxdp.data_mesh(jax.devices()[:2])
+    loss_fn = lambda p, b: 0.5 * (b["x"] @ p["w"] - b["y"]) ** 2
+    state = jaxdp.init_state({"w": np.ones(3, np.float32)}, optax.sgd(0.1), mesh)
+    batch = {"x": np.ones((8, 3), np.float32), "y": np.zeros(8, np.float32)}
+    state, metrics = jaxdp.make_train_step(loss_fn, optax.sgd(0.1), mesh)(state, batch)
+    means = jaxdp.make_eval_step(loss_fn, mesh)(state, batch)
+    print(json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"),
+                      "misses": events.count("/jax/compilation_cache/cache_misses"),
+                      "loss": float(metrics["loss"]), "eval": float(means["loss"])}))
+""")
+
+
 def test_a_second_process_gets_its_first_step_from_the_persistent_cache(tmp_path):
   """Two processes with the same model and a shared cache directory: the second compiles nothing."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")
