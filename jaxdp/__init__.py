@@ -2,31 +2,31 @@
 
 Each device of a mesh axis holds a full replica of the model, computes the
 gradient of its own examples, the replicas agree on one gradient with
-``lax.psum`` and every replica applies the same optax update. The default
+`lax.psum` and every replica applies the same optax update. The default
 reduction is the exact gradient of the global weighted mean, whatever the
 split of examples or tokens over devices.
 
-The step's options are three values: the layout (:func:`data_parallel`: the
+The step's options are three values: the layout (`data_parallel`: the
 mesh, data axes, ZeRO stage, stacks of layers, pipeline), the reduction
-(:mod:`jaxdp.reductions`) and the precision policy (:func:`precision`).
-Functional core (compose these inside your own ``shard_map``/``pmap``):
-:func:`loss_sums`, :func:`local_gradient`, :func:`reduce_gradient`,
-:func:`gradient_step`, :func:`finish_step`, :func:`apply_update`,
-:func:`train_step`, :func:`eval_sums`. Edges: :func:`make_train_step`,
-:func:`make_eval_step`, :func:`init_state`, :func:`split_batch`,
-:class:`DataPipeline`, :class:`CheckpointManager`. Model libraries:
-:mod:`jaxdp.adapters.nnx`, :mod:`jaxdp.adapters.linen`, :mod:`jaxdp.adapters.batchnorm`.
+(`jaxdp.reductions`) and the precision policy (`precision`).
+Functional core (compose these inside your own `shard_map`/`pmap`):
+`loss_sums`, `local_gradient`, `reduce_gradient`,
+`gradient_step`, `finish_step`, `apply_update`,
+`train_step`, `eval_sums`. Edges: `make_train_step`,
+`make_eval_step`, `init_state`, `split_batch`,
+`DataPipeline`, `CheckpointManager`. Model libraries:
+`jaxdp.adapters.nnx`, `jaxdp.adapters.linen`, `jaxdp.adapters.batchnorm`.
 
 The package's folders are its layers, each importing only from those before
-it: ``core`` (the state, the loss protocol, checks, randomness, precision),
-``reductions``, ``sharding`` (layouts, ZeRO, layer-wise, pipelines, the
-layout value), ``analysis`` (reports, the scaling model), ``training`` (the
-pure step), ``runtime`` (the jitted steps, processes, the launcher), ``io``
-(data, checkpoints) and ``adapters`` (flax nnx and linen). The names are imported on
-first use (PEP 562), so that ``python -m jaxdp.launch``, which imports this
+it: `core` (the state, the loss protocol, checks, randomness, precision),
+`reductions`, `sharding` (layouts, ZeRO, layer-wise, pipelines, the
+layout value), `analysis` (reports, the scaling model), `training` (the
+pure step), `runtime` (the jitted steps, processes, the launcher), `io`
+(data, checkpoints) and `adapters` (flax nnx and linen). The names are imported on
+first use (PEP 562), so that `python -m jaxdp.launch`, which imports this
 package first, starts its workers without importing jax, flax or orbax. The
-module paths of jaxdp 0.1 (``jaxdp.layout``, ``jaxdp.nnx``, ...) still import,
-with a ``DeprecationWarning`` naming the new one.
+module paths of jaxdp 0.1 (`jaxdp.layout`, `jaxdp.nnx`, ...) still import,
+with a `DeprecationWarning` naming the new one.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ class _ForwardedModule(types.ModuleType):
 
 
 class _OldModulePaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-  """``import jaxdp.layout`` (a path of jaxdp 0.1): a module forwarding to ``jaxdp.sharding.layout``, after a
-  ``DeprecationWarning``. Only the names of :data:`_MOVED_MODULES` are answered; nothing else is touched."""
+  """`import jaxdp.layout` (a path of jaxdp 0.1): a module forwarding to `jaxdp.sharding.layout`, after a
+  `DeprecationWarning`. Only the names of `_MOVED_MODULES` are answered; nothing else is touched."""
 
   def find_spec(self, fullname, path=None, target=None):
     if fullname in _MOVED_MODULES:

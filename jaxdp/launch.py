@@ -1,4 +1,4 @@
-"""``python -m jaxdp.launch``: the launcher's command line (:mod:`jaxdp.runtime.launch`), under its usual name.
+"""`python -m jaxdp.launch`: the launcher's command line (`jaxdp.runtime.launch`), under its usual name.
 
 Imports no jax: the launcher starts its workers before any of them initialises a backend.
 """

@@ -1,51 +1,51 @@
 """Cross-replica batch normalisation with exact statistics over uneven, padded batches.
 
-jaxdp pads uneven per-device batches with rows of weight 0 (``shard_uneven``,
-``DataPipeline``). Batch statistics must then come from the real rows of
+jaxdp pads uneven per-device batches with rows of weight 0 (`shard_uneven`,
+`DataPipeline`). Batch statistics must then come from the real rows of
 *all* devices, each row counted with its weight, as if one device held the
 whole global batch. Two common recipes get this wrong:
 
-* flax's ``BatchNorm(axis_name=..., mask=...)`` takes each device's masked
-  mean and averages those with equal weight (``pmean``). With uneven numbers
+* flax's `BatchNorm(axis_name=..., mask=...)` takes each device's masked
+  mean and averages those with equal weight (`pmean`). With uneven numbers
   of real rows that is not the global mean (a device with one real row
   weighs as much as one with a hundred), and a device with no real row
   contributes NaN.
 * without a mask, the zero-weight padding rows enter the statistics.
 
-Here each device computes three sums over its rows, ``Σw``, ``Σw·x`` and
-``Σw·x²``, and one ``lax.psum`` of the three (a tuple psum, which XLA emits
-as a single variadic all-reduce) makes them global. Then ``mean = Σw·x / Σw``
-and ``var = max(0, Σw·x² / Σw − mean²)`` (flax's "fast variance": biased,
+Here each device computes three sums over its rows, `Σw`, `Σw·x` and
+`Σw·x²`, and one `lax.psum` of the three (a tuple psum, which XLA emits
+as a single variadic all-reduce) makes them global. Then `mean = Σw·x / Σw`
+and `var = max(0, Σw·x² / Σw − mean²)` (flax's "fast variance": biased,
 clamped at 0 against round-off), in float32 at least.
 
-Where the statistics come from (``axis_name``):
+Where the statistics come from (`axis_name`):
 
-* :data:`STEP_AXIS` (the default): the data axis of the jaxdp step whose
-  ``loss_fn`` is running (``make_train_step``'s, ``make_eval_step``'s or
-  ``train_step``'s ``axis_name``: ``"batch"``, or ``("replica", "data")`` on
+* `STEP_AXIS` (the default): the data axis of the jaxdp step whose
+  `loss_fn` is running (`make_train_step`'s, `make_eval_step`'s or
+  `train_step`'s `axis_name`: `"batch"`, or `("replica", "data")` on
   a hybrid mesh), whatever the mesh calls it; outside a jaxdp step,
-  ``"data"``.
+  `"data"`.
 * a name (or tuple of names) *bound in the current trace* (inside
-  ``shard_map``/``pmap``/named ``vmap`` over it): synchronised statistics
+  `shard_map`/`pmap`/named `vmap` over it): synchronised statistics
   over the real rows of every device of the axis (SyncBatchNorm, exact for
   any split, zero-row devices included). Inside a jaxdp step, a name that is
-  not bound there is refused (``ValueError``): it would silently give each
+  not bound there is refused (`ValueError`): it would silently give each
   device's own statistics.
 * a name that is *not* bound (plain single-device code, evaluation after
-  training, or ``jit`` over globally sharded arrays, where XLA partitions
+  training, or `jit` over globally sharded arrays, where XLA partitions
   the sums itself): statistics over the whole batch the code sees, which is
   then the global batch. The same model code runs in both places.
-* ``None``: each device's own rows only ("local" statistics, PyTorch DDP
+* `None`: each device's own rows only ("local" statistics, PyTorch DDP
   without SyncBatchNorm).
 
-Gradients are exact too: inside ``shard_map`` (``check_vma=True``) the
+Gradients are exact too: inside `shard_map` (`check_vma=True`) the
 transpose of the psum hands every device the sum over devices of the
 cotangents of the statistics, so each device's input gradient is that of the
 global-batch loss (tested against a single-device reference; with
-``check_vma=False`` the psum transposes to a psum, with the same result).
+`check_vma=False` the psum transposes to a psum, with the same result).
 
-If no row has weight (``Σw == 0``), mean and var are 0 rather than NaN, and
-:class:`BatchNorm` leaves its running statistics unchanged.
+If no row has weight (`Σw == 0`), mean and var are 0 rather than NaN, and
+`BatchNorm` leaves its running statistics unchanged.
 
 Accuracy: the only difference from one device holding the concatenated real
 rows is the order of the float32 additions (per device, then across
@@ -55,8 +55,8 @@ a float64 reference to a few eps of E[|x|] and E[x²] respectively (the
 tests check 2e-6 of those scales on up to 8 devices). As with flax's fast variance, var loses about log2(E[x²]/var)
 bits to cancellation, and the backward pass, which divides by σ, amplifies
 that for nearly constant features. On one device with no padding and no
-mask, :class:`BatchNorm` runs the same float32 operations as flax's
-``nnx.BatchNorm`` and equals it bitwise (tested, eagerly and under jit).
+mask, `BatchNorm` runs the same float32 operations as flax's
+`nnx.BatchNorm` and equals it bitwise (tested, eagerly and under jit).
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ class _StepAxis:
 
 
 STEP_AXIS = _StepAxis()
-"""The default ``axis_name`` of :class:`BatchNorm` and :func:`masked_moments`: the enclosing jaxdp step's data
-axis (``"data"`` outside a step)."""
+"""The default `axis_name` of `BatchNorm` and `masked_moments`: the enclosing jaxdp step's data
+axis (`"data"` outside a step)."""
 
 
 def _statistics_axis(axis_name: Any) -> Any:
-  """The axis (or axes, or ``None``) to sum the statistics over, ``axis_name`` resolved against the step's."""
+  """The axis (or axes, or `None`) to sum the statistics over, `axis_name` resolved against the step's."""
   step = step_axis()
   if axis_name is STEP_AXIS:
     return "data" if step is None else step
@@ -117,7 +117,7 @@ def _statistics_axis(axis_name: Any) -> Any:
 
 
 def _refuse_linen_batchnorm(next_fun, args, kwargs, context):
-  """A flax.linen method interceptor: a linen ``BatchNorm`` computing batch statistics raises, any other call runs."""
+  """A flax.linen method interceptor: a linen `BatchNorm` computing batch statistics raises, any other call runs."""
   module = context.module
   if isinstance(module, linen.BatchNorm) and context.method_name == "__call__":
     given = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
@@ -140,8 +140,8 @@ _PADDED_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdp_padde
 
 @contextlib.contextmanager
 def training_batch_guards():
-  """Entered while a training step traces ``loss_fn``: linen's own ``BatchNorm`` raises in training mode, and
-  :class:`BatchNorm` / :class:`jaxdp.adapters.linen.BatchNorm` without a mask and without step weights refuse to
+  """Entered while a training step traces `loss_fn`: linen's own `BatchNorm` raises in training mode, and
+  `BatchNorm` / `jaxdp.adapters.linen.BatchNorm` without a mask and without step weights refuse to
   compute statistics."""
   token = _PADDED_STEP.set(True)
   try:
@@ -155,11 +155,11 @@ class Moments(NamedTuple):
   """Weighted batch statistics per feature.
 
   Attributes:
-    mean: ``Σw·x / Σw``, of the feature shape (the sizes of ``feature_axes``).
-    var: the biased (population) variance ``Σw·x² / Σw − mean²``, clamped at
+    mean: `Σw·x / Σw`, of the feature shape (the sizes of `feature_axes`).
+    var: the biased (population) variance `Σw·x² / Σw − mean²`, clamped at
       0 like flax's.
-    count: ``Σw`` over every reduced element (all devices when synchronised):
-      for ``x`` ``[b, h, w, c]`` with weights ``[b]`` it is ``h·w·Σw``. A
+    count: `Σw` over every reduced element (all devices when synchronised):
+      for `x` `[b, h, w, c]` with weights `[b]` it is `h·w·Σw`. A
       scalar, unless the weights vary along a feature axis (a full per-element
       mask): then it has the feature shape. Zero means no real rows, and then
       mean and var are 0.
@@ -179,14 +179,14 @@ def canonical_axes(ndim: int, axes: int | Sequence[int]) -> tuple[int, ...]:
 
 
 def _is_bound(axis_name: Any) -> bool:
-  """Whether ``axis_name`` names a mapped axis of the current trace (collectives over it work).
+  """Whether `axis_name` names a mapped axis of the current trace (collectives over it work).
 
-  ``lax.axis_size`` raises ``NameError`` ("unbound axis name") for a name that
-  no enclosing ``shard_map`` (manual axis), ``pmap`` or named ``vmap`` binds:
-  in eager code, under plain ``jit``, under ``jax.set_mesh`` (global view)
-  and inside a partial-manual ``shard_map`` that leaves the axis automatic
+  `lax.axis_size` raises `NameError` ("unbound axis name") for a name that
+  no enclosing `shard_map` (manual axis), `pmap` or named `vmap` binds:
+  in eager code, under plain `jit`, under `jax.set_mesh` (global view)
+  and inside a partial-manual `shard_map` that leaves the axis automatic
   (checked with jax 0.10.2). A mesh axis that is not manual is treated as
-  unbound even if a later JAX answers ``axis_size`` for it: there XLA
+  unbound even if a later JAX answers `axis_size` for it: there XLA
   partitions the sums over the global batch by itself.
   """
   if axis_name is None:
@@ -204,7 +204,7 @@ def _is_bound(axis_name: Any) -> bool:
 
 
 def _full_weights(weights: Any, shape: tuple[int, ...], features: tuple[int, ...], dtype) -> jax.Array:
-  """Weights as an array of rank ``len(shape)``, broadcastable to ``shape``, of ``dtype``."""
+  """Weights as an array of rank `len(shape)`, broadcastable to `shape`, of `dtype`."""
   w = jnp.asarray(weights)
   if w.ndim != len(shape):  # aligned with the non-feature axes, from the first one
     reduced = len(shape) - len(features)
@@ -225,7 +225,7 @@ def _full_weights(weights: Any, shape: tuple[int, ...], features: tuple[int, ...
 
 
 def _local_sums(x: jax.Array, w: jax.Array | None, reduce_axes: tuple[int, ...], features: tuple[int, ...]):
-  """``(Σw, Σw·x, Σw·x²)`` over this device's rows."""
+  """`(Σw, Σw·x, Σw·x²)` over this device's rows."""
   if w is None:  # the same operations as flax's unmasked jnp.mean, for bitwise parity
     count = jnp.asarray(math.prod(x.shape[i] for i in reduce_axes), x.dtype)
     return count, jnp.sum(x, reduce_axes), jnp.sum(lax.square(x), reduce_axes)
@@ -249,27 +249,27 @@ def masked_moments(
   """Weighted mean and biased variance per feature, over every device's real rows.
 
   Args:
-    x: the input, e.g. ``[b, c]`` or ``[b, h, w, c]``; float16/bfloat16 are
+    x: the input, e.g. `[b, c]` or `[b, h, w, c]`; float16/bfloat16 are
       upcast, statistics are computed in float32 at least.
-    weights: ``None`` (every element weighs 1; inside a jaxdp step, the
-      step's weights of the rows, see :func:`step_mask`), or bool/numeric values
-      ``>= 0``, 0 marking padding. Two broadcasting rules: weights of lower
-      rank than ``x`` are aligned with ``x``'s *non-feature* axes from the
-      first one, trailing size-1 axes being added (``[b]`` for ``x``
-      ``[b, h, w, c]`` acts as ``[b, 1, 1, 1]``); weights of ``x``'s rank (a
-      flax-style ``mask``) broadcast against ``x`` as numpy does. Elements of
-      weight 0 are excluded even when ``x`` is NaN there.
+    weights: `None` (every element weighs 1; inside a jaxdp step, the
+      step's weights of the rows, see `step_mask`), or bool/numeric values
+      `>= 0`, 0 marking padding. Two broadcasting rules: weights of lower
+      rank than `x` are aligned with `x`'s *non-feature* axes from the
+      first one, trailing size-1 axes being added (`[b]` for `x`
+      `[b, h, w, c]` acts as `[b, 1, 1, 1]`); weights of `x`'s rank (a
+      flax-style `mask`) broadcast against `x` as numpy does. Elements of
+      weight 0 are excluded even when `x` is NaN there.
     axis_name: the data-parallel axis (a name or a tuple of names); default
-      :data:`STEP_AXIS`, the enclosing jaxdp step's (else ``"data"``). When
-      bound in the current trace, one ``lax.psum`` makes the statistics
+      `STEP_AXIS`, the enclosing jaxdp step's (else `"data"`). When
+      bound in the current trace, one `lax.psum` makes the statistics
       global; when not bound, they cover the whole batch seen here (refused
-      inside a jaxdp step, see the module docstring); ``None``: this
+      inside a jaxdp step, see the module docstring); `None`: this
       device's rows only.
-    feature_axes: the axis or axes kept (like flax's ``axis``); all others
+    feature_axes: the axis or axes kept (like flax's `axis`); all others
       are reduced.
 
   Returns:
-    :class:`Moments` of the feature shape (``count``: see there).
+    `Moments` of the feature shape (`count`: see there).
   """
   x = jnp.asarray(x)
   dtype = jnp.promote_types(x.dtype, jnp.float32)  # float32 at least; float64 stays float64
@@ -292,7 +292,7 @@ def masked_moments(
 
 
 def _normalize(x, mean, var, scale, bias, feature_axes, dtype, epsilon):
-  """flax's ``_normalize``, operation for operation (so that outputs match it bitwise)."""
+  """flax's `_normalize`, operation for operation (so that outputs match it bitwise)."""
   stats_shape = tuple(n if i in feature_axes else 1 for i, n in enumerate(x.shape))
   mean = mean.reshape(stats_shape)
   var = var.reshape(stats_shape)
@@ -320,11 +320,11 @@ def check_supported(axis_index_groups: Any, use_fast_variance: bool) -> None:
 
 
 def step_mask(mask: Any, x: Any, feature_axes: tuple[int, ...], module: str, argument: str = "mask") -> Any:
-  """``mask``, or when it is ``None`` inside a jaxdp step the weights of the rows ``loss_fn`` runs on.
+  """`mask`, or when it is `None` inside a jaxdp step the weights of the rows `loss_fn` runs on.
 
-  The step's weights are this replica's (of the current micro-batch), ``[b]`` or ``[b, t]``; they fit an input
+  The step's weights are this replica's (of the current micro-batch), `[b]` or `[b, t]`; they fit an input
   whose non-feature axes start with their shape (the batch on axis 0, as for jaxdp's Dropout). An input they do
-  not fit is refused, naming ``argument``, rather than normalised over rows the weights do not describe.
+  not fit is refused, naming `argument`, rather than normalised over rows the weights do not describe.
   """
   if mask is not None:
     return mask
@@ -358,10 +358,10 @@ def refuse_unmasked_training(mask: Any, module: str, argument: str = "mask") -> 
 
 
 def _refuse_flax_nnx_batchnorm(call):
-  """Wraps flax's ``nnx.BatchNorm.__call__``: in training mode inside a jaxdp training step it raises.
+  """Wraps flax's `nnx.BatchNorm.__call__`: in training mode inside a jaxdp training step it raises.
 
-  The route that :func:`jaxdp.adapters.nnx.split` cannot see: a loss written by hand over flax's own ``nnx.split`` /
-  ``nnx.merge``. nnx has no method interceptor (linen's is used above), so the class's call is wrapped once;
+  The route that `jaxdp.adapters.nnx.split` cannot see: a loss written by hand over flax's own `nnx.split` /
+  `nnx.merge`. nnx has no method interceptor (linen's is used above), so the class's call is wrapped once;
   outside a jaxdp training step, or on running averages, it runs unchanged.
   """
 
@@ -389,7 +389,7 @@ _guarded_traces = [0]
 
 @contextlib.contextmanager
 def _nnx_batchnorm_guarded():
-  """flax's ``nnx.BatchNorm.__call__`` wrapped by :func:`_refuse_flax_nnx_batchnorm` while this is entered."""
+  """flax's `nnx.BatchNorm.__call__` wrapped by `_refuse_flax_nnx_batchnorm` while this is entered."""
   with _GUARD_LOCK:
     if _guarded_traces[0] == 0 and not getattr(nnx.BatchNorm.__call__, "__jaxdp_checked__", False):
       nnx.BatchNorm.__call__ = _refuse_flax_nnx_batchnorm(nnx.BatchNorm.__call__)
@@ -404,7 +404,7 @@ def _nnx_batchnorm_guarded():
 
 
 def running_update(running: jax.Array, batch: jax.Array, count: jax.Array, momentum: float) -> jax.Array:
-  """flax's ``momentum·running + (1 − momentum)·batch``; a batch without real rows (``count`` 0) leaves it as is."""
+  """flax's `momentum·running + (1 − momentum)·batch`; a batch without real rows (`count` 0) leaves it as is."""
   batch = batch.reshape(running.shape) if batch.size == running.size else batch
   count = count.reshape(running.shape) if count.ndim else count
   new = momentum * running + (1 - momentum) * batch
@@ -414,22 +414,22 @@ def running_update(running: jax.Array, batch: jax.Array, count: jax.Array, momen
 class BatchNorm(nnx.Module):
   """Batch normalisation with exact cross-replica statistics over weighted, padded batches.
 
-  A drop-in replacement for flax's ``nnx.BatchNorm`` (same constructor, call,
-  parameters ``scale``/``bias`` and batch statistics ``mean``/``var``,
-  ``train()``/``eval()``/``nnx.view`` switching ``use_running_average``) whose
-  training-mode statistics are :func:`masked_moments`: weighted by ``mask``
-  over the real rows of every device of ``axis_name`` through one psum, not
-  an equal-weight ``pmean`` of per-device means. The running statistics
-  follow flax's update, ``ra = momentum·ra + (1 − momentum)·batch_stat``
+  A drop-in replacement for flax's `nnx.BatchNorm` (same constructor, call,
+  parameters `scale`/`bias` and batch statistics `mean`/`var`,
+  `train()`/`eval()`/`nnx.view` switching `use_running_average`) whose
+  training-mode statistics are `masked_moments`: weighted by `mask`
+  over the real rows of every device of `axis_name` through one psum, not
+  an equal-weight `pmean` of per-device means. The running statistics
+  follow flax's update, `ra = momentum·ra + (1 − momentum)·batch_stat`
   (biased variance), and stay unchanged when the batch has no real row.
 
-  Differences from ``nnx.BatchNorm``: ``axis_name`` defaults to
-  :data:`STEP_AXIS`, the data axis of the jaxdp step it runs in (``"data"``
-  outside one), and is only used when bound (outside ``shard_map`` the whole
-  local batch is the batch); ``axis_name=None`` gives per-device statistics.
-  ``mask`` may be numeric weights and may have lower rank than ``x`` (see
-  :func:`masked_moments`). ``axis_index_groups`` and
-  ``use_fast_variance=False`` are not supported (they would need other
+  Differences from `nnx.BatchNorm`: `axis_name` defaults to
+  `STEP_AXIS`, the data axis of the jaxdp step it runs in (`"data"`
+  outside one), and is only used when bound (outside `shard_map` the whole
+  local batch is the batch); `axis_name=None` gives per-device statistics.
+  `mask` may be numeric weights and may have lower rank than `x` (see
+  `masked_moments`). `axis_index_groups` and
+  `use_fast_variance=False` are not supported (they would need other
   collectives or a second psum). Statistics are computed in float32 at least.
 
   Args:
@@ -439,20 +439,20 @@ class BatchNorm(nnx.Module):
     momentum: decay rate of the running statistics.
     epsilon: added to the variance.
     dtype: the dtype of the result (default: inferred from input and params).
-    param_dtype: the dtype of ``scale`` and ``bias``.
-    use_bias: if True, add ``bias``.
-    use_scale: if True, multiply by ``scale``.
-    bias_init: initializer of ``bias`` (zeros).
-    scale_init: initializer of ``scale`` (ones).
+    param_dtype: the dtype of `scale` and `bias`.
+    use_bias: if True, add `bias`.
+    use_scale: if True, multiply by `scale`.
+    bias_init: initializer of `bias` (zeros).
+    scale_init: initializer of `scale` (ones).
     axis_name: the data-parallel axis to synchronise over when bound (a
       name or a tuple of names; default: the enclosing jaxdp step's data
-      axis), or ``None`` for per-device statistics.
+      axis), or `None` for per-device statistics.
     axis_index_groups: must be None.
-    use_fast_variance: must be True (``E[x²] − E[x]²``, as flax's default).
-    promote_dtype: as flax's: promotes ``(x, mean, var, scale, bias)``.
-    rngs: the ``nnx.Rngs`` for the initializers.
-    bias_metadata: metadata of the ``bias`` Param.
-    scale_metadata: metadata of the ``scale`` Param.
+    use_fast_variance: must be True (`E[x²] − E[x]²`, as flax's default).
+    promote_dtype: as flax's: promotes `(x, mean, var, scale, bias)`.
+    rngs: the `nnx.Rngs` for the initializers.
+    bias_metadata: metadata of the `bias` Param.
+    scale_metadata: metadata of the `scale` Param.
   """
 
   def __init__(
@@ -501,21 +501,21 @@ class BatchNorm(nnx.Module):
     self.promote_dtype = promote_dtype
 
   def __call__(self, x: jax.Array, use_running_average: bool | None = None, *, mask: jax.Array | None = None):
-    """Normalises ``x`` with batch statistics (training) or the running ones.
+    """Normalises `x` with batch statistics (training) or the running ones.
 
     Args:
-      x: the input; ``axis`` holds the features.
+      x: the input; `axis` holds the features.
       use_running_average: overrides the attribute of the same name.
-      mask: ``None`` (inside a jaxdp step: the step's weights of the rows,
-        see :func:`step_mask`) or weights ``>= 0`` (bool or numeric; 0 =
-        padding) of the leading non-feature axes (e.g. ``[b]``) or
-        broadcastable to ``x``.
+      mask: `None` (inside a jaxdp step: the step's weights of the rows,
+        see `step_mask`) or weights `>= 0` (bool or numeric; 0 =
+        padding) of the leading non-feature axes (e.g. `[b]`) or
+        broadcastable to `x`.
         Numeric weights weigh each row's statistics (frequency weights);
         flax's boolean mask counts each row once: with sample weights, pass
-        ``mask=weights > 0`` for flax's statistics.
+        `mask=weights > 0` for flax's statistics.
 
     Returns:
-      The normalised input, of ``x``'s shape.
+      The normalised input, of `x`'s shape.
     """
     if use_running_average is None:
       use_running_average = self.use_running_average
@@ -536,6 +536,6 @@ class BatchNorm(nnx.Module):
     return _normalize(x, mean, var, scale, bias, feature_axes, self.dtype, self.epsilon)
 
   def set_view(self, use_running_average: bool | None = None):
-    """Used by ``nnx.view``: sets ``use_running_average`` when given."""
+    """Used by `nnx.view`: sets `use_running_average` when given."""
     if use_running_average is not None:
       self.use_running_average = use_running_average

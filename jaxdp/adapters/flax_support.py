@@ -1,12 +1,12 @@
-"""flax's support in jaxdp's core, registered through :func:`jaxdp.core.loss.register_model_support`.
+"""flax's support in jaxdp's core, registered through `jaxdp.core.loss.register_model_support`.
 
 Imported by the core as soon as a program has imported flax (see
-:mod:`jaxdp.core.integrations`): from then on every training step refuses flax
-linen's ``BatchNorm`` statistics over padding rows, errors in a ``loss_fn``
-get flax-specific notes, :func:`jaxdp.init_state` unboxes linen's
-``nn.with_partitioning`` parameters, and a flax object where params or an
+`jaxdp.core.integrations`): from then on every training step refuses flax
+linen's `BatchNorm` statistics over padding rows, errors in a `loss_fn`
+get flax-specific notes, `jaxdp.init_state` unboxes linen's
+`nn.with_partitioning` parameters, and a flax object where params or an
 optax transformation go (an nnx Module or State, a linen variables dict, an
-``nnx.Optimizer``) is refused naming the jaxdp call that fixes it.
+`nnx.Optimizer`) is refused naming the jaxdp call that fixes it.
 """
 
 from __future__ import annotations
@@ -24,30 +24,30 @@ from jaxdp.adapters.batchnorm import training_batch_guards
 from jaxdp.core.loss import ModelSupport, register_model_support
 
 NNX_LOSS_ATTRIBUTE = "jaxdp_nnx_loss"
-"""Set on the losses :func:`jaxdp.adapters.nnx.loss` makes: their missing model state is reported by ``merge``."""
+"""Set on the losses `jaxdp.adapters.nnx.loss` makes: their missing model state is reported by `merge`."""
 
 BEFORE_STEP_ATTRIBUTE = "jaxdp_before_train_step"
-"""Set on the losses :func:`jaxdp.adapters.nnx.loss` makes: the check that their Module has not changed mode."""
+"""Set on the losses `jaxdp.adapters.nnx.loss` makes: the check that their Module has not changed mode."""
 
 
 @contextlib.contextmanager
 def tracing(train: bool):
-  """While a jaxdp step traces ``loss_fn``: the BatchNorm guards when training (its batch may hold padding
-  rows), and flax's partitioning boxes applied without the step's manual axes (:func:`annotations_in_step`)."""
+  """While a jaxdp step traces `loss_fn`: the BatchNorm guards when training (its batch may hold padding
+  rows), and flax's partitioning boxes applied without the step's manual axes (`annotations_in_step`)."""
   with annotations_in_step(), training_batch_guards() if train else contextlib.nullcontext():
     yield
 
 
 @contextlib.contextmanager
 def annotations_in_step():
-  """linen's ``nn.with_partitioning`` boxes, where flax applies them inside a jaxdp step, name no manual axis.
+  """linen's `nn.with_partitioning` boxes, where flax applies them inside a jaxdp step, name no manual axis.
 
-  flax applies a box's spec as a ``with_sharding_constraint`` whenever a mesh is in context, and inside the
-  step's ``shard_map`` one always is, its data axes manual: a box over ``"data"`` then fails (a manual axis, or
-  a rank error where ``nn.DenseGeneral`` constrains its flattened kernel). jaxdp takes an annotation's data
-  axis as the model's FSDP placement, which ``zero_stage=`` decides (:func:`jaxdp.init_state` drops it
+  flax applies a box's spec as a `with_sharding_constraint` whenever a mesh is in context, and inside the
+  step's `shard_map` one always is, its data axes manual: a box over `"data"` then fails (a manual axis, or
+  a rank error where `nn.DenseGeneral` constrains its flattened kernel). jaxdp takes an annotation's data
+  axis as the model's FSDP placement, which `zero_stage=` decides (`jaxdp.init_state` drops it
   too): here the box is applied over its other axes only (a model axis the compiler partitions is still
-  constrained). Entered only while a step traces ``loss_fn``; flax is unchanged outside it.
+  constrained). Entered only while a step traces `loss_fn`; flax is unchanged outside it.
   """
   original = meta.Partitioned.unbox
 
@@ -76,7 +76,7 @@ def _manual_axes() -> frozenset:
 
 
 def notes(error: BaseException, loss_fn: Callable, core_notes: list) -> list[str]:
-  """The core's notes for an error raised in ``loss_fn``, with flax's advice on a missing model state."""
+  """The core's notes for an error raised in `loss_fn`, with flax's advice on a missing model state."""
   if getattr(loss_fn, NNX_LOSS_ATTRIBUTE, False):  # jaxdp.adapters.nnx's merge reports a missing model state itself
     return [note for note in core_notes if "model_state=None" not in note]
   return [
@@ -87,8 +87,8 @@ def notes(error: BaseException, loss_fn: Callable, core_notes: list) -> list[str
 
 
 def unbox(params: Any) -> tuple[Any, Any]:
-  """``(params, specs)``: flax partitioning boxes (``nn.with_partitioning``'s ``Partitioned``) removed, and
-  the specs they carried (``None`` when there are no boxes)."""
+  """`(params, specs)`: flax partitioning boxes (`nn.with_partitioning`'s `Partitioned`) removed, and
+  the specs they carried (`None` when there are no boxes)."""
   is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
   if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
     return params, None
@@ -96,7 +96,7 @@ def unbox(params: Any) -> tuple[Any, Any]:
 
 
 def before_step(loss_fn: Callable) -> Callable[[], None] | None:
-  """The check a loss made by :func:`jaxdp.adapters.nnx.loss` carries, run before every compiled step."""
+  """The check a loss made by `jaxdp.adapters.nnx.loss` carries, run before every compiled step."""
   return getattr(loss_fn, BEFORE_STEP_ATTRIBUTE, None)
 
 
@@ -108,7 +108,7 @@ _LINEN_COLLECTIONS = ("batch_stats", "cache", "intermediates", "perturbations", 
 def check_params(params: Any, name: str) -> None:
   """Refuses the natural mistakes of a flax user where a parameter tree goes, naming the jaxdp call that fixes them:
   an nnx Module (or Optimizer), an nnx State with RNG or other non-parameter variables, and a linen variables dict
-  holding collections besides ``"params"``. The Module would otherwise be flattened, RNG counters and all."""
+  holding collections besides `"params"`. The Module would otherwise be flattened, RNG counters and all."""
   nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
   if nnx is not None and isinstance(params, (nnx.Module, nnx.Optimizer)):
     raise TypeError(
@@ -140,7 +140,7 @@ def check_params(params: Any, name: str) -> None:
 
 
 def check_optimizer(optimizer: Any, name: str) -> None:
-  """Refuses flax's ``nnx.Optimizer`` where an optax transformation goes, naming the transformation it wraps."""
+  """Refuses flax's `nnx.Optimizer` where an optax transformation goes, naming the transformation it wraps."""
   nnx = sys.modules.get("flax.nnx")  # loaded if the caller has an nnx object at all
   if nnx is not None and isinstance(optimizer, nnx.Optimizer):
     raise TypeError(
@@ -151,8 +151,8 @@ def check_optimizer(optimizer: Any, name: str) -> None:
 
 
 def example_ids() -> contextlib.AbstractContextManager:
-  """flax linen's own Dropout refused while a step with ``example_ids`` trains (it would draw one mask for every
-  replica); a linen model can only be in use if ``flax.linen`` is imported."""
+  """flax linen's own Dropout refused while a step with `example_ids` trains (it would draw one mask for every
+  replica); a linen model can only be in use if `flax.linen` is imported."""
   if "flax.linen" not in sys.modules:
     return contextlib.nullcontext()
   from jaxdp.adapters.linen import refusing_flax_dropout  # imported only for a program that uses linen
@@ -200,7 +200,7 @@ def check_identical(trees: list, names: list[str], is_leaf: Callable | None = No
 
 def stack_leaf(*xs: Any) -> Any:
   """One leaf of a stack: the blocks' values stacked on a new leading axis; flax partitioning boxes and nnx
-  Variables keep their metadata, the layer axis added unsplit (``None``)."""
+  Variables keep their metadata, the layer axis added unsplit (`None`)."""
   first = xs[0]
   value = jax.numpy.stack([_value(x) for x in xs])
   if isinstance(first, meta.AxisMetadata):
@@ -213,7 +213,7 @@ def stack_leaf(*xs: Any) -> Any:
 
 
 def unstack_leaf(x: Any, i: int) -> Any:
-  """Layer ``i`` of a stacked leaf (the inverse of :func:`stack_leaf`)."""
+  """Layer `i` of a stacked leaf (the inverse of `stack_leaf`)."""
   value = _value(x)[i]
   if isinstance(x, meta.AxisMetadata):
     return x.replace_boxed(value).remove_axis(0, {"partition_name": None})
@@ -225,7 +225,7 @@ def unstack_leaf(x: Any, i: int) -> Any:
 
 
 def stack_length(tree: Any, is_leaf: Callable | None, what: str) -> int:
-  """The common leading size of a stack's leaves (a ``ValueError`` naming ``what`` if there is none)."""
+  """The common leading size of a stack's leaves (a `ValueError` naming `what` if there is none)."""
   sizes = {np.shape(_value(x))[0] if np.ndim(_value(x)) else None for x in jax.tree.leaves(tree, is_leaf=is_leaf)}
   if len(sizes) != 1 or None in sizes:
     raise ValueError(f"{what} is not a stack: its leaves need one common leading (layer) axis, got sizes {sizes}.")

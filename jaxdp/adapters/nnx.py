@@ -1,43 +1,45 @@
-"""flax nnx models in jaxdp: from an ``nnx.Module`` to a state and a loss, and back.
+"""flax nnx models in jaxdp: from an `nnx.Module` to a state and a loss, and back.
 
 jaxdp's steps are pure functions over pytrees; an nnx Module is a mutable
-object graph. This module converts between the two in three calls::
+object graph. This module converts between the two in three calls:
 
-  definition, params, model_state = jaxdp.adapters.nnx.split(model)
-  state = jaxdp.init_state(params, optimizer, mesh, model_state=model_state)
-  loss_fn = jaxdp.adapters.nnx.loss_fn(definition, my_loss)   # my_loss(model, batch, *, weights, ...) -> losses
-  ...                                                # jaxdp.make_train_step(loss_fn, optimizer, mesh)
-  jaxdp.adapters.nnx.update(model, state)                     # back to the Module, for evaluation or export
+```python
+definition, params, model_state = jaxdp.adapters.nnx.split(model)
+state = jaxdp.init_state(params, optimizer, mesh, model_state=model_state)
+loss_fn = jaxdp.adapters.nnx.loss_fn(definition, my_loss)   # my_loss(model, batch, *, weights, ...) -> losses
+...                                                # jaxdp.make_train_step(loss_fn, optimizer, mesh)
+jaxdp.adapters.nnx.update(model, state)                     # back to the Module, for evaluation or export
+```
 
 With tensor parallelism, annotate the Module's weights with flax's
-partitioning metadata (``nnx.with_partitioning(init, (None, "model"))``) and
-pass ``param_specs=jaxdp.adapters.nnx.partition_specs(model)`` to ``init_state``: each
+partitioning metadata (`nnx.with_partitioning(init, (None, "model"))`) and
+pass `param_specs=jaxdp.adapters.nnx.partition_specs(model)` to `init_state`: each
 parameter keeps that split over the model axes, and ZeRO adds its own over
 the data axis.
 
-* ``params`` are the ``nnx.Param`` variables (what the optimizer updates);
-  ``model_state`` is every other variable (``nnx.BatchStat`` running
-  statistics, counters), or ``None`` if there is none. RNG streams
-  (``nnx.Rngs`` held by ``Dropout``) are neither: jaxdp reseeds them in every
+* `params` are the `nnx.Param` variables (what the optimizer updates);
+  `model_state` is every other variable (`nnx.BatchStat` running
+  statistics, counters), or `None` if there is none. RNG streams
+  (`nnx.Rngs` held by `Dropout`) are neither: jaxdp reseeds them in every
   step from the step's per-replica, per-step key, so dropout differs between
   replicas, steps and micro-batches and the same seed reproduces a run. With
-  ``make_train_step(..., example_ids="id")`` the key is the same on every
-  replica and micro-batch, and :class:`Dropout` (a drop-in for
-  ``nnx.Dropout``) draws each example's mask from its id: the same masks on
-  any layout (see :mod:`jaxdp.core.randomness`); flax's own ``nnx.Dropout`` is
+  `make_train_step(..., example_ids="id")` the key is the same on every
+  replica and micro-batch, and `Dropout` (a drop-in for
+  `nnx.Dropout`) draws each example's mask from its id: the same masks on
+  any layout (see `jaxdp.core.randomness`); flax's own `nnx.Dropout` is
   then refused.
 * The loss is called on a Module rebuilt inside the traced step (so
   BatchNorm may update its statistics: no "Cannot mutate BatchStat from a
-  different trace level"), in ``model.train()`` mode in the training step and
-  ``model.eval()`` mode in the evaluation step; layers frozen at
-  :func:`split` stay frozen with ``keep_frozen=True`` (a model with frozen
-  layers needs that choice). What the call sows (``nnx.Intermediate``) is
+  different trace level"), in `model.train()` mode in the training step and
+  `model.eval()` mode in the evaluation step; layers frozen at
+  `split` stay frozen with `keep_frozen=True` (a model with frozen
+  layers needs that choice). What the call sows (`nnx.Intermediate`) is
   dropped.
-* flax's own ``nnx.BatchNorm`` is refused: it puts zero-weight padding rows
-  into its statistics unless every call passes a ``mask``, and even with a
+* flax's own `nnx.BatchNorm` is refused: it puts zero-weight padding rows
+  into its statistics unless every call passes a `mask`, and even with a
   mask it averages the devices' means with equal weight, which is not the
   global batch statistic when devices hold different numbers of real rows.
-  Use :class:`jaxdp.adapters.nnx.BatchNorm` (same arguments) instead.
+  Use `jaxdp.adapters.nnx.BatchNorm` (same arguments) instead.
 """
 
 from __future__ import annotations
@@ -68,15 +70,15 @@ class Definition(NamedTuple):
   """The static part of a split Module: its graph definition and its RNG streams.
 
   Attributes:
-    graphdef: the ``nnx.GraphDef``.
-    rng_state: the ``nnx.RngState`` variables (keys and counts), replaced by
+    graphdef: the `nnx.GraphDef`.
+    rng_state: the `nnx.RngState` variables (keys and counts), replaced by
       per-replica keys in every training step.
-    streams: the names of the RNG streams (e.g. ``("dropout",)``).
-    frozen: ``(path, attribute)`` of the mode flags that training keeps as
-      they were at :func:`split` (``keep_frozen=True``).
-    modes: the mode flags of the Module given to :func:`split` (weakly
-      held): a training step refuses to run once ``model.eval()`` or
-      ``model.train()`` changed them to a mode the step does not run.
+    streams: the names of the RNG streams (e.g. `("dropout",)`).
+    frozen: `(path, attribute)` of the mode flags that training keeps as
+      they were at `split` (`keep_frozen=True`).
+    modes: the mode flags of the Module given to `split` (weakly
+      held): a training step refuses to run once `model.eval()` or
+      `model.train()` changed them to a mode the step does not run.
   """
 
   graphdef: Any
@@ -87,9 +89,9 @@ class Definition(NamedTuple):
 
 
 class _ModeWatch:
-  """The mode flags of the Module given to :func:`split`, so that a training step refuses a change to them.
+  """The mode flags of the Module given to `split`, so that a training step refuses a change to them.
 
-  The steps run the Module rebuilt from the state, never that object: ``model.eval()`` on it after the split
+  The steps run the Module rebuilt from the state, never that object: `model.eval()` on it after the split
   would otherwise be ignored in silence. Only weak references are kept (the Module may be freed).
   """
 
@@ -104,7 +106,7 @@ class _ModeWatch:
         self.nodes.append((weakref.ref(node), "/".join(map(str, path)) or "<root>", flags, training))
 
   def check(self) -> None:
-    """Raises ``ValueError`` if a flag now differs from its value at the split and from what training runs."""
+    """Raises `ValueError` if a flag now differs from its value at the split and from what training runs."""
     changed = []
     for ref, path, flags, training in self.nodes:
       node = ref()
@@ -127,20 +129,20 @@ class _ModeWatch:
 
 
 class Dropout(nnx.Dropout):
-  """flax nnx's ``Dropout`` with one mask per example, drawn from the example's id: the same on any layout.
+  """flax nnx's `Dropout` with one mask per example, drawn from the example's id: the same on any layout.
 
-  The same arguments, call and RNG stream as ``nnx.Dropout``. In a step built
-  with ``example_ids`` (see :mod:`jaxdp.core.randomness`), or inside
-  :func:`jaxdp.use_example_ids`, row ``r`` of the input (axis 0 is the
-  batch) is masked with ``fold_in(key, id_r)``, ``key`` the layer's draw from
+  The same arguments, call and RNG stream as `nnx.Dropout`. In a step built
+  with `example_ids` (see `jaxdp.core.randomness`), or inside
+  `jaxdp.use_example_ids`, row `r` of the input (axis 0 is the
+  batch) is masked with `fold_in(key, id_r)`, `key` the layer's draw from
   its stream (the same on every replica there), so an example's mask does
-  not depend on the device count, split or ``accum_steps``. Without ids it
-  is ``nnx.Dropout``. ``broadcast_dims`` holding axis 0 shares one mask
+  not depend on the device count, split or `accum_steps`. Without ids it
+  is `nnx.Dropout`. `broadcast_dims` holding axis 0 shares one mask
   between all rows, as flax's (drawn from the layer's key alone).
   """
 
   def __call__(self, inputs, *, deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
-    """Applies a random dropout mask to ``inputs`` (see ``nnx.Dropout``)."""
+    """Applies a random dropout mask to `inputs` (see `nnx.Dropout`)."""
     ids = randomness.current_example_ids()
     deterministic = self.deterministic if deterministic is None else deterministic
     if ids is None or deterministic is None or deterministic or self.rate in (0.0, 1.0):
@@ -158,19 +160,19 @@ class Dropout(nnx.Dropout):
 
 
 def _flax_dropout_layers(model: nnx.Module) -> list[str]:
-  """The paths of flax's own ``nnx.Dropout`` layers of ``model`` that would draw a mask (jaxdp's not listed)."""
+  """The paths of flax's own `nnx.Dropout` layers of `model` that would draw a mask (jaxdp's not listed)."""
   return ["/".join(map(str, path)) or "<root>" for path, node in nnx.iter_graph(model)
           if isinstance(node, nnx.Dropout) and not isinstance(node, Dropout) and node.rate != 0.0
           and node.deterministic is not True]
 
 
 def _is_flax_batchnorm(node: Any) -> bool:
-  """Whether ``node`` is flax's own ``nnx.BatchNorm`` (jaxdp's subclass is not)."""
+  """Whether `node` is flax's own `nnx.BatchNorm` (jaxdp's subclass is not)."""
   return isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)
 
 
 def _flax_batchnorm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]:
-  """``(path, layer)`` of every flax ``nnx.BatchNorm`` in ``model`` (jaxdp's own are not listed)."""
+  """`(path, layer)` of every flax `nnx.BatchNorm` in `model` (jaxdp's own are not listed)."""
   return [("/".join(map(str, path)) or "<root>", node) for path, node in nnx.iter_graph(model) if _is_flax_batchnorm(node)]
 
 
@@ -178,7 +180,7 @@ _MODE_FLAGS = ("use_running_average", "deterministic")  # what model.train() and
 
 
 def _frozen_flags(model: nnx.Module) -> list[tuple[tuple, str]]:
-  """``(path, attribute)`` of each mode flag set to its evaluation value (flax's own BatchNorm aside)."""
+  """`(path, attribute)` of each mode flag set to its evaluation value (flax's own BatchNorm aside)."""
   return [(tuple(path), flag) for path, node in nnx.iter_graph(model)
           if isinstance(node, nnx.Module) and not _is_flax_batchnorm(node)
           for flag in _MODE_FLAGS if getattr(node, flag, None) is True]
@@ -186,30 +188,30 @@ def _frozen_flags(model: nnx.Module) -> list[tuple[tuple, str]]:
 
 def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False,
           keep_frozen: bool | None = None) -> tuple[Definition, Any, Any]:
-  """``(definition, params, model_state)`` of ``model`` for :func:`jaxdp.init_state` and :func:`loss_fn`.
+  """`(definition, params, model_state)` of `model` for `jaxdp.init_state` and `loss_fn`.
 
   Args:
-    model: an ``nnx.Module``; it is not modified.
-    allow_flax_batchnorm: accept flax's ``nnx.BatchNorm`` layers as frozen
-      ones: :func:`loss_fn` keeps them on their running averages in training
-      too (where ``model.train()`` would switch them to batch statistics,
+    model: an `nnx.Module`; it is not modified.
+    allow_flax_batchnorm: accept flax's `nnx.BatchNorm` layers as frozen
+      ones: `loss_fn` keeps them on their running averages in training
+      too (where `model.train()` would switch them to batch statistics,
       padding rows included). By default they are refused with a
-      ``ValueError``: see the module docstring.
+      `ValueError`: see the module docstring.
     keep_frozen: what the training step does with layers that are in
-      evaluation mode now (``use_running_average=True`` or
-      ``deterministic=True``: a BatchNorm or Dropout frozen for fine-tuning,
-      or a model after ``model.eval()``). ``True``: they stay so in training
+      evaluation mode now (`use_running_average=True` or
+      `deterministic=True`: a BatchNorm or Dropout frozen for fine-tuning,
+      or a model after `model.eval()`). `True`: they stay so in training
       (every other layer trains), as a one-device program that never calls
-      ``model.train()``. ``False``: training switches every layer to
-      training mode (``model.train()``, what a one-device loop that calls it
-      does). ``None`` (default): a model with such layers is refused with a
-      ``ValueError`` naming them, since either choice would silently give
+      `model.train()`. `False`: training switches every layer to
+      training mode (`model.train()`, what a one-device loop that calls it
+      does). `None` (default): a model with such layers is refused with a
+      `ValueError` naming them, since either choice would silently give
       the other program's numbers.
 
   Returns:
-    ``definition`` (a :class:`Definition`), ``params`` (an ``nnx.State`` of
-    the ``nnx.Param`` arrays) and ``model_state`` (an ``nnx.State`` of every
-    other variable except RNG streams, or ``None`` if there is none).
+    `definition` (a `Definition`), `params` (an `nnx.State` of
+    the `nnx.Param` arrays) and `model_state` (an `nnx.State` of every
+    other variable except RNG streams, or `None` if there is none).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
@@ -245,26 +247,26 @@ def split(model: nnx.Module, *, allow_flax_batchnorm: bool = False,
 
 
 def partition_specs(model_or_params: Any) -> Any:
-  """The ``PartitionSpec`` of every parameter, as :func:`jaxdp.init_state`'s ``param_specs``.
+  """The `PartitionSpec` of every parameter, as `jaxdp.init_state`'s `param_specs`.
 
-  Reads the partitioning metadata of each ``nnx.Param``
-  (``nnx.with_partitioning(init, (None, "model"))``, or
-  ``out_sharding=``/``kernel_metadata=`` given to a layer) with
-  ``nnx.get_partition_spec``, so flax's logical axis rules apply when set; a
-  parameter without metadata gets ``PartitionSpec()`` (replicated over the
+  Reads the partitioning metadata of each `nnx.Param`
+  (`nnx.with_partitioning(init, (None, "model"))`, or
+  `out_sharding=`/`kernel_metadata=` given to a layer) with
+  `nnx.get_partition_spec`, so flax's logical axis rules apply when set; a
+  parameter without metadata gets `PartitionSpec()` (replicated over the
   model axes).
 
   Args:
-    model_or_params: an ``nnx.Module``, or the ``params`` that :func:`split`
-      returned for it (an ``nnx.State`` of ``nnx.Param`` variables; abstract
-      ones from ``nnx.eval_shape`` work too).
+    model_or_params: an `nnx.Module`, or the `params` that `split`
+      returned for it (an `nnx.State` of `nnx.Param` variables; abstract
+      ones from `nnx.eval_shape` work too).
 
   Returns:
-    A tree of the structure of :func:`split`'s ``params``, one
-    ``PartitionSpec`` per parameter, to pass as
-    ``jaxdp.init_state(params, optimizer, mesh, param_specs=...)``. The specs
+    A tree of the structure of `split`'s `params`, one
+    `PartitionSpec` per parameter, to pass as
+    `jaxdp.init_state(params, optimizer, mesh, param_specs=...)`. The specs
     name model axes only; the mesh must have every axis they name, and
-    ``init_state`` refuses a spec that names the data axis.
+    `init_state` refuses a spec that names the data axis.
   """
   if isinstance(model_or_params, nnx.Module):
     _, params, _, _ = nnx.split(model_or_params, nnx.Param, nnx.RngState, ...)
@@ -285,7 +287,7 @@ def _stream_paths(model: nnx.Module):
 
 
 def merge(definition: Definition, params: Any, model_state: Any = None) -> nnx.Module:
-  """The Module of ``params`` and ``model_state`` (inverse of :func:`split`)."""
+  """The Module of `params` and `model_state` (inverse of `split`)."""
   # Fresh variables, created in the caller's trace: ones that come from an outer trace (the stored RNG
   # state; a model state closed over by jax.grad) cannot be updated in this one ("Cannot mutate BatchStat
   # from a different trace level").
@@ -295,7 +297,7 @@ def merge(definition: Definition, params: Any, model_state: Any = None) -> nnx.M
 
 
 def _as_output(out: Any, rows: int | None) -> tuple[jax.Array, Any]:
-  """``(losses, metrics)`` from what the user's function returned (``rows``: this device's, for messages)."""
+  """`(losses, metrics)` from what the user's function returned (`rows`: this device's, for messages)."""
   if isinstance(out, LossOutput):
     if out.model_state is not None:
       raise ValueError(
@@ -326,22 +328,22 @@ def _what(x: Any) -> str:
 
 
 def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., LossOutput]:
-  """A jaxdp ``loss_fn`` that runs ``fn`` on the Module rebuilt from the step's params and model state.
+  """A jaxdp `loss_fn` that runs `fn` on the Module rebuilt from the step's params and model state.
 
   Args:
-    definition: from :func:`split`.
-    fn: ``fn(model, batch, **keywords)`` returning per-example (or per-token)
-      losses, ``(losses, {name: values})`` with metrics of the losses'
-      shape, or a :class:`jaxdp.LossOutput` without model state. It may
-      declare these keywords: ``weights`` (this replica's row weights, 0 for
+    definition: from `split`.
+    fn: `fn(model, batch, **keywords)` returning per-example (or per-token)
+      losses, `(losses, {name: values})` with metrics of the losses'
+      shape, or a `jaxdp.LossOutput` without model state. It may
+      declare these keywords: `weights` (this replica's row weights, 0 for
       padding; jaxdp.adapters.nnx.BatchNorm takes them from the step itself),
-      ``rngs`` (an ``nnx.Rngs`` of the per-replica key, ``None`` in
-      evaluation), ``train`` and ``axis_name``.
+      `rngs` (an `nnx.Rngs` of the per-replica key, `None` in
+      evaluation), `train` and `axis_name`.
 
   Returns:
-    ``loss(params, batch, rng=None, *, model_state, weights, axis_name, train)``
-    for :func:`jaxdp.make_train_step`, :func:`jaxdp.train_step` and
-    :func:`jaxdp.make_eval_step`.
+    `loss(params, batch, rng=None, *, model_state, weights, axis_name, train)`
+    for `jaxdp.make_train_step`, `jaxdp.train_step` and
+    `jaxdp.make_eval_step`.
   """
   if not isinstance(definition, Definition):
     raise TypeError(f"definition must come from jaxdp.adapters.nnx.split(model), got {type(definition).__name__}.")
@@ -417,16 +419,16 @@ def loss_fn(definition: Definition, fn: Callable[..., Any]) -> Callable[..., Los
 
 
 def update(model: nnx.Module, state: TrainState) -> nnx.Module:
-  """Writes ``state``'s params and model state into ``model`` as ordinary single-device arrays.
+  """Writes `state`'s params and model state into `model` as ordinary single-device arrays.
 
   Works for every ZeRO stage and in multi-process runs (call it on every
-  process): the state is gathered to the host (:func:`jaxdp.gather_state`)
+  process): the state is gathered to the host (`jaxdp.gather_state`)
   and placed on the default device, so the Module can be called on host
-  batches, passed to ``nnx.jit`` or saved like any other. Returns ``model``.
+  batches, passed to `nnx.jit` or saved like any other. Returns `model`.
 
   Raises:
-    TypeError: ``model`` is not an ``nnx.Module`` or ``state`` not a
-      :class:`jaxdp.TrainState`.
+    TypeError: `model` is not an `nnx.Module` or `state` not a
+      `jaxdp.TrainState`.
     ValueError: the state's params (or model state) differ from the
       model's in structure, shape or dtype, naming the first leaf that
       differs; the model is left unchanged.
@@ -447,14 +449,14 @@ def update(model: nnx.Module, state: TrainState) -> nnx.Module:
 
 
 def _path(path: tuple) -> str:
-  """``path`` as ``['l']['kernel']``, without an nnx Variable's ``.value`` (an nnx State and a pure dict agree)."""
+  """`path` as `['l']['kernel']`, without an nnx Variable's `.value` (an nnx State and a pure dict agree)."""
   return jax.tree_util.keystr(tuple(k for k in path if getattr(k, "name", None) != "value"))
 
 
 def _check_matches(expected: Any, got: Any, name: str, subset: bool = False) -> None:
-  """Raises ``ValueError`` naming the first leaf of ``got`` whose presence, shape or dtype is not ``expected``'s
-  (the model's own variables, as :func:`split` returns them): written into the model, it would replace them.
-  ``subset``: ``got`` may lack some of ``expected``'s leaves (those are left as they are)."""
+  """Raises `ValueError` naming the first leaf of `got` whose presence, shape or dtype is not `expected`'s
+  (the model's own variables, as `split` returns them): written into the model, it would replace them.
+  `subset`: `got` may lack some of `expected`'s leaves (those are left as they are)."""
   if expected is None or got is None:
     return  # what nnx.update does with one side only is flax's (a state without model state writes params only)
   want = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
@@ -474,10 +476,10 @@ def _check_matches(expected: Any, got: Any, name: str, subset: bool = False) -> 
 
 
 def gather(layer: nnx.Module) -> nnx.Module:
-  """One layer of a stack (``nnx.vmap``) with its whole parameters, inside ``nnx.scan`` over the stack.
+  """One layer of a stack (`nnx.vmap`) with its whole parameters, inside `nnx.scan` over the stack.
 
-  Layer-wise ZeRO-3 (:mod:`jaxdp.sharding.layerwise`): call it on the scan body's layer, ``jaxdp.adapters.nnx.gather(layer)(x)``.
-  Inside a jaxdp step at stage 3 with ``layers=`` naming the stack, each parameter split over the data axis
+  Layer-wise ZeRO-3 (`jaxdp.sharding.layerwise`): call it on the scan body's layer, `jaxdp.adapters.nnx.gather(layer)(x)`.
+  Inside a jaxdp step at stage 3 with `layers=` naming the stack, each parameter split over the data axis
   is all-gathered; elsewhere the layer comes back unchanged. The result is a new Module sharing the layer's
   other state (RNG streams, statistics); its gathered parameters are not written back to the stack.
   """
@@ -491,21 +493,21 @@ def _is_variable(x: Any) -> bool:
 
 
 def stack_blocks(blocks: Any) -> nnx.Module:
-  """A Python list of identical nnx blocks as one stacked block: what ``layers=`` and ``jaxdp.scan_layers`` take.
+  """A Python list of identical nnx blocks as one stacked block: what `layers=` and `jaxdp.scan_layers` take.
 
-  Returns a module of the blocks' class whose every variable has a leading layer axis of size ``N``
-  (block ``i`` at index ``i``), the module that ``nnx.vmap`` over the block's constructor makes; the
-  partitioning metadata (``nnx.with_partitioning``) gets the layer axis unsplit. Set it in the model in
-  place of the list (``model.blocks = stack_blocks(model.blocks)``), ``split`` the model, and run the
-  stack with ``jaxdp.scan_layers`` over ``nnx.split(model.blocks)``'s state (see docs/porting-nnx.md).
+  Returns a module of the blocks' class whose every variable has a leading layer axis of size `N`
+  (block `i` at index `i`), the module that `nnx.vmap` over the block's constructor makes; the
+  partitioning metadata (`nnx.with_partitioning`) gets the layer axis unsplit. Set it in the model in
+  place of the list (`model.blocks = stack_blocks(model.blocks)`), `split` the model, and run the
+  stack with `jaxdp.scan_layers` over `nnx.split(model.blocks)`'s state (see docs/porting-nnx.md).
 
   Args:
-    blocks: a list (or ``nnx.List``) of modules of one class with identical variables (structure,
+    blocks: a list (or `nnx.List`) of modules of one class with identical variables (structure,
       shapes, dtypes).
 
   Raises:
     ValueError: an empty list, or blocks of different graphs, shapes or dtypes (the first that differs named).
-    TypeError: an entry that is not an ``nnx.Module``.
+    TypeError: an entry that is not an `nnx.Module`.
   """
   blocks = list(blocks) if not isinstance(blocks, nnx.Module) or isinstance(blocks, nnx.List) else None
   if not blocks:
@@ -526,10 +528,10 @@ def stack_blocks(blocks: Any) -> nnx.Module:
 
 
 def unstack_blocks(stacked: nnx.Module) -> list[nnx.Module]:
-  """The inverse of ``stack_blocks``: a stacked block as the list of its ``N`` layers, each a block of its own.
+  """The inverse of `stack_blocks`: a stacked block as the list of its `N` layers, each a block of its own.
 
-  For the original model (``model.blocks = nnx.List(unstack_blocks(model.blocks))``): its checkpoints and
-  its inference code. The layers' values are those of the stack at index ``i``.
+  For the original model (`model.blocks = nnx.List(unstack_blocks(model.blocks))`): its checkpoints and
+  its inference code. The layers' values are those of the stack at index `i`.
 
   Raises:
     ValueError: variables without a common leading (layer) axis.

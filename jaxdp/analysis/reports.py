@@ -1,7 +1,7 @@
 """What a compiled step costs: per-device memory and communication, measured, not modelled.
 
-State bytes are counted from the arrays' ``addressable_shards``; compiled
-bytes come from ``memory_analysis()``; collectives are read off the optimized
+State bytes are counted from the arrays' `addressable_shards`; compiled
+bytes come from `memory_analysis()`; collectives are read off the optimized
 HLO of the step as XLA will run it (per-device shapes after partitioning).
 """
 
@@ -30,11 +30,11 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
 
 
 def _group_size(line: str) -> int | None:
-  """How many devices one op of this HLO line spans (its ``replica_groups``), or ``None`` if unstated.
+  """How many devices one op of this HLO line spans (its `replica_groups`), or `None` if unstated.
 
-  The three spellings: ``{{0,2,4,6},{1,3,5,7}}``, iota ``[2,4]<=[8]`` (2
-  groups of 4) and ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}`` (optionally
-  with ``device_ids=([2,4]T(1,0))`` before the braces).
+  The three spellings: `{{0,2,4,6},{1,3,5,7}}`, iota `[2,4]<=[8]` (2
+  groups of 4) and `mesh['axis_0'=4,'axis_1'=2] {'axis_1'}` (optionally
+  with `device_ids=([2,4]T(1,0))` before the braces).
   """
   if match := _GROUPS_LIST.search(line):
     return len([d for d in match.group(1).split(",") if d])
@@ -47,7 +47,7 @@ def _group_size(line: str) -> int | None:
 
 
 def _dtype_bits(dtype: str) -> int:
-  """Bits per element of an HLO element type: ``f32`` 32, ``bf16`` 16, ``pred`` 8, ``token`` 0."""
+  """Bits per element of an HLO element type: `f32` 32, `bf16` 16, `pred` 8, `token` 0."""
   if dtype == "pred":
     return 8
   match = re.match(r"[a-z]+?(\d+)", dtype)
@@ -55,7 +55,7 @@ def _dtype_bits(dtype: str) -> int:
 
 
 def _shape_bytes(shape: str) -> int:
-  """Bytes of an HLO shape string: ``f32[1024,1024]{1,0}``, ``f32[]`` or a tuple of them."""
+  """Bytes of an HLO shape string: `f32[1024,1024]{1,0}`, `f32[]` or a tuple of them."""
   bits = 0
   for dtype, dims in _SHAPE.findall(shape):
     bits += math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) * _dtype_bits(dtype)
@@ -63,7 +63,7 @@ def _shape_bytes(shape: str) -> int:
 
 
 def _shape_end(rhs: str) -> int:
-  """Where the result shape at the start of ``rhs`` ends (tuple shapes nest parentheses)."""
+  """Where the result shape at the start of `rhs` ends (tuple shapes nest parentheses)."""
   if not rhs.startswith("("):
     return rhs.find(" ") if " " in rhs else len(rhs)
   depth = 0
@@ -75,7 +75,7 @@ def _shape_end(rhs: str) -> int:
 
 
 def _collective(line: str) -> dict | None:
-  """The collective an HLO instruction line ``%name = SHAPE opcode(...)`` defines, else ``None``."""
+  """The collective an HLO instruction line `%name = SHAPE opcode(...)` defines, else `None`."""
   lhs, eq, rhs = line.partition("=")
   if not eq or not lhs.split():
     return None
@@ -100,10 +100,10 @@ class HloCollective(NamedTuple):
   """One collective op of optimized HLO text.
 
   Attributes:
-    kind: ``"all-reduce"``, ``"reduce-scatter"``, ``"all-gather"`` or ``"all-to-all"``.
-    nbytes: bytes of its per-device result (of the ``-done`` op for an async pair).
-    group: how many devices it spans (its ``replica_groups``), ``None`` where the HLO does not say.
-    line: the HLO line that starts it (the sync op, or the ``-start`` of an async pair), with its metadata.
+    kind: `"all-reduce"`, `"reduce-scatter"`, `"all-gather"` or `"all-to-all"`.
+    nbytes: bytes of its per-device result (of the `-done` op for an async pair).
+    group: how many devices it spans (its `replica_groups`), `None` where the HLO does not say.
+    line: the HLO line that starts it (the sync op, or the `-start` of an async pair), with its metadata.
   """
 
   kind: str
@@ -115,7 +115,7 @@ class HloCollective(NamedTuple):
 def hlo_collectives(hlo: str) -> list[HloCollective]:
   """Every all-reduce, reduce-scatter, all-gather and all-to-all of optimized HLO text, in program order.
 
-  An async ``-start``/``-done`` pair counts once. Counts are static: an op in a loop body appears once.
+  An async `-start`/`-done` pair counts once. Counts are static: an op in a loop body appears once.
   """
   found = [(op, line) for line in hlo.splitlines() if (op := _collective(line))]
   done_shapes = {op["operand"]: op["shape"] for op, _ in found if op["phase"] == "done"}
@@ -136,8 +136,8 @@ class Collective(NamedTuple):
     bytes: per-device size of the full buffers involved: the all-reduced
       arrays, the reduce-scatter *inputs*, the all-gather *outputs*.
     traffic_bytes: bytes each device sends under the ring algorithm:
-      ``2 (G-1)/G`` of ``bytes`` for an all-reduce, ``(G-1)/G`` for the
-      others, with ``G`` the devices each op spans (its ``replica_groups``).
+      `2 (G-1)/G` of `bytes` for an all-reduce, `(G-1)/G` for the
+      others, with `G` the devices each op spans (its `replica_groups`).
   """
 
   count: int
@@ -149,8 +149,8 @@ def collectives_from_hlo(hlo: str, n_devices: int) -> dict[str, Collective]:
   """Counts and sizes the all-reduce, reduce-scatter, all-gather and all-to-all ops of optimized HLO text.
 
   Each op's ring traffic uses the size of its own device group (its
-  ``replica_groups``: a model-axis op spans the model axis, not the data
-  axis); ``n_devices`` where the HLO does not say.
+  `replica_groups`: a model-axis op spans the model axis, not the data
+  axis); `n_devices` where the HLO does not say.
   """
   counts = {kind: 0 for kind in COLLECTIVES}
   sizes = {kind: 0 for kind in COLLECTIVES}
@@ -165,12 +165,12 @@ def collectives_from_hlo(hlo: str, n_devices: int) -> dict[str, Collective]:
 
 
 def comm_report(step, state, batch, weights=None, rng=None, *, compiled: bool = True) -> dict[str, Collective]:
-  """The collectives of one step of ``step`` (a :func:`jaxdp.make_train_step` result).
+  """The collectives of one step of `step` (a `jaxdp.make_train_step` result).
 
-  ``compiled=True`` reads the compiled HLO: what runs on this backend, after
+  `compiled=True` reads the compiled HLO: what runs on this backend, after
   XLA combined all-reduces and, on CPU, widened bfloat16 all-reduces to
-  float32. ``compiled=False`` reads the HLO before optimisation: only the
-  collectives jaxdp writes itself, in the dtype of ``grad_reduce_dtype``
+  float32. `compiled=False` reads the HLO before optimisation: only the
+  collectives jaxdp writes itself, in the dtype of `grad_reduce_dtype`
   (the bytes GPU and TPU backends move in bfloat16), not those XLA adds when
   it partitions the program (at ZeRO stages 1-2 the all-gathers of the
   updated parameters, and the norm's per-leaf sums). Counts are static: a
@@ -186,18 +186,18 @@ class MemoryReport(NamedTuple):
   """Bytes per device (the first addressable device; all are alike up to uneven model-axis splits).
 
   Attributes:
-    params: parameter bytes held at rest (from ``addressable_shards``).
-    opt_state: optimizer-state bytes held at rest (from ``addressable_shards``).
+    params: parameter bytes held at rest (from `addressable_shards`).
+    opt_state: optimizer-state bytes held at rest (from `addressable_shards`).
     grads: gradient bytes the step keeps per device after reduction: the
       whole gradient at stages 0-1, each leaf's slice at stages 2-3 (derived
       from the layout: gradients are not part of the state).
-    training_state: ``params + opt_state + grads``, what the ZeRO paper calls the model states (not
-      ``TrainState.model_state``, the BatchNorm statistics).
-    argument, output, temp: the compiled step's ``memory_analysis()``.
-    unsplit: ``{key path: bytes}`` of the state's leaves (parameters at stage
+    training_state: `params + opt_state + grads`, what the ZeRO paper calls the model states (not
+      `TrainState.model_state`, the BatchNorm statistics).
+    argument, output, temp: the compiled step's `memory_analysis()`.
+    unsplit: `{key path: bytes}` of the state's leaves (parameters at stage
       3, optimizer state at stages 1-3) that the ZeRO stage would split over
       the data axis but that stay whole on every device there, because no
-      dimension divides by the device count (see :func:`jaxdp.sharding.layout.zero_dim`).
+      dimension divides by the device count (see `jaxdp.sharding.layout.zero_dim`).
   """
 
   params: int
@@ -211,13 +211,13 @@ class MemoryReport(NamedTuple):
 
   @property
   def model_state(self) -> int:
-    """jaxdp 0.1's name of :attr:`training_state` (it clashed with ``TrainState.model_state``)."""
+    """jaxdp 0.1's name of `training_state` (it clashed with `TrainState.model_state`)."""
     warnings.warn("MemoryReport.model_state is MemoryReport.training_state now.", DeprecationWarning, stacklevel=2)
     return self.training_state
 
 
 def _bytes_per_device(tree: Any, shardings: Any) -> int:
-  """Bytes each device holds of ``tree`` placed with ``shardings`` (its largest shard: splits may be uneven)."""
+  """Bytes each device holds of `tree` placed with `shardings` (its largest shard: splits may be uneven)."""
   return sum(
       math.prod(sharding.shard_shape(np.shape(x))) * np.dtype(x.dtype).itemsize
       for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
@@ -247,7 +247,7 @@ def _unsplit(state: Any, layout, axis_name: str, mesh) -> dict:
 
 
 def memory_report(step, state, batch, weights=None, rng=None) -> MemoryReport:
-  """Per-device memory of ``state`` (placed as ``step`` places it) and of one compiled step of ``step``."""
+  """Per-device memory of `state` (placed as `step` places it) and of one compiled step of `step`."""
   layout = step.layout(state)
   lowered = step.lower(state, batch, weights, rng)
   shardings = layout.shardings(step.mesh)

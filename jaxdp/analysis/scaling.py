@@ -5,29 +5,31 @@ the presets below are vendors' peak numbers (datasheets, cloud documentation)
 and a cost model's latencies, which real collectives reach only in part. Use
 the model to compare configurations and to see which term dominates where,
 and check its absolute numbers against a measurement on the hardware itself
-(``experiments/scaling.py`` does that on the simulated CPU devices here).
-No training path uses it: ``import jaxdp`` leaves it unimported, and the
-first ``jaxdp.analysis.scaling`` (or ``from jaxdp import scaling``) imports it.
+(`experiments/scaling.py` does that on the simulated CPU devices here).
+No training path uses it: `import jaxdp` leaves it unimported, and the
+first `jaxdp.analysis.scaling` (or `from jaxdp import scaling`) imports it.
 
-The step (one device's view, weak scaling: the per-device batch is fixed)::
+The step (one device's view, weak scaling: the per-device batch is fixed):
 
-  compute       = batch_per_device · seconds_per_example + update_seconds (÷ N at ZeRO stages ≥ 1)
-  communication = Σ over the stage's collectives and buckets of
-                  launch + steps · α + bytes_sent · β      (β = 1 / bandwidth)
-  hidden        = overlap · min(gradient communication except its last bucket, backward time)
-  total         = compute + communication − hidden
-  efficiency    = (batch_per_device · seconds_per_example + update_seconds) / total
+```python
+compute       = batch_per_device · seconds_per_example + update_seconds (÷ N at ZeRO stages ≥ 1)
+communication = Σ over the stage's collectives and buckets of
+                launch + steps · α + bytes_sent · β      (β = 1 / bandwidth)
+hidden        = overlap · min(gradient communication except its last bucket, backward time)
+total         = compute + communication − hidden
+efficiency    = (batch_per_device · seconds_per_example + update_seconds) / total
+```
 
 Collectives on N devices, message of M bytes (Thakur, Rabenseifner & Gropp
 2005; Patarasuk & Yuan 2009; the same structure as NCCL's own tuning model,
-``src/graph/tuning.cc``):
+`src/graph/tuning.cc`):
 
 * ring all-reduce: 2(N−1) steps, each device sends 2(N−1)/N · M bytes;
   reduce-scatter and all-gather: N−1 steps, (N−1)/N · M bytes.
 * tree all-reduce (NCCL's double binary tree across nodes, a chain inside a
   node; Sanders, Speck & Träff 2009; NCCL 2.4, 2019): 2((g−1) + ⌈log2 nodes⌉)
   steps and 2M bytes per device (NCCL converts bus to algorithm bandwidth with
-  a factor ½ for trees). A tree step has its own latency, ``Link.tree_latency``
+  a factor ½ for trees). A tree step has its own latency, `Link.tree_latency`
   (NCCL's tuning model, v2.8.3: 28 µs per tree step over NVLink and over the
   network, against 3.4 and 9.6 µs per ring step; see the presets), so the
   tree pays 2((g−1)·α_tree,intra + ⌈log2 nodes⌉·α_tree,inter). (NCCL's tuner
@@ -49,25 +51,25 @@ Trillion Parameter Models", SC 2020), Ψ parameters, p/g bytes per parameter
 and gradient element, K bytes of optimizer state per parameter, N devices:
 
   stage 0: (p + g + K) Ψ       stage 1: (p + g) Ψ + K Ψ / N
-  stage 2: p Ψ + (g + K) Ψ / N  stage 3: (p + g + K) Ψ / N   (``schedule="paper"``)
+  stage 2: p Ψ + (g + K) Ψ / N  stage 3: (p + g + K) Ψ / N   (`schedule="paper"`)
 
 The paper's stage 3 reaches (p + g + K) Ψ / N because it gathers the
 parameters layer by layer, holding one layer's at a time. jaxdp does not:
 its stage 3 gathers all split parameters once before the forward pass and
 keeps them through the backward pass (see the communication below), so
 each device holds a full copy of them during the step on top of its
-1/N share: with ``schedule="jaxdp"`` (the default) stage 3 is
+1/N share: with `schedule="jaxdp"` (the default) stage 3 is
 
   stage 3: (p + g + K) Ψ / N + p Ψ   (N > 1)
 
-(``experiments/zero_memory.py`` measures it). With ``layers=``
-(:mod:`jaxdp.sharding.layerwise`) jaxdp gathers the stacks of layers one layer at
-a time inside the loop; ``schedule="layerwise"``
+(`experiments/zero_memory.py` measures it). With `layers=`
+(`jaxdp.sharding.layerwise`) jaxdp gathers the stacks of layers one layer at
+a time inside the loop; `schedule="layerwise"`
 models that with room for prefetch: two layers' gathered parameters alive
 at once, the current layer's and the next one's, whose gather
-:func:`jaxdp.scan_layers` issues during the current layer's compute (a double
+`jaxdp.scan_layers` issues during the current layer's compute (a double
 buffer: one layer more than a loop that gathers only what it uses). For a
-model of L equal layers (``layers=L``):
+model of L equal layers (`layers=L`):
 
   stage 3: (p + g + K) Ψ / N + 2 p Ψ / L   (N > 1, L ≥ 2; p Ψ at L = 1)
 
@@ -78,23 +80,23 @@ schedule.
 
 Mixed-precision Adam (the paper's notation): p = g = 2 (fp16/bf16), K = 12
 (fp32 master weights, momentum and variance), 16 bytes/param unsharded. fp32
-Adam (what jaxdp measures in ``experiments/zero_memory.py``): p = g = 4,
+Adam (what jaxdp measures in `experiments/zero_memory.py`): p = g = 4,
 K = 8, also 16 bytes/param: 16Ψ, (8 + 8/N)Ψ, (4 + 12/N)Ψ, 16Ψ/N (paper) or
 (4 + 16/N)Ψ (jaxdp) or (16/N + 8/L)Ψ (layerwise). Model state (and, for jaxdp's stage 3, the gathered
 parameters) only: activations, other temporary buffers and fragmentation
 are not counted.
 
-jaxdp's layout (:mod:`jaxdp.sharding.layout`): each leaf keeps its shape and is split
+jaxdp's layout (`jaxdp.sharding.layout`): each leaf keeps its shape and is split
 over the N devices along one dimension that divides by N
-(:func:`jaxdp.sharding.layout.zero_dim`); a leaf with no such dimension (an odd-sized
+(`jaxdp.sharding.layout.zero_dim`); a leaf with no such dimension (an odd-sized
 bias, a scalar) stays whole on every device, unpadded. So of the Ψ
-parameters only Ψ_s (``split_params``, default Ψ; :func:`split_params_of`
+parameters only Ψ_s (`split_params`, default Ψ; `split_params_of`
 counts them) split; the other Ψ_u = Ψ − Ψ_s are replicated at every stage:
 per-device memory is the formula above for Ψ_s plus (p + g + K) Ψ_u (jaxdp's
 stage 3 gathers only the Ψ_s: it adds p Ψ_s).
 
-Communication per ZeRO stage (``schedule="jaxdp"``, what jaxdp compiles:
-read off the compiled HLO with :func:`jaxdp.comm_report`, see docs/zero.md).
+Communication per ZeRO stage (`schedule="jaxdp"`, what jaxdp compiles:
+read off the compiled HLO with `jaxdp.comm_report`, see docs/zero.md).
 Stage 0 runs the whole step per replica; stages 1-3 compute the reduced
 gradient per replica and run the optimizer on the global, sharded arrays,
 where XLA partitions the update and inserts the collectives it needs:
@@ -112,34 +114,34 @@ where XLA partitions the update and inserts the collectives it needs:
   (kept for the backward pass), reduce-scatter Ψ_s·g, all-reduce Ψ_u·g; the
   update leaves the parameters split, so nothing is gathered after it.
 
-Small all-reduces: ``scalar_bytes`` (jaxdp: Σ w·l and Σ w, 8 bytes, inside
+Small all-reduces: `scalar_bytes` (jaxdp: Σ w·l and Σ w, 8 bytes, inside
 the gradient all-reduce at stages 0-1, a separate one at stages 2-3) and
-``norm_bytes``: at stages 2-3 the update's global gradient norm is computed
+`norm_bytes`: at stages 2-3 the update's global gradient norm is computed
 on the global arrays, and XLA partitions each split leaf's sum of squares
 into a local sum and an all-reduce of one float32 scalar, 4 bytes per split
 leaf (combined with the Ψ_u all-reduce on CPU). No other collective
 appears: the optimizer state never moves.
 
-``schedule="paper"``: stages 1 and 2 reduce-scatter + all-gather, stage 3
+`schedule="paper"`: stages 1 and 2 reduce-scatter + all-gather, stage 3
 gathers the parameters twice (forward and backward): 3(N−1)/N Ψ elements
 sent, against 2(N−1)/N Ψ for jaxdp's stage 3. Both schedules all-reduce
 the unsplit Ψ_u.
 
-``schedule="layerwise"``: stages 0-2 as ``"jaxdp"``; stage 3 as the
+`schedule="layerwise"`: stages 0-2 as `"jaxdp"`; stage 3 as the
 paper's stage 3. jaxdp's layer-wise step with the default policy
-(``jaxdp.gather_policy(reshard_after_forward=True)``) all-gathers each
+(`jaxdp.gather_policy(reshard_after_forward=True)`) all-gathers each
 layer in the forward pass and again in the backward pass and
 reduce-scatters its gradient: 3(N−1)/N Ψ elements sent, the paper's
 count. It issues them as L calls of Ψ/L each, which the model counts as
-one call per kind (their per-call latencies are not added; ``bucket_bytes``
+one call per kind (their per-call latencies are not added; `bucket_bytes`
 splits them similarly); the bytes do not depend on L. With
-``reshard_after_forward=False`` the layer kept for the backward pass is
-gathered once, 2(N−1)/N Ψ: ``schedule="jaxdp"``'s communication.
+`reshard_after_forward=False` the layer kept for the backward pass is
+gathered once, 2(N−1)/N Ψ: `schedule="jaxdp"`'s communication.
 
-Not modelled: tensor parallelism (a ``("data", "model")`` mesh, where the
+Not modelled: tensor parallelism (a `("data", "model")` mesh, where the
 model axis adds activation all-reduces and XLA's partitioning of the
 data-axis collectives of model-split leaves; see
-``experiments/zero_memory.py``), and optimizers whose state is not shaped
+`experiments/zero_memory.py`), and optimizers whose state is not shaped
 like the parameters (Adafactor's factored moments).
 """
 
@@ -199,11 +201,11 @@ class Link(NamedTuple):
       all-gather and the hierarchical collectives' rings) on this link.
     shared: the bandwidth is one medium shared by all devices on it (e.g.
       simulated devices copying through one host's memory): each of g
-      devices then gets ``bandwidth / g``. Point-to-point links: ``False``.
+      devices then gets `bandwidth / g`. Point-to-point links: `False`.
     source: where the figures come from.
     tree_latency: α of one step of the tree all-reduce on this link (NCCL's
       tuning model gives trees their own, larger per-step latency: see
-      :data:`NCCL_TREE_LATENCY`). ``None``: assumed equal to ``latency``
+      `NCCL_TREE_LATENCY`). `None`: assumed equal to `latency`
       (no separate figure known).
   """
 
@@ -223,7 +225,7 @@ class Topology(NamedTuple):
     intra: the link between devices of one node (NVLink, TPU ICI).
     devices_per_node: g; more than g devices must be a multiple of g.
     inter: the link between nodes, per device (InfiniBand NIC, TPU DCN);
-      ``None``: no more than one node.
+      `None`: no more than one node.
     launch_latency: seconds per collective call, whatever its size (the
       library's fixed cost; NCCL's model uses 8.4 µs for ring/Simple).
   """
@@ -251,11 +253,11 @@ class ModelCost(NamedTuple):
   Attributes:
     params: Ψ, the number of parameters.
     seconds_per_example: forward + backward time per example on one device
-      (measured, or FLOPs / achieved FLOP/s: see :func:`seconds_per_example`).
+      (measured, or FLOPs / achieved FLOP/s: see `seconds_per_example`).
     update_seconds: the optimizer update of all Ψ parameters on one device,
       per step (ZeRO stages ≥ 1 update 1/N of them per device).
     precision: bytes per parameter, gradient and optimizer state.
-    backward_fraction: share of ``seconds_per_example`` spent in the backward
+    backward_fraction: share of `seconds_per_example` spent in the backward
       pass, the time bucketed gradient communication can hide behind (about
       2/3: the backward pass costs about twice the forward).
   """
@@ -271,9 +273,9 @@ class CollectiveOp(NamedTuple):
   """One collective of a step.
 
   Attributes:
-    kind: ``"all-reduce"``, ``"reduce-scatter"`` or ``"all-gather"``.
+    kind: `"all-reduce"`, `"reduce-scatter"` or `"all-gather"`.
     nbytes: per-device size of the full buffer, counted as
-      :func:`jaxdp.collectives_from_hlo` counts it: the all-reduced array,
+      `jaxdp.collectives_from_hlo` counts it: the all-reduced array,
       the reduce-scatter's input, the all-gather's output.
     gradient: it reduces the gradient as the backward pass produces it, so
       its buckets may overlap the backward pass.
@@ -290,10 +292,10 @@ class StepTime(NamedTuple):
   Attributes:
     compute: forward, backward and update.
     communication: every collective of the step, start to end.
-    hidden: the part of ``communication`` overlapped with the backward pass.
-    total: ``compute + communication - hidden``.
+    hidden: the part of `communication` overlapped with the backward pass.
+    total: `compute + communication - hidden`.
     efficiency: single-device step time at the same per-device batch over
-      ``total`` (weak scaling; 1 at one device). It can exceed 1 only when
+      `total` (weak scaling; 1 at one device). It can exceed 1 only when
       ZeRO's sharded update saves more than communication costs.
     launches: collective calls per step (buckets included).
   """
@@ -413,7 +415,7 @@ def _choice(value, name: str, choices: tuple) -> None:
 
 
 def _layers(layers, schedule: str) -> int | None:
-  """``layers``: a positive int with ``schedule="layerwise"`` (the stacked layer count), else ``None``."""
+  """`layers`: a positive int with `schedule="layerwise"` (the stacked layer count), else `None`."""
   if schedule == "layerwise":
     if isinstance(layers, bool) or not isinstance(layers, numbers.Integral) or layers < 1:
       raise ValueError(f"layers must be a positive int (the number of stacked layers, e.g. layers=80) with "
@@ -426,7 +428,7 @@ def _layers(layers, schedule: str) -> int | None:
 
 
 def _stage(value) -> int:
-  """A ZeRO stage: an int in ``ZERO_STAGES`` (``True`` and ``1.0`` refused: ``True == 1`` and ``1.0 == 1``)."""
+  """A ZeRO stage: an int in `ZERO_STAGES` (`True` and `1.0` refused: `True == 1` and `1.0 == 1`)."""
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in ZERO_STAGES:
     raise ValueError(f"zero_stage must be an int, one of {', '.join(map(repr, ZERO_STAGES))}, got {value!r}.")
   return int(value)
@@ -451,12 +453,12 @@ def _check_link(link, name: str) -> Link:
 
 
 def _tree_alpha(link: Link) -> float:
-  """α of one tree step on ``link``: its own figure, else (assumed) the ring's."""
+  """α of one tree step on `link`: its own figure, else (assumed) the ring's."""
   return link.latency if link.tree_latency is None else link.tree_latency
 
 
 def _check_topology(topology, n_devices: int) -> int:
-  """Validates ``topology`` for ``n_devices``; returns the number of nodes."""
+  """Validates `topology` for `n_devices`; returns the number of nodes."""
   if not isinstance(topology, Topology):
     raise ValueError(f"topology must be a jaxdp.analysis.scaling.Topology (e.g. H100_NDR), got {topology!r}.")
   _check_link(topology.intra, "topology.intra")
@@ -487,7 +489,7 @@ def _check_model(model) -> ModelCost:
 
 
 def valid_device_counts(topology: Topology, max_devices: int) -> list[int]:
-  """Device counts the model accepts on ``topology`` up to ``max_devices``: 1..g, then multiples of g."""
+  """Device counts the model accepts on `topology` up to `max_devices`: 1..g, then multiples of g."""
   max_devices = _int(max_devices, "max_devices", 1)
   _check_topology(topology, 1)
   g = topology.devices_per_node
@@ -547,20 +549,20 @@ def _hierarchical_time(kind: str, nbytes: float, n: int, nodes: int, topology: T
 
 def collective_time(kind: str, nbytes: float, n_devices: int, topology: Topology, *,
                     algorithm: str = "hierarchical") -> float:
-  """Seconds of one collective call over ``n_devices`` devices of ``topology``.
+  """Seconds of one collective call over `n_devices` devices of `topology`.
 
   Args:
-    kind: ``"all-reduce"``, ``"reduce-scatter"`` or ``"all-gather"``.
+    kind: `"all-reduce"`, `"reduce-scatter"` or `"all-gather"`.
     nbytes: per-device size of the full buffer (the all-reduced array, the
       reduce-scatter's input, the all-gather's output).
-    n_devices: devices taking part: up to ``topology.devices_per_node``, or
+    n_devices: devices taking part: up to `topology.devices_per_node`, or
       a multiple of it.
     topology: the interconnect.
-    algorithm: ``"ring"``, ``"tree"`` (all-reduce only; reduce-scatter and
-      all-gather fall back to the ring) or ``"hierarchical"``.
+    algorithm: `"ring"`, `"tree"` (all-reduce only; reduce-scatter and
+      all-gather fall back to the ring) or `"hierarchical"`.
 
   Returns:
-    ``launch_latency + steps · α + bytes sent · β``; 0 for one device or 0 bytes.
+    `launch_latency + steps · α + bytes sent · β`; 0 for one device or 0 bytes.
   """
   _choice(kind, "kind", KINDS)
   _choice(algorithm, "algorithm", ALGORITHMS)
@@ -581,8 +583,8 @@ def collective_time(kind: str, nbytes: float, n_devices: int, topology: Topology
 def ring_traffic(kind: str, nbytes: float, n_devices: int) -> float:
   """Bytes one device sends in a ring collective: 2(N−1)/N·M for an all-reduce, (N−1)/N·M otherwise.
 
-  The same convention as :attr:`jaxdp.Collective.traffic_bytes` (which also counts ``"all-to-all"``: each
-  device sends ``(N−1)/N`` of its buffer).
+  The same convention as `jaxdp.Collective.traffic_bytes` (which also counts `"all-to-all"`: each
+  device sends `(N−1)/N` of its buffer).
   """
   _choice(kind, "kind", KINDS + ("all-to-all",))
   n = _int(n_devices, "n_devices", 1)
@@ -592,22 +594,22 @@ def ring_traffic(kind: str, nbytes: float, n_devices: int) -> float:
 def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
                 schedule: str = "jaxdp", split_params: int | None = None, scalar_bytes: int = 0,
                 norm_bytes: int = 0) -> tuple[CollectiveOp, ...]:
-  """The collectives of one step of ZeRO stage ``zero_stage`` (none on one device).
+  """The collectives of one step of ZeRO stage `zero_stage` (none on one device).
 
   Args:
     psi: Ψ, the number of parameters.
     n_devices: N.
     zero_stage: 0-3.
     precision: bytes per gradient (all-reduced, reduce-scattered) and per
-      parameter (all-gathered) element; ``optimizer_bytes == 0`` (no
+      parameter (all-gathered) element; `optimizer_bytes == 0` (no
       optimizer state) makes stage 1 stage 0.
-    schedule: ``"jaxdp"`` (what jaxdp compiles with the whole gather),
-      ``"layerwise"`` (jaxdp's layer-wise stage 3 with
-      ``reshard_after_forward=True``: stage 3 as the paper's, stages 0-2 as
+    schedule: `"jaxdp"` (what jaxdp compiles with the whole gather),
+      `"layerwise"` (jaxdp's layer-wise stage 3 with
+      `reshard_after_forward=True`: stage 3 as the paper's, stages 0-2 as
       jaxdp's; needs no layer count, the bytes do not depend on it) or
-      ``"paper"`` (Rajbhandari et al. 2020); see the module docstring.
+      `"paper"` (Rajbhandari et al. 2020); see the module docstring.
     split_params: Ψ_s, the parameter elements in leaves that ZeRO splits
-      over the N devices (see :func:`split_params_of`); they are
+      over the N devices (see `split_params_of`); they are
       reduce-scattered and all-gathered. The other Ψ − Ψ_s are all-reduced
       at every stage. Default Ψ.
     scalar_bytes: bytes of scalars reduced with the gradient (jaxdp: Σ w·l
@@ -622,7 +624,7 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
       used at stage 1 (the norm of the replicated gradient needs none).
 
   Returns:
-    The step's :class:`CollectiveOp` s in program order (ops of 0 bytes left out).
+    The step's `CollectiveOp` s in program order (ops of 0 bytes left out).
   """
   psi = _int(psi, "psi", 1)
   n = _int(n_devices, "n_devices", 1)
@@ -658,12 +660,12 @@ def collectives(psi: int, n_devices: int, zero_stage: int, precision: Precision 
 
 
 def jaxdp_norm_bytes(zero_stage: int, split_leaves: int, *, model_axis: bool = False) -> int:
-  """``norm_bytes`` for :func:`collectives` as jaxdp compiles the global gradient norm.
+  """`norm_bytes` for `collectives` as jaxdp compiles the global gradient norm.
 
   Stages 2-3: one float32 partial sum of squares per split gradient leaf.
   Stage 0: one float32, each device's sum over its 1/N of the agreed
-  gradient; none when a model axis is left to the compiler (``model_axis``:
-  every device then sums the whole gradient, see :func:`jaxdp.global_norm`).
+  gradient; none when a model axis is left to the compiler (`model_axis`:
+  every device then sums the whole gradient, see `jaxdp.global_norm`).
   Stage 1: none (the norm of the replicated gradient needs no collective).
   """
   zero_stage = _stage(zero_stage)
@@ -674,13 +676,13 @@ def jaxdp_norm_bytes(zero_stage: int, split_leaves: int, *, model_axis: bool = F
 
 
 def split_params_of(params, n_devices: int, model_specs=None) -> tuple[int, int]:
-  """``(Ψ_s, leaves)``: the parameter elements, and the leaves, that ZeRO splits over ``n_devices``.
+  """`(Ψ_s, leaves)`: the parameter elements, and the leaves, that ZeRO splits over `n_devices`.
 
-  A leaf splits when :func:`jaxdp.sharding.layout.zero_dim` finds a dimension for it
-  (one that divides by ``n_devices`` and is not split over a model axis).
-  ``params`` is a pytree of arrays or ``jax.ShapeDtypeStruct`` s;
-  ``model_specs`` an optional matching tree of model-axis ``PartitionSpec`` s.
-  Pass the leaves to ``norm_bytes = 4 * leaves`` of :func:`collectives`.
+  A leaf splits when `jaxdp.sharding.layout.zero_dim` finds a dimension for it
+  (one that divides by `n_devices` and is not split over a model axis).
+  `params` is a pytree of arrays or `jax.ShapeDtypeStruct` s;
+  `model_specs` an optional matching tree of model-axis `PartitionSpec` s.
+  Pass the leaves to `norm_bytes = 4 * leaves` of `collectives`.
   """
   import jax  # the rest of this module is plain arithmetic
 
@@ -699,7 +701,7 @@ def communication_volume(psi: int, n_devices: int, zero_stage: int, precision: P
                          schedule: str = "jaxdp", split_params: int | None = None) -> float:
   """Bytes one device sends per step under ring algorithms (scalars not counted).
 
-  With every leaf split (``split_params`` = Ψ, the default): stage 0
+  With every leaf split (`split_params` = Ψ, the default): stage 0
   2(N−1)/N · Ψ · g; jaxdp stage 1 2(N−1)/N · Ψ · g + (N−1)/N · Ψ · p;
   stages 2 and 3 (N−1)/N · Ψ · (g + p); the paper's and the layer-wise
   stage 3 gather twice.
@@ -716,7 +718,7 @@ def communication_volume(psi: int, n_devices: int, zero_stage: int, precision: P
 
 
 def _buckets(nbytes: float, bucket_bytes: float | None) -> tuple[int, float, float]:
-  """``(count, full, last)``: a collective of ``nbytes`` as ``count - 1`` full buckets and a last one."""
+  """`(count, full, last)`: a collective of `nbytes` as `count - 1` full buckets and a last one."""
   if bucket_bytes is None or nbytes <= bucket_bytes:
     return 1, 0.0, nbytes
   count = math.ceil(nbytes / bucket_bytes)
@@ -727,28 +729,28 @@ def step_time(model: ModelCost, n_devices: int, topology: Topology, *, batch_per
               zero_stage: int = 0, bucket_bytes: float | None = None, algorithm: str = "hierarchical",
               overlap: float = 0.0, schedule: str = "jaxdp", split_params: int | None = None,
               scalar_bytes: int = 0, norm_bytes: int = 0) -> StepTime:
-  """Predicted time of one data-parallel step on ``n_devices`` devices.
+  """Predicted time of one data-parallel step on `n_devices` devices.
 
   Args:
     model: what one step costs on one device.
-    n_devices: N: up to ``topology.devices_per_node``, or a multiple of it.
-    topology: the interconnect (e.g. :data:`H100_NDR`, :data:`TPU_V5E_SLICES`).
+    n_devices: N: up to `topology.devices_per_node`, or a multiple of it.
+    topology: the interconnect (e.g. `H100_NDR`, `TPU_V5E_SLICES`).
     batch_per_device: examples per device per step.
     zero_stage: 0-3 (which collectives; ZeRO ≥ 1 also divides the update by N).
-    bucket_bytes: split each collective into ``ceil(bytes / bucket_bytes)``
+    bucket_bytes: split each collective into `ceil(bytes / bucket_bytes)`
       calls, each paying the launch and step latencies (PyTorch DDP's default
-      is :data:`DDP_BUCKET_BYTES`, 25 MiB); ``None``: one call per collective.
-    algorithm: ``"ring"``, ``"tree"`` or ``"hierarchical"``.
+      is `DDP_BUCKET_BYTES`, 25 MiB); `None`: one call per collective.
+    algorithm: `"ring"`, `"tree"` or `"hierarchical"`.
     overlap: fraction in [0, 1] of the gradient communication *before its last
       bucket* that runs during the backward pass (DDP's overlap: the last
       bucket can only start when the backward pass ends). 0: no overlap.
-    schedule: ``"jaxdp"``, ``"layerwise"`` or ``"paper"`` (see :func:`collectives`).
-    split_params: Ψ_s, parameters in leaves ZeRO splits (see :func:`collectives`).
-    scalar_bytes: scalars reduced with the gradient (see :func:`collectives`).
-    norm_bytes: partial gradient norms all-reduced at stages 2-3 (see :func:`collectives`).
+    schedule: `"jaxdp"`, `"layerwise"` or `"paper"` (see `collectives`).
+    split_params: Ψ_s, parameters in leaves ZeRO splits (see `collectives`).
+    scalar_bytes: scalars reduced with the gradient (see `collectives`).
+    norm_bytes: partial gradient norms all-reduced at stages 2-3 (see `collectives`).
 
   Returns:
-    A :class:`StepTime`.
+    A `StepTime`.
   """
   model = _check_model(model)
   n = _int(n_devices, "n_devices", 1)
@@ -784,12 +786,12 @@ def communication_bound_at(model: ModelCost, topology: Topology, *, batch_per_de
   """The smallest device count at which exposed communication exceeds compute.
 
   Args:
-    model, topology, batch_per_device: as in :func:`step_time`.
-    max_devices: search the counts :func:`valid_device_counts` allows up to this.
-    **options: other keywords of :func:`step_time` (``zero_stage``, ``overlap``, ...).
+    model, topology, batch_per_device: as in `step_time`.
+    max_devices: search the counts `valid_device_counts` allows up to this.
+    **options: other keywords of `step_time` (`zero_stage`, `overlap`, ...).
 
   Returns:
-    That N, or ``None`` if communication stays below compute up to ``max_devices``.
+    That N, or `None` if communication stays below compute up to `max_devices`.
   """
   _check_model(model)
   if "zero_stage" in options:
@@ -813,10 +815,10 @@ def _state_bytes(zero_stage: int, precision: Precision) -> tuple[int, int]:
 
 
 def _gathered_layers(zero_stage: int, n: int, schedule: str, layers: int | None) -> tuple[int, int]:
-  """``(a, b)``: stage 3 holds ``a / b`` of the split parameters gathered, ``p`` bytes each.
+  """`(a, b)`: stage 3 holds `a / b` of the split parameters gathered, `p` bytes each.
 
-  ``"jaxdp"``: all of them (1/1); ``"layerwise"``: two of the L layers (the
-  current one and the prefetched next one), 2/L, one at L = 1; ``"paper"``:
+  `"jaxdp"`: all of them (1/1); `"layerwise"`: two of the L layers (the
+  current one and the prefetched next one), 2/L, one at L = 1; `"paper"`:
   none counted (0/1). Stages 0-2 and one device: 0/1.
   """
   if zero_stage != 3 or n == 1 or schedule == "paper":
@@ -835,30 +837,30 @@ def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Pr
     psi: Ψ, the number of parameters.
     n_devices: N, the data-parallel degree.
     zero_stage: 0-3.
-    precision: :data:`MIXED_ADAM` (2 + 2 + 12 bytes, the paper's K = 12) or
-      :data:`FP32_ADAM` (4 + 4 + 8), or your own.
+    precision: `MIXED_ADAM` (2 + 2 + 12 bytes, the paper's K = 12) or
+      `FP32_ADAM` (4 + 4 + 8), or your own.
     split_params: Ψ_s, the parameters in leaves ZeRO splits (see
-      :func:`split_params_of`); the other Ψ − Ψ_s stay whole on every device
+      `split_params_of`); the other Ψ − Ψ_s stay whole on every device
       at every stage. Default Ψ (the paper's formulas).
-    schedule: ``"jaxdp"`` (default, as :func:`collectives`): stage 3 gathers
+    schedule: `"jaxdp"` (default, as `collectives`): stage 3 gathers
       all split parameters before the forward pass and keeps them through
-      the backward pass, so it adds ``p·Ψ_s`` per device (N > 1). ``"paper"``:
+      the backward pass, so it adds `p·Ψ_s` per device (N > 1). `"paper"`:
       the ZeRO paper's layer-by-layer gathering, counted as model state only
-      (one layer's gathered parameters are not counted). ``"layerwise"``:
-      jaxdp's layer-wise stage 3 (``layers=`` of :func:`jaxdp.make_train_step`)
-      counted with prefetch, two layers gathered at once: it adds ``2·p·Ψ_s/L``
-      (``p·Ψ_s`` at L = 1), every split parameter counted in the stack of
-      ``layers`` equal layers (the leaves outside the stack, which jaxdp
-      gathers whole, are neglected: they add ``p`` bytes each). Stages 0-2
+      (one layer's gathered parameters are not counted). `"layerwise"`:
+      jaxdp's layer-wise stage 3 (`layers=` of `jaxdp.make_train_step`)
+      counted with prefetch, two layers gathered at once: it adds `2·p·Ψ_s/L`
+      (`p·Ψ_s` at L = 1), every split parameter counted in the stack of
+      `layers` equal layers (the leaves outside the stack, which jaxdp
+      gathers whole, are neglected: they add `p` bytes each). Stages 0-2
       do not depend on it.
     layers: L, the number of stacked layers: a positive int, required with
-      ``schedule="layerwise"`` and refused with the others.
+      `schedule="layerwise"` and refused with the others.
 
   Returns:
-    ``(p+g+K)Ψ``, ``(p+g)Ψ + KΨ/N``, ``pΨ + (g+K)Ψ/N``, and at stage 3
-    ``(p+g+K)Ψ/N + pΨ`` (jaxdp), ``(p+g+K)Ψ/N + 2pΨ/L`` (layerwise) or
-    ``(p+g+K)Ψ/N`` (paper) (with Ψ_s < Ψ: the formula for Ψ_s plus
-    ``(p+g+K)(Ψ − Ψ_s)``). Activations and other temporary buffers are not
+    `(p+g+K)Ψ`, `(p+g)Ψ + KΨ/N`, `pΨ + (g+K)Ψ/N`, and at stage 3
+    `(p+g+K)Ψ/N + pΨ` (jaxdp), `(p+g+K)Ψ/N + 2pΨ/L` (layerwise) or
+    `(p+g+K)Ψ/N` (paper) (with Ψ_s < Ψ: the formula for Ψ_s plus
+    `(p+g+K)(Ψ − Ψ_s)`). Activations and other temporary buffers are not
     included.
   """
   psi = _real(psi, "psi")
@@ -876,25 +878,25 @@ def memory_per_device(psi: float, n_devices: int, zero_stage: int, precision: Pr
 
 def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precision: Precision = MIXED_ADAM, *,
                   reserved_bytes: float = 0.0, schedule: str = "jaxdp", layers: int | None = None) -> int:
-  """The most parameters whose model state (and jaxdp's stage-3 gathered params) fits ``memory_bytes`` per device.
+  """The most parameters whose model state (and jaxdp's stage-3 gathered params) fits `memory_bytes` per device.
 
   Args:
     memory_bytes: device memory.
     n_devices: N.
     zero_stage: 0-3.
-    precision: as in :func:`memory_per_device`.
+    precision: as in `memory_per_device`.
     reserved_bytes: memory kept for activations, workspace and the runtime.
-    schedule: as in :func:`memory_per_device`: ``"jaxdp"`` (default; stage 3
-      holds every split parameter gathered, ``p`` bytes each, so it fits
-      little more than stage 2), ``"layerwise"`` (jaxdp's layer-wise stage 3
-      counted with prefetch: two of the ``layers`` layers gathered at once) or
-      ``"paper"`` (layer-by-layer gathering, one layer's gathered parameters
+    schedule: as in `memory_per_device`: `"jaxdp"` (default; stage 3
+      holds every split parameter gathered, `p` bytes each, so it fits
+      little more than stage 2), `"layerwise"` (jaxdp's layer-wise stage 3
+      counted with prefetch: two of the `layers` layers gathered at once) or
+      `"paper"` (layer-by-layer gathering, one layer's gathered parameters
       not counted).
-    layers: L, as in :func:`memory_per_device` (``schedule="layerwise"`` only).
+    layers: L, as in `memory_per_device` (`schedule="layerwise"` only).
 
   Returns:
-    The largest integer Ψ with ``memory_per_device(Ψ, ...) <= memory_bytes - reserved_bytes``, every
-    leaf split (``split_params`` = Ψ).
+    The largest integer Ψ with `memory_per_device(Ψ, ...) <= memory_bytes - reserved_bytes`, every
+    leaf split (`split_params` = Ψ).
   """
   memory = _real(memory_bytes, "memory_bytes")
   reserved = _real(reserved_bytes, "reserved_bytes", 0.0, memory)
@@ -920,12 +922,12 @@ def largest_model(memory_bytes: float, n_devices: int, zero_stage: int, precisio
 
 
 def seconds_per_example(flops_per_example: float, peak_flops: float, utilization: float) -> float:
-  """Compute time of one example from its FLOPs: ``flops / (peak_flops · utilization)``.
+  """Compute time of one example from its FLOPs: `flops / (peak_flops · utilization)`.
 
   Args:
     flops_per_example: forward + backward FLOPs (a transformer: about
-      ``6 · Ψ · tokens``, Kaplan et al. 2020, attention not counted).
-    peak_flops: the device's peak FLOP/s (e.g. ``H100_SXM.peak_flops``).
+      `6 · Ψ · tokens`, Kaplan et al. 2020, attention not counted).
+    peak_flops: the device's peak FLOP/s (e.g. `H100_SXM.peak_flops`).
     utilization: achieved fraction of the peak (model FLOPs utilization, MFU).
   """
   flops = _real(flops_per_example, "flops_per_example")
@@ -935,5 +937,5 @@ def seconds_per_example(flops_per_example: float, peak_flops: float, utilization
 
 
 def transformer_flops(params: float, tokens: int) -> float:
-  """Training FLOPs of ``tokens`` tokens through a ``params``-parameter transformer: 6 Ψ T (Kaplan et al. 2020)."""
+  """Training FLOPs of `tokens` tokens through a `params`-parameter transformer: 6 Ψ T (Kaplan et al. 2020)."""
   return 6.0 * _real(params, "params") * _int(tokens, "tokens", 0)

@@ -4,8 +4,8 @@ import importlib
 
 
 def lazy_submodules(package: str):
-  """A package's ``__getattr__`` (PEP 562): ``jaxdp.adapters.nnx`` imports ``nnx`` on first use, as the names of
-  ``jaxdp`` itself are, so that importing a package imports none of its modules."""
+  """A package's `__getattr__` (PEP 562): `jaxdp.adapters.nnx` imports `nnx` on first use, as the names of
+  `jaxdp` itself are, so that importing a package imports none of its modules."""
 
   def get(name: str):
     try:

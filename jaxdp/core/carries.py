@@ -1,23 +1,23 @@
 """Loop carries that start from a constant, inside a data-parallel step.
 
-Inside ``shard_map`` with ``check_vma=True`` a constant (``jnp.zeros``) is
+Inside `shard_map` with `check_vma=True` a constant (`jnp.zeros`) is
 typed as the same on every device, while a loop body that reads the batch
-returns a per-device ("varying") value. ``lax.scan``, ``fori_loop`` and
-``while_loop`` then refuse the carry: its input and output types differ. Every
-RNN starts that way (flax's ``nn.RNN``, ``LSTMCell.initialize_carry``,
-``nn.scan``, ``nnx.scan``), and the carry is made inside the model, where the
-user cannot add the ``lax.pcast`` that JAX's message asks for. On one device
+returns a per-device ("varying") value. `lax.scan`, `fori_loop` and
+`while_loop` then refuse the carry: its input and output types differ. Every
+RNN starts that way (flax's `nn.RNN`, `LSTMCell.initialize_carry`,
+`nn.scan`, `nnx.scan`), and the carry is made inside the model, where the
+user cannot add the `lax.pcast` that JAX's message asks for. On one device
 the same program runs.
 
-While jaxdp traces a ``loss_fn`` (:func:`promoting_carries`), a loop whose
+While jaxdp traces a `loss_fn` (`promoting_carries`), a loop whose
 initial carry is typed as varying over fewer manual axes than the body's
-output is retraced with that carry cast to varying: exactly the ``pcast``
+output is retraced with that carry cast to varying: exactly the `pcast`
 JAX's message suggests, a no-op at run time, so the values are those of one
 device. JAX already retraces a loop once to widen weakly typed carries
-(``_promote_weak_typed_input``); this extends that one pass to the varying
+(`_promote_weak_typed_input`); this extends that one pass to the varying
 axes. What one pass cannot settle is refused by JAX as before: a carry that
 becomes varying only through another carry's value from an earlier iteration
-needs ``jaxdp.as_varying`` on its initial value.
+needs `jaxdp.as_varying` on its initial value.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _installed = False
 
 
 def varying_of(aval: Any) -> frozenset:
-  """The manual mesh axes the abstract value ``aval`` is typed as varying over (JAX 0.10 and 0.11 spellings)."""
+  """The manual mesh axes the abstract value `aval` is typed as varying over (JAX 0.10 and 0.11 spellings)."""
   manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
   if manual is not None:
     return frozenset(manual.varying)
@@ -58,7 +58,7 @@ def _promoting(original):
 
 
 def _install() -> bool:
-  """Wraps JAX's carry promotion once per process; ``False`` where this JAX has no such hook."""
+  """Wraps JAX's carry promotion once per process; `False` where this JAX has no such hook."""
   global _installed
   with _INSTALL_LOCK:
     if not _installed:
@@ -77,7 +77,7 @@ def _install() -> bool:
 
 @contextlib.contextmanager
 def promoting_carries():
-  """Within this context, loops traced inside ``shard_map`` accept initial carries made from constants."""
+  """Within this context, loops traced inside `shard_map` accept initial carries made from constants."""
   _install()
   token = _ACTIVE.set(True)
   try:
@@ -87,5 +87,5 @@ def promoting_carries():
 
 
 def varying_axes(x: Any) -> frozenset:
-  """The manual mesh axes ``x`` is typed as varying over (inside ``shard_map`` with ``check_vma``)."""
+  """The manual mesh axes `x` is typed as varying over (inside `shard_map` with `check_vma`)."""
   return varying_of(jax.typeof(x))

@@ -18,7 +18,7 @@ from jaxdp.core.state import TrainState
 
 
 def check_int(value: Any, name: str, minimum: int, fix: str = "") -> int:
-  """``value`` as a Python int (not a bool), or a ``ValueError`` naming ``name``, the bound and the fix."""
+  """`value` as a Python int (not a bool), or a `ValueError` naming `name`, the bound and the fix."""
   try:
     as_int = None if isinstance(value, bool) else operator.index(value)
   except TypeError:
@@ -29,7 +29,7 @@ def check_int(value: Any, name: str, minimum: int, fix: str = "") -> int:
 
 
 def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
-  """Raises ``TypeError`` unless ``optimizer`` is an optax ``GradientTransformation`` (has ``init`` and ``update``)."""
+  """Raises `TypeError` unless `optimizer` is an optax `GradientTransformation` (has `init` and `update`)."""
   if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
     return
   for support in model_support():  # a model library's own optimizer object (flax's nnx.Optimizer)
@@ -53,8 +53,8 @@ def check_params(params: Any, name: str = "params") -> None:
 
 
 def check_has_more(has_more: Any) -> None:
-  """Refuses ``has_more`` counts that are not integers (a fractional one was truncated silently) or, on the host,
-  negative; called where ``has_more`` enters a step (shapes are the step's own check)."""
+  """Refuses `has_more` counts that are not integers (a fractional one was truncated silently) or, on the host,
+  negative; called where `has_more` enters a step (shapes are the step's own check)."""
   if has_more is None:
     return
   dtype = getattr(has_more, "dtype", None)
@@ -81,7 +81,7 @@ _padded: dict[int, weakref.ref] = {}
 
 
 def mark_padded(batch: Any) -> None:
-  """Records the arrays of ``batch`` as jaxdp-padded: a step refuses them without weights."""
+  """Records the arrays of `batch` as jaxdp-padded: a step refuses them without weights."""
   for leaf in jax.tree.leaves(batch):
     if isinstance(leaf, jax.Array):
       key = id(leaf)
@@ -89,8 +89,8 @@ def mark_padded(batch: Any) -> None:
 
 
 def check_padded_weights(batch: Any, weights: Any) -> None:
-  """Refuses a batch that :func:`jaxdp.split_batch`, :func:`jaxdp.shard_uneven` or a pipeline padded, given without
-  its weights: its padding rows would train as real rows (``weights=None`` means all ones). Identity checks only,
+  """Refuses a batch that `jaxdp.split_batch`, `jaxdp.shard_uneven` or a pipeline padded, given without
+  its weights: its padding rows would train as real rows (`weights=None` means all ones). Identity checks only,
   and none when weights are given."""
   if weights is not None or not _padded:
     return
@@ -106,7 +106,7 @@ def check_padded_weights(batch: Any, weights: Any) -> None:
 
 
 def check_float_dtype(dtype: Any, name: str, examples: str = "jnp.bfloat16, jnp.float16 or jnp.float32") -> Any:
-  """``dtype`` as a numpy floating dtype (``None`` passes through), or a ``ValueError`` naming ``name``."""
+  """`dtype` as a numpy floating dtype (`None` passes through), or a `ValueError` naming `name`."""
   if dtype is None:
     return None
   try:
@@ -119,7 +119,7 @@ def check_float_dtype(dtype: Any, name: str, examples: str = "jnp.bfloat16, jnp.
 
 
 def check_reduce_dtype(dtype: Any, name: str) -> Any:
-  """A floating dtype with float32's exponent range (``None`` passes), or a ``ValueError`` naming ``name``.
+  """A floating dtype with float32's exponent range (`None` passes), or a `ValueError` naming `name`.
 
   The gradient is reduced as weighted *sums* (divided by the global weight after the all-reduce, so that the
   mean is exact): float16's range (65,504) overflows on them at ordinary batch sizes, and every step would
@@ -142,7 +142,7 @@ def check_reduce_dtype(dtype: Any, name: str) -> Any:
 
 
 def as_array(x: Any) -> Any:
-  """``x``, or a numpy array of it if it is a list or tuple: ``weights=[1, 0, 1]`` is one array, not a pytree."""
+  """`x`, or a numpy array of it if it is a list or tuple: `weights=[1, 0, 1]` is one array, not a pytree."""
   return np.asarray(x) if isinstance(x, (list, tuple)) else x
 
 
@@ -153,7 +153,7 @@ _donated: dict[int, weakref.ref] = {}
 
 
 def mark_donated(leaves: list) -> None:
-  """Records the arrays of ``leaves`` as consumed by a donating step, whether or not XLA deleted them."""
+  """Records the arrays of `leaves` as consumed by a donating step, whether or not XLA deleted them."""
   for leaf in leaves:
     if isinstance(leaf, jax.Array) and not leaf.is_deleted():
       key = id(leaf)
@@ -161,7 +161,7 @@ def mark_donated(leaves: list) -> None:
 
 
 def is_donated(leaf: Any) -> bool:
-  """Whether ``leaf`` is an array an earlier step consumed (deleted, or recorded by :func:`mark_donated`)."""
+  """Whether `leaf` is an array an earlier step consumed (deleted, or recorded by `mark_donated`)."""
   if not isinstance(leaf, jax.Array):
     return False
   ref = _donated.get(id(leaf))
@@ -169,11 +169,11 @@ def is_donated(leaf: Any) -> bool:
 
 
 def check_not_donated(state: Any, leaves: list | None = None, name: str = "state") -> None:
-  """Raises ``ValueError`` if any array of ``state`` was donated (deleted) by an earlier step.
+  """Raises `ValueError` if any array of `state` was donated (deleted) by an earlier step.
 
-  ``leaves``: ``jax.tree.leaves(state)`` when the caller has them (the key
+  `leaves`: `jax.tree.leaves(state)` when the caller has them (the key
   paths, slower to build, are then made only for the error message).
-  ``name``: how the caller's argument is called, for the message.
+  `name`: how the caller's argument is called, for the message.
   """
   leaves = jax.tree.leaves(state) if leaves is None else leaves
   if not any(is_donated(leaf) for leaf in leaves):
@@ -189,10 +189,10 @@ def check_not_donated(state: Any, leaves: list | None = None, name: str = "state
 
 
 def unshared_buffers(state: Any) -> Any:
-  """``state`` with every array that appears twice (the same buffer in two leaves) copied.
+  """`state` with every array that appears twice (the same buffer in two leaves) copied.
 
   Donation hands each input buffer to the output once; a buffer reached from
-  two leaves (``TrainState.create({"a": z, "b": z}, opt)``) cannot be donated
+  two leaves (`TrainState.create({"a": z, "b": z}, opt)`) cannot be donated
   twice, which XLA reports as a crash rather than an error.
   """
   leaves, treedef = jax.tree.flatten(state)
@@ -218,7 +218,7 @@ def buffer_key(leaf: Any) -> Any:
 
 
 def check_rng(rng: Any) -> None:
-  """Raises ``ValueError`` unless ``rng`` is ``None``, a typed PRNG key or raw ``uint32`` key data."""
+  """Raises `ValueError` unless `rng` is `None`, a typed PRNG key or raw `uint32` key data."""
   if rng is None:
     return
   dtype = getattr(rng, "dtype", None)
@@ -244,7 +244,7 @@ def _raw_key_shape() -> tuple[int, ...]:
 
 
 def check_params_dtypes(params: Any, name: str = "state.params") -> None:
-  """Raises ``TypeError`` if a parameter is not floating point (or complex): it cannot be differentiated."""
+  """Raises `TypeError` if a parameter is not floating point (or complex): it cannot be differentiated."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     # Not getattr(leaf, "dtype", np.asarray(leaf).dtype): the default would copy every parameter to the host (and
     # fail for one split across processes).
@@ -261,13 +261,13 @@ def _abstract(x: Any) -> tuple:
 
 
 def signature(*trees: Any) -> tuple:
-  """A hashable key for the structure, shapes and dtypes of ``trees``."""
+  """A hashable key for the structure, shapes and dtypes of `trees`."""
   leaves, treedef = jax.tree.flatten(trees)
   return treedef, tuple(_abstract(x) for x in leaves)
 
 
 def batch_size(batch: Any, name: str = "batch") -> int:
-  """The common leading size of every leaf of ``batch``."""
+  """The common leading size of every leaf of `batch`."""
   leaves = jax.tree_util.tree_leaves_with_path(batch)
   if not leaves:
     raise ValueError(f"{name} has no arrays; pass a pytree of arrays with a leading batch axis.")
@@ -299,7 +299,7 @@ def check_state(state: Any, name: str = "state") -> None:
 
 
 def check_opt_state(state, optimizer, name: str = "state") -> None:
-  """``state.opt_state`` must be what ``optimizer.init(state.params)`` builds (structure, shapes, dtypes).
+  """`state.opt_state` must be what `optimizer.init(state.params)` builds (structure, shapes, dtypes).
 
   Shardings are not checked: the step places the state in its own layout
   (any ZeRO stage, device count or mesh shape holds the same arrays).
@@ -319,7 +319,7 @@ def check_opt_state(state, optimizer, name: str = "state") -> None:
 
 
 def _first_difference(expected: Any, got: Any, name: str) -> str:
-  """``": <name>[path] is a Python float where init gives float32[]..."`` for the first leaf that differs."""
+  """`": <name>[path] is a Python float where init gives float32[]..."` for the first leaf that differs."""
   expected_leaves, expected_def = jax.tree_util.tree_flatten_with_path(expected)
   got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
   if expected_def != got_def:
@@ -366,7 +366,7 @@ def check_batch_split(batch: Any, weights: Any, n_replicas: int, accum_steps: in
 
 
 def check_weights_dtype(weights: Any) -> None:
-  """Refuses weights that are a PRNG key (typed, or raw uint32 key data): ``step(state, batch, key)`` puts the key
+  """Refuses weights that are a PRNG key (typed, or raw uint32 key data): `step(state, batch, key)` puts the key
   in the weights' place, and raw key data of a 2-row batch would silently become the example weights."""
   dtype = getattr(weights, "dtype", None)
   if dtype is None:
@@ -381,11 +381,11 @@ def check_weights_dtype(weights: Any) -> None:
 
 
 def check_batch_values(batch: Any, name: str, *, dtypes: bool = True, ranges: bool = True) -> None:
-  """Refuses host leaves the devices cannot hold as given: strings and objects (``dtypes``: a property of the
-  signature, checked once per signature by the steps), and 64-bit integers out of 32-bit range (``ranges``: of
+  """Refuses host leaves the devices cannot hold as given: strings and objects (`dtypes`: a property of the
+  signature, checked once per signature by the steps), and 64-bit integers out of 32-bit range (`ranges`: of
   the values, checked every call).
 
-  Without ``jax_enable_x64`` JAX stores int64 as int32 (uint64 as uint32), wrapping larger values silently:
+  Without `jax_enable_x64` JAX stores int64 as int32 (uint64 as uint32), wrapping larger values silently:
   token or example ids above 2**31 would reach the model as other ids. JAX arrays are left alone (they hold
   only what JAX can).
   """
@@ -443,11 +443,11 @@ def check_weight_values(weights: Any, name: str = "weights") -> None:
 def check_step_inputs(
     loss_fn, optimizer, state, batch, weights, rng=None, *, n_replicas: int, accum_steps: int = 1
 ) -> None:
-  """Raises ``TypeError``/``ValueError`` naming the argument at fault and the fix.
+  """Raises `TypeError`/`ValueError` naming the argument at fault and the fix.
 
-  ``loss_fn`` itself is not run here: it may use collectives (exact
+  `loss_fn` itself is not run here: it may use collectives (exact
   BatchNorm statistics), which only exist inside the mapped step. What it
-  returns is checked while the step is traced (:func:`jaxdp.core.loss.call_loss`),
+  returns is checked while the step is traced (`jaxdp.core.loss.call_loss`),
   which still happens before anything runs or is donated.
   """
   check_state(state)

@@ -1,25 +1,25 @@
-"""The loss protocol: what jaxdp hands to ``loss_fn`` and what ``loss_fn`` may return.
+"""The loss protocol: what jaxdp hands to `loss_fn` and what `loss_fn` may return.
 
-``loss_fn(params, batch)`` (or ``loss_fn(params, batch, rng)`` when the step
-is given a PRNG key) returns unreduced losses: per-example ``[b]`` or
-per-token ``[b, t]``. jaxdp does the weighting and the reduction.
+`loss_fn(params, batch)` (or `loss_fn(params, batch, rng)` when the step
+is given a PRNG key) returns unreduced losses: per-example `[b]` or
+per-token `[b, t]`. jaxdp does the weighting and the reduction.
 
-A real program needs more, so ``loss_fn`` may also declare any of these
+A real program needs more, so `loss_fn` may also declare any of these
 keyword parameters, and jaxdp fills in the ones it declares (by name, or all
-of them through ``**kwargs``; the way optax passes extra arguments):
+of them through `**kwargs`; the way optax passes extra arguments):
 
-* ``model_state``: this replica's non-trainable model state
-  (:attr:`jaxdp.TrainState.model_state`, e.g. BatchNorm statistics);
-* ``weights``: this replica's weights for the rows (micro-batch) being
-  evaluated, as given to the step (``[b]`` or ``[b, t]``; zero marks
-  padding), or all ones ``[b]`` when the step got ``weights=None``. Pass them
-  to anything that computes across rows (BatchNorm's ``mask``) so that
+* `model_state`: this replica's non-trainable model state
+  (`jaxdp.TrainState.model_state`, e.g. BatchNorm statistics);
+* `weights`: this replica's weights for the rows (micro-batch) being
+  evaluated, as given to the step (`[b]` or `[b, t]`; zero marks
+  padding), or all ones `[b]` when the step got `weights=None`. Pass them
+  to anything that computes across rows (BatchNorm's `mask`) so that
   padding never enters it;
-* ``axis_name``: the data-parallel axis the step runs over;
-* ``train``: ``True`` in the training step, ``False`` in the evaluation step
+* `axis_name`: the data-parallel axis the step runs over;
+* `train`: `True` in the training step, `False` in the evaluation step
   (dropout off, BatchNorm on its running statistics).
 
-and return a :class:`LossOutput` instead of a bare array, to hand back the
+and return a `LossOutput` instead of a bare array, to hand back the
 new model state and named per-example (or per-token) metrics, which the step
 reduces with the loss's weights into exact global weighted means.
 """
@@ -41,25 +41,25 @@ from jaxdp.core.carries import promoting_carries
 from jaxdp.core.integrations import LIBRARIES
 
 LOSS_KEYWORDS = ("model_state", "weights", "axis_name", "train")
-"""The keyword arguments jaxdp passes to a ``loss_fn`` that declares them."""
+"""The keyword arguments jaxdp passes to a `loss_fn` that declares them."""
 
 
 RESERVED_METRICS = ("loss", "weight", "grad_norm", "nonfinite", "skipped", "has_more", "replica_divergence")
-"""Names the steps use in ``metrics`` themselves; a ``loss_fn`` metric may not take them."""
+"""Names the steps use in `metrics` themselves; a `loss_fn` metric may not take them."""
 
 
 class LossOutput(NamedTuple):
-  """What ``loss_fn`` may return instead of a bare array of losses.
+  """What `loss_fn` may return instead of a bare array of losses.
 
   Attributes:
-    losses: per-example ``[b]`` or per-token ``[b, t]`` losses, unreduced.
+    losses: per-example `[b]` or per-token `[b, t]` losses, unreduced.
     model_state: the new model state (same structure, shapes and dtypes as
-      the ``model_state`` it was given), or ``None`` for a model without
-      state. A ``loss_fn`` given a model state must return one (return the
+      the `model_state` it was given), or `None` for a model without
+      state. A `loss_fn` given a model state must return one (return the
       input unchanged if the model does not update it).
-    metrics: ``{name: values}`` with values of the losses' shape, e.g.
-      ``{"accuracy": logits.argmax(-1) == labels}``; reduced like the loss
-      (exact global weighted mean under ``reduction="mean"``).
+    metrics: `{name: values}` with values of the losses' shape, e.g.
+      `{"accuracy": logits.argmax(-1) == labels}`; reduced like the loss
+      (exact global weighted mean under `reduction="mean"`).
   """
 
   losses: jax.Array
@@ -68,32 +68,32 @@ class LossOutput(NamedTuple):
 
 
 class ModelSupport(NamedTuple):
-  """What a model library's integration adds to the core, registered with :func:`register_model_support`.
+  """What a model library's integration adds to the core, registered with `register_model_support`.
 
   Attributes:
-    tracing: ``tracing(train) -> context manager``, entered around every
-      ``loss_fn`` call the steps trace (e.g. guards that refuse statistics
-      over padding rows while ``train``).
-    notes: ``notes(error, loss_fn, notes) -> [str]``: the notes to add to an
-      error raised inside ``loss_fn``, given the core's ``notes`` (a list of
+    tracing: `tracing(train) -> context manager`, entered around every
+      `loss_fn` call the steps trace (e.g. guards that refuse statistics
+      over padding rows while `train`).
+    notes: `notes(error, loss_fn, notes) -> [str]`: the notes to add to an
+      error raised inside `loss_fn`, given the core's `notes` (a list of
       str) for it: the library may add its own advice or drop a note that
-      its own ``loss_fn`` makes redundant.
-    unbox: ``unbox(params) -> (params, specs)``: the library's metadata boxes
-      removed from ``params`` and the partition specs they carried
-      (``specs=None`` when there are no boxes).
-    before_step: ``before_step(loss_fn) -> check``: a check that
-      :func:`jaxdp.make_train_step`'s step calls with no arguments on every
-      call, before anything runs, or ``None`` for none.
-    check_params: ``check_params(params, name)``: raises for the library's
+      its own `loss_fn` makes redundant.
+    unbox: `unbox(params) -> (params, specs)`: the library's metadata boxes
+      removed from `params` and the partition specs they carried
+      (`specs=None` when there are no boxes).
+    before_step: `before_step(loss_fn) -> check`: a check that
+      `jaxdp.make_train_step`'s step calls with no arguments on every
+      call, before anything runs, or `None` for none.
+    check_params: `check_params(params, name)`: raises for the library's
       objects given where a parameter tree goes (e.g. a whole model), naming
-      the call that fixes it; ``None`` for none.
-    check_optimizer: ``check_optimizer(optimizer, name)``: raises for the
+      the call that fixes it; `None` for none.
+    check_optimizer: `check_optimizer(optimizer, name)`: raises for the
       library's objects given where an optax transformation goes (called
-      only for what is not one); ``None`` for none.
-    example_ids: ``example_ids() -> context manager``, entered while a
-      training step with ``example_ids`` traces ``loss_fn`` (e.g. the
+      only for what is not one); `None` for none.
+    example_ids: `example_ids() -> context manager`, entered while a
+      training step with `example_ids` traces `loss_fn` (e.g. the
       refusal of a library's own Dropout, which would draw one mask for
-      every replica); ``None`` for none.
+      every replica); `None` for none.
   """
 
   tracing: Callable[[bool], ContextManager] | None = None
@@ -109,14 +109,14 @@ _SUPPORT: list[ModelSupport] = []
 
 
 def register_model_support(support: ModelSupport) -> None:
-  """Adds ``support`` to what every later :func:`model_support` returns (once per integration module)."""
+  """Adds `support` to what every later `model_support` returns (once per integration module)."""
   _SUPPORT.append(support)
 
 
 def model_support() -> tuple[ModelSupport, ...]:
-  """The registered :class:`ModelSupport`, after importing the integration of every loaded library.
+  """The registered `ModelSupport`, after importing the integration of every loaded library.
 
-  A library in :data:`jaxdp.core.integrations.LIBRARIES` that the program has
+  A library in `jaxdp.core.integrations.LIBRARIES` that the program has
   imported gets its integration imported here, so that its guards hold even
   in a program that never imports that integration itself.
   """
@@ -141,15 +141,15 @@ _STEP_AXIS: contextvars.ContextVar = contextvars.ContextVar("jaxdp_step_axis", d
 
 
 def step_axis() -> Any:
-  """The data axis (a name or a tuple) of the jaxdp step whose ``loss_fn`` is being traced, else ``None``."""
+  """The data axis (a name or a tuple) of the jaxdp step whose `loss_fn` is being traced, else `None`."""
   return _STEP_AXIS.get()
 
 
 @contextlib.contextmanager
 def in_step(axis_name: Any):
-  """Traces what runs inside as part of a jaxdp step over ``axis_name`` (see :func:`step_axis`).
+  """Traces what runs inside as part of a jaxdp step over `axis_name` (see `step_axis`).
 
-  Loops in it accept initial carries made from constants (:func:`jaxdp.core.carries.promoting_carries`).
+  Loops in it accept initial carries made from constants (`jaxdp.core.carries.promoting_carries`).
   """
   token = _STEP_AXIS.set(axis_name)
   try:
@@ -165,14 +165,14 @@ _STEP_WEIGHTS: contextvars.ContextVar = contextvars.ContextVar("jaxdp_step_weigh
 
 
 def step_weights() -> jax.Array | None:
-  """The weights (``[b]`` or ``[b, t]``, 0 = padding) of the rows the jaxdp step's ``loss_fn`` is traced on, else
-  ``None``: this replica's, of the current micro-batch under ``accum_steps``; all ones when the step got none."""
+  """The weights (`[b]` or `[b, t]`, 0 = padding) of the rows the jaxdp step's `loss_fn` is traced on, else
+  `None`: this replica's, of the current micro-batch under `accum_steps`; all ones when the step got none."""
   return _STEP_WEIGHTS.get()
 
 
 @contextlib.contextmanager
 def using_step_weights(weights: Any):
-  """Within this context, :func:`step_weights` returns ``weights`` (``None`` clears them)."""
+  """Within this context, `step_weights` returns `weights` (`None` clears them)."""
   token = _STEP_WEIGHTS.set(weights)
   try:
     yield
@@ -181,7 +181,7 @@ def using_step_weights(weights: Any):
 
 
 def declared_keywords(fn: Callable, names: tuple[str, ...]) -> frozenset:
-  """The ``names`` that ``fn`` accepts as keyword arguments (all of them if it takes ``**kwargs``)."""
+  """The `names` that `fn` accepts as keyword arguments (all of them if it takes `**kwargs`)."""
   try:
     parameters = inspect.signature(fn).parameters.values()
   except (TypeError, ValueError):  # a callable without an inspectable signature takes none of them
@@ -193,12 +193,12 @@ def declared_keywords(fn: Callable, names: tuple[str, ...]) -> frozenset:
 
 
 def loss_keywords(loss_fn: Callable) -> frozenset:
-  """The names of :data:`LOSS_KEYWORDS` that ``loss_fn`` accepts as keyword arguments."""
+  """The names of `LOSS_KEYWORDS` that `loss_fn` accepts as keyword arguments."""
   return declared_keywords(loss_fn, LOSS_KEYWORDS)
 
 
 def _positional(loss_fn: Callable) -> tuple[list, bool] | None:
-  """``loss_fn``'s named positional parameters and whether it takes ``*args``; ``None`` without a signature."""
+  """`loss_fn`'s named positional parameters and whether it takes `*args`; `None` without a signature."""
   try:
     parameters = list(inspect.signature(loss_fn).parameters.values())
   except (TypeError, ValueError):
@@ -209,14 +209,14 @@ def _positional(loss_fn: Callable) -> tuple[list, bool] | None:
 
 
 def _requires_rng(loss_fn: Callable) -> bool:
-  """Whether ``loss_fn`` has a third positional parameter without a default (its key)."""
+  """Whether `loss_fn` has a third positional parameter without a default (its key)."""
   named, _ = _positional(loss_fn) or ([], False)
   # A third parameter jaxdp fills by keyword (def loss_fn(params, batch, weights)) is not a key.
   return len(named) >= 3 and named[2].default is inspect.Parameter.empty and named[2].name not in loss_keywords(loss_fn)
 
 
 def _accepts_rng(loss_fn: Callable) -> bool:
-  """Whether ``loss_fn`` can take a key as a third positional argument (one not filled by a jaxdp keyword)."""
+  """Whether `loss_fn` can take a key as a third positional argument (one not filled by a jaxdp keyword)."""
   found = _positional(loss_fn)
   if found is None:  # no signature to judge by: let the call say
     return True
@@ -227,7 +227,7 @@ def _accepts_rng(loss_fn: Callable) -> bool:
 
 
 def check_loss_fn(loss_fn: Any, *, with_model_state: bool = False) -> None:
-  """Raises ``TypeError`` unless ``loss_fn`` is callable and, ``with_model_state``, accepts ``model_state``."""
+  """Raises `TypeError` unless `loss_fn` is callable and, `with_model_state`, accepts `model_state`."""
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}; pass loss_fn(params, batch) -> losses.")
   if with_model_state and "model_state" not in loss_keywords(loss_fn):
@@ -249,12 +249,12 @@ def call_loss(
     axis_name: str | None,
     train: bool,
 ) -> LossOutput:
-  """Calls ``loss_fn`` with the arguments it declares and checks what it returns.
+  """Calls `loss_fn` with the arguments it declares and checks what it returns.
 
-  Returns a :class:`LossOutput` whose ``metrics`` is a dict (possibly empty)
-  and whose ``model_state`` has the structure, shapes and dtypes of the
+  Returns a `LossOutput` whose `metrics` is a dict (possibly empty)
+  and whose `model_state` has the structure, shapes and dtypes of the
   input's. Checks run while tracing, on abstract values, inside the mapped
-  context (so a ``loss_fn`` that uses collectives is fine).
+  context (so a `loss_fn` that uses collectives is fine).
   """
   available = {"model_state": model_state, "weights": weights, "axis_name": axis_name, "train": train}
   keywords = {k: available[k] for k in loss_keywords(loss_fn)}
@@ -330,7 +330,7 @@ def call_loss(
 
 
 def _missing_key_note(loss_fn: Callable, train: bool) -> str:
-  """What to do about an error that asks for a PRNG key, raised inside a ``loss_fn`` called without one."""
+  """What to do about an error that asks for a PRNG key, raised inside a `loss_fn` called without one."""
   if not train:
     return ("jaxdp: loss_fn was called without a PRNG key (rng=None): evaluation (make_eval_step) passes none; run "
             "without dropout there (train=False, or rng is None: deterministic=True / model.eval()).")
@@ -348,7 +348,7 @@ _SCALAR_MEAN = ("a scalar (shape ()), a mean, where per-example losses [b] (or p
 
 
 def scalar_mean_message(subject: str, rows: int | None) -> str:
-  """``"<subject> a scalar ... where per-example losses belong ..."``: the message for a mean returned as the loss."""
+  """`"<subject> a scalar ... where per-example losses belong ..."`: the message for a mean returned as the loss."""
   return f"{subject} " + _SCALAR_MEAN.format(rows="the batch's rows" if rows is None else rows)
 
 

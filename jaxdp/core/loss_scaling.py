@@ -2,18 +2,18 @@
 
 A float16 backward pass loses small gradients to underflow (below 6e-8) and
 large ones to overflow (above 65,504). Dynamic loss scaling (torch's
-``GradScaler``, Micikevicius et al. 2018) multiplies the differentiated loss
-by a scale ``S`` and divides the float32 gradient by ``S`` after the backward
-pass, before the reduction. ``S`` adapts: a step whose gradient or loss is not
-finite is skipped and halves ``S``; after ``growth_interval`` consecutive
-applied steps ``S`` doubles.
+`GradScaler`, Micikevicius et al. 2018) multiplies the differentiated loss
+by a scale `S` and divides the float32 gradient by `S` after the backward
+pass, before the reduction. `S` adapts: a step whose gradient or loss is not
+finite is skipped and halves `S`; after `growth_interval` consecutive
+applied steps `S` doubles.
 
-* :func:`dynamic_loss_scale` returns the settings, a :class:`DynamicLossScale`
-  (checked once), given to the step as ``loss_scaling=``.
-* :class:`LossScale` ``(scale, good_steps)`` is the state: it lives in
-  :attr:`jaxdp.TrainState.loss_scale`, replicated on every device at every
+* `dynamic_loss_scale` returns the settings, a `DynamicLossScale`
+  (checked once), given to the step as `loss_scaling=`.
+* `LossScale` `(scale, good_steps)` is the state: it lives in
+  `jaxdp.TrainState.loss_scale`, replicated on every device at every
   ZeRO stage, and is checkpointed with the rest of the state.
-* :func:`update_loss_scale` is the rule, a pure function of the step's
+* `update_loss_scale` is the rule, a pure function of the step's
   collective non-finite flag (the same on every replica, so every replica
   keeps the same scale).
 """
@@ -41,11 +41,11 @@ class LossScale(NamedTuple):
 
 
 class DynamicLossScale(NamedTuple):
-  """The settings of dynamic loss scaling, as :func:`dynamic_loss_scale` checked them.
+  """The settings of dynamic loss scaling, as `dynamic_loss_scale` checked them.
 
   Attributes:
     init_scale: the first scale.
-    growth_factor: the scale is multiplied by this after ``growth_interval``
+    growth_factor: the scale is multiplied by this after `growth_interval`
       applied steps in a row.
     backoff_factor: the scale is multiplied by this on a non-finite step.
     growth_interval: applied steps in a row before the scale grows.
@@ -57,7 +57,7 @@ class DynamicLossScale(NamedTuple):
   growth_interval: int = 2000
 
   def init(self) -> LossScale:
-    """The state of a run's first step: ``LossScale(float32(init_scale), int32(0))``."""
+    """The state of a run's first step: `LossScale(float32(init_scale), int32(0))`."""
     return LossScale(jnp.asarray(self.init_scale, jnp.float32), jnp.zeros((), jnp.int32))
 
 
@@ -68,7 +68,7 @@ MAX_GROWTH_INTERVAL = int(np.iinfo(np.int32).max)  # LossScale.good_steps is an 
 
 
 def _power_of_two(value: float, name: str, low: int, high: int, why: str, fix: str) -> float:
-  """``value`` if it is ``2**k`` with ``low <= k <= high``, else a ``ValueError`` naming ``name`` and the range."""
+  """`value` if it is `2**k` with `low <= k <= high`, else a `ValueError` naming `name` and the range."""
   mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, 0.5 <= mantissa < 1
   if mantissa != 0.5 or not low <= exponent - 1 <= high:
     got = f"2**{exponent - 1}" if mantissa == 0.5 else repr(value)
@@ -91,34 +91,34 @@ def dynamic_loss_scale(
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
 ) -> DynamicLossScale:
-  """Dynamic loss scaling with torch ``GradScaler``'s rules; its defaults are torch's.
+  """Dynamic loss scaling with torch `GradScaler`'s rules; its defaults are torch's.
 
-  Pass the result as ``make_train_step(..., loss_scaling=...)`` (or
-  :func:`jaxdp.train_step`'s), with a state built with
-  ``jaxdp.init_state(..., loss_scale=scaling.init())``.
+  Pass the result as `make_train_step(..., loss_scaling=...)` (or
+  `jaxdp.train_step`'s), with a state built with
+  `jaxdp.init_state(..., loss_scale=scaling.init())`.
 
-  Every scale is a power of two from ``2**-126`` to ``2**126``: the float32
-  gradient is multiplied by ``1/scale``, which is exact for a power of two
+  Every scale is a power of two from `2**-126` to `2**126`: the float32
+  gradient is multiplied by `1/scale`, which is exact for a power of two
   (a 32-bit step gives the unscaled step's bits) and a normal float32
-  number in that range (a subnormal one, ``1/2**127``, would be flushed to
+  number in that range (a subnormal one, `1/2**127`, would be flushed to
   zero and the step lost).
 
   Args:
-    init_scale: the first scale, a power of two from ``2**-126`` to
-      ``2**126`` (``2.0**100`` is fine; ``2.0**127``, zero, negative,
+    init_scale: the first scale, a power of two from `2**-126` to
+      `2**126` (`2.0**100` is fine; `2.0**127`, zero, negative,
       subnormal, infinite or NaN values and other numbers are refused).
-    growth_factor: a power of two ``> 1`` (up to ``2**126``); the scale is
-      multiplied by it after ``growth_interval`` applied steps in a row
-      (unless the product would exceed ``2**126``: torch keeps it only
+    growth_factor: a power of two `> 1` (up to `2**126`); the scale is
+      multiplied by it after `growth_interval` applied steps in a row
+      (unless the product would exceed `2**126`: torch keeps it only
       when it overflows float32).
-    backoff_factor: a power of two in ``[2**-126, 1)``; the scale is
+    backoff_factor: a power of two in `[2**-126, 1)`; the scale is
       multiplied by it on a step whose gradient or loss is not finite (that
-      step is skipped), down to ``2**-126`` at the least.
-    growth_interval: an integer from 1 to ``2**31 - 1`` (the state's
+      step is skipped), down to `2**-126` at the least.
+    growth_interval: an integer from 1 to `2**31 - 1` (the state's
       counter is an int32).
 
   Returns:
-    A :class:`DynamicLossScale`.
+    A `DynamicLossScale`.
 
   Raises:
     ValueError: a setting out of its range, naming it and the range.
@@ -152,15 +152,15 @@ def dynamic_loss_scale(
 
 
 def update_loss_scale(scaling: DynamicLossScale, loss_scale: LossScale, nonfinite: Any, applied: Any) -> LossScale:
-  """The next step's :class:`LossScale` (torch ``GradScaler.update``'s rule).
+  """The next step's `LossScale` (torch `GradScaler.update`'s rule).
 
-  ``nonfinite``: the step's gradient or loss was not finite (the step was
-  skipped): ``scale *= backoff_factor`` (not below ``2**-126``),
-  ``good_steps = 0``. Else ``applied``: ``good_steps += 1``, and when it
-  reaches ``growth_interval`` ``scale *= growth_factor`` (kept if that
-  product exceeds ``2**126``, whose reciprocal is float32's smallest normal
+  `nonfinite`: the step's gradient or loss was not finite (the step was
+  skipped): `scale *= backoff_factor` (not below `2**-126`),
+  `good_steps = 0`. Else `applied`: `good_steps += 1`, and when it
+  reaches `growth_interval` `scale *= growth_factor` (kept if that
+  product exceeds `2**126`, whose reciprocal is float32's smallest normal
   number; torch keeps it only if the product is not finite) and
-  ``good_steps = 0``. A step neither (skipped for a global weight of zero)
+  `good_steps = 0`. A step neither (skipped for a global weight of zero)
   leaves both unchanged.
   """
   scale, good = jnp.asarray(loss_scale.scale, jnp.float32), jnp.asarray(loss_scale.good_steps, jnp.int32)
@@ -176,8 +176,8 @@ def update_loss_scale(scaling: DynamicLossScale, loss_scale: LossScale, nonfinit
 
 
 def check_loss_scaling(loss_scaling: Any, reduction: str = "mean") -> None:
-  """Raises ``TypeError`` unless ``loss_scaling`` is ``None`` or a :class:`DynamicLossScale`; ``ValueError``
-  under ``reduction="none"``."""
+  """Raises `TypeError` unless `loss_scaling` is `None` or a `DynamicLossScale`; `ValueError`
+  under `reduction="none"`."""
   if loss_scaling is None:
     return
   if not isinstance(loss_scaling, DynamicLossScale):
@@ -198,11 +198,11 @@ def check_loss_scaling(loss_scaling: Any, reduction: str = "mean") -> None:
 
 
 def check_loss_scale(loss_scaling: Any, loss_scale: Any, name: str = "state") -> None:
-  """Refuses a step's ``loss_scaling`` and a state's ``loss_scale`` that do not go together (host side, shapes only).
+  """Refuses a step's `loss_scaling` and a state's `loss_scale` that do not go together (host side, shapes only).
 
-  Raises ``ValueError`` when one is given without the other, ``TypeError`` for a
-  ``loss_scaling`` that is not a :class:`DynamicLossScale` or a ``loss_scale``
-  that is not a :class:`LossScale` of a float32 and an int32 scalar.
+  Raises `ValueError` when one is given without the other, `TypeError` for a
+  `loss_scaling` that is not a `DynamicLossScale` or a `loss_scale`
+  that is not a `LossScale` of a float32 and an int32 scalar.
   """
   check_loss_scaling(loss_scaling)
   if loss_scaling is not None and loss_scale is None:
@@ -222,8 +222,8 @@ def check_loss_scale(loss_scaling: Any, loss_scale: Any, name: str = "state") ->
 
 
 def check_loss_scale_value(loss_scale: Any, name: str = "loss_scale") -> None:
-  """Raises ``TypeError``/``ValueError`` unless ``loss_scale`` is a :class:`LossScale` of a float32 and an
-  int32 scalar (arrays or ``ShapeDtypeStruct``s; shapes and dtypes only)."""
+  """Raises `TypeError`/`ValueError` unless `loss_scale` is a `LossScale` of a float32 and an
+  int32 scalar (arrays or `ShapeDtypeStruct`s; shapes and dtypes only)."""
   if not isinstance(loss_scale, LossScale):
     raise TypeError(f"{name} must be a jaxdp.LossScale (scaling.init()), got {type(loss_scale).__name__}.")
   for field, dtype in (("scale", np.float32), ("good_steps", np.int32)):
@@ -237,15 +237,15 @@ def check_loss_scale_value(loss_scale: Any, name: str = "loss_scale") -> None:
 
 
 def abstract_loss_scale() -> LossScale:
-  """A :class:`LossScale` of ``ShapeDtypeStruct``s (a checkpoint's restore target)."""
+  """A `LossScale` of `ShapeDtypeStruct`s (a checkpoint's restore target)."""
   return LossScale(jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
 
 
 def static_loss_scale(scale: float) -> DynamicLossScale:
-  """A loss scale that never changes: the backward pass is scaled by ``scale``, a non-finite step is skipped.
+  """A loss scale that never changes: the backward pass is scaled by `scale`, a non-finite step is skipped.
 
-  A :class:`DynamicLossScale` whose factors are 1, so the same state
-  (:class:`LossScale`) and checkpoints hold it.
+  A `DynamicLossScale` whose factors are 1, so the same state
+  (`LossScale`) and checkpoints hold it.
   """
   fix = "use a static scale such as 1024.0, or jaxdp.dynamic_loss_scale()."
   scale = _power_of_two(

@@ -1,12 +1,12 @@
 """One precision policy: the compute dtype, the reduction dtype and loss scaling, in one value.
 
-``jaxdp.precision(compute_dtype=jnp.bfloat16)`` (mixed precision with float32
-master weights), ``jaxdp.precision(reduce_dtype=jnp.bfloat16)`` (half the
-gradient's bytes on the wire), ``jaxdp.precision(jnp.float16,
-loss_scaling=jaxdp.dynamic_loss_scale())`` (float16 with torch GradScaler's
-rule) or ``loss_scaling=1024.0`` (a static scale). Pass it to
-:func:`jaxdp.init_state` (which makes its state: the loss scale) and to the
-steps. Its state lives in ``TrainState.loss_scale``.
+`jaxdp.precision(compute_dtype=jnp.bfloat16)` (mixed precision with float32
+master weights), `jaxdp.precision(reduce_dtype=jnp.bfloat16)` (half the
+gradient's bytes on the wire), `jaxdp.precision(jnp.float16,
+loss_scaling=jaxdp.dynamic_loss_scale())` (float16 with torch GradScaler's
+rule) or `loss_scaling=1024.0` (a static scale). Pass it to
+`jaxdp.init_state` (which makes its state: the loss scale) and to the
+steps. Its state lives in `TrainState.loss_scale`.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from jaxdp.core.loss_scaling import DynamicLossScale, LossScale, check_loss_scal
 
 
 class Precision(NamedTuple):
-  """A checked precision policy (build it with :func:`precision`).
+  """A checked precision policy (build it with `precision`).
 
   Attributes:
     compute_dtype: the forward and backward passes' floating dtype (a numpy
-      dtype), or ``None`` for the params' own. Params, optimizer state and
+      dtype), or `None` for the params' own. Params, optimizer state and
       every sum stay as they are (float32 master weights).
     reduce_dtype: the dtype the gradient is communicated in (a numpy dtype),
-      or ``None`` for its own (float32 at least). Loss, weights and the
+      or `None` for its own (float32 at least). Loss, weights and the
       division stay float32.
-    loss_scaling: a :class:`jaxdp.DynamicLossScale` (a static scale is one
-      that never changes), or ``None``.
+    loss_scaling: a `jaxdp.DynamicLossScale` (a static scale is one
+      that never changes), or `None`.
   """
 
   compute_dtype: Any = None
@@ -36,18 +36,18 @@ class Precision(NamedTuple):
   loss_scaling: DynamicLossScale | None = None
 
   def init(self) -> LossScale | None:
-    """The policy's state at step 0 (``TrainState.loss_scale``): the first loss scale, or ``None``."""
+    """The policy's state at step 0 (`TrainState.loss_scale`): the first loss scale, or `None`."""
     return None if self.loss_scaling is None else self.loss_scaling.init()
 
 
 def precision(compute_dtype: Any = None, reduce_dtype: Any = None, loss_scaling: Any = None) -> Precision:
-  """Checks a precision policy and returns it as a :class:`Precision`.
+  """Checks a precision policy and returns it as a `Precision`.
 
   Args:
-    compute_dtype: ``None`` or a floating dtype (``jnp.bfloat16``, ``jnp.float16``, ``jnp.float32``).
-    reduce_dtype: ``None`` or a floating dtype with float32's exponent range (``jnp.bfloat16``): the gradient
+    compute_dtype: `None` or a floating dtype (`jnp.bfloat16`, `jnp.float16`, `jnp.float32`).
+    reduce_dtype: `None` or a floating dtype with float32's exponent range (`jnp.bfloat16`): the gradient
       travels as weighted sums, which overflow float16.
-    loss_scaling: ``None``, a :class:`jaxdp.DynamicLossScale` (:func:`jaxdp.dynamic_loss_scale`), or a positive
+    loss_scaling: `None`, a `jaxdp.DynamicLossScale` (`jaxdp.dynamic_loss_scale`), or a positive
       power of two: a static scale (non-finite steps are skipped; the scale never changes).
 
   Raises:
@@ -63,7 +63,7 @@ def precision(compute_dtype: Any = None, reduce_dtype: Any = None, loss_scaling:
 
 
 def as_precision(value: Any) -> Precision:
-  """``value`` as a :class:`Precision` (``None``: the default policy); ``TypeError`` for anything else."""
+  """`value` as a `Precision` (`None`: the default policy); `TypeError` for anything else."""
   if value is None:
     return Precision()
   if not isinstance(value, Precision):

@@ -1,7 +1,7 @@
 """Agreement across processes: every process of a job checks that the others hold the same value.
 
-Below the runtime (:mod:`jaxdp.runtime.distributed` re-exports it) because
-placing a state (:func:`jaxdp.init_state`) already needs it.
+Below the runtime (`jaxdp.runtime.distributed` re-exports it) because
+placing a state (`jaxdp.init_state`) already needs it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 
 
 def _describe(value: Any) -> list[tuple[str, str]]:
-  """``[(leaf path, description)]`` of ``value``: arrays as ``dtype[shape]``, other leaves by ``repr``."""
+  """`[(leaf path, description)]` of `value`: arrays as `dtype[shape]`, other leaves by `repr`."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
   described = [("<structure>", str(treedef))]
   for path, leaf in leaves:
@@ -28,7 +28,7 @@ def _describe(value: Any) -> list[tuple[str, str]]:
 
 
 def allgather_bytes(payload: bytes) -> list[bytes]:
-  """Every process's ``payload``, in process order (one collective per length agreement and data)."""
+  """Every process's `payload`, in process order (one collective per length agreement and data)."""
   from jax.experimental import multihost_utils
 
   lengths = np.asarray(multihost_utils.process_allgather(np.asarray([len(payload)], np.int64), tiled=False))
@@ -64,24 +64,24 @@ def _shorten(text: str, width: int = 120) -> str:
 
 
 def assert_same_across_processes(value: Any, name: str = "value") -> None:
-  """Raises a ``ValueError`` on every process unless ``value`` agrees across processes.
+  """Raises a `ValueError` on every process unless `value` agrees across processes.
 
   A collective of every process: call it at the same point of the program on
   each, with the value each believes is shared (a configuration, the
   structure of a batch). Array leaves (numpy or JAX; for a global
-  ``jax.Array`` its global shape) are compared by dtype and shape, not
+  `jax.Array` its global shape) are compared by dtype and shape, not
   contents, so per-process batches can be checked for shape agreement; every
-  other leaf (numbers, numpy scalars, strings, ``None``) is compared by its
-  ``repr``, and the pytree structure is compared too. Only a 32-byte digest
+  other leaf (numbers, numpy scalars, strings, `None`) is compared by its
+  `repr`, and the pytree structure is compared too. Only a 32-byte digest
   travels unless something differs (one small all-gather, a few
   milliseconds). With one process it returns at once.
 
   Args:
     value: any pytree.
-    name: what ``value`` is, for the message (e.g. ``"config"``, ``"batch"``).
+    name: what `value` is, for the message (e.g. `"config"`, `"batch"`).
 
   Raises:
-    ValueError: on every process, naming ``name``, the leaves that differ and
+    ValueError: on every process, naming `name`, the leaves that differ and
       each process's version of them.
   """
   if not isinstance(name, str):

@@ -1,34 +1,34 @@
 """Layout-invariant randomness: per-example keys from each example's global id.
 
-By default a step gives each replica its own key, ``fold_in(fold_in(rng,
-step), axis_index)`` (and ``fold_in(·, i)`` for micro-batch ``i``), so a
+By default a step gives each replica its own key, `fold_in(fold_in(rng,
+step), axis_index)` (and `fold_in(·, i)` for micro-batch `i`), so a
 dropout mask depends on where an example lands: no device count, split or
-``accum_steps`` reproduces another. With ``make_train_step(...,
-example_ids="id")`` (or ``train_step``, ``gradient_step``,
-``local_gradient``) the step instead
+`accum_steps` reproduces another. With `make_train_step(...,
+example_ids="id")` (or `train_step`, `gradient_step`,
+`local_gradient`) the step instead
 
-* gives ``loss_fn`` the same key on every replica and micro-batch,
-  ``fold_in(rng, state.step)``; flax's own rng machinery (linen's
-  ``make_rng``, nnx's streams, per layer and per ``scan`` iteration) derives
+* gives `loss_fn` the same key on every replica and micro-batch,
+  `fold_in(rng, state.step)`; flax's own rng machinery (linen's
+  `make_rng`, nnx's streams, per layer and per `scan` iteration) derives
   each layer's key from it, the same everywhere;
-* makes the ids of the rows being traced (``batch["id"]``, or
-  ``example_ids(batch)`` for a callable) available while ``loss_fn`` runs:
-  :class:`jaxdp.adapters.nnx.Dropout` and :class:`jaxdp.adapters.linen.Dropout` then draw row
-  ``r``'s mask from ``fold_in(layer_key, id_r)``, and :func:`example_keys`
+* makes the ids of the rows being traced (`batch["id"]`, or
+  `example_ids(batch)` for a callable) available while `loss_fn` runs:
+  `jaxdp.adapters.nnx.Dropout` and `jaxdp.adapters.linen.Dropout` then draw row
+  `r`'s mask from `fold_in(layer_key, id_r)`, and `example_keys`
   gives those keys to any other per-example randomness.
 
 An example's mask then depends on its id, the step and the layer only: the
-same on 1 or N devices, for any split, padding or ``accum_steps``, and in the
-plain one-device program that sets the ids with :func:`use_example_ids`.
+same on 1 or N devices, for any split, padding or `accum_steps`, and in the
+plain one-device program that sets the ids with `use_example_ids`.
 Ids must be unique among the real rows of a global batch (e.g. the index in
 the dataset); a weight-0 padding row may repeat one.
 
 The key is then the same on every replica: any randomness drawn from it
-without the ids (flax's own ``Dropout``, ``jax.random.bernoulli(key,
-shape=x.shape)``) repeats the same numbers on every device, correlated
-noise that no test of the loss shows. flax's own ``nnx.Dropout`` and
-``linen.Dropout`` are refused in a step with ``example_ids``; anything else
-must draw per example, from :func:`example_keys`.
+without the ids (flax's own `Dropout`, `jax.random.bernoulli(key,
+shape=x.shape)`) repeats the same numbers on every device, correlated
+noise that no test of the loss shows. flax's own `nnx.Dropout` and
+`linen.Dropout` are refused in a step with `example_ids`; anything else
+must draw per example, from `example_keys`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _IDS: contextvars.ContextVar = contextvars.ContextVar("jaxdp_example_ids", defau
 
 
 def check_example_ids(example_ids: Any) -> None:
-  """Raises ``TypeError`` unless ``example_ids`` is ``None``, a key of a dict batch (a str) or a callable."""
+  """Raises `TypeError` unless `example_ids` is `None`, a key of a dict batch (a str) or a callable."""
   if example_ids is not None and not isinstance(example_ids, str) and not callable(example_ids):
     raise TypeError(
         f"example_ids must be None, the key of the ids in a dict batch (a str, e.g. 'id') or a callable "
@@ -60,7 +60,7 @@ def check_example_ids(example_ids: Any) -> None:
 
 
 def ids_of(batch: Any, example_ids: str | Callable[[Any], Any]) -> jax.Array:
-  """The ``[b]`` integer ids of ``batch``'s rows: ``batch[example_ids]`` or ``example_ids(batch)``."""
+  """The `[b]` integer ids of `batch`'s rows: `batch[example_ids]` or `example_ids(batch)`."""
   check_example_ids(example_ids)
   if callable(example_ids):
     ids = example_ids(batch)
@@ -85,7 +85,7 @@ def ids_of(batch: Any, example_ids: str | Callable[[Any], Any]) -> jax.Array:
 
 
 def _checked_ids(ids: Any, name: str) -> jax.Array:
-  """``ids`` as an array, or a ``ValueError`` unless they are ``[b]`` integers (a float id was truncated silently)."""
+  """`ids` as an array, or a `ValueError` unless they are `[b]` integers (a float id was truncated silently)."""
   ids = jnp.asarray(ids)
   if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(
@@ -97,12 +97,12 @@ def _checked_ids(ids: Any, name: str) -> jax.Array:
 
 @contextlib.contextmanager
 def use_example_ids(ids: Any):
-  """Within this context, :func:`example_keys` and jaxdp's ``Dropout`` layers draw per example with ``ids``.
+  """Within this context, `example_keys` and jaxdp's `Dropout` layers draw per example with `ids`.
 
-  The steps enter it themselves around ``loss_fn`` when given ``example_ids``;
+  The steps enter it themselves around `loss_fn` when given `example_ids`;
   call it directly in a plain one-device program (the reference a
-  data-parallel run must equal) or a hand-written step: ``ids`` ``[b]``
-  integers, one per row of the batch the model is called on. ``None``
+  data-parallel run must equal) or a hand-written step: `ids` `[b]`
+  integers, one per row of the batch the model is called on. `None`
   clears the ids (jaxdp's layers then behave as flax's).
   """
   token = _IDS.set(None if ids is None else _checked_ids(ids, "ids"))
@@ -113,23 +113,23 @@ def use_example_ids(ids: Any):
 
 
 def current_example_ids() -> jax.Array | None:
-  """The ids set by :func:`use_example_ids` (or by a step with ``example_ids``), else ``None``."""
+  """The ids set by `use_example_ids` (or by a step with `example_ids`), else `None`."""
   return _IDS.get()
 
 
 def example_keys(key: jax.Array, ids: Any = None) -> jax.Array:
-  """``[b]`` keys, ``fold_in(key, id)`` for each row's id: per-example randomness that ignores the layout.
+  """`[b]` keys, `fold_in(key, id)` for each row's id: per-example randomness that ignores the layout.
 
   Args:
-    key: one key, the same on every replica (e.g. ``self.make_rng("noise")``
-      in linen, ``rngs.noise()`` in nnx, or the ``rng`` a step with
-      ``example_ids`` gives ``loss_fn``).
-    ids: ``[b]`` integer ids; default the current ones (inside a step with
-      ``example_ids``, or :func:`use_example_ids`).
+    key: one key, the same on every replica (e.g. `self.make_rng("noise")`
+      in linen, `rngs.noise()` in nnx, or the `rng` a step with
+      `example_ids` gives `loss_fn`).
+    ids: `[b]` integer ids; default the current ones (inside a step with
+      `example_ids`, or `use_example_ids`).
 
   Returns:
-    ``[b]`` keys: draw row ``r``'s numbers from ``keys[r]`` (e.g. with
-    ``jax.vmap``).
+    `[b]` keys: draw row `r`'s numbers from `keys[r]` (e.g. with
+    `jax.vmap`).
   """
   ids = current_example_ids() if ids is None else _checked_ids(ids, "ids")
   if ids is None:
@@ -142,11 +142,11 @@ def example_keys(key: jax.Array, ids: Any = None) -> jax.Array:
 
 def dropout(inputs: jax.Array, rate: float, broadcast_dims: Sequence[int], key: jax.Array,
             ids: jax.Array | None) -> jax.Array:
-  """Inverted dropout of ``inputs`` (rows on axis 0), flax's formula; per-row masks from ``fold_in(key, id)``.
+  """Inverted dropout of `inputs` (rows on axis 0), flax's formula; per-row masks from `fold_in(key, id)`.
 
-  ``ids=None``, or ``broadcast_dims`` holding the row axis (one mask shared by
-  every row, drawn from ``key`` alone, the same everywhere): exactly flax's
-  ``Dropout`` with ``key``. ``0 < rate < 1``.
+  `ids=None`, or `broadcast_dims` holding the row axis (one mask shared by
+  every row, drawn from `key` alone, the same everywhere): exactly flax's
+  `Dropout` with `key`. `0 < rate < 1`.
   """
   keep_prob = 1.0 - rate
   shape = list(inputs.shape)
@@ -169,8 +169,8 @@ def dropout(inputs: jax.Array, rate: float, broadcast_dims: Sequence[int], key: 
 
 @contextlib.contextmanager
 def per_example(batch: Any, example_ids: Any, *, train: bool):
-  """Entered around ``loss_fn`` by the steps: the batch's ids (when ``example_ids`` is set) and, in training,
-  flax linen's own ``Dropout`` refused (it would draw the same mask on every replica)."""
+  """Entered around `loss_fn` by the steps: the batch's ids (when `example_ids` is set) and, in training,
+  flax linen's own `Dropout` refused (it would draw the same mask on every replica)."""
   if example_ids is None:
     yield
     return
@@ -184,7 +184,7 @@ def per_example(batch: Any, example_ids: Any, *, train: bool):
 
 
 def check_unique_ids(batch: Any, weights: Any, example_ids: Any) -> None:
-  """Refuses host ids (``batch[example_ids]``, a numpy array) that repeat among the real rows (weight > 0) of a
+  """Refuses host ids (`batch[example_ids]`, a numpy array) that repeat among the real rows (weight > 0) of a
   global batch: those rows would draw the same dropout masks. Ids on the devices are not read (that would wait
   for them); a callable's ids are computed inside the step."""
   if not isinstance(example_ids, str) or not isinstance(batch, Mapping):

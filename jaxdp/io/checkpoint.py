@@ -1,43 +1,43 @@
 """Checkpoints: the training state, PRNG key and input position, saved with orbax, shard by shard.
 
 Saving writes every array of the state as it is sharded: the global
-``jax.Array``s go to orbax's ``StandardSave``, and each process writes the
+`jax.Array`s go to orbax's `StandardSave`, and each process writes the
 shards of its own devices (one copy of each replicated shard). No process
 ever holds a whole leaf that its layout does not replicate on it: a stage-3
 leaf on 8 processes costs each process an eighth of it, in host memory too.
 Every leaf keeps its global shape at every ZeRO stage and mesh (see
-:mod:`jaxdp.sharding.layout`), so a checkpoint is layout-free by construction.
+`jaxdp.sharding.layout`), so a checkpoint is layout-free by construction.
 
 Restoring takes a target layout (params template, optimizer, mesh,
-``zero_stage``, tensor-parallel ``param_specs``), builds its abstract state
-(``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` from
-:func:`jaxdp.sharding.layout.make_layout`) and lets orbax read each device's part of
-each array straight into that layout (``StandardRestore``). So a checkpoint
+`zero_stage`, tensor-parallel `param_specs`), builds its abstract state
+(`jax.ShapeDtypeStruct(shape, dtype, sharding=...)` from
+`jaxdp.sharding.layout.make_layout`) and lets orbax read each device's part of
+each array straight into that layout (`StandardRestore`). So a checkpoint
 restores onto any device count, process count, mesh shape, ZeRO stage or
 tensor-parallel split, with the optimizer state moved exactly (never
-re-initialised): :func:`jaxdp.gather_state` of the restored state equals that
+re-initialised): `jaxdp.gather_state` of the restored state equals that
 of the saved one bitwise.
 
-Format (``jaxdp.io.checkpoint`` version 2), one orbax step directory per step:
+Format (`jaxdp.io.checkpoint` version 2), one orbax step directory per step:
 
-* item ``state``: the arrays, through orbax's ``StandardCheckpointHandler``
+* item `state`: the arrays, through orbax's `StandardCheckpointHandler`
   (tensorstore/OCDBT with JSON metadata), as a nested dict keyed by the leaf
-  paths (``params/w``, ``opt_state/0/mu/w``, ``step``,
-  ``model_state/batch_stats/mean`` when the state has model state, ``rng``);
+  paths (`params/w`, `opt_state/0/mu/w`, `step`,
+  `model_state/batch_stats/mean` when the state has model state, `rng`);
   a zero-size leaf holds no data and is not in it (its record entry restores it);
-* item ``jaxdp``: JSON (``JsonCheckpointHandler``): the format and version,
-  the ``data_step`` (the input pipeline's position; ``TrainState.step`` does
+* item `jaxdp`: JSON (`JsonCheckpointHandler`): the format and version,
+  the `data_step` (the input pipeline's position; `TrainState.step` does
   not count steps skipped for zero weight), the PRNG key's implementation,
   the device and process counts saved from, the user's metadata, the
-  optimizer state's container types (``opt_state_structure``, e.g.
-  ``ScaleByAdamState``: leaf paths alone do not tell Adam from AdaBelief),
-  and each leaf's path, shape, dtype, ``PartitionSpec`` saved from (for the
+  optimizer state's container types (`opt_state_structure`, e.g.
+  `ScaleByAdamState`: leaf paths alone do not tell Adam from AdaBelief),
+  and each leaf's path, shape, dtype, `PartitionSpec` saved from (for the
   reader) and checksum.
 
-The checksum composes over shards (see :mod:`jaxdp.io.record`): with the
-leaf's elements read as unsigned words ``w_i`` at global flat index ``i``,
-``H = sum (w_i + 1) * (splitmix64(i) | 1) mod 2**64``. Each process adds the
-terms of its shards with ``replica_id == 0`` and the processes' sums are
+The checksum composes over shards (see `jaxdp.io.record`): with the
+leaf's elements read as unsigned words `w_i` at global flat index `i`,
+`H = sum (w_i + 1) * (splitmix64(i) | 1) mod 2**64`. Each process adds the
+terms of its shards with `replica_id == 0` and the processes' sums are
 added, so it is computed where the data lies, in the layout saved from and
 again in the layout restored to, without gathering. Version 1 checkpoints
 (gathered state, whole-leaf CRC-32) are refused with a "format version"
@@ -47,26 +47,26 @@ Nothing is pickled and nothing executes code on load. Restoring validates
 the record (every field it reads) and checks it against the target
 (structure, shapes, dtypes, optimizer state types) before reading any array,
 then every restored array against its shape, dtype and checksum: a
-mismatched, truncated or corrupt checkpoint raises ``ValueError`` and no
+mismatched, truncated or corrupt checkpoint raises `ValueError` and no
 part of a state is returned.
 
 Atomicity and retention are orbax's: a step is written to
-``<step>.orbax-checkpoint-tmp`` and renamed when complete, so a crash during
+`<step>.orbax-checkpoint-tmp` and renamed when complete, so a crash during
 a save leaves the previous checkpoints intact and the unfinished one is
 ignored (and removed when the next manager opens the directory). The list of
 steps is re-read from the directory when it is asked for, so a step deleted
 by hand is not offered for restoring. A save that fails before its commit,
 at whatever point, leaves the manager as if it had never been attempted (its
 threads awaited, its temporary directory removed, the list of steps re-read),
-so ``save(step, ...)`` retries it. Its error is raised once: by
-:meth:`CheckpointManager.save`, or for an asynchronous save failing in
-orbax's threads by the next :meth:`~CheckpointManager.wait`,
-:meth:`~CheckpointManager.close` or :meth:`~CheckpointManager.save`; no thread
+so `save(step, ...)` retries it. Its error is raised once: by
+`CheckpointManager.save`, or for an asynchronous save failing in
+orbax's threads by the next `wait`,
+`close` or `save`; no thread
 is left behind that would delay the process's exit.
 
 This module holds the orbax lifecycle (saving, restoring, waiting, closing);
 the record's format, its checks and the checksums are in
-:mod:`jaxdp.io.record`.
+`jaxdp.io.record`.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ _STRAGGLER_SECONDS = 60.0  # the longest a failed save's own threads are awaited
 
 
 def _operation_threads(before: set) -> list[threading.Thread]:
-  """The threads started since ``before`` that run one save's writes (not orbax's long-lived executors).
+  """The threads started since `before` that run one save's writes (not orbax's long-lived executors).
 
-  orbax runs each write of a save in a ``threading.Thread`` subclass of its own; its executors and event
+  orbax runs each write of a save in a `threading.Thread` subclass of its own; its executors and event
   loops, which live on, are plain threads.
   """
   return [t for t in threading.enumerate() if t not in before and type(t) is not threading.Thread]
@@ -121,10 +121,10 @@ def _join(threads: list[threading.Thread]) -> None:
   """Waits (boundedly) for a save's threads, without raising its failure.
 
   Also for a failed save: when one write fails orbax leaves the others running, and they would write into
-  (even re-create) the temporary directory of a retry of the same step. ``threading.Thread.join`` itself, not
-  the threads' own ``join``: orbax's write threads re-raise the save's failure from every ``join``, and its
-  finalising thread raises it from the first ``join`` of each calling thread, which would take it from
-  :meth:`CheckpointManager.wait` (the one call that reports it) whenever a thread was still alive.
+  (even re-create) the temporary directory of a retry of the same step. `threading.Thread.join` itself, not
+  the threads' own `join`: orbax's write threads re-raise the save's failure from every `join`, and its
+  finalising thread raises it from the first `join` of each calling thread, which would take it from
+  `CheckpointManager.wait` (the one call that reports it) whenever a thread was still alive.
   """
   deadline = time.monotonic() + _STRAGGLER_SECONDS
   for thread in threads:
@@ -132,17 +132,17 @@ def _join(threads: list[threading.Thread]) -> None:
 
 
 class Restored(NamedTuple):
-  """What :meth:`CheckpointManager.restore` returns.
+  """What `CheckpointManager.restore` returns.
 
   Attributes:
-    state: the :class:`jaxdp.TrainState` in the requested layout, ready for
-      ``make_train_step(..., zero_stage=...)`` on the requested mesh.
+    state: the `jaxdp.TrainState` in the requested layout, ready for
+      `make_train_step(..., zero_stage=...)` on the requested mesh.
     rng: the saved PRNG key (a typed key if a typed key was saved, else the
-      raw ``uint32`` key data), replicated on the mesh; ``None`` if none was saved.
+      raw `uint32` key data), replicated on the mesh; `None` if none was saved.
     data_step: the input pipeline's position: pass it to
-      ``DataPipeline.iterate(start_step=data_step)``.
+      `DataPipeline.iterate(start_step=data_step)`.
     step: the checkpoint's step.
-    metadata: the user metadata saved with it (as ``json.loads`` returns it), or ``None``.
+    metadata: the user metadata saved with it (as `json.loads` returns it), or `None`.
   """
 
   state: TrainState
@@ -161,7 +161,7 @@ def _check_pipeline(pipeline: Any) -> None:
 
 
 def _resumed_data_step(record: dict, pipeline: DataPipeline | None, mesh: Mesh, axis_name: Any, where: str) -> int:
-  """The ``data_step`` to resume from: the saved one, converted to ``pipeline``'s batches, or refused if ambiguous."""
+  """The `data_step` to resume from: the saved one, converted to `pipeline`'s batches, or refused if ambiguous."""
   if isinstance(pipeline, GrainPipeline):  # its position is set once the state is read (restore_states)
     if "data_states" not in record:
       raise ValueError(
@@ -199,7 +199,7 @@ def _resumed_data_step(record: dict, pipeline: DataPipeline | None, mesh: Mesh, 
 
 
 def _check_compression_record(record: dict, reduction: Any, replicas: int, where: str) -> None:
-  """Refuses a restore whose ``reduction=`` does not fit the checkpoint's reduction state, or another replica
+  """Refuses a restore whose `reduction=` does not fit the checkpoint's reduction state, or another replica
   count."""
   saved = [e for e in record["leaves"] if e["path"][0] == "compression"]
   if saved and not reduction.stateful:
@@ -219,18 +219,18 @@ def _check_compression_record(record: dict, reduction: Any, replicas: int, where
 
 
 def _is_diloco(record: dict) -> bool:
-  """Whether a checkpoint's record is of a DiLoCo state (its leaves under ``inner/`` and ``outer_params/``)."""
+  """Whether a checkpoint's record is of a DiLoCo state (its leaves under `inner/` and `outer_params/`)."""
   return any(e["path"][0] == "outer_params" for e in record["leaves"])
 
 
 def _mesh_shape(state: TrainState) -> dict | None:
-  """``{axis: size}`` of the mesh ``state`` is placed on, or ``None`` (host arrays, single-device shardings)."""
+  """`{axis: size}` of the mesh `state` is placed on, or `None` (host arrays, single-device shardings)."""
   mesh = getattr(getattr(jax.tree.leaves(state)[0], "sharding", None), "mesh", None)
   return None if mesh is None else {str(name): int(size) for name, size in mesh.shape.items()}
 
 
 def _saved_data_size(record: dict, axis_name: Any) -> int:
-  """The data-parallel device count a checkpoint was saved from, for ``axis_name``; its total device count for a
+  """The data-parallel device count a checkpoint was saved from, for `axis_name`; its total device count for a
   record without its mesh or whose mesh lacks those axes."""
   saved = record["saved_from"]
   mesh = saved.get("mesh")
@@ -241,13 +241,13 @@ def _saved_data_size(record: dict, axis_name: Any) -> int:
 
 
 def _device_count(state: TrainState) -> int:
-  """The number of devices ``state`` is placed on (1 for host arrays)."""
+  """The number of devices `state` is placed on (1 for host arrays)."""
   sharding = getattr(jax.tree.leaves(state)[0], "sharding", None)
   return len(sharding.device_set) if sharding is not None else 1
 
 
 def _savable(x: Any) -> Any:
-  """A leaf as orbax saves it: a global ``jax.Array`` as it is; a host or process-local value as numpy.
+  """A leaf as orbax saves it: a global `jax.Array` as it is; a host or process-local value as numpy.
 
   A process-local array (fully addressable in a multi-process job) is a
   value every process holds whole already; orbax writes numpy from one process.
@@ -258,49 +258,51 @@ def _savable(x: Any) -> Any:
 
 
 def _is_empty(x: Any) -> bool:
-  """Whether ``x`` has a zero-size shape: orbax refuses to save such an array, and it holds no data to save."""
+  """Whether `x` has a zero-size shape: orbax refuses to save such an array, and it holds no data to save."""
   return math.prod(np.shape(x)) == 0
 
 
 def _empty_array(target: jax.ShapeDtypeStruct) -> jax.Array:
-  """The zero-size array of ``target``'s shape and dtype, placed with its sharding (what its checkpoint holds)."""
+  """The zero-size array of `target`'s shape and dtype, placed with its sharding (what its checkpoint holds)."""
   empty = np.zeros(target.shape, target.dtype)
   return jax.make_array_from_callback(target.shape, target.sharding, lambda index: empty[index])
 
 
 class CheckpointManager:
-  """Saves the training state every ``save_interval_steps`` steps and keeps the last ``max_to_keep``.
+  """Saves the training state every `save_interval_steps` steps and keeps the last `max_to_keep`.
 
-  A thin layer over ``orbax.checkpoint.CheckpointManager`` that stores the
-  state shard by shard, restorable onto any layout (see :mod:`jaxdp.io.checkpoint`),
+  A thin layer over `orbax.checkpoint.CheckpointManager` that stores the
+  state shard by shard, restorable onto any layout (see `jaxdp.io.checkpoint`),
   together with the PRNG key, the input pipeline's position and JSON metadata. In a
   multi-process job every process creates the manager on the same (shared)
-  directory and calls :meth:`save` and :meth:`restore` at the same steps.
+  directory and calls `save` and `restore` at the same steps.
 
-  Example::
+  Example:
 
-    with jaxdp.CheckpointManager(path, save_interval_steps=100, max_to_keep=3) as ckpt:
-      if ckpt.latest_step() is None:
-        state, rng, start = jaxdp.init_state(params, opt, mesh), jax.random.key(0), 0
-      else:
-        state, rng, start, _, _ = ckpt.restore(params=params, optimizer=opt, mesh=mesh)
-      for step, (batch, weights) in pipe.iterate(start, num_steps - start):
-        rng, key = jax.random.split(rng)
-        state, metrics = train_step(state, batch, weights, key)
-        ckpt.save(step + 1, state, rng=rng)
+  ```python
+  with jaxdp.CheckpointManager(path, save_interval_steps=100, max_to_keep=3) as ckpt:
+    if ckpt.latest_step() is None:
+      state, rng, start = jaxdp.init_state(params, opt, mesh), jax.random.key(0), 0
+    else:
+      state, rng, start, _, _ = ckpt.restore(params=params, optimizer=opt, mesh=mesh)
+    for step, (batch, weights) in pipe.iterate(start, num_steps - start):
+      rng, key = jax.random.split(rng)
+      state, metrics = train_step(state, batch, weights, key)
+      ckpt.save(step + 1, state, rng=rng)
+  ```
 
   Args:
     directory: where the step directories go; created if missing.
-    save_interval_steps: :meth:`save` writes only steps that are multiples
+    save_interval_steps: `save` writes only steps that are multiples
       of it (unless forced).
-    max_to_keep: how many of the newest checkpoints to keep; ``None`` keeps all.
-    enable_async_checkpointing: :meth:`save` returns once the shards are on
-      the host and writes them in a background thread; call :meth:`wait`
-      before relying on a save, and :meth:`close` (or use ``with``) before
+    max_to_keep: how many of the newest checkpoints to keep; `None` keeps all.
+    enable_async_checkpointing: `save` returns once the shards are on
+      the host and writes them in a background thread; call `wait`
+      before relying on a save, and `close` (or use `with`) before
       the process exits, else the last save is lost (never half-written).
       A background save that fails raises its error at the next
-      :meth:`wait`, :meth:`close` or :meth:`save`, once; the manager is then
-      as if it had never been attempted, and :meth:`save` retries that step.
+      `wait`, `close` or `save`, once; the manager is then
+      as if it had never been attempted, and `save` retries that step.
   """
 
   def __init__(
@@ -361,8 +363,8 @@ class CheckpointManager:
     Read from the directory, so a step removed by hand is not listed. A save
     in flight is waited for first (for up to a minute; orbax records its
     step before it is on disk, and a step is listed only once its directory
-    is committed); its failure, if it fails, is left for :meth:`wait`,
-    :meth:`close` or the next :meth:`save` to raise.
+    is committed); its failure, if it fails, is left for `wait`,
+    `close` or the next `save` to raise.
     """
     _join(self._save_threads)
     self._refresh()
@@ -372,9 +374,9 @@ class CheckpointManager:
     return os.path.join(self.directory, str(step))  # orbax's default step names (no prefix, no padding)
 
   def _remove_unfinished(self, step: int) -> None:
-    """Removes what a failed save of ``step`` left (``<step>.orbax-checkpoint-tmp[-...]``), so it can be retried.
+    """Removes what a failed save of `step` left (`<step>.orbax-checkpoint-tmp[-...]`), so it can be retried.
 
-    orbax would write the retry into the failed save's files. Runs after :meth:`wait`: no save of this manager
+    orbax would write the retry into the failed save's files. Runs after `wait`: no save of this manager
     is in flight. One process removes them, and the others wait for it (a shared directory).
     """
     if jax.process_index() == 0:
@@ -385,17 +387,17 @@ class CheckpointManager:
       multihost_utils.sync_global_devices(f"jaxdp.CheckpointManager.save:{step}")
 
   def latest_step(self) -> int | None:
-    """The newest complete checkpoint's step, or ``None`` if there is none (see :meth:`all_steps`)."""
+    """The newest complete checkpoint's step, or `None` if there is none (see `all_steps`)."""
     steps = self.all_steps()
     return steps[-1] if steps else None
 
   def _refresh(self, wait: bool = False) -> None:
-    """Re-reads the list of steps from the directory; with ``wait``, after the save in flight (raising its failure).
+    """Re-reads the list of steps from the directory; with `wait`, after the save in flight (raising its failure).
 
     orbax lists the directory once, when the manager opens, and then only
     tracks its own saves: a step deleted meanwhile would still be the latest.
     The list is not re-read during an asynchronous save, whose step orbax
-    tracks for retention (``max_to_keep``) before it is on disk; every
+    tracks for retention (`max_to_keep`) before it is on disk; every
     process finishes a save together (orbax syncs them), so all processes
     re-read the same directory contents.
     """
@@ -407,18 +409,18 @@ class CheckpointManager:
   def _saving(self) -> bool:
     """Whether an asynchronous save of this manager is still being written.
 
-    jaxdp's own record, not orbax's ``is_saving_in_progress()``: orbax leaves that set for ever after a save that
+    jaxdp's own record, not orbax's `is_saving_in_progress()`: orbax leaves that set for ever after a save that
     failed in its calling thread, and the list would never be re-read again.
     """
     return self._pending is not None and any(t.is_alive() for t in self._save_threads)
 
   def _undo(self, step: int, current: int | None, existed: bool, error: BaseException, asynchronous: bool) -> None:
-    """Leaves the manager as if the failed save of ``step`` had never been attempted, and notes so on ``error``.
+    """Leaves the manager as if the failed save of `step` had never been attempted, and notes so on `error`.
 
-    Its threads are awaited (not raising again), what it wrote is removed (``<step>.orbax-checkpoint-tmp``, by
-    one process), ``current`` (the step of the run before it) is restored and the list of steps is re-read from
+    Its threads are awaited (not raising again), what it wrote is removed (`<step>.orbax-checkpoint-tmp`, by
+    one process), `current` (the step of the run before it) is restored and the list of steps is re-read from
     the directory. A failure after the step's directory was committed (orbax removing the checkpoints
-    ``max_to_keep`` drops) leaves the step, which is complete, as the one this manager last wrote.
+    `max_to_keep` drops) leaves the step, which is complete, as the one this manager last wrote.
     """
     _join(self._save_threads)
     self._save_threads, self._pending = [], None
@@ -450,7 +452,7 @@ class CheckpointManager:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def should_save(self, step: int) -> bool:
-    """Whether :meth:`save` at ``step`` (not forced) writes a checkpoint."""
+    """Whether `save` at `step` (not forced) writes a checkpoint."""
     return self._manager.should_save(check_int(step, "step", 0, "steps count from 0."))
 
   @accepts_legacy_keywords("save", ("self", "step", "state"), layout_argument=None)
@@ -465,48 +467,48 @@ class CheckpointManager:
       metadata: Any = None,
       force: bool = False,
   ) -> bool:
-    """Saves ``state`` as checkpoint ``step`` if ``step`` is due (a multiple of ``save_interval_steps``) or forced.
+    """Saves `state` as checkpoint `step` if `step` is due (a multiple of `save_interval_steps`) or forced.
 
     A collective in a multi-process job: call it on every process with the
     same arguments (a save that is written first checks that the processes
-    agree on ``step``, ``data_step`` and ``force``: a ``ValueError`` on every
+    agree on `step`, `data_step` and `force`: a `ValueError` on every
     process; calls that write nothing cost no communication). Each process
     writes its own shards; none gathers a leaf.
     The shards are copied to the host before it returns, so the step may
-    donate ``state`` right after, even with asynchronous saving.
+    donate `state` right after, even with asynchronous saving.
 
     Args:
       step: the checkpoint's number, usually the number of loop steps done.
-      state: the :class:`jaxdp.TrainState`, in any layout (or on the host).
-      rng: the PRNG key the loop carries (typed or raw ``uint32``), or ``None``.
+      state: the `jaxdp.TrainState`, in any layout (or on the host).
+      rng: the PRNG key the loop carries (typed or raw `uint32`), or `None`.
       data_step: the input pipeline's position to resume from (the
-        ``start_step`` of ``DataPipeline.iterate``); default ``step``.
-      data: the :class:`jaxdp.DataPipeline` that ``data_step`` counts
+        `start_step` of `DataPipeline.iterate`); default `step`.
+      data: the `jaxdp.DataPipeline` that `data_step` counts
         batches of: its position is then recorded in examples
-        (:meth:`DataPipeline.position`), so that ``restore(...,
-        pipeline=)`` resumes at the same example with another global batch
+        (`DataPipeline.position`), so that `restore(...,
+        pipeline=)` resumes at the same example with another global batch
         (another device count) or refuses. A step count alone is only right
-        for the same global batch. Or a ``jaxdp.io.grain.GrainPipeline``:
+        for the same global batch. Or a `jaxdp.io.grain.GrainPipeline`:
         every process's position (its grain iterator's state) is recorded,
         one entry per process.
       metadata: JSON-serialisable user data (a config, metrics).
-      force: save even if ``step`` is not a multiple of ``save_interval_steps``.
+      force: save even if `step` is not a multiple of `save_interval_steps`.
 
     Returns:
       Whether a checkpoint was written (or, asynchronously, started):
-      ``False`` for a step not due (neither a multiple of
-      ``save_interval_steps`` nor a preemption sync point), or for the step
+      `False` for a step not due (neither a multiple of
+      `save_interval_steps` nor a preemption sync point), or for the step
       this manager restored or last wrote (the same state again). A save
-      that failed wrote nothing: retrying its step writes it (``True``).
+      that failed wrote nothing: retrying its step writes it (`True`).
 
     Raises:
-      ValueError: if ``step`` is not after the latest checkpoint's (and is
+      ValueError: if `step` is not after the latest checkpoint's (and is
         not the step this manager restored or last wrote): e.g. a run that
         went back to an older checkpoint, or started afresh in a directory
         with checkpoints. Written, it would not be the one a restart
         restores; skipped, as orbax would, the run's saves would be lost
         until its steps passed the old ones. Drop the abandoned checkpoints
-        with :meth:`discard_after` first, or save into another directory.
+        with `discard_after` first, or save into another directory.
     """
     step = check_int(step, "step", 0, "steps count from 0.")
     if isinstance(state, DiLoCoState):  # the groups' states, the outer state and the period's counters
@@ -580,11 +582,11 @@ class CheckpointManager:
     return written
 
   def discard_after(self, step: int) -> list[int]:
-    """Deletes every checkpoint newer than ``step``; returns their steps. A collective in a multi-process job.
+    """Deletes every checkpoint newer than `step`; returns their steps. A collective in a multi-process job.
 
     For a run that goes back to an older checkpoint (e.g. step 2 of 1-4,
     after a divergence): restore it, then discard the abandoned steps, so
-    that :meth:`save` can write the new run's steps 3, 4, ... and a restart
+    that `save` can write the new run's steps 3, 4, ... and a restart
     restores them, not the abandoned ones.
     """
     step = check_int(step, "step", 0, "steps count from 0.")
@@ -608,62 +610,62 @@ class CheckpointManager:
       reduction: Any = None,
       data: DataPipeline | None = None,
 ) -> Restored:
-    """Restores checkpoint ``step`` (default: the latest) onto the layout described by the target.
+    """Restores checkpoint `step` (default: the latest) onto the layout described by the target.
 
     The layout need not be the one saved from: another device count, process
     count, mesh shape, ZeRO stage or tensor-parallel split gives the same
-    :func:`jaxdp.gather_state`. A collective in a multi-process job; each
+    `jaxdp.gather_state`. A collective in a multi-process job; each
     process reads only the parts of the arrays its devices hold.
 
     Args:
-      step: the checkpoint to restore; ``None`` for the latest complete one.
-      params: the model's parameter tree (arrays or ``jax.ShapeDtypeStruct``s,
+      step: the checkpoint to restore; `None` for the latest complete one.
+      params: the model's parameter tree (arrays or `jax.ShapeDtypeStruct`s,
         in any layout; structure, shapes and dtypes are used, and their
-        splits over the mesh's model axes when they are ``NamedSharding``
-        arrays or ``ShapeDtypeStruct``s with such a sharding on a mesh with
-        ``mesh``'s axis names), as given to :func:`jaxdp.init_state`.
+        splits over the mesh's model axes when they are `NamedSharding`
+        arrays or `ShapeDtypeStruct`s with such a sharding on a mesh with
+        `mesh`'s axis names), as given to `jaxdp.init_state`.
       optimizer: the optax optimizer of the run.
-      layout: the :class:`jaxdp.DataParallel` to restore onto (a ``Mesh`` or
-        ``None`` as for :func:`jaxdp.init_state`): its ZeRO stage, stacks of
+      layout: the `jaxdp.DataParallel` to restore onto (a `Mesh` or
+        `None` as for `jaxdp.init_state`): its ZeRO stage, stacks of
         layers and pipeline stage axis place the state as the step expects;
-        its ``param_specs`` (default: read off ``params``) the model-axis
+        its `param_specs` (default: read off `params`) the model-axis
         splits. Any checkpoint restores onto any layout.
-      model_state: the model state's structure (arrays or ``ShapeDtypeStruct``s,
-        as given to :func:`jaxdp.init_state`) if the checkpoint was saved
-        from a state with model state, else ``None``. Placed replicated.
+      model_state: the model state's structure (arrays or `ShapeDtypeStruct`s,
+        as given to `jaxdp.init_state`) if the checkpoint was saved
+        from a state with model state, else `None`. Placed replicated.
       reduction: the reduction the state was made with
-        (:func:`jaxdp.init_state`'s), for a state whose ``compression``
-        holds its state (PowerSGD's, a user reduction's), else ``None``.
+        (`jaxdp.init_state`'s), for a state whose `compression`
+        holds its state (PowerSGD's, a user reduction's), else `None`.
         That state is per replica: a checkpoint restores onto the same
-        number of data-parallel replicas only (a ``ValueError`` otherwise).
-      data: the :class:`jaxdp.DataPipeline` the run resumes with. For a
-        checkpoint saved with ``data=``, ``data_step`` is then this
-        pipeline's step at the saved example (:meth:`DataPipeline.step_at`:
-        a ``ValueError`` if another dataset length or seed, or if the
+        number of data-parallel replicas only (a `ValueError` otherwise).
+      data: the `jaxdp.DataPipeline` the run resumes with. For a
+        checkpoint saved with `data=`, `data_step` is then this
+        pipeline's step at the saved example (`DataPipeline.step_at`:
+        a `ValueError` if another dataset length or seed, or if the
         example falls inside one of its batches). Without it, such a
         checkpoint restored onto another number of data-parallel devices is
-        refused (its ``data_step`` counts batches of another size unless
-        ``per_device_batch`` changed to match, which nothing here can see).
-        A checkpoint saved without ``data=`` restored with it onto
+        refused (its `data_step` counts batches of another size unless
+        `per_device_batch` changed to match, which nothing here can see).
+        A checkpoint saved without `data=` restored with it onto
         another number of data-parallel devices is refused too (read off
         the saved mesh; for a record without one, the total device count is
-        what is compared). A ``jaxdp.io.grain.GrainPipeline`` is set to this
+        what is compared). A `jaxdp.io.grain.GrainPipeline` is set to this
         process's saved position (its next example is the one after the
         saved step's), once the state is read; a checkpoint of another
         process count, or without a grain position, is refused.
 
     Returns:
-      A :class:`Restored` ``(state, rng, data_step, step, metadata)``. The
-      state's ``loss_scale`` (:mod:`jaxdp.core.loss_scaling`) is restored when the
-      checkpoint holds one, else ``None``.
+      A `Restored` `(state, rng, data_step, step, metadata)`. The
+      state's `loss_scale` (`jaxdp.core.loss_scaling`) is restored when the
+      checkpoint holds one, else `None`.
 
     Raises:
       FileNotFoundError: if there is no (such) complete checkpoint.
       ValueError: if the checkpoint does not match the target (naming each
-        leaf whose presence, shape or dtype differs, a ``model_state=`` given
+        leaf whose presence, shape or dtype differs, a `model_state=` given
         for a checkpoint without model state or missing for one with it, or
         an optimizer state of other types), was not written by
-        :mod:`jaxdp.io.checkpoint` (version 2), or is truncated or corrupt. No
+        `jaxdp.io.checkpoint` (version 2), or is truncated or corrupt. No
         array is read before the record and the target are checked, and
         nothing is returned before every array has passed its checksum.
     """
@@ -728,24 +730,24 @@ class CheckpointManager:
       model_state: Any = None,
       data: DataPipeline | None = None,
   ) -> Restored:
-    """Restores a checkpoint of a :class:`jaxdp.runtime.diloco.DiLoCoState` (saved with :meth:`save`).
+    """Restores a checkpoint of a `jaxdp.runtime.diloco.DiLoCoState` (saved with `save`).
 
-    The arguments are :func:`jaxdp.init_diloco_state`'s (and ``data`` as for
-    :meth:`restore`); the state comes back placed as that function places
+    The arguments are `jaxdp.init_diloco_state`'s (and `data` as for
+    `restore`); the state comes back placed as that function places
     it, bitwise the saved one: continuing from it is the run that was never
-    interrupted. The number of replica groups (the size of ``outer_axis``)
+    interrupted. The number of replica groups (the size of `outer_axis`)
     must be the one saved from: each group's parameters and inner optimizer
     state are its own between syncs, and no rule maps R groups onto R'. The
     devices within a group may differ (the group's state is replicated
     over them).
 
     Returns:
-      A :class:`Restored` whose ``state`` is the ``DiLoCoState``.
+      A `Restored` whose `state` is the `DiLoCoState`.
 
     Raises:
       FileNotFoundError: no (such) complete checkpoint.
-      ValueError: a checkpoint of a ``TrainState`` (use :meth:`restore`),
-        another group count, or anything :meth:`restore` refuses.
+      ValueError: a checkpoint of a `TrainState` (use `restore`),
+        another group count, or anything `restore` refuses.
     """
     check_params(params)
     check_optimizer(inner_optimizer, "inner_optimizer")
@@ -775,7 +777,7 @@ class CheckpointManager:
     return Restored(state, rng, data_step, step, record["metadata"])
 
   def _read_state(self, step: int, record: dict, expected: Any) -> tuple[Any, jax.Array | None]:
-    """The state of ``expected`` (``ShapeDtypeStruct``s with shardings) read from checkpoint ``step``, and its key."""
+    """The state of `expected` (`ShapeDtypeStruct`s with shardings) read from checkpoint `step`, and its key."""
     entries = {tuple(e["path"]): e for e in record["leaves"]}
     named = record_lib.named_leaves(expected)
     mesh = jax.tree.leaves(expected)[0].sharding.mesh
@@ -796,11 +798,11 @@ class CheckpointManager:
     return jax.tree.unflatten(jax.tree.structure(expected), leaves), rng
 
   def metadata(self, step: int | None = None) -> Any:
-    """The user metadata saved with checkpoint ``step`` (default: the latest), without reading any array."""
+    """The user metadata saved with checkpoint `step` (default: the latest), without reading any array."""
     return self._read_record(self._resolve_step(step))["metadata"]
 
   def data_step(self, step: int | None = None) -> int:
-    """The input pipeline's position saved with checkpoint ``step`` (default: the latest)."""
+    """The input pipeline's position saved with checkpoint `step` (default: the latest)."""
     return self._read_record(self._resolve_step(step))["data_step"]
 
   def _resolve_step(self, step: int | None) -> int:
@@ -846,7 +848,7 @@ class CheckpointManager:
     return record
 
   def _read_arrays(self, step: int, record: dict, target: list) -> dict[tuple[str, ...], jax.Array]:
-    """Every array of the checkpoint, read into the shardings of ``target`` and checked against the record."""
+    """Every array of the checkpoint, read into the shardings of `target` and checked against the record."""
     stored = [(c, x) for c, x in target if not _is_empty(x)]
     try:
       args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.StandardRestore(record_lib.nested(stored))})
@@ -870,12 +872,12 @@ class CheckpointManager:
     """Blocks until every save in flight is complete (finalised on disk).
 
     Raises:
-      Exception: the error of an asynchronous save that failed (an ``OSError``
-        such as ``NotADirectoryError``, ...), once. That step is not written
-        (the manager is as if it had never been attempted: ``save(step, ...)``
-        writes it and returns ``True``); the earlier checkpoints are intact.
+      Exception: the error of an asynchronous save that failed (an `OSError`
+        such as `NotADirectoryError`, ...), once. That step is not written
+        (the manager is as if it had never been attempted: `save(step, ...)`
+        writes it and returns `True`); the earlier checkpoints are intact.
         A failure after the step's commit (orbax removing the checkpoints
-        ``max_to_keep`` drops) is raised once too, and the step is kept.
+        `max_to_keep` drops) is raised once too, and the step is kept.
     """
     try:
       self._manager.wait_until_finished()
@@ -890,7 +892,7 @@ class CheckpointManager:
     self._pending = None
 
   def close(self) -> None:
-    """Waits for saves in flight (raising a failed one's error, see :meth:`wait`) and releases orbax's resources."""
+    """Waits for saves in flight (raising a failed one's error, see `wait`) and releases orbax's resources."""
     try:
       self.wait()
     finally:

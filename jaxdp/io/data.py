@@ -1,15 +1,15 @@
 """Getting data onto the devices: uneven per-device portions padded with zero weight.
 
-Three entry points: :func:`shard_uneven` places portions the caller already
-has; :class:`DataPipeline` decides which examples each device gets (an
+Three entry points: `shard_uneven` places portions the caller already
+has; `DataPipeline` decides which examples each device gets (an
 epoch-shuffled, resumable plan) and loads only this process's portions;
-:class:`StreamingPipeline` batches per-process streams of unknown, unequal
+`StreamingPipeline` batches per-process streams of unknown, unequal
 lengths and ends the loop on every process at the same step.
 
-Every batch they make (and :func:`split_batch`'s) comes with its weights and
+Every batch they make (and `split_batch`'s) comes with its weights and
 is correct only with them: a step or evaluation step given such a batch
-with ``weights=None`` refuses it (recognised by the identity of its arrays,
-an O(leaves) check made only when no weights are given), where ``None``
+with `weights=None` refuses it (recognised by the identity of its arrays,
+an O(leaves) check made only when no weights are given), where `None`
 would give its padding rows weight 1. A batch of your own without weights
 still means weight 1 for every row.
 """
@@ -29,11 +29,11 @@ from jaxdp.sharding.layout import check_mesh_axis, data_rows, data_size, global_
 
 
 PADS = ("copy", "zeros")
-"""What padding rows hold: ``"copy"`` (default), copies of a real row; ``"zeros"``, zeros. Weight 0 either way."""
+"""What padding rows hold: `"copy"` (default), copies of a real row; `"zeros"`, zeros. Weight 0 either way."""
 
 
 def check_pad(pad: Any) -> str:
-  """``pad`` if it is one of :data:`PADS`, else a ``ValueError`` naming the argument and the choices."""
+  """`pad` if it is one of `PADS`, else a `ValueError` naming the argument and the choices."""
   if not isinstance(pad, str) or pad not in PADS:
     raise ValueError(
         f"pad must be one of {PADS}, got {pad!r}: 'copy' (default) fills padding rows with copies of a real row, "
@@ -43,7 +43,7 @@ def check_pad(pad: Any) -> str:
 
 
 def _real_row(batch: Any, weights: np.ndarray) -> Any | None:
-  """One row of a portion as a one-row pytree (the first with a positive weight, else row 0); ``None`` if empty."""
+  """One row of a portion as a one-row pytree (the first with a positive weight, else row 0); `None` if empty."""
   k = weights.shape[0]
   if k == 0:
     return None
@@ -59,9 +59,9 @@ def _pad_rows(x: np.ndarray, rows: int, fill: np.ndarray | None = None) -> np.nd
 
 
 def _pad_portion(batch: Any, weights: np.ndarray, rows: int, fill: Any = None) -> tuple[Any, np.ndarray]:
-  """One device's ``(batch, weights)`` padded to ``rows`` rows of weight 0.
+  """One device's `(batch, weights)` padded to `rows` rows of weight 0.
 
-  The padding rows are copies of ``fill`` (a one-row pytree shaped like ``batch``), or zeros if it is ``None``.
+  The padding rows are copies of `fill` (a one-row pytree shaped like `batch`), or zeros if it is `None`.
   Copies, because a padding row is still computed on: a zero row can be NaN under a length mask (softmax over
   no position), and although weight 0 keeps it out of the sums, the backward pass multiplies 0 by that NaN.
   """
@@ -71,9 +71,9 @@ def _pad_portion(batch: Any, weights: np.ndarray, rows: int, fill: Any = None) -
 
 
 def _padded(portions: Mapping[int, tuple[Any, np.ndarray]], rows: int, pad: str, spare: Any = None) -> dict:
-  """``{position: (batch, weights)}`` padded to ``rows`` rows, as ``pad`` says.
+  """`{position: (batch, weights)}` padded to `rows` rows, as `pad` says.
 
-  Under ``"copy"`` a portion pads with copies of its own real row; an empty one with copies of ``spare`` (a
+  Under `"copy"` a portion pads with copies of its own real row; an empty one with copies of `spare` (a
   one-row pytree) if given, else of the first non-empty portion's row; with no row anywhere, zeros (then every
   weight is 0 and the step skips the batch).
   """
@@ -86,7 +86,7 @@ def _padded(portions: Mapping[int, tuple[Any, np.ndarray]], rows: int, pad: str,
 
 
 def _place_blocks(blocks: Mapping[int, np.ndarray], n: int, sharding) -> jax.Array:
-  """The global array ``[n * rows, ...]`` whose block ``i`` (along the leading axis) is ``blocks[i]``.
+  """The global array `[n * rows, ...]` whose block `i` (along the leading axis) is `blocks[i]`.
 
   Only the blocks of this process's devices need to be present.
   """
@@ -101,7 +101,7 @@ def _place_blocks(blocks: Mapping[int, np.ndarray], n: int, sharding) -> jax.Arr
 
 
 def _place_portions(portions: Mapping[int, Any], n: int, sharding) -> Any:
-  """Places equally shaped per-device ``{mesh position: (batch, weights, ...)}`` as global arrays; the batch is
+  """Places equally shaped per-device `{mesh position: (batch, weights, ...)}` as global arrays; the batch is
   recorded as padded, so that a step refuses it without its weights."""
   positions = list(portions)
   placed = jax.tree.map(
@@ -123,37 +123,37 @@ def shard_uneven(
   """Pads uneven per-device portions with weight-0 rows and places them on the mesh.
 
   Args:
-    batches: one pytree per device of ``mesh[axis_name]``, in mesh order. All
+    batches: one pytree per device of `mesh[axis_name]`, in mesh order. All
       have the same structure, trailing shapes and dtypes; the leading sizes
       may differ and may be 0.
     mesh: the mesh to place on.
-    weights: ``None`` (one weight per real row) or one array per device with
-      leading size equal to that device's row count, e.g. ``[n_i]`` example
-      weights or ``[n_i, t]`` token masks. Values must be finite and ``>= 0``
+    weights: `None` (one weight per real row) or one array per device with
+      leading size equal to that device's row count, e.g. `[n_i]` example
+      weights or `[n_i, t]` token masks. Values must be finite and `>= 0`
       (checked here, on the host, so the step needs no value checks).
     axis_name: the data-parallel axis.
     rows: rows per device after padding, at least the largest portion;
       default: the largest portion (at least 1). Pass a fixed size (e.g. the
-      per-device batch, a multiple of ``accum_steps``) to give every batch,
+      per-device batch, a multiple of `accum_steps`) to give every batch,
       the last of an epoch included, the same shape: one compiled step, and
       micro-batches that split evenly.
-    pad: what padding rows hold. ``"copy"`` (default): copies of a real row
+    pad: what padding rows hold. `"copy"` (default): copies of a real row
       of the same device (its first of positive weight), or, for a device
-      with no rows, of another device's; ``"zeros"``: zeros. A batch with
+      with no rows, of another device's; `"zeros"`: zeros. A batch with
       no rows at all is padded with zeros (there is nothing to copy; its
       total weight is 0, so the step skips it).
 
   Returns:
-    ``(batch, weights)``: global arrays with leading size ``n_devices *
-    max_len`` split over ``axis_name`` (``max_len`` is ``rows``, by default the
-    largest portion, at least 1). Padding rows have weight 0, so the ``"mean"``
+    `(batch, weights)`: global arrays with leading size `n_devices *
+    max_len` split over `axis_name` (`max_len` is `rows`, by default the
+    largest portion, at least 1). Padding rows have weight 0, so the `"mean"`
     reduction gives exactly the gradient of the real rows. They hold copies
     of real rows by default because the model still runs on them: a zero
     row can give NaN (a length mask over no position), and the gradient of
-    a weight-0 row is 0 times that NaN, i.e. NaN. ``weights`` is float32
-    ``[n_devices * max_len]`` or ``[n_devices * max_len, t]``. The batch is
+    a weight-0 row is 0 times that NaN, i.e. NaN. `weights` is float32
+    `[n_devices * max_len]` or `[n_devices * max_len, t]`. The batch is
     correct only with them: the steps refuse it without weights (a
-    ``ValueError`` naming ``weights``), where ``weights=None`` would count
+    `ValueError` naming `weights`), where `weights=None` would count
     the padding rows as real ones.
   """
   check_mesh_axis(mesh, axis_name)
@@ -203,31 +203,31 @@ def split_batch(
     rows: int | None = None,
     pad: str = "copy",
 ) -> tuple[Any, jax.Array]:
-  """Splits one global batch over the devices of ``mesh[axis_name]``, whatever their number, and places it.
+  """Splits one global batch over the devices of `mesh[axis_name]`, whatever their number, and places it.
 
-  Device ``i`` gets a contiguous run of rows, in order; ``B`` rows over
-  ``N`` devices give every device ``B // N`` and the first ``B % N`` one
+  Device `i` gets a contiguous run of rows, in order; `B` rows over
+  `N` devices give every device `B // N` and the first `B % N` one
   more (128 over 3: 43, 43, 42). The shorter portions are padded as
-  :func:`shard_uneven` pads them, with weight 0, so the step's
-  ``reduction="mean"`` gradient is exactly that of the weighted mean over
-  the ``B`` rows, as on one device.
+  `shard_uneven` pads them, with weight 0, so the step's
+  `reduction="mean"` gradient is exactly that of the weighted mean over
+  the `B` rows, as on one device.
 
   Args:
-    batch: a pytree of arrays with a common leading (batch) size ``B >= 0``.
+    batch: a pytree of arrays with a common leading (batch) size `B >= 0`.
     mesh: the mesh to place on.
-    weights: ``None`` (weight 1 per row), or ``[B]`` example weights or
-      ``[B, t]`` token masks, finite and ``>= 0``.
+    weights: `None` (weight 1 per row), or `[B]` example weights or
+      `[B, t]` token masks, finite and `>= 0`.
     axis_name: the data-parallel axis.
-    rows: rows per device after padding (see :func:`shard_uneven`);
-      default ``ceil(B / N)`` (at least 1). Pass a multiple of
-      ``accum_steps`` when the step accumulates.
-    pad: what padding rows hold, ``"copy"`` (default) or ``"zeros"`` (see
-      :func:`shard_uneven`).
+    rows: rows per device after padding (see `shard_uneven`);
+      default `ceil(B / N)` (at least 1). Pass a multiple of
+      `accum_steps` when the step accumulates.
+    pad: what padding rows hold, `"copy"` (default) or `"zeros"` (see
+      `shard_uneven`).
 
   Returns:
-    ``(batch, weights)`` as :func:`shard_uneven` returns them: global
-    arrays with leading size ``N * rows`` split over ``axis_name``, ready
-    for the step; ``weights`` float32, 0 on padding rows. Pass both: the
+    `(batch, weights)` as `shard_uneven` returns them: global
+    arrays with leading size `N * rows` split over `axis_name`, ready
+    for the step; `weights` float32, 0 on padding rows. Pass both: the
     steps refuse this batch without its weights.
   """
   check_mesh_axis(mesh, axis_name)
@@ -252,7 +252,7 @@ _LARGEST_WEIGHT = float(np.finfo(np.float32).max)
 
 
 def _float32_weights(w: Any, name: str) -> np.ndarray:
-  """``w`` as float32, refusing values that float32 (on the devices) cannot hold: checked before the cast.
+  """`w` as float32, refusing values that float32 (on the devices) cannot hold: checked before the cast.
 
   Non-finite or negative weights; weights in (0, float32's smallest normal), which devices flush to 0 (the
   rows silently dropped; a float64 1e-50 would already be 0 after the cast); weights above float32's largest.
@@ -317,20 +317,20 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-  """The order in which epoch ``epoch`` visits the examples.
+  """The order in which epoch `epoch` visits the examples.
 
-  A function of ``(num_examples, seed, epoch)`` only, computed with integer
+  A function of `(num_examples, seed, epoch)` only, computed with integer
   arithmetic (a keyed splitmix64 hash of each index, then a sort), so it is the
   same in every process and does not change with the numpy version: a run
   resumed from a checkpoint replays exactly the same order.
 
   Args:
-    num_examples: the size of the dataset, ``>= 1``.
-    seed: the shuffling seed, ``0 <= seed < 2**64``.
-    epoch: the epoch, ``0 <= epoch < 2**64``.
+    num_examples: the size of the dataset, `>= 1`.
+    seed: the shuffling seed, `0 <= seed < 2**64`.
+    epoch: the epoch, `0 <= epoch < 2**64`.
 
   Returns:
-    int64 ``[num_examples]``, a permutation of ``range(num_examples)``.
+    int64 `[num_examples]`, a permutation of `range(num_examples)`.
   """
   num_examples = check_int(num_examples, "num_examples", 1, "the dataset must not be empty.")
   seed = check_int(seed, "seed", 0, "use a non-negative integer seed.")
@@ -343,26 +343,26 @@ def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def _portion_sizes(count: int, n_devices: int) -> np.ndarray:
-  """``count`` examples spread over ``n_devices`` as evenly as possible, extras first."""
+  """`count` examples spread over `n_devices` as evenly as possible, extras first."""
   return count // n_devices + (np.arange(n_devices) < count % n_devices)
 
 
 def _split_batch(order: np.ndarray, n_devices: int, global_batch: int, index: int) -> list[np.ndarray]:
-  """Each device's example indices in batch ``index`` (``global_batch`` examples) of an epoch visiting ``order``."""
+  """Each device's example indices in batch `index` (`global_batch` examples) of an epoch visiting `order`."""
   batch = order[index * global_batch : (index + 1) * global_batch]
   return np.split(batch, np.cumsum(_portion_sizes(len(batch), n_devices))[:-1])
 
 
 def steps_per_epoch(num_examples: int, global_batch: int) -> int:
-  """Steps that visit ``num_examples`` examples once, ``global_batch`` a step (the last step may take fewer)."""
+  """Steps that visit `num_examples` examples once, `global_batch` a step (the last step may take fewer)."""
   return -(-num_examples // global_batch)
 
 
 def _batch_sizes(n_devices: int, per_device_batch: int | None, global_batch_size: int | None) -> tuple[int, int]:
-  """``(rows per device, examples per step)`` from exactly one of the two ways to give a batch size.
+  """`(rows per device, examples per step)` from exactly one of the two ways to give a batch size.
 
-  ``per_device_batch=b``: ``(b, n_devices * b)``. ``global_batch_size=G``: ``(ceil(G / n_devices), G)``, the
-  ``G`` examples of a step split as evenly as possible (128 over 3 devices: 43, 43, 42).
+  `per_device_batch=b`: `(b, n_devices * b)`. `global_batch_size=G`: `(ceil(G / n_devices), G)`, the
+  `G` examples of a step split as evenly as possible (128 over 3 devices: 43, 43, 42).
   """
   if (per_device_batch is None) == (global_batch_size is None):
     raise ValueError(
@@ -381,23 +381,23 @@ def device_indices(
     num_examples: int, n_devices: int, per_device_batch: int | None, seed: int, step: int, *,
     global_batch_size: int | None = None,
 ) -> list[np.ndarray]:
-  """The dataset indices each device loads at ``step``: the pipeline's plan, without a mesh.
+  """The dataset indices each device loads at `step`: the pipeline's plan, without a mesh.
 
   Args:
     num_examples: the size of the dataset.
     n_devices: the number of devices along the data axis.
-    per_device_batch: rows per device ``b``, so ``G = n_devices * b``
-      examples a step; or ``None`` with ``global_batch_size``.
+    per_device_batch: rows per device `b`, so `G = n_devices * b`
+      examples a step; or `None` with `global_batch_size`.
     seed: the shuffling seed.
     step: the global step, counted from 0 across epochs.
-    global_batch_size: ``G`` examples a step, any ``G >= 1`` (then
-      ``per_device_batch=None``); devices get ``ceil(G / n_devices)`` at most.
+    global_batch_size: `G` examples a step, any `G >= 1` (then
+      `per_device_batch=None`); devices get `ceil(G / n_devices)` at most.
 
   Returns:
-    ``n_devices`` int64 arrays, in mesh order, each of length at most
-    ``ceil(G / n_devices)``: each step's ``G`` examples (fewer in an epoch's
+    `n_devices` int64 arrays, in mesh order, each of length at most
+    `ceil(G / n_devices)`: each step's `G` examples (fewer in an epoch's
     last step) cut as evenly as possible, the first devices taking one more.
-    Over the ``ceil(num_examples / G)`` steps of an epoch they hold every
+    Over the `ceil(num_examples / G)` steps of an epoch they hold every
     index exactly once.
   """
   num_examples = check_int(num_examples, "num_examples", 1, "the dataset must not be empty.")
@@ -411,9 +411,9 @@ def device_indices(
 def process_positions(n_devices: int, n_processes: int, process_index: int) -> range:
   """The mesh positions a process owns when each holds a contiguous, equal group of devices.
 
-  The usual layout (``jax.devices()`` lists devices by process); use it to
+  The usual layout (`jax.devices()` lists devices by process); use it to
   simulate a multi-process split without processes. A real run asks the mesh:
-  :func:`addressable_positions`.
+  `addressable_positions`.
   """
   n_processes = check_int(n_processes, "n_processes", 1, "pass the number of processes.")
   if n_devices % n_processes:
@@ -426,7 +426,7 @@ def process_positions(n_devices: int, n_processes: int, process_index: int) -> r
 
 
 def addressable_positions(mesh: Mesh, axis_name: str = "data") -> tuple[int, ...]:
-  """The positions along ``mesh[axis_name]`` that have a device of this process.
+  """The positions along `mesh[axis_name]` that have a device of this process.
 
   These are the portions this process must load. On a mesh with more axes, a
   position counts if any device in its slice (over the other axes) is local.
@@ -438,7 +438,7 @@ def addressable_positions(mesh: Mesh, axis_name: str = "data") -> tuple[int, ...
 
 
 def _collated(collate: Callable, examples: list, template: tuple[Any, np.ndarray] | None) -> tuple[Any, np.ndarray]:
-  """``collate(examples)`` as numpy, checked against the zero-row ``template`` (if any)."""
+  """`collate(examples)` as numpy, checked against the zero-row `template` (if any)."""
   out = collate(examples)
   if not isinstance(out, tuple) or len(out) != 2:
     raise ValueError(f"collate must return a tuple (batch, weights), got {type(out).__name__}.")
@@ -471,49 +471,51 @@ def _row_signature(portion: Any) -> tuple:
 class DataPipeline:
   """An epoch-shuffled (or ordered), resumable input pipeline that splits every global batch over the devices.
 
-  Every example of ``dataset`` is used exactly once per epoch: no duplicates
-  (unlike PyTorch's ``DistributedSampler``) and no dropped tail. A step takes
-  :attr:`global_batch` examples (``n_devices * per_device_batch``, or any
-  ``global_batch_size``), fewer in the last step of an epoch, spread as evenly
-  as possible over the devices (``r`` examples: the first ``r % n_devices``
-  devices get one more) and padded to :attr:`per_device_batch` rows of weight
-  0, so ``reduction="mean"`` gives exactly the gradient of the real examples.
-  Padding rows copy a real row (``pad="copy"``, see :func:`shard_uneven`): the
+  Every example of `dataset` is used exactly once per epoch: no duplicates
+  (unlike PyTorch's `DistributedSampler`) and no dropped tail. A step takes
+  `global_batch` examples (`n_devices * per_device_batch`, or any
+  `global_batch_size`), fewer in the last step of an epoch, spread as evenly
+  as possible over the devices (`r` examples: the first `r % n_devices`
+  devices get one more) and padded to `per_device_batch` rows of weight
+  0, so `reduction="mean"` gives exactly the gradient of the real examples.
+  Padding rows copy a real row (`pad="copy"`, see `shard_uneven`): the
   device's own first, or example 0 of the dataset for a device with no
   example in the step (the same row whichever process loads it). The order is
-  a function of ``(seed, epoch)`` only (:func:`epoch_permutation`; the
-  dataset's own order with ``shuffle=False``) and
-  ``batch_at(step)`` is what iteration yields at ``step``, so a run resumes
+  a function of `(seed, epoch)` only (`epoch_permutation`; the
+  dataset's own order with `shuffle=False`) and
+  `batch_at(step)` is what iteration yields at `step`, so a run resumes
   from a step counter.
 
   In a multi-process run each process loads only the examples of its own
-  devices (:func:`addressable_positions`), plus example 0 once, at
-  construction, for the shapes and padding of an empty portion. ``collate``
+  devices (`addressable_positions`), plus example 0 once, at
+  construction, for the shapes and padding of an empty portion. `collate`
   must give every portion the same trailing shapes and dtypes (pad
   variable-length fields to a fixed length). Loading is synchronous; it overlaps the device
   work of the previous step because JAX dispatches steps asynchronously.
 
-  Example::
+  Example:
 
-    pipe = DataPipeline(dataset, collate, mesh, per_device_batch=32, seed=0)
-    for step, (batch, weights) in pipe.iterate(start_step=start):  # start: the loop's own count, saved
-      state, metrics = train_step(state, batch, weights)            # as a checkpoint's data_step
+  ```python
+  pipe = DataPipeline(dataset, collate, mesh, per_device_batch=32, seed=0)
+  for step, (batch, weights) in pipe.iterate(start_step=start):  # start: the loop's own count, saved
+    state, metrics = train_step(state, batch, weights)            # as a checkpoint's data_step
+  ```
 
-  Resume from the loop's count of batches (``Restored.data_step``), not from
-  ``state.step``: a step skipped for a NaN or zero weight does not advance
-  ``state.step``, so resuming from it would train on some batches twice.
-  Pass the pipeline to ``CheckpointManager.save``/``restore`` (``pipeline=``):
-  the count is then kept as a position in examples (:meth:`position`) and
-  converted for another global batch (:meth:`step_at`).
+  Resume from the loop's count of batches (`Restored.data_step`), not from
+  `state.step`: a step skipped for a NaN or zero weight does not advance
+  `state.step`, so resuming from it would train on some batches twice.
+  Pass the pipeline to `CheckpointManager.save`/`restore` (`pipeline=`):
+  the count is then kept as a position in examples (`position`) and
+  converted for another global batch (`step_at`).
 
   Attributes:
-    steps_per_epoch: ``ceil(len(dataset) / global_batch)``.
-    n_devices: devices along ``axis_name``.
-    global_batch: examples per step: ``global_batch_size``, or ``n_devices *
-      per_device_batch``.
+    steps_per_epoch: `ceil(len(dataset) / global_batch)`.
+    n_devices: devices along `axis_name`.
+    global_batch: examples per step: `global_batch_size`, or `n_devices *
+      per_device_batch`.
     per_device_batch: rows per device (padding included): as given, or
-      ``ceil(global_batch_size / n_devices)``. Every batch has leading size
-      ``n_devices * per_device_batch``.
+      `ceil(global_batch_size / n_devices)`. Every batch has leading size
+      `n_devices * per_device_batch`.
     local_positions: the mesh positions whose portions this process loads.
   """
 
@@ -530,31 +532,31 @@ class DataPipeline:
       pad: str = "copy",
       shuffle: bool = True,
   ):
-    """Builds the pipeline and checks ``collate`` on example 0.
+    """Builds the pipeline and checks `collate` on example 0.
 
     Args:
-      dataset: any indexable with ``len`` (a list, a memory-mapped array, a
-        grain data source): ``dataset[i]`` is one example or document.
-      collate: ``collate(examples) -> (batch, weights)``: numpy pytree whose
-        leaves have leading size ``len(examples)``, and weights ``[k]`` or
-        ``[k, t]`` (e.g. token masks), finite and ``>= 0``. Never called with
+      dataset: any indexable with `len` (a list, a memory-mapped array, a
+        grain data source): `dataset[i]` is one example or document.
+      collate: `collate(examples) -> (batch, weights)`: numpy pytree whose
+        leaves have leading size `len(examples)`, and weights `[k]` or
+        `[k, t]` (e.g. token masks), finite and `>= 0`. Never called with
         an empty list.
       mesh: the mesh to place batches on.
-      per_device_batch: rows per device ``b``, ``>= 1``: a step takes
-        ``n_devices * b`` examples. Give this or ``global_batch_size``.
-      global_batch_size: examples per step ``G``, ``>= 1``, whether or not
-        ``n_devices`` divides it (128 over 3 devices: 43, 43, 42, padded to
-        43 rows each); the weighted mean over the ``G`` examples is exact.
-        Give this or ``per_device_batch``.
-      seed: the shuffling seed, ``>= 0``.
-      axis_name: the data-parallel axis, or a tuple of axes (``("replica",
-        "data")`` on a hybrid mesh); batches are split along it and
+      per_device_batch: rows per device `b`, `>= 1`: a step takes
+        `n_devices * b` examples. Give this or `global_batch_size`.
+      global_batch_size: examples per step `G`, `>= 1`, whether or not
+        `n_devices` divides it (128 over 3 devices: 43, 43, 42, padded to
+        43 rows each); the weighted mean over the `G` examples is exact.
+        Give this or `per_device_batch`.
+      seed: the shuffling seed, `>= 0`.
+      axis_name: the data-parallel axis, or a tuple of axes (`("replica",
+        "data")` on a hybrid mesh); batches are split along it and
         replicated over any other axis.
-      pad: what padding rows hold, ``"copy"`` (default) or ``"zeros"`` (see
-        :func:`shard_uneven`).
-      shuffle: ``True`` (default): each epoch visits the examples in the
-        order :func:`epoch_permutation` gives for ``(seed, epoch)``;
-        ``False``: in the dataset's own order, every epoch (``seed`` then
+      pad: what padding rows hold, `"copy"` (default) or `"zeros"` (see
+        `shard_uneven`).
+      shuffle: `True` (default): each epoch visits the examples in the
+        order `epoch_permutation` gives for `(seed, epoch)`;
+        `False`: in the dataset's own order, every epoch (`seed` then
         unused), e.g. to compare against an existing run that reads its data
         in order. Either way every example is used once per epoch and the
         last, uneven batch is padded with weight-0 rows.
@@ -610,17 +612,17 @@ class DataPipeline:
     return self._cached_order[1]
 
   def device_indices(self, step: int) -> list[np.ndarray]:
-    """Each device's dataset indices at ``step`` (see :func:`device_indices`)."""
+    """Each device's dataset indices at `step` (see `device_indices`)."""
     step = check_int(step, "step", 0, "steps count from 0.")
     epoch, index = divmod(step, self.steps_per_epoch)
     return _split_batch(self._order(epoch), self.n_devices, self.global_batch, index)
 
   def position(self, step: int) -> dict:
-    """Where ``step`` starts in the data, in examples rather than batches (what a checkpoint records).
+    """Where `step` starts in the data, in examples rather than batches (what a checkpoint records).
 
-    ``{"epoch", "example", "num_examples", "seed", "shuffle", "global_batch", "devices"}``: ``example`` examples of
-    ``epoch``'s order come before ``step``. A step count alone means nothing without the global batch it
-    counts: :meth:`step_at` converts a position into the step of a pipeline with another batch size.
+    `{"epoch", "example", "num_examples", "seed", "shuffle", "global_batch", "devices"}`: `example` examples of
+    `epoch`'s order come before `step`. A step count alone means nothing without the global batch it
+    counts: `step_at` converts a position into the step of a pipeline with another batch size.
     """
     step = check_int(step, "step", 0, "steps count from 0.")
     epoch, index = divmod(step, self.steps_per_epoch)
@@ -628,12 +630,12 @@ class DataPipeline:
             "seed": self.seed, "shuffle": self.shuffle, "global_batch": self.global_batch, "devices": self.n_devices}
 
   def step_at(self, position: dict) -> int:
-    """This pipeline's step that starts at ``position`` (from :meth:`position`, maybe of another global batch).
+    """This pipeline's step that starts at `position` (from `position`, maybe of another global batch).
 
     Raises:
-      ValueError: if ``position`` is of another dataset length or seed (the epochs' orders differ: some
+      ValueError: if `position` is of another dataset length or seed (the epochs' orders differ: some
         examples would be trained twice and others never), or falls inside one of this pipeline's batches
-        (its ``example`` is not a multiple of :attr:`global_batch`).
+        (its `example` is not a multiple of `global_batch`).
     """
     saved = {"shuffle": True, **position}  # positions saved before shuffle= existed were shuffled
     for name, mine in (("num_examples", self.num_examples), ("seed", self.seed), ("shuffle", self.shuffle)):
@@ -660,10 +662,10 @@ class DataPipeline:
     return _collated(self.collate, [self.dataset[int(i)] for i in indices], self._empty)
 
   def load(self, step: int, positions: Sequence[int] | None = None) -> dict[int, tuple[Any, np.ndarray]]:
-    """The padded host portions ``{position: (batch, weights)}`` of ``step``.
+    """The padded host portions `{position: (batch, weights)}` of `step`.
 
-    Reads ``dataset`` only at the indices of ``positions`` (default: this
-    process's :attr:`local_positions`); pass :func:`process_positions` to see
+    Reads `dataset` only at the indices of `positions` (default: this
+    process's `local_positions`); pass `process_positions` to see
     what another process of a simulated multi-process run would load.
     """
     positions = self.local_positions if positions is None else tuple(positions)
@@ -674,22 +676,22 @@ class DataPipeline:
     return _padded({p: self._portion(indices[p]) for p in positions}, self.per_device_batch, self.pad, self._spare)
 
   def batch_at(self, step: int) -> tuple[Any, jax.Array]:
-    """The global ``(batch, weights)`` of ``step``, as :meth:`iterate` yields it.
+    """The global `(batch, weights)` of `step`, as `iterate` yields it.
 
     Returns:
-      Global arrays with leading size ``R = n_devices * per_device_batch``,
-      sharded ``NamedSharding(mesh, P(axis_name))`` as :func:`shard_uneven`
-      returns them; ``weights`` is float32 ``[R]`` or ``[R, t]`` with 0 on
+      Global arrays with leading size `R = n_devices * per_device_batch`,
+      sharded `NamedSharding(mesh, P(axis_name))` as `shard_uneven`
+      returns them; `weights` is float32 `[R]` or `[R, t]` with 0 on
       padding rows.
     """
     return _place_portions(self.load(step), self.n_devices, self._sharding)
 
   def iterate(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[tuple[int, tuple[Any, jax.Array]]]:
-    """Yields ``(step, (batch, weights))`` from ``start_step``, across epochs.
+    """Yields `(step, (batch, weights))` from `start_step`, across epochs.
 
     Args:
       start_step: the first step, e.g. the step counter of a checkpoint.
-      num_steps: how many steps to yield; ``None`` for ever.
+      num_steps: how many steps to yield; `None` for ever.
     """
     start = check_int(start_step, "start_step", 0, "steps count from 0.")
     assert_same_across_processes({"start_step": start, "num_steps": num_steps}, "DataPipeline.iterate arguments")
@@ -732,11 +734,11 @@ class _Lookahead:
     return bool(self._head)
 
   def peek(self) -> Any:
-    """The next example, still to be taken; only after :meth:`more` returned True."""
+    """The next example, still to be taken; only after `more` returned True."""
     return self._head[0]
 
   def take(self, k: int) -> list:
-    """Up to ``k`` examples, in stream order."""
+    """Up to `k` examples, in stream order."""
     taken = []
     while len(taken) < k and self.more():
       taken.append(self._head.pop())
@@ -744,7 +746,7 @@ class _Lookahead:
 
 
 def _count(value: Any) -> int | None:
-  """``value`` as an int when it is already on the host; ``None`` for a ``jax.Array`` (reading it could wait)."""
+  """`value` as an int when it is already on the host; `None` for a `jax.Array` (reading it could wait)."""
   if isinstance(value, jax.Array):
     return None
   return int(np.asarray(value))
@@ -755,39 +757,41 @@ class StreamingPipeline:
 
   Each process passes its own stream of examples (a generator over its
   files, a socket reader, ...); nobody needs to know how long any stream is.
-  Each step the process takes up to ``len(local_positions) * per_device_batch``
+  Each step the process takes up to `len(local_positions) * per_device_batch`
   examples, in stream order, and cuts them into contiguous portions, one per
-  local device in mesh order, as evenly as possible (``k`` examples over
-  ``L`` devices: the first ``k % L`` get one more, as in
-  :class:`DataPipeline`'s last batch; the whole local batch is read before
+  local device in mesh order, as evenly as possible (`k` examples over
+  `L` devices: the first `k % L` get one more, as in
+  `DataPipeline`'s last batch; the whole local batch is read before
   it is split, so this needs no extra lookahead). Portions are
   padded with rows of weight 0, so a process whose stream has run dry
-  keeps stepping with padding only, and ``reduction="mean"`` is exactly the
-  gradient of the real examples. Padding rows copy a real row (``pad="copy"``,
-  see :func:`shard_uneven`): the device's own, else one of this process's
+  keeps stepping with padding only, and `reduction="mean"` is exactly the
+  gradient of the real examples. Padding rows copy a real row (`pad="copy"`,
+  see `shard_uneven`): the device's own, else one of this process's
   other devices in the step, else the last real row this process placed (for
   a process with no example yet, the template's or first example's row). Every example is used once; none is
-  repeated or dropped. If reading the stream or ``collate`` raises while a
+  repeated or dropped. If reading the stream or `collate` raises while a
   batch is drawn, the examples read for it are lost: the error propagates,
-  and every later draw raises too until :meth:`reset`, so the pass cannot
+  and every later draw raises too until `reset`, so the pass cannot
   end as if it were complete.
 
-  With each batch comes ``has_more``, int32 ``[n_devices]`` split over
-  ``axis_name``: 1 on every device of a process whose stream has an example
+  With each batch comes `has_more`, int32 `[n_devices]` split over
+  `axis_name`: 1 on every device of a process whose stream has an example
   after this step (one example is read ahead to know), else 0. Passed to the
   step, it is summed over devices inside the step's own all-reduce into
-  ``metrics["has_more"]``, the same on every process. Hand that back with
-  :meth:`report` after every step; iteration ends after the first step whose
+  `metrics["has_more"]`, the same on every process. Hand that back with
+  `report` after every step; iteration ends after the first step whose
   count is 0, i.e. right after the last step that carried data, on every
   process at once (if every stream starts empty, after one all-padding step,
-  which the step skips because its weight is 0)::
+  which the step skips because its weight is 0):
 
-    stream = StreamingPipeline(my_examples, collate, mesh, per_device_batch=8)
-    for batch, weights, has_more in stream:
-      state, metrics = step(state, batch, weights, has_more=has_more)
-      stream.report(metrics["has_more"])
+  ```python
+  stream = StreamingPipeline(my_examples, collate, mesh, per_device_batch=8)
+  for batch, weights, has_more in stream:
+    state, metrics = step(state, batch, weights, has_more=has_more)
+    stream.report(metrics["has_more"])
+  ```
 
-  :meth:`report` does not read the count. Drawing the next batch reads it
+  `report` does not read the count. Drawing the next batch reads it
   only when this process's own stream is dry: a process with data left
   knows the count is at least its own devices' and prepares the next batch
   while the device still runs the step. A dry process has only padding to
@@ -795,23 +799,23 @@ class StreamingPipeline:
   before it can tell whether to dispatch another (running one padding step
   ahead instead would waste a step at the end of every pass).
 
-  The count must come from a step that reduces over ``axis_name``: any
-  reduction but ``"none"``, which leaves it per replica.
+  The count must come from a step that reduces over `axis_name`: any
+  reduction but `"none"`, which leaves it per replica.
 
   Shapes: an empty portion needs the shapes of a collated example. The
-  pipeline takes them from ``template`` if given, else from the first
+  pipeline takes them from `template` if given, else from the first
   example of the stream (read at construction and kept, not lost). A
-  process whose stream may be empty must pass ``template``; every process
+  process whose stream may be empty must pass `template`; every process
   must collate to the same trailing shapes and dtypes, which the step checks
   across processes.
 
   Attributes:
-    n_devices: devices along ``axis_name``.
-    global_batch: ``n_devices * per_device_batch``, the leading size of every batch.
+    n_devices: devices along `axis_name`.
+    global_batch: `n_devices * per_device_batch`, the leading size of every batch.
     local_positions: the mesh positions whose portions this pipeline fills.
-    steps: the steps drawn in the current pass (the loop ran ``steps`` steps once it ended).
+    steps: the steps drawn in the current pass (the loop ran `steps` steps once it ended).
     consumed: this process's examples placed in the current pass.
-    epoch: the pass, counted from 0; :meth:`reset` starts the next one.
+    epoch: the pass, counted from 0; `reset` starts the next one.
   """
 
   def __init__(
@@ -826,34 +830,34 @@ class StreamingPipeline:
       positions: Sequence[int] | None = None,
       pad: str = "copy",
   ):
-    """Builds the pipeline and checks ``collate`` on the template example.
+    """Builds the pipeline and checks `collate` on the template example.
 
     Args:
       examples: this process's examples, any iterable or iterator, of any
-        length (0 included, with ``template``); read once, in order.
-      collate: ``collate(examples) -> (batch, weights)``, as for
-        :class:`DataPipeline`: numpy leaves with leading size
-        ``len(examples)``, weights ``[k]`` or ``[k, t]``, finite and ``>= 0``.
+        length (0 included, with `template`); read once, in order.
+      collate: `collate(examples) -> (batch, weights)`, as for
+        `DataPipeline`: numpy leaves with leading size
+        `len(examples)`, weights `[k]` or `[k, t]`, finite and `>= 0`.
         Never called with an empty list.
       mesh: the mesh to place batches on.
-      per_device_batch: rows per device ``b``, ``>= 1``.
+      per_device_batch: rows per device `b`, `>= 1`.
       template: one example shaped like every process's examples, for the
         shapes of an empty portion; required when this process's stream is
         empty. It is never trained on, but a process that has no example
         yet pads with copies of it, so make it a valid example (under a
         length mask, not of length 0).
-      axis_name: the data-parallel axis, or a tuple of axes (``("replica",
-        "data")`` on a hybrid mesh); batches are split along it and
+      axis_name: the data-parallel axis, or a tuple of axes (`("replica",
+        "data")` on a hybrid mesh); batches are split along it and
         replicated over any other axis.
       positions: the mesh positions to fill, default this process's
-        (:func:`addressable_positions`). Others, e.g. from
-        :func:`process_positions`, simulate one process of a multi-process
-        run: such a pipeline only gives host portions (:meth:`next_portions`).
-      pad: what padding rows hold, ``"copy"`` (default) or ``"zeros"`` (see
-        :func:`shard_uneven`).
+        (`addressable_positions`). Others, e.g. from
+        `process_positions`, simulate one process of a multi-process
+        run: such a pipeline only gives host portions (`next_portions`).
+      pad: what padding rows hold, `"copy"` (default) or `"zeros"` (see
+        `shard_uneven`).
 
     Raises:
-      ValueError: a bad argument, or an empty stream without ``template``.
+      ValueError: a bad argument, or an empty stream without `template`.
     """
     check_mesh_axis(mesh, axis_name)
     self.pad = check_pad(pad)
@@ -904,7 +908,7 @@ class StreamingPipeline:
     return tuple(sorted(checked))  # mesh order: the stream fills them in that order
 
   def reset(self, examples: Iterable[Any]) -> None:
-    """Starts the next pass (epoch) over ``examples``, a new stream of any length.
+    """Starts the next pass (epoch) over `examples`, a new stream of any length.
 
     Every process must call it at the same point of the loop (typically after
     the previous pass ended); what is left of the previous stream is dropped.
@@ -929,13 +933,13 @@ class StreamingPipeline:
     return self._done
 
   def report(self, has_more: Any) -> None:
-    """Hands over ``metrics["has_more"]`` of the step just run; call once after every step.
+    """Hands over `metrics["has_more"]` of the step just run; call once after every step.
 
     The value is kept, not read (reading a device value would wait for the
     step): see the class docstring for when it is read.
 
     Args:
-      has_more: the step's reduced count, an integer scalar (a ``jax.Array``
+      has_more: the step's reduced count, an integer scalar (a `jax.Array`
         as the step returns it, or a host integer).
 
     Raises:
@@ -980,16 +984,16 @@ class StreamingPipeline:
     return value
 
   def next_portions(self) -> dict[int, tuple[Any, np.ndarray, np.ndarray]] | None:
-    """The next step's padded host portions, or ``None`` once the pass has ended.
+    """The next step's padded host portions, or `None` once the pass has ended.
 
     Iteration is this, placed on the mesh; use it directly to inspect or
-    simulate (a pipeline built with other processes' ``positions``). It
-    follows the same protocol: :meth:`report` must come between two calls.
+    simulate (a pipeline built with other processes' `positions`). It
+    follows the same protocol: `report` must come between two calls.
 
     Returns:
-      ``{position: (batch, weights, has_more)}`` for :attr:`local_positions`:
-      ``batch`` and ``weights`` with ``per_device_batch`` rows (padding rows
-      of weight 0 after the real ones), ``has_more`` int32 ``[1]``.
+      `{position: (batch, weights, has_more)}` for `local_positions`:
+      `batch` and `weights` with `per_device_batch` rows (padding rows
+      of weight 0 after the real ones), `has_more` int32 `[1]`.
 
     Raises:
       RuntimeError: the previous step was not reported.
@@ -1041,7 +1045,7 @@ class StreamingPipeline:
     return self
 
   def __next__(self) -> tuple[Any, jax.Array, jax.Array]:
-    """The next ``(batch, weights, has_more)`` as global arrays split over ``axis_name``."""
+    """The next `(batch, weights, has_more)` as global arrays split over `axis_name`."""
     if not self._places:
       own = addressable_positions(self.mesh, self.axis_name)
       raise RuntimeError(
@@ -1058,26 +1062,26 @@ class StreamingPipeline:
 
 
 def portion_sizes(count: int, n_devices: int) -> np.ndarray:
-  """``count`` examples spread over ``n_devices`` as evenly as possible, the first ``count % n_devices`` one more."""
+  """`count` examples spread over `n_devices` as evenly as possible, the first `count % n_devices` one more."""
   return _portion_sizes(count, n_devices)
 
 
 def collate_checked(collate: Callable, examples: list, template: Any = None) -> tuple[Any, np.ndarray]:
-  """``collate(examples)`` as numpy ``(batch, weights)``, checked as the pipelines check it (leading sizes, finite
-  float32 weights ``>= 0``, and the trailing shapes and dtypes of the zero-row portion ``template`` if given)."""
+  """`collate(examples)` as numpy `(batch, weights)`, checked as the pipelines check it (leading sizes, finite
+  float32 weights `>= 0`, and the trailing shapes and dtypes of the zero-row portion `template` if given)."""
   return _collated(collate, examples, template)
 
 
 def pad_portions(portions: Mapping[int, tuple[Any, np.ndarray]], rows: int, pad: str, spare: Any = None) -> dict:
-  """``{position: (batch, weights)}`` padded to ``rows`` rows of weight 0, as ``shard_uneven`` pads them.
+  """`{position: (batch, weights)}` padded to `rows` rows of weight 0, as `shard_uneven` pads them.
 
-  Under ``pad="copy"`` a portion pads with copies of its own first real row, an empty one with copies of
-  ``spare`` (a one-row batch pytree, ``first_real_row``) if given, else of the first non-empty portion's row.
+  Under `pad="copy"` a portion pads with copies of its own first real row, an empty one with copies of
+  `spare` (a one-row batch pytree, `first_real_row`) if given, else of the first non-empty portion's row.
   """
   return _padded(portions, rows, check_pad(pad), spare)
 
 
 def first_real_row(batch: Any, weights: np.ndarray) -> Any | None:
-  """The first row of positive weight (else row 0) of a portion's ``batch``, as a one-row pytree; ``None`` if it
-  has no rows. What ``pad_portions`` copies into padding rows."""
+  """The first row of positive weight (else row 0) of a portion's `batch`, as a one-row pytree; `None` if it
+  has no rows. What `pad_portions` copies into padding rows."""
   return _real_row(batch, weights)

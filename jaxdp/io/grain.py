@@ -1,30 +1,30 @@
-"""grain input: a per-process grain dataset batched into the step's ``(batch, weights)``, exactly, and resumable.
+"""grain input: a per-process grain dataset batched into the step's `(batch, weights)`, exactly, and resumable.
 
-Each process gives ``GrainPipeline`` its own grain ``MapDataset``,
-``IterDataset`` or ``DataLoader`` of single examples (sharded per process,
-e.g. with ``process_shard``, which cuts as grain's
-``ShardByJaxProcess(drop_remainder=False)`` does: the remainder to the first
-processes). Every step each process takes up to ``local devices *
-per_device_batch`` examples from its iterator, cuts them over its devices as
+Each process gives `GrainPipeline` its own grain `MapDataset`,
+`IterDataset` or `DataLoader` of single examples (sharded per process,
+e.g. with `process_shard`, which cuts as grain's
+`ShardByJaxProcess(drop_remainder=False)` does: the remainder to the first
+processes). Every step each process takes up to `local devices *
+per_device_batch` examples from its iterator, cuts them over its devices as
 evenly as possible (the first devices one more), pads every device to
-``per_device_batch`` rows of weight 0 and builds the global arrays with
-``jax.make_array_from_process_local_data``. The processes' counts of examples
+`per_device_batch` rows of weight 0 and builds the global arrays with
+`jax.make_array_from_process_local_data`. The processes' counts of examples
 are exchanged once per epoch, so every process knows the epoch's number of
 steps without a collective per step: a process that runs dry first steps on
-with padding only, and the ``"mean"`` reduction is the exact weighted mean of
+with padding only, and the `"mean"` reduction is the exact weighted mean of
 the real examples. Every example of every process is used exactly once per
 epoch.
 
 The pipeline's position is its grain iterator's own state
-(``get_state``/``set_state``) taken at a step boundary, plus the epoch and the
-examples consumed: ``CheckpointManager.save(..., data=pipeline)`` stores one
-entry per process, and ``restore(..., data=pipeline)`` sets it back, so the
+(`get_state`/`set_state`) taken at a step boundary, plus the epoch and the
+examples consumed: `CheckpointManager.save(..., data=pipeline)` stores one
+entry per process, and `restore(..., data=pipeline)` sets it back, so the
 run resumes at the next example, none skipped or repeated. Another process
 count is refused (grain's iterator states are per process shard).
 
 grain itself is not imported here: the pipeline uses the dataset's
-``iter()`` and the iterator's ``get_state``/``set_state`` only
-(``pip install jaxdp[grain]`` installs grain).
+`iter()` and the iterator's `get_state`/`set_state` only
+(`pip install jaxdp[grain]` installs grain).
 """
 
 from __future__ import annotations
@@ -49,32 +49,32 @@ from jaxdp.io.data import (
 from jaxdp.sharding.layout import check_mesh_axis, data_rows, data_size, split_along
 
 STATE_FIELDS = ("epoch", "step", "consumed", "num_examples", "process", "processes", "iterator")
-"""The fields of ``GrainPipeline.get_state`` (one process's entry in a checkpoint)."""
+"""The fields of `GrainPipeline.get_state` (one process's entry in a checkpoint)."""
 
 
 def stack(examples: list) -> tuple[Any, np.ndarray]:
-  """The default ``collate``: the examples' leaves stacked along a new leading axis, weight 1 each."""
+  """The default `collate`: the examples' leaves stacked along a new leading axis, weight 1 each."""
   batch = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
   return batch, np.ones((len(examples),), np.float32)
 
 
 def process_shard(dataset: Any, index: int | None = None, count: int | None = None) -> Any:
-  """This process's contiguous shard of a grain ``MapDataset`` (or any sliceable sequence with ``len``).
+  """This process's contiguous shard of a grain `MapDataset` (or any sliceable sequence with `len`).
 
-  The cut of grain's ``ShardByJaxProcess(drop_remainder=False)``
-  (``grain.sharding.even_split``): ``N`` examples over ``P`` processes give
-  each ``N // P`` and the first ``N % P`` one more, no example dropped.
-  (grain 0.2.18's ``DataLoader`` with an ``IndexSampler`` under those options
-  reads only ``N // P`` per process: the remainder is never read; slice a
-  ``MapDataset`` with this instead.)
+  The cut of grain's `ShardByJaxProcess(drop_remainder=False)`
+  (`grain.sharding.even_split`): `N` examples over `P` processes give
+  each `N // P` and the first `N % P` one more, no example dropped.
+  (grain 0.2.18's `DataLoader` with an `IndexSampler` under those options
+  reads only `N // P` per process: the remainder is never read; slice a
+  `MapDataset` with this instead.)
 
   Args:
     dataset: the whole (e.g. shuffled) dataset, the same on every process.
-    index: the shard, default ``jax.process_index()``.
-    count: the number of shards, default ``jax.process_count()``.
+    index: the shard, default `jax.process_index()`.
+    count: the number of shards, default `jax.process_count()`.
 
   Returns:
-    ``dataset[start:stop]``, this shard's examples in order.
+    `dataset[start:stop]`, this shard's examples in order.
   """
   count = jax.process_count() if count is None else check_int(count, "count", 1, "pass the number of shards.")
   index = jax.process_index() if index is None else check_int(index, "index", 0, "shards count from 0.")
@@ -86,7 +86,7 @@ def process_shard(dataset: Any, index: int | None = None, count: int | None = No
 
 
 def _iterator_state(iterator: Any) -> str:
-  """The grain iterator's state as JSON text: a ``DatasetIterator``'s dict, or a ``DataLoaderIterator``'s bytes."""
+  """The grain iterator's state as JSON text: a `DatasetIterator`'s dict, or a `DataLoaderIterator`'s bytes."""
   state = iterator.get_state()
   if isinstance(state, bytes):
     return json.dumps({"bytes": state.decode()})
@@ -99,7 +99,7 @@ def _set_iterator_state(iterator: Any, text: str) -> None:
 
 
 def _first_example(dataset: Any) -> Any:
-  """The dataset's first example, or ``None`` if it is empty; by index when it has one (no iterator started)."""
+  """The dataset's first example, or `None` if it is empty; by index when it has one (no iterator started)."""
   if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
     return dataset[0] if len(dataset) else None
   return next(iter(dataset), None)
@@ -108,27 +108,29 @@ def _first_example(dataset: Any) -> Any:
 class GrainPipeline:
   """Batches this process's grain dataset over its devices; every process ends each epoch after the same step.
 
-  Example (each process builds its own)::
+  Example (each process builds its own):
 
-    source = grain.MapDataset.source(records)
-    pipe = GrainPipeline(lambda epoch: process_shard(source.shuffle(seed=epoch)), mesh, per_device_batch=8)
-    for epoch in range(epochs):
-      for batch, weights in pipe:            # one epoch
-        state, metrics = step(state, batch, weights)
+  ```python
+  source = grain.MapDataset.source(records)
+  pipe = GrainPipeline(lambda epoch: process_shard(source.shuffle(seed=epoch)), mesh, per_device_batch=8)
+  for epoch in range(epochs):
+    for batch, weights in pipe:            # one epoch
+      state, metrics = step(state, batch, weights)
+  ```
 
   Iterating yields the rest of the current epoch; the next iteration starts
-  the next epoch (a fresh iterator of ``dataset(epoch)``, or of the same
-  dataset). A step takes this process's next ``min(len(local_positions) *
-  per_device_batch, examples left)`` examples in the iterator's order and
+  the next epoch (a fresh iterator of `dataset(epoch)`, or of the same
+  dataset). A step takes this process's next `min(len(local_positions) *
+  per_device_batch, examples left)` examples in the iterator's order and
   cuts them contiguously over its devices in mesh order, as evenly as
-  possible (the first devices one more), each padded to ``per_device_batch``
-  rows of weight 0 (copies of a real row under ``pad="copy"``). The epoch has
-  ``max`` over the processes of ``ceil(examples / (local devices * b))``
+  possible (the first devices one more), each padded to `per_device_batch`
+  rows of weight 0 (copies of a real row under `pad="copy"`). The epoch has
+  `max` over the processes of `ceil(examples / (local devices * b))`
   steps; a process with fewer examples steps on with padding only.
 
   Attributes:
-    n_devices: devices along ``axis_name``.
-    per_device_batch: rows per device; every batch has ``n_devices * per_device_batch`` rows.
+    n_devices: devices along `axis_name`.
+    per_device_batch: rows per device; every batch has `n_devices * per_device_batch` rows.
     local_positions: the mesh positions this process fills.
     num_examples: this process's examples per epoch.
     epoch: the current epoch, from 0.
@@ -153,33 +155,33 @@ class GrainPipeline:
     """Builds the pipeline (a collective: every process builds its own at the same point).
 
     Args:
-      dataset: this process's grain ``MapDataset``, ``IterDataset`` or
-        ``DataLoader`` of single (unbatched) examples, or a function
-        ``epoch -> dataset`` (a new shuffle per epoch). ``iter()`` of it must
-        give an iterator with grain's ``get_state``/``set_state``.
+      dataset: this process's grain `MapDataset`, `IterDataset` or
+        `DataLoader` of single (unbatched) examples, or a function
+        `epoch -> dataset` (a new shuffle per epoch). `iter()` of it must
+        give an iterator with grain's `get_state`/`set_state`.
       mesh: the mesh to place batches on.
-      per_device_batch: rows per device ``b >= 1``.
-      collate: ``collate(examples) -> (batch, weights)`` as for
-        ``DataPipeline`` (numpy leaves with leading size ``len(examples)``,
-        weights ``[k]`` or ``[k, t]``, finite and ``>= 0``); default
-        ``stack``, weight 1 per example.
+      per_device_batch: rows per device `b >= 1`.
+      collate: `collate(examples) -> (batch, weights)` as for
+        `DataPipeline` (numpy leaves with leading size `len(examples)`,
+        weights `[k]` or `[k, t]`, finite and `>= 0`); default
+        `stack`, weight 1 per example.
       num_examples: this process's examples per epoch; default
-        ``len(dataset)`` (a ``MapDataset`` has one; give it for an
-        ``IterDataset`` or a ``DataLoader``). An iterator that ends before
+        `len(dataset)` (a `MapDataset` has one; give it for an
+        `IterDataset` or a `DataLoader`). An iterator that ends before
         it, or holds more, raises (an example would be lost).
       template: one example shaped like the others, for the shapes of a
         device's portion when it has no example; default this process's
-        first example of epoch 0 (read once: by index from a ``MapDataset``,
+        first example of epoch 0 (read once: by index from a `MapDataset`,
         else from a fresh iterator). Needed
-        by a process whose dataset is empty. Under ``pad="copy"`` its padding
+        by a process whose dataset is empty. Under `pad="copy"` its padding
         rows copy a real row of their own device, or this example: the
         batches are the same in a run resumed from a checkpoint.
       axis_name: the data-parallel axis, or a tuple of axes.
-      pad: what padding rows hold, ``"copy"`` (default) or ``"zeros"``.
-      read_options: for a ``MapDataset``, the ``grain.ReadOptions`` of its
-        iterator (``dataset.to_iter_dataset(read_options)``); default
-        grain's own (``iter(dataset)``: 16 prefetch threads, 500 examples
-        ahead). ``grain.ReadOptions(num_threads=0)`` reads in the calling
+      pad: what padding rows hold, `"copy"` (default) or `"zeros"`.
+      read_options: for a `MapDataset`, the `grain.ReadOptions` of its
+        iterator (`dataset.to_iter_dataset(read_options)`); default
+        grain's own (`iter(dataset)`: 16 prefetch threads, 500 examples
+        ahead). `grain.ReadOptions(num_threads=0)` reads in the calling
         thread, which costs less per example when reading is cheap.
     """
     check_mesh_axis(mesh, axis_name)
@@ -230,7 +232,7 @@ class GrainPipeline:
     return check_int(len(dataset), "len(dataset)", 0, "pass a dataset of this process's examples.")
 
   def _start(self, consumed: int, iterator_state: str | None, step: int = 0) -> None:
-    """Opens the current epoch's iterator (at ``iterator_state`` if given) and agrees on its steps."""
+    """Opens the current epoch's iterator (at `iterator_state` if given) and agrees on its steps."""
     dataset = self._source(self.epoch)
     self.num_examples = self._dataset_size(dataset)
     if not hasattr(dataset, "__iter__"):
@@ -266,7 +268,7 @@ class GrainPipeline:
 
   @staticmethod
   def _gather(value: list[int]) -> list[list[int]]:
-    """Every process's ``value``, in process order."""
+    """Every process's `value`, in process order."""
     if jax.process_count() == 1:
       return [value]
     return [json.loads(b) for b in allgather_bytes(json.dumps(value).encode())]
@@ -297,7 +299,7 @@ class GrainPipeline:
     )
 
   def next_portions(self) -> dict[int, tuple[Any, np.ndarray]] | None:
-    """This process's padded host portions ``{position: (batch, weights)}`` of the next step, or ``None`` at the
+    """This process's padded host portions `{position: (batch, weights)}` of the next step, or `None` at the
     end of the epoch (the next call starts the next epoch)."""
     if self.step >= self.steps_per_epoch:
       self.epoch += 1
@@ -320,7 +322,7 @@ class GrainPipeline:
       yield self._place(portions)
 
   def _place(self, portions: dict) -> tuple[Any, jax.Array]:
-    """The global ``(batch, weights)`` of this process's portions (in mesh order) and the other processes'."""
+    """The global `(batch, weights)` of this process's portions (in mesh order) and the other processes'."""
     rows = self.per_device_batch
     local = [portions[p] for p in self.local_positions]
 
@@ -335,10 +337,10 @@ class GrainPipeline:
   # --- State -------------------------------------------------------------------------------------
 
   def get_state(self) -> dict:
-    """This process's position, JSON-serialisable: ``{field: value}`` for ``STATE_FIELDS``.
+    """This process's position, JSON-serialisable: `{field: value}` for `STATE_FIELDS`.
 
     Taken between steps: the iterator's state is that after the examples of the steps drawn, so
-    ``set_state`` resumes at the next example.
+    `set_state` resumes at the next example.
     """
     at_end = self.step >= self.steps_per_epoch
     return {
@@ -353,7 +355,7 @@ class GrainPipeline:
     }
 
   def set_state(self, state: dict) -> None:
-    """Resumes at a position from ``get_state`` (a collective: every process sets its own entry).
+    """Resumes at a position from `get_state` (a collective: every process sets its own entry).
 
     Raises:
       ValueError: a position of another process count or process (grain's iterator state is per shard), or of
@@ -386,12 +388,12 @@ class GrainPipeline:
 
 
 def is_grain_pipeline(data: Any) -> bool:
-  """Whether ``data`` is a ``GrainPipeline`` (what ``CheckpointManager`` saves one entry per process of)."""
+  """Whether `data` is a `GrainPipeline` (what `CheckpointManager` saves one entry per process of)."""
   return isinstance(data, GrainPipeline)
 
 
 def gather_states(pipeline: GrainPipeline) -> list[dict]:
-  """Every process's ``GrainPipeline.get_state``, in process order (a collective)."""
+  """Every process's `GrainPipeline.get_state`, in process order (a collective)."""
   mine = pipeline.get_state()
   if jax.process_count() == 1:
     return [mine]
@@ -399,10 +401,10 @@ def gather_states(pipeline: GrainPipeline) -> list[dict]:
 
 
 def restore_states(pipeline: Any, states: Any, where: str, check_only: bool = False) -> None:
-  """Sets ``pipeline`` to this process's entry of ``states`` (saved by ``gather_states``), or refuses.
+  """Sets `pipeline` to this process's entry of `states` (saved by `gather_states`), or refuses.
 
-  With ``check_only``, only refuses (before a restore reads any array): ``pipeline`` is not a
-  ``GrainPipeline``, or ``states`` are of another process count.
+  With `check_only`, only refuses (before a restore reads any array): `pipeline` is not a
+  `GrainPipeline`, or `states` are of another process count.
   """
   if not isinstance(pipeline, GrainPipeline):
     raise ValueError(

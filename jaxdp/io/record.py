@@ -1,23 +1,23 @@
 """The record of a jaxdp checkpoint: leaf names, checksums, building and validating the JSON record.
 
-What :mod:`jaxdp.io.checkpoint` writes next to the arrays, and every check made
+What `jaxdp.io.checkpoint` writes next to the arrays, and every check made
 on it, with no orbax lifecycle in it (this module never imports
-:mod:`jaxdp.io.checkpoint`). See :mod:`jaxdp.io.checkpoint` for the format.
+`jaxdp.io.checkpoint`). See `jaxdp.io.checkpoint` for the format.
 
-The checksum (:func:`checksums`) composes over shards, so no process needs a
-whole leaf to compute it: for a leaf of ``n`` elements, read as unsigned
-words ``w_i`` (the element's own bytes: ``uint8`` to ``uint64`` by item size;
-a 16-byte element is two words) at global flat word index ``i``,
+The checksum (`checksums`) composes over shards, so no process needs a
+whole leaf to compute it: for a leaf of `n` elements, read as unsigned
+words `w_i` (the element's own bytes: `uint8` to `uint64` by item size;
+a 16-byte element is two words) at global flat word index `i`,
 
     H = sum_i (w_i + 1) * K_i  mod 2**64,   K_i = splitmix64(i) | 1.
 
-Each process adds the terms of the shards it holds with ``replica_id == 0``
+Each process adds the terms of the shards it holds with `replica_id == 0`
 (each global element lies in exactly one such shard over all processes), the
 processes' partial sums are added (mod 2**64), and the result does not
-depend on the layout: the same ``H`` on 2 devices at ZeRO stage 1 and on 8
-devices at stage 3 with a model axis. A change of one word by ``d`` changes
-``H`` by ``d * K_i``, never 0 mod 2**64 as ``K_i`` is odd; two words swapped
-change it unless their ``K`` coincide. It is an integrity check against
+depend on the layout: the same `H` on 2 devices at ZeRO stage 1 and on 8
+devices at stage 3 with a model axis. A change of one word by `d` changes
+`H` by `d * K_i`, never 0 mod 2**64 as `K_i` is odd; two words swapped
+change it unless their `K` coincide. It is an integrity check against
 storage faults, not a cryptographic hash.
 """
 
@@ -54,7 +54,7 @@ def _entry_name(entry: Any) -> str:
 
 
 def named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
-  """``[(path components, leaf)]`` of ``tree`` in flattening order; paths must be distinct."""
+  """`[(path components, leaf)]` of `tree` in flattening order; paths must be distinct."""
   named, stored = [], {}  # the name orbax stores each leaf under -> (its path components, its key path)
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     for entry in path:
@@ -84,7 +84,7 @@ def named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
 
 
 def nested(named: list[tuple[tuple[str, ...], Any]]) -> dict:
-  """The nested dict ``{component: {...: leaf}}`` orbax stores, from :func:`named_leaves`."""
+  """The nested dict `{component: {...: leaf}}` orbax stores, from `named_leaves`."""
   root: dict = {}
   for components, leaf in named:
     node = root
@@ -97,18 +97,18 @@ def nested(named: list[tuple[tuple[str, ...], Any]]) -> dict:
 
 
 def lookup(tree: dict, components: tuple[str, ...]) -> Any:
-  """The entry of nested dict ``tree`` at path ``components`` (the inverse of :func:`nested`)."""
+  """The entry of nested dict `tree` at path `components` (the inverse of `nested`)."""
   for c in components:
     tree = tree[c]
   return tree
 
 
 def structure(tree: Any) -> str:
-  """The container types of ``tree``, e.g. ``tuple(ScaleByAdamState(*, dict(*, *), dict(*, *)), EmptyState())``.
+  """The container types of `tree`, e.g. `tuple(ScaleByAdamState(*, dict(*, *), dict(*, *)), EmptyState())`.
 
   What the leaf paths do not show: optax states of different optimizers can
-  have the same fields (Adam's and AdaBelief's ``count/mu/nu``). Built from
-  class names rather than ``str(treedef)``, whose format is JAX's to change.
+  have the same fields (Adam's and AdaBelief's `count/mu/nu`). Built from
+  class names rather than `str(treedef)`, whose format is JAX's to change.
   """
 
   def describe(treedef) -> str:
@@ -121,26 +121,26 @@ def structure(tree: Any) -> str:
 
 
 def is_key_leaf(x: Any) -> bool:
-  """Whether ``x`` (an array or ``ShapeDtypeStruct``) holds typed PRNG keys (e.g. ``optax.noisy_sgd``'s state)."""
+  """Whether `x` (an array or `ShapeDtypeStruct`) holds typed PRNG keys (e.g. `optax.noisy_sgd`'s state)."""
   dtype = getattr(x, "dtype", None)
   return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def stored_struct(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
-  """What a checkpoint stores for leaf ``x``: its own shape and dtype, or a typed key's raw ``uint32`` data."""
+  """What a checkpoint stores for leaf `x`: its own shape and dtype, or a typed key's raw `uint32` data."""
   if is_key_leaf(x):
     x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(np.shape(x), x.dtype))
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
 def signature(tree: Any) -> dict:
-  """``{"a/b": (shape, dtype name)}`` of each leaf as a checkpoint stores it (see :func:`stored_struct`)."""
+  """`{"a/b": (shape, dtype name)}` of each leaf as a checkpoint stores it (see `stored_struct`)."""
   stored = {"/".join(c): stored_struct(x) for c, x in named_leaves(tree)}
   return {name: (s.shape, np.dtype(s.dtype).name) for name, s in stored.items()}
 
 
 def abstract_full_state(params: Any, optimizer: optax.GradientTransformation, model_state: Any) -> TrainState:
-  """The state of ``params``, ``optimizer`` and ``model_state`` as ``ShapeDtypeStruct``s."""
+  """The state of `params`, `optimizer` and `model_state` as `ShapeDtypeStruct`s."""
   try:
     return abstract_state(params, optimizer, model_state)
   except Exception as e:  # the user's optimizer and params: any failure means they do not fit
@@ -153,7 +153,7 @@ def abstract_full_state(params: Any, optimizer: optax.GradientTransformation, mo
 
 
 def is_typed_key(rng: Any) -> bool:
-  """Whether ``rng`` is a typed key (else raw ``uint32`` key data); raises for anything else."""
+  """Whether `rng` is a typed key (else raw `uint32` key data); raises for anything else."""
   dtype = getattr(rng, "dtype", None)
   if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return True
@@ -166,14 +166,14 @@ def is_typed_key(rng: Any) -> bool:
 
 
 def _small_to_host(x: Any) -> np.ndarray:
-  """A copy of ``x`` (a replicated or process-local value, such as a key) on the host."""
+  """A copy of `x` (a replicated or process-local value, such as a key) on the host."""
   if isinstance(x, jax.Array) and x.sharding.is_fully_replicated and x.sharding.has_addressable_devices:
     return np.array(x.addressable_shards[0].data)  # one device's copy: never assembled from shards
   return np.array(to_host(x))
 
 
 def key_to_host(rng: Any) -> tuple[np.ndarray | None, str | None]:
-  """``(raw key data as numpy, implementation name or None for a raw uint32 key)``."""
+  """`(raw key data as numpy, implementation name or None for a raw uint32 key)`."""
   if rng is None:
     return None, None
   if is_typed_key(rng):
@@ -182,7 +182,7 @@ def key_to_host(rng: Any) -> tuple[np.ndarray | None, str | None]:
 
 
 def key_data_shape(impl: str | None) -> jax.ShapeDtypeStruct | None:
-  """The shape and dtype of a key's raw data under PRNG implementation ``impl``; ``None`` if JAX has no such one."""
+  """The shape and dtype of a key's raw data under PRNG implementation `impl`; `None` if JAX has no such one."""
   try:
     return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
   except (ValueError, TypeError):
@@ -193,7 +193,7 @@ def key_data_shape(impl: str | None) -> jax.ShapeDtypeStruct | None:
 
 
 def _odd_keys(index: np.ndarray) -> np.ndarray:
-  """``splitmix64(index) | 1`` for ``uint64`` indices (arithmetic mod 2**64), computed in place of a copy."""
+  """`splitmix64(index) | 1` for `uint64` indices (arithmetic mod 2**64), computed in place of a copy."""
   z = index + np.uint64(0x9E3779B97F4A7C15)
   z ^= z >> np.uint64(30)
   z *= np.uint64(0xBF58476D1CE4E5B9)
@@ -205,7 +205,7 @@ def _odd_keys(index: np.ndarray) -> np.ndarray:
 
 
 def _words(block: np.ndarray) -> np.ndarray:
-  """``block``'s elements as unsigned words, shape ``(*block.shape, words per element)``."""
+  """`block`'s elements as unsigned words, shape `(*block.shape, words per element)`."""
   itemsize = block.dtype.itemsize
   width = min(itemsize, 8)
   if itemsize % width or width not in (1, 2, 4, 8):
@@ -215,7 +215,7 @@ def _words(block: np.ndarray) -> np.ndarray:
 
 
 def _box_sum(data: np.ndarray, starts: tuple[int, ...], global_shape: tuple[int, ...]) -> int:
-  """The checksum terms of ``data``, the box of a leaf of ``global_shape`` that starts at ``starts``."""
+  """The checksum terms of `data`, the box of a leaf of `global_shape` that starts at `starts`."""
   if data.size == 0:
     return 0
   if data.ndim == 0:
@@ -247,7 +247,7 @@ def _box_sum(data: np.ndarray, starts: tuple[int, ...], global_shape: tuple[int,
 
 
 def _partial_sum(x: Any) -> int:
-  """This process's part of leaf ``x``'s checksum: its shards with ``replica_id == 0`` (process 0 for host values)."""
+  """This process's part of leaf `x`'s checksum: its shards with `replica_id == 0` (process 0 for host values)."""
   shape = tuple(np.shape(x))
   if isinstance(x, jax.Array):
     total = 0
@@ -262,7 +262,7 @@ def _partial_sum(x: Any) -> int:
 def checksums(leaves: list[Any]) -> list[int]:
   """Each leaf's checksum (see the module docstring), summed over processes; a collective when there are several.
 
-  ``leaves`` are global ``jax.Array``s in any layout, or host values that
+  `leaves` are global `jax.Array`s in any layout, or host values that
   every process holds alike. Reads only this process's shards.
   """
   sums = [_partial_sum(x) for x in leaves]
@@ -285,7 +285,7 @@ def checksum_text(value: int) -> str:
 
 
 def check_metadata(metadata: Any) -> None:
-  """Raises ``ValueError`` unless ``metadata`` is JSON with finite numbers, as the record stores it."""
+  """Raises `ValueError` unless `metadata` is JSON with finite numbers, as the record stores it."""
   try:
     json.dumps(metadata, allow_nan=False)
   except (TypeError, ValueError) as e:
@@ -315,9 +315,9 @@ def build_record(
     data_states: list | None = None,
     mesh_shape: dict | None = None,
 ) -> dict:
-  """The JSON record of a save of the leaves ``named`` (state leaves, then the key's data) with checksums ``sums``.
+  """The JSON record of a save of the leaves `named` (state leaves, then the key's data) with checksums `sums`.
 
-  ``key_impls``: ``{path components: PRNG implementation}`` of the state leaves saved as typed keys' raw data.
+  `key_impls`: `{path components: PRNG implementation}` of the state leaves saved as typed keys' raw data.
   """
   key_impls = key_impls or {}
   return {
@@ -351,7 +351,7 @@ DATA_POSITION_FIELDS = ("epoch", "example", "num_examples", "seed", "global_batc
 
 
 class BadField(Exception):
-  """A field of a jaxdp record that is not what :meth:`CheckpointManager.save` writes."""
+  """A field of a jaxdp record that is not what `CheckpointManager.save` writes."""
 
   def __init__(self, field: str, value: Any, expected: str):
     super().__init__(field, value, expected)
@@ -368,7 +368,7 @@ def _is_count(x: Any) -> bool:
 
 
 def _is_dtype_name(x: Any) -> bool:
-  """Whether ``x`` is the name of a numeric numpy dtype (ml_dtypes' bfloat16 included), as save() writes it."""
+  """Whether `x` is the name of a numeric numpy dtype (ml_dtypes' bfloat16 included), as save() writes it."""
   if not isinstance(x, str):
     return False
   try:
@@ -399,7 +399,7 @@ def _check_leaf_entry(entry: Any, name: str) -> None:
 
 
 def _check_rng_impl(impl: Any, key: dict | None) -> None:
-  """``impl`` must fit the saved key: none without a key, a JAX PRNG whose key data has the saved shape and dtype."""
+  """`impl` must fit the saved key: none without a key, a JAX PRNG whose key data has the saved shape and dtype."""
   if key is None:
     _require(impl is None, "rng_impl", impl, "null, as the checkpoint holds no PRNG key")
   elif impl is None:
@@ -413,7 +413,7 @@ def _check_rng_impl(impl: Any, key: dict | None) -> None:
 
 
 def _consistent_position(p: dict, data_step: int) -> bool:
-  """Whether ``p`` is what ``DataPipeline.position(data_step)`` gives for some pipeline."""
+  """Whether `p` is what `DataPipeline.position(data_step)` gives for some pipeline."""
   if p["devices"] < 1 or p["global_batch"] < 1 or p["num_examples"] < 1:
     return False
   epoch_steps = steps_per_epoch(p["num_examples"], p["global_batch"])
@@ -422,7 +422,7 @@ def _consistent_position(p: dict, data_step: int) -> bool:
 
 
 def check_record(record: dict) -> None:
-  """Raises :class:`BadField` for the first field read from ``record`` that save() could not have written."""
+  """Raises `BadField` for the first field read from `record` that save() could not have written."""
   _require(_is_count(record.get("data_step")), "data_step", record.get("data_step"), "an integer >= 0")
   if "data_position" in record:
     position = record["data_position"]
@@ -468,7 +468,7 @@ def _differences(found: dict, expected: dict, found_name: str, expected_name: st
 
 
 def listing(lines: list[str]) -> str:
-  """``lines`` indented for an error message, the first :data:`MAX_LISTED` of them."""
+  """`lines` indented for an error message, the first `MAX_LISTED` of them."""
   more = [f"... and {len(lines) - MAX_LISTED} more"] if len(lines) > MAX_LISTED else []
   return "\n  " + "\n  ".join(lines[:MAX_LISTED] + more)
 
@@ -477,9 +477,9 @@ def check_against(record: dict, expected: Any, where: str, *, train_state: Any =
                   opt_state: Any = None) -> None:
   """Refuses a target (an abstract state) that does not fit the checkpoint's record; reads no array.
 
-  ``expected`` is a :class:`jaxdp.TrainState`, or a tree holding one (``train_state``, at the leaf path
-  ``prefix``: a DiLoCo state's ``inner``); ``opt_state``: the optimizer states whose container types the record
-  holds (default ``train_state.opt_state``).
+  `expected` is a `jaxdp.TrainState`, or a tree holding one (`train_state`, at the leaf path
+  `prefix`: a DiLoCo state's `inner`); `opt_state`: the optimizer states whose container types the record
+  holds (default `train_state.opt_state`).
   """
   train_state = expected if train_state is None else train_state
   opt_state = train_state.opt_state if opt_state is None else opt_state
@@ -521,7 +521,7 @@ def check_against(record: dict, expected: Any, where: str, *, train_state: Any =
 
 
 def failed_leaves(record: dict, arrays: dict[tuple[str, ...], Any]) -> list[str]:
-  """The paths of the restored ``arrays`` whose shape, dtype or checksum differs from the record's (a collective)."""
+  """The paths of the restored `arrays` whose shape, dtype or checksum differs from the record's (a collective)."""
   entries = [(tuple(e["path"]), e) for e in record["leaves"]]
   sums = checksums([arrays[c] for c, _ in entries])
   return [

@@ -1,37 +1,39 @@
 """Gradient reductions as values: DDP's communication hooks, done functionally.
 
-A :class:`Reduction` is a pair of pure functions, as an optax
-``GradientTransformation`` is:
+A `Reduction` is a pair of pure functions, as an optax
+`GradientTransformation` is:
 
-* ``init(params, layout) -> state``: one replica's state (``None`` for none);
-* ``reduce(sums, state, axis_name) -> (summed, state)``: per replica, inside
-  the step's ``shard_map``, this replica's weighted gradient sums (a pytree
+* `init(params, layout) -> state`: one replica's state (`None` for none);
+* `reduce(sums, state, axis_name) -> (summed, state)`: per replica, inside
+  the step's `shard_map`, this replica's weighted gradient sums (a pytree
   like the params, float32 at least) in, their sum over the data axes
-  ``axis_name`` out (or an approximation of it: a compressed reduction).
+  `axis_name` out (or an approximation of it: a compressed reduction).
 
-jaxdp does the rest around ``reduce``, whatever it is: the exact sums of the
+jaxdp does the rest around `reduce`, whatever it is: the exact sums of the
 loss, weights and metrics, the model state, and the normalisation chosen by
-the mode (``mean``: ``Σ ∇(w·l) / Σ w`` over every device, the exact gradient
-of the global batch; ``rank_mean``: DDP's mean of local means; ``sum``;
-``none``: no communication). Pieces compose with :func:`chain`: at most one
-mode (default :func:`mean`), :func:`bucketed` for jaxdp's own all-reduce, and
-at most one reduction that replaces that all-reduce (:func:`powersgd`, or a
+the mode (`mean`: `Σ ∇(w·l) / Σ w` over every device, the exact gradient
+of the global batch; `rank_mean`: DDP's mean of local means; `sum`;
+`none`: no communication). Pieces compose with `chain`: at most one
+mode (default `mean`), `bucketed` for jaxdp's own all-reduce, and
+at most one reduction that replaces that all-reduce (`powersgd`, or a
 user's own). A stateful reduction's state is per replica: jaxdp keeps one
-copy per replica in ``TrainState.compression`` (its leaves stacked on a
-leading axis split over the data axes) and hands ``reduce`` this replica's.
+copy per replica in `TrainState.compression` (its leaves stacked on a
+leading axis split over the data axes) and hands `reduce` this replica's.
 
-Example (a user's reduction: the sums cast to bfloat16 for the all-reduce)::
+Example (a user's reduction: the sums cast to bfloat16 for the all-reduce):
 
-  def bf16_sum():
-    def reduce(sums, state, axis_name):
-      cast = jax.tree.map(lambda g: g.astype(jnp.bfloat16), sums)
-      summed = jax.lax.psum(cast, axis_name)
-      return jax.tree.map(lambda s, g: s.astype(g.dtype), summed, sums), state
-    return jaxdp.reductions.Reduction(lambda params, layout: None, reduce)
+```python
+def bf16_sum():
+  def reduce(sums, state, axis_name):
+    cast = jax.tree.map(lambda g: g.astype(jnp.bfloat16), sums)
+    summed = jax.lax.psum(cast, axis_name)
+    return jax.tree.map(lambda s, g: s.astype(g.dtype), summed, sums), state
+  return jaxdp.reductions.Reduction(lambda params, layout: None, reduce)
 
-  step = jaxdp.make_train_step(loss_fn, opt, dp, reduction=bf16_sum())
+step = jaxdp.make_train_step(loss_fn, opt, dp, reduction=bf16_sum())
+```
 
-``examples/int8_reduction.py`` is a complete one with per-block scales and
+`examples/int8_reduction.py` is a complete one with per-block scales and
 error feedback.
 """
 
@@ -53,26 +55,26 @@ from jaxdp.reductions.compression import (
 from jaxdp.reductions.compression import powersgd as powersgd_settings
 
 MODES = ("mean", "rank_mean", "sum", "none")
-"""The normalisations a reduction can end in (:func:`mean`, :func:`rank_mean`, :func:`sum`, :func:`none`)."""
+"""The normalisations a reduction can end in (`mean`, `rank_mean`, `sum`, `none`)."""
 
 
 class Reduction(NamedTuple):
-  """A gradient reduction: ``init(params, layout) -> state``, ``reduce(sums, state, axis_name) -> (summed, state)``.
+  """A gradient reduction: `init(params, layout) -> state`, `reduce(sums, state, axis_name) -> (summed, state)`.
 
-  Build a user reduction as ``Reduction(init, reduce)``; jaxdp's own pieces
-  (:func:`mean`, :func:`bucketed`, :func:`powersgd`, ...) and :func:`chain`
-  also set ``options``, which tell the compiled step which fused path to
-  run (it computes exactly what ``reduce`` says).
+  Build a user reduction as `Reduction(init, reduce)`; jaxdp's own pieces
+  (`mean`, `bucketed`, `powersgd`, ...) and `chain`
+  also set `options`, which tell the compiled step which fused path to
+  run (it computes exactly what `reduce` says).
 
   Attributes:
-    init: ``init(params, layout)``: one replica's initial state (a pytree,
-      or ``None``); ``layout`` is the step's :class:`jaxdp.DataParallel`.
-    reduce: ``reduce(sums, state, axis_name)``: per replica, this replica's
-      gradient sums and state in, the sums over ``axis_name`` (all-reduced,
+    init: `init(params, layout)`: one replica's initial state (a pytree,
+      or `None`); `layout` is the step's `jaxdp.DataParallel`.
+    reduce: `reduce(sums, state, axis_name)`: per replica, this replica's
+      gradient sums and state in, the sums over `axis_name` (all-reduced,
       or approximated) and the new state out.
-    options: ``None`` for a user's reduction; for jaxdp's pieces a tuple of
-      ``(name, value)`` pairs (``mode``, ``bucket_bytes``, ``compression``, and
-      in a chain ``user``: the user's piece).
+    options: `None` for a user's reduction; for jaxdp's pieces a tuple of
+      `(name, value)` pairs (`mode`, `bucket_bytes`, `compression`, and
+      in a chain `user`: the user's piece).
   """
 
   init: Callable[[Any, Any], Any]
@@ -81,13 +83,13 @@ class Reduction(NamedTuple):
 
 
 class Resolved(NamedTuple):
-  """A reduction as the step runs it (what :func:`resolve` reads from a chain).
+  """A reduction as the step runs it (what `resolve` reads from a chain).
 
   Attributes:
-    mode: one of :data:`MODES`.
-    bucket_bytes: jaxdp's all-reduce in buckets of about this many bytes, or ``None`` (one).
-    compression: :class:`jaxdp.reductions.compression.PowerSGD` settings, or ``None``.
-    user: the user's :class:`Reduction` that replaces jaxdp's all-reduce, or ``None``.
+    mode: one of `MODES`.
+    bucket_bytes: jaxdp's all-reduce in buckets of about this many bytes, or `None` (one).
+    compression: `jaxdp.reductions.compression.PowerSGD` settings, or `None`.
+    user: the user's `Reduction` that replaces jaxdp's all-reduce, or `None`.
   """
 
   mode: str = "mean"
@@ -119,9 +121,9 @@ def _mode(name: str) -> Reduction:
 
 
 def mean() -> Reduction:
-  """The exact reduction (the default): the gradient of the global weighted mean ``Σ w·l / Σ w``, whatever the
+  """The exact reduction (the default): the gradient of the global weighted mean `Σ w·l / Σ w`, whatever the
   split of examples or tokens over the devices. The gradient sums are all-reduced once and divided by the
-  all-reduced ``Σ w``."""
+  all-reduced `Σ w`."""
   return _mode("mean")
 
 
@@ -143,23 +145,23 @@ def none() -> Reduction:
 
 
 def bucketed(bucket_bytes: int) -> Reduction:
-  """jaxdp's all-reduce of the gradient in buckets of about ``bucket_bytes`` bytes, in reverse layer order, one
-  all-reduce each (DDP's ``bucket_cap_mb``); ``0``: one per leaf. The same sums, bitwise on CPU. At ZeRO stages
+  """jaxdp's all-reduce of the gradient in buckets of about `bucket_bytes` bytes, in reverse layer order, one
+  all-reduce each (DDP's `bucket_cap_mb`); `0`: one per leaf. The same sums, bitwise on CPU. At ZeRO stages
   1-3 the parameters' all-gathers and the gradient's reduce-scatter are cut the same way."""
   bucket_bytes = check_int(bucket_bytes, "bucket_bytes", 0, "the bucket size in bytes (0: one per leaf).")
   return Reduction(_no_state, _psum, (("bucket_bytes", bucket_bytes),))
 
 
 def powersgd(rank: int = 2, *, start_iter: int = 10, min_compression_rate: float = 2.0, seed: int = 0) -> Reduction:
-  """PowerSGD (Vogels et al., 2019): each large matrix leaf's sum as a rank-``rank`` approximation with error
-  feedback and a warm-started ``Q``; the other leaves exactly. The first ``start_iter`` steps are exact. See
-  :mod:`jaxdp.reductions.compression` for the arguments; its state is :class:`jaxdp.reductions.compression.PowerSGDState`."""
+  """PowerSGD (Vogels et al., 2019): each large matrix leaf's sum as a rank-`rank` approximation with error
+  feedback and a warm-started `Q`; the other leaves exactly. The first `start_iter` steps are exact. See
+  `jaxdp.reductions.compression` for the arguments; its state is `jaxdp.reductions.compression.PowerSGDState`."""
   settings = powersgd_settings(rank, start_iter=start_iter, min_compression_rate=min_compression_rate, seed=seed)
   return from_powersgd(settings)
 
 
 def from_powersgd(settings: PowerSGD) -> Reduction:
-  """The :class:`Reduction` of checked PowerSGD ``settings`` (:func:`jaxdp.reductions.compression.powersgd`)."""
+  """The `Reduction` of checked PowerSGD `settings` (`jaxdp.reductions.compression.powersgd`)."""
   check_compression(settings)
 
   def reduce(sums, state, axis_name):
@@ -227,9 +229,9 @@ def _what(name: str) -> str:
 
 
 def chain(*reductions: Reduction) -> Reduction:
-  """One reduction from pieces, in any order: at most one mode (default :func:`mean`), at most one
-  :func:`bucketed`, at most one reduction that replaces the all-reduce (:func:`powersgd` or a user's
-  :class:`Reduction`). Checked here, once; ``ValueError`` for pieces that do not compose."""
+  """One reduction from pieces, in any order: at most one mode (default `mean`), at most one
+  `bucketed`, at most one reduction that replaces the all-reduce (`powersgd` or a user's
+  `Reduction`). Checked here, once; `ValueError` for pieces that do not compose."""
   pieces = [p for r in reductions for p in _pieces(r)]
   resolved = _fold(pieces)
 
@@ -247,8 +249,8 @@ def chain(*reductions: Reduction) -> Reduction:
 
 
 def resolve(reduction: Any) -> Resolved:
-  """The :class:`Resolved` settings of ``reduction`` (``None``: :func:`mean`); ``TypeError``/``ValueError`` as
-  :func:`chain` raises them."""
+  """The `Resolved` settings of `reduction` (`None`: `mean`); `TypeError`/`ValueError` as
+  `chain` raises them."""
   if reduction is None:
     return Resolved()
   if isinstance(reduction, Resolved):
@@ -268,15 +270,15 @@ def _init(resolved: Resolved, params: Any, layout: Any) -> Any:
 
 
 def init_state(reduction: Any, params: Any, layout: Any) -> Any:
-  """The state of ``reduction`` for ``params`` on ``layout`` (a :class:`jaxdp.DataParallel`), as
-  ``TrainState.compression`` holds it: PowerSGD's :class:`~jaxdp.reductions.compression.PowerSGDState`, a user
-  reduction's state stacked per replica, or ``None``."""
+  """The state of `reduction` for `params` on `layout` (a `jaxdp.DataParallel`), as
+  `TrainState.compression` holds it: PowerSGD's `PowerSGDState`, a user
+  reduction's state stacked per replica, or `None`."""
   return _init(resolve(reduction), params, layout)
 
 
 def check_state(state: Any, params: Any, reduction: Any, layout: Any, name: str = "state.compression") -> None:
-  """Raises ``ValueError`` unless ``state`` is what :func:`init_state` makes for ``params``, ``reduction`` and
-  ``layout`` (shapes and structure only; nothing is read)."""
+  """Raises `ValueError` unless `state` is what `init_state` makes for `params`, `reduction` and
+  `layout` (shapes and structure only; nothing is read)."""
   resolved = resolve(reduction)
   if resolved.user is None:
     check_compression_state(state, params, resolved.compression, layout.replicas, name)

@@ -1,27 +1,27 @@
 """PowerSGD: a low-rank gradient reduction with error feedback (Vogels et al., 2019), as an explicit opt-in.
 
 The exact step all-reduces every gradient leaf whole. With
-``make_train_step(..., compression=jaxdp.powersgd(rank=2))`` each large
-leaf, viewed as the matrix ``[m, n]`` with ``m = prod(shape[:-1])`` and
-``n = shape[-1]`` (flax's layout puts the output features last; see
-:func:`matrix_shape`), instead sends two small sums,
-``P = Σ_i M_i Q`` (``[m, r]``) and ``Q' = Σ_i M_iᵀ P̂`` (``[n, r]``), where
-``M_i`` is replica ``i``'s local weighted gradient sum ``Σ w·∇l`` plus its
-error feedback ``e_i`` and ``P̂`` is ``P`` orthonormalised (QR, float32).
-Every replica applies the rank-``r`` sum ``A = P̂ Q'ᵀ``, divided by the exact
-``Σ w`` as the exact step divides; each keeps what was not sent,
-``e_i ← M_i − A/N``, and ``Q ← Q'`` is the next step's warm start. Leaves
-with ``m·n ≤ (m+n)·r·min_compression_rate``, vectors, scalars and leaves
+`make_train_step(..., compression=jaxdp.powersgd(rank=2))` each large
+leaf, viewed as the matrix `[m, n]` with `m = prod(shape[:-1])` and
+`n = shape[-1]` (flax's layout puts the output features last; see
+`matrix_shape`), instead sends two small sums,
+`P = Σ_i M_i Q` (`[m, r]`) and `Q' = Σ_i M_iᵀ P̂` (`[n, r]`), where
+`M_i` is replica `i`'s local weighted gradient sum `Σ w·∇l` plus its
+error feedback `e_i` and `P̂` is `P` orthonormalised (QR, float32).
+Every replica applies the rank-`r` sum `A = P̂ Q'ᵀ`, divided by the exact
+`Σ w` as the exact step divides; each keeps what was not sent,
+`e_i ← M_i − A/N`, and `Q ← Q'` is the next step's warm start. Leaves
+with `m·n ≤ (m+n)·r·min_compression_rate`, vectors, scalars and leaves
 that are not real floating point are all-reduced exactly, in the step's
-usual all-reduce; so is every leaf during the first ``start_iter`` steps
-(torch's ``powerSGD_hook`` does the same).
+usual all-reduce; so is every leaf during the first `start_iter` steps
+(torch's `powerSGD_hook` does the same).
 
-The state (:class:`PowerSGDState`) lives in ``TrainState.compression``:
-``q`` is replicated; ``error`` holds one ``[N, *shape]`` array per compressed
+The state (`PowerSGDState`) lives in `TrainState.compression`:
+`q` is replicated; `error` holds one `[N, *shape]` array per compressed
 leaf, split over the data axes so that each device holds its own replica's
-``[1, *shape]`` (that split is the same at every ZeRO stage). At stages 2-3
+`[1, *shape]` (that split is the same at every ZeRO stage). At stages 2-3
 the step all-reduces the factors as at stage 0 and each device keeps its
-slice of the decompressed sum (:func:`jaxdp.training.reduction.own_slices`).
+slice of the decompressed sum (`jaxdp.training.reduction.own_slices`).
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ MAX_START_ITER = int(np.iinfo(np.int32).max)  # PowerSGDState.iteration is an in
 
 
 class PowerSGD(NamedTuple):
-  """The settings of a PowerSGD reduction; build it with :func:`powersgd`, which checks them.
+  """The settings of a PowerSGD reduction; build it with `powersgd`, which checks them.
 
   Attributes:
-    rank: the rank ``r`` of each compressed leaf's approximation (clipped to ``min(m, n)`` per leaf).
+    rank: the rank `r` of each compressed leaf's approximation (clipped to `min(m, n)` per leaf).
     start_iter: the number of steps (applied updates of the compression state) reduced exactly first.
-    min_compression_rate: a leaf is compressed only if ``m·n > (m+n)·r·min_compression_rate``.
-    seed: the seed of the initial ``Q`` (standard normal, the same on every replica).
+    min_compression_rate: a leaf is compressed only if `m·n > (m+n)·r·min_compression_rate`.
+    seed: the seed of the initial `Q` (standard normal, the same on every replica).
   """
 
   rank: int = 2
@@ -58,16 +58,16 @@ class PowerSGD(NamedTuple):
 
 
 class PowerSGDState(NamedTuple):
-  """What PowerSGD carries from step to step, in ``TrainState.compression``.
+  """What PowerSGD carries from step to step, in `TrainState.compression`.
 
-  ``q`` and ``error`` have the params' structure with ``None`` at every leaf
+  `q` and `error` have the params' structure with `None` at every leaf
   that is reduced exactly.
 
   Attributes:
-    q: per compressed leaf, the warm-started ``Q`` ``[n, r]``, the same on every replica.
-    error: per compressed leaf, the error feedback ``[N, *shape]`` of the ``N`` data-parallel replicas,
-      split over the data axes (each device holds its own ``[1, *shape]``).
-    iteration: int32 scalar, the steps applied since the state was made; exact while below ``start_iter``.
+    q: per compressed leaf, the warm-started `Q` `[n, r]`, the same on every replica.
+    error: per compressed leaf, the error feedback `[N, *shape]` of the `N` data-parallel replicas,
+      split over the data axes (each device holds its own `[1, *shape]`).
+    iteration: int32 scalar, the steps applied since the state was made; exact while below `start_iter`.
   """
 
   q: Any
@@ -76,14 +76,14 @@ class PowerSGDState(NamedTuple):
 
 
 def powersgd(rank: int = 2, *, start_iter: int = 10, min_compression_rate: float = 2.0, seed: int = 0) -> PowerSGD:
-  """PowerSGD settings for :func:`jaxdp.make_train_step`'s ``compression=`` (and :func:`jaxdp.init_state`'s).
+  """PowerSGD settings for `jaxdp.make_train_step`'s `compression=` (and `jaxdp.init_state`'s).
 
   Args:
-    rank: an integer ``>= 1``; 1-4 is the usual range (``min(m, n)`` reproduces the exact sum).
-    start_iter: an integer from 0 to ``2**31 - 1`` (the state's counter is
-      an int32): the first ``start_iter`` steps are exact.
-    min_compression_rate: a number ``>= 0``; 0 compresses every matrix leaf.
-    seed: an integer in ``[0, 2**32)``, the seed of the initial ``Q``.
+    rank: an integer `>= 1`; 1-4 is the usual range (`min(m, n)` reproduces the exact sum).
+    start_iter: an integer from 0 to `2**31 - 1` (the state's counter is
+      an int32): the first `start_iter` steps are exact.
+    min_compression_rate: a number `>= 0`; 0 compresses every matrix leaf.
+    seed: an integer in `[0, 2**32)`, the seed of the initial `Q`.
 
   Raises:
     ValueError: a setting out of its range.
@@ -107,8 +107,8 @@ def powersgd(rank: int = 2, *, start_iter: int = 10, min_compression_rate: float
 
 
 def check_compression(compression: Any) -> None:
-  """Raises ``TypeError`` unless ``compression`` is ``None`` or a :class:`PowerSGD` (from :func:`powersgd`);
-  ``ValueError`` for one built by hand with a setting :func:`powersgd` refuses."""
+  """Raises `TypeError` unless `compression` is `None` or a `PowerSGD` (from `powersgd`);
+  `ValueError` for one built by hand with a setting `powersgd` refuses."""
   if compression is not None and not isinstance(compression, PowerSGD):
     raise TypeError(
         f"compression must be None (the exact reduction) or jaxdp.powersgd(...), got {type(compression).__name__}."
@@ -119,13 +119,13 @@ def check_compression(compression: Any) -> None:
 
 
 def matrix_shape(shape: tuple) -> tuple[int, int]:
-  """The ``(m, n)`` matrix PowerSGD views a leaf of ``shape`` (2 dims or more) as: its most-square contiguous split.
+  """The `(m, n)` matrix PowerSGD views a leaf of `shape` (2 dims or more) as: its most-square contiguous split.
 
-  Among the splits of the dims into a leading and a trailing group, ``m = prod(shape[:k])``, ``n = prod(shape[k:])``
-  for ``k = 1 .. ndim - 1``, it is the one with the smallest ``max(m, n) / min(m, n)`` (ties: the larger ``k``, output
-  dims last) — the split whose rank-``r`` factors ``r·(m + n)`` are fewest, so the best compression the shape allows.
-  A 2-D leaf is itself. A flax convolution kernel ``[3, 3, 16, 32]`` is ``144 × 32`` (inputs × outputs),
-  ``[3, 3, 1, 16]`` is ``9 × 16``, an ``nnx.LinearGeneral`` kernel ``[64, 3, 4, 16]`` is ``64 × 192``.
+  Among the splits of the dims into a leading and a trailing group, `m = prod(shape[:k])`, `n = prod(shape[k:])`
+  for `k = 1 .. ndim - 1`, it is the one with the smallest `max(m, n) / min(m, n)` (ties: the larger `k`, output
+  dims last) — the split whose rank-`r` factors `r·(m + n)` are fewest, so the best compression the shape allows.
+  A 2-D leaf is itself. A flax convolution kernel `[3, 3, 16, 32]` is `144 × 32` (inputs × outputs),
+  `[3, 3, 1, 16]` is `9 × 16`, an `nnx.LinearGeneral` kernel `[64, 3, 4, 16]` is `64 × 192`.
   """
   best = None
   for k in range(1, len(shape)):
@@ -138,7 +138,7 @@ def matrix_shape(shape: tuple) -> tuple[int, int]:
 
 
 def leaf_rank(shape: tuple, compression: PowerSGD, dtype: Any = jnp.float32) -> int | None:
-  """The rank a leaf of ``shape`` and ``dtype`` is compressed at, or ``None`` where it is reduced exactly."""
+  """The rank a leaf of `shape` and `dtype` is compressed at, or `None` where it is reduced exactly."""
   if len(shape) < 2 or not jnp.issubdtype(dtype, jnp.floating):
     return None
   m, n = matrix_shape(shape)
@@ -153,10 +153,10 @@ def _names(axis_name: Any) -> tuple[str, ...]:
 
 
 def init_compression(params: Any, compression: PowerSGD | None, replicas: int) -> PowerSGDState | None:
-  """The initial :class:`PowerSGDState` of ``params`` for ``replicas`` data-parallel replicas (host arrays, unplaced).
+  """The initial `PowerSGDState` of `params` for `replicas` data-parallel replicas (host arrays, unplaced).
 
-  ``Q`` of leaf ``k`` (in flattening order) is standard normal from ``fold_in(key(seed), k)``; errors are zero.
-  ``compression=None`` gives ``None``. :func:`jaxdp.init_state` calls it and places the result.
+  `Q` of leaf `k` (in flattening order) is standard normal from `fold_in(key(seed), k)`; errors are zero.
+  `compression=None` gives `None`. `jaxdp.init_state` calls it and places the result.
   """
   check_compression(compression)
   if compression is None:
@@ -179,7 +179,7 @@ def init_compression(params: Any, compression: PowerSGD | None, replicas: int) -
 
 
 def compression_specs(state: Any, axis_name: Any) -> Any:
-  """The ``PartitionSpec``s of a :class:`PowerSGDState` (or ``None``): ``q`` and ``iteration`` replicated,
+  """The `PartitionSpec`s of a `PowerSGDState` (or `None`): `q` and `iteration` replicated,
   each error split over the data axes along its leading replica dimension."""
   if state is None:
     return None
@@ -192,7 +192,7 @@ def compression_specs(state: Any, axis_name: Any) -> Any:
 
 def check_compression_state(state: Any, params: Any, compression: PowerSGD | None, replicas: int,
                             name: str = "state.compression") -> None:
-  """Raises ``ValueError`` unless ``state`` is what :func:`init_compression` makes for these params, settings and
+  """Raises `ValueError` unless `state` is what `init_compression` makes for these params, settings and
   number of replicas (shapes and structure only; nothing is read)."""
   if compression is None:
     if state is not None:
@@ -235,12 +235,12 @@ def _orthonormal(p: jax.Array) -> jax.Array:
 
 def powersgd_sum(grads: list, state: PowerSGDState, compression: PowerSGD, axis_name: Any,
                  qs: list, errors: list) -> tuple[list, list, list]:
-  """``(sums, new_qs, new_errors)`` of the compressed leaves (per replica, inside ``shard_map`` over ``axis_name``).
+  """`(sums, new_qs, new_errors)` of the compressed leaves (per replica, inside `shard_map` over `axis_name`).
 
-  ``grads``: this replica's local sums of the compressed leaves; ``qs``, ``errors``: their ``Q`` and this
-  device's ``[1, *shape]`` error block. Two all-reduces in all (every leaf's ``P`` in one, every ``Q'`` in
-  the other); from ``state.iteration >= start_iter`` on, else one exact all-reduce of the leaves (the
-  program holds both branches of a ``lax.cond``; with ``start_iter=0`` there is no cond).
+  `grads`: this replica's local sums of the compressed leaves; `qs`, `errors`: their `Q` and this
+  device's `[1, *shape]` error block. Two all-reduces in all (every leaf's `P` in one, every `Q'` in
+  the other); from `state.iteration >= start_iter` on, else one exact all-reduce of the leaves (the
+  program holds both branches of a `lax.cond`; with `start_iter=0` there is no cond).
   """
   names = _names(axis_name)
   axes = names[0] if len(names) == 1 else names
@@ -268,7 +268,7 @@ def powersgd_sum(grads: list, state: PowerSGDState, compression: PowerSGD, axis_
 
 
 def compressed_sums(grads: Any, compression: PowerSGD, axis_name: Any, state: Any, scatter: Any = False) -> tuple[Any, tuple]:
-  """``(grads with None at the compressed leaves, (treedef, sums, new state))``: PowerSGD's sums of those leaves."""
+  """`(grads with None at the compressed leaves, (treedef, sums, new state))`: PowerSGD's sums of those leaves."""
   if not isinstance(state, PowerSGDState):
     raise ValueError(
         f"compression={compression} needs the PowerSGD state: pass compression_state= (the state's "
@@ -294,14 +294,14 @@ def compressed_sums(grads: Any, compression: PowerSGD, axis_name: Any, state: An
 
 
 def with_compressed(grads: Any, compressed: tuple) -> tuple[Any, PowerSGDState]:
-  """The exactly reduced ``grads`` (None at the compressed leaves) completed with PowerSGD's sums."""
+  """The exactly reduced `grads` (None at the compressed leaves) completed with PowerSGD's sums."""
   treedef, sums, new_state = compressed
   leaves = treedef.flatten_up_to(grads)
   return treedef.unflatten([sums.get(i, x) for i, x in enumerate(leaves)]), new_state
 
 
 def powersgd_reduce(sums: Any, state: PowerSGDState, compression: PowerSGD, axis_name: Any) -> tuple[Any, PowerSGDState]:
-  """PowerSGD's reduction on its own (:func:`jaxdp.reductions.powersgd`'s ``reduce``): the compressed leaves'
-  low-rank sums, the others' exact ``psum``; ``state`` is this replica's (each error a ``[1, *shape]`` block)."""
+  """PowerSGD's reduction on its own (`jaxdp.reductions.powersgd`'s `reduce`): the compressed leaves'
+  low-rank sums, the others' exact `psum`; `state` is this replica's (each error a `[1, *shape]` block)."""
   rest, compressed = compressed_sums(sums, compression, axis_name, state)
   return with_compressed(lax.psum(rest, axis_name), compressed)

@@ -2,44 +2,46 @@
 
 Error feedback on compressed *gradients* breaks under Adam, whose variance
 term is not linear in the gradient. 1-bit Adam runs Adam exactly for
-``warmup_steps`` steps, then freezes the variance ``v`` and communicates the
+`warmup_steps` steps, then freezes the variance `v` and communicates the
 *momentum* instead, compressed to one bit per value (its sign) plus one
 float32 scale per chunk, with error feedback on both sides:
 
-1. worker ``i`` (one data-parallel replica) forms its momentum
-   ``m_i = b1·M + (1 − b1)·N·s_i`` from the last synced momentum ``M`` and
-   its local weighted gradient sum ``s_i``, adds its error ``e_i``, and
-   splits the result into ``N`` chunks; each chunk is sent as its signs (8
-   to a byte) and its scale ``‖chunk‖₂ / √len`` (an all-to-all: chunk ``j``
-   goes to replica ``j``); ``e_i`` keeps what the 1-bit chunks missed;
-2. replica ``j`` averages the ``N`` 1-bit chunks it received, adds its
+1. worker `i` (one data-parallel replica) forms its momentum
+   `m_i = b1·M + (1 − b1)·N·s_i` from the last synced momentum `M` and
+   its local weighted gradient sum `s_i`, adds its error `e_i`, and
+   splits the result into `N` chunks; each chunk is sent as its signs (8
+   to a byte) and its scale `‖chunk‖₂ / √len` (an all-to-all: chunk `j`
+   goes to replica `j`); `e_i` keeps what the 1-bit chunks missed;
+2. replica `j` averages the `N` 1-bit chunks it received, adds its
    server error, compresses that the same way and sends it to every replica
-   (a ``psum`` of the ``N`` chunks, each replica contributing its own: an
-   all-gather would leave the result typed as varying inside ``shard_map``);
-3. every replica rebuilds the same momentum ``M̃``; it is both the new
-   ``M`` and what the step's optimizer receives (divided by the step's
-   ``Σw`` as every jaxdp reduction's sum is).
+   (a `psum` of the `N` chunks, each replica contributing its own: an
+   all-gather would leave the result typed as varying inside `shard_map`);
+3. every replica rebuilds the same momentum `M̃`; it is both the new
+   `M` and what the step's optimizer receives (divided by the step's
+   `Σw` as every jaxdp reduction's sum is).
 
 The momentum lives in units of the weighted gradient *sums*, so with the
-same ``Σw`` every step (full batches) ``M̃ / Σw`` is 1-bit Adam's momentum of
-the mean gradient. A step with another ``Σw`` (a padded last batch) divides
-the whole momentum by its own ``Σw``: the reference in
-``tests/test_onebit_adam.py`` implements exactly this.
+same `Σw` every step (full batches) `M̃ / Σw` is 1-bit Adam's momentum of
+the mean gradient. A step with another `Σw` (a padded last batch) divides
+the whole momentum by its own `Σw`: the reference in
+`tests/test_onebit_adam.py` implements exactly this.
 
-Use the pair that :func:`onebit_adam` returns, one value for the reduction
-and one for the optimizer::
+Use the pair that `onebit_adam` returns, one value for the reduction
+and one for the optimizer:
 
-  method = jaxdp.reductions.onebit_adam(1e-3, warmup_steps=100, weight_decay=0.01)
-  step = jaxdp.make_train_step(loss_fn, method.optimizer, dp, reduction=method.reduction)
-  state = jaxdp.init_state(params, method.optimizer, dp, reduction=method.reduction)
+```python
+method = jaxdp.reductions.onebit_adam(1e-3, warmup_steps=100, weight_decay=0.01)
+step = jaxdp.make_train_step(loss_fn, method.optimizer, dp, reduction=method.reduction)
+state = jaxdp.init_state(params, method.optimizer, dp, reduction=method.reduction)
+```
 
-The reduction's state (:class:`OneBitAdamState`: the momentum, the worker
+The reduction's state (`OneBitAdamState`: the momentum, the worker
 and server errors, a step counter) is per replica, in
-``TrainState.compression``; the optimizer's (:class:`ScaleByOneBitAdamState`:
-Adam's ``mu`` and ``nu``, its counter) is in ``TrainState.opt_state``. Both
-are NamedTuples of arrays that ``jaxdp.CheckpointManager`` saves and restores
+`TrainState.compression`; the optimizer's (`ScaleByOneBitAdamState`:
+Adam's `mu` and `nu`, its counter) is in `TrainState.opt_state`. Both
+are NamedTuples of arrays that `jaxdp.CheckpointManager` saves and restores
 with the rest of the state. Both count steps: a step that skips the
-optimizer's update (``optax.apply_if_finite``, dynamic loss scaling) while
+optimizer's update (`optax.apply_if_finite`, dynamic loss scaling) while
 the reduction runs would put them out of step, so do not combine those.
 """
 
@@ -62,12 +64,12 @@ BITS = 8
 
 
 class OneBitAdam(NamedTuple):
-  """The settings of 1-bit Adam; build them with :func:`onebit_adam`, which checks them.
+  """The settings of 1-bit Adam; build them with `onebit_adam`, which checks them.
 
   Attributes:
     learning_rate: a float or an optax schedule.
     b1, b2, eps: Adam's.
-    weight_decay: AdamW's decoupled weight decay (``optax.add_decayed_weights``), 0 for none.
+    weight_decay: AdamW's decoupled weight decay (`optax.add_decayed_weights`), 0 for none.
     warmup_steps: exact Adam steps before the variance freezes and the momentum is compressed.
   """
 
@@ -80,14 +82,14 @@ class OneBitAdam(NamedTuple):
 
 
 class OneBitAdamState(NamedTuple):
-  """One replica's reduction state (``TrainState.compression`` stacks one per replica).
+  """One replica's reduction state (`TrainState.compression` stacks one per replica).
 
   Attributes:
-    momentum: ``[n]`` float32, the synced momentum of every floating leaf, flattened and concatenated in the
-      params' flattening order, zero-padded to ``n``, a multiple of ``8·N`` (units of the gradient sums).
-    worker_error: ``[n]`` float32, what this replica's 1-bit chunks missed.
-    server_error: ``[n / N]`` float32, what this replica's 1-bit server chunk missed.
-    count: int32 scalar, the steps reduced so far (exact while below ``warmup_steps``).
+    momentum: `[n]` float32, the synced momentum of every floating leaf, flattened and concatenated in the
+      params' flattening order, zero-padded to `n`, a multiple of `8·N` (units of the gradient sums).
+    worker_error: `[n]` float32, what this replica's 1-bit chunks missed.
+    server_error: `[n / N]` float32, what this replica's 1-bit server chunk missed.
+    count: int32 scalar, the steps reduced so far (exact while below `warmup_steps`).
   """
 
   momentum: Any
@@ -97,12 +99,12 @@ class OneBitAdamState(NamedTuple):
 
 
 class ScaleByOneBitAdamState(NamedTuple):
-  """The optimizer's state (in ``TrainState.opt_state``): Adam's, with ``nu`` frozen after the warm-up.
+  """The optimizer's state (in `TrainState.opt_state`): Adam's, with `nu` frozen after the warm-up.
 
   Attributes:
     count: int32 scalar, updates so far.
     mu: Adam's first moment (the momentum the reduction sent, after the warm-up), like the params.
-    nu: Adam's second moment, frozen at step ``warmup_steps``, like the params.
+    nu: Adam's second moment, frozen at step `warmup_steps`, like the params.
   """
 
   count: Any
@@ -111,7 +113,7 @@ class ScaleByOneBitAdamState(NamedTuple):
 
 
 class OneBitAdamMethod(NamedTuple):
-  """What :func:`onebit_adam` returns: give ``reduction`` and ``optimizer`` to the same step and state."""
+  """What `onebit_adam` returns: give `reduction` and `optimizer` to the same step and state."""
 
   reduction: Any
   optimizer: optax.GradientTransformation
@@ -128,7 +130,7 @@ def _number(value: Any, name: str, low: float, high: float | None, low_open: boo
 
 
 def check_settings(settings: OneBitAdam, *, min_warmup: int = 1) -> OneBitAdam:
-  """``settings`` with every value checked (``TypeError``/``ValueError`` naming the setting and the fix)."""
+  """`settings` with every value checked (`TypeError`/`ValueError` naming the setting and the fix)."""
   if not isinstance(settings, OneBitAdam):
     raise TypeError(f"settings must be jaxdp.reductions.onebit.OneBitAdam (from onebit_adam(...)), got "
                     f"{type(settings).__name__}.")
@@ -149,17 +151,17 @@ def check_settings(settings: OneBitAdam, *, min_warmup: int = 1) -> OneBitAdam:
 
 def onebit_adam(learning_rate: Any, *, warmup_steps: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 weight_decay: float = 0.0) -> OneBitAdamMethod:
-  """1-bit Adam for :func:`jaxdp.make_train_step`: its ``reduction=`` and its optimizer, checked once.
+  """1-bit Adam for `jaxdp.make_train_step`: its `reduction=` and its optimizer, checked once.
 
   Args:
     learning_rate: a float > 0 or an optax schedule.
     warmup_steps: an integer >= 1: exact Adam steps before the variance freezes (the paper: 15-25% of training).
     b1: in [0, 1). b2: in [0, 1). eps: > 0.
-    weight_decay: >= 0, decoupled as in ``optax.adamw`` (0: Adam).
+    weight_decay: >= 0, decoupled as in `optax.adamw` (0: Adam).
 
   Returns:
-    :class:`OneBitAdamMethod`: ``reduction`` (a :class:`jaxdp.reductions.Reduction`) and ``optimizer`` (an
-    ``optax.GradientTransformation``: during the warm-up it is ``optax.adamw`` with these settings).
+    `OneBitAdamMethod`: `reduction` (a `jaxdp.reductions.Reduction`) and `optimizer` (an
+    `optax.GradientTransformation`: during the warm-up it is `optax.adamw` with these settings).
 
   Raises:
     ValueError, TypeError: a setting out of its range, naming it.
@@ -169,7 +171,7 @@ def onebit_adam(learning_rate: Any, *, warmup_steps: int, b1: float = 0.9, b2: f
 
 
 def optimizer(settings: OneBitAdam) -> optax.GradientTransformation:
-  """The optimizer half: :func:`scale_by_onebit_adam`, decoupled weight decay, the learning rate."""
+  """The optimizer half: `scale_by_onebit_adam`, decoupled weight decay, the learning rate."""
   settings = check_settings(settings)
   parts = [scale_by_onebit_adam(settings.b1, settings.b2, settings.eps, settings.warmup_steps)]
   if settings.weight_decay:
@@ -179,8 +181,8 @@ def optimizer(settings: OneBitAdam) -> optax.GradientTransformation:
 
 
 def scale_by_onebit_adam(b1: float, b2: float, eps: float, warmup_steps: int) -> optax.GradientTransformation:
-  """Adam's scaling for ``warmup_steps`` updates (``optax.scale_by_adam``), then ``g / (1 − b1^t)`` over the
-  frozen, bias-corrected ``√v̂ + eps``, where ``g`` is the momentum the reduction sent (0 where the frozen
+  """Adam's scaling for `warmup_steps` updates (`optax.scale_by_adam`), then `g / (1 − b1^t)` over the
+  frozen, bias-corrected `√v̂ + eps`, where `g` is the momentum the reduction sent (0 where the frozen
   variance is 0: values that had no gradient in the whole warm-up)."""
   settings = check_settings(OneBitAdam(1.0, b1, b2, eps, 0.0, warmup_steps))
   b1, b2, eps, warmup = settings.b1, settings.b2, settings.eps, settings.warmup_steps
@@ -213,7 +215,7 @@ def _floating(leaves: list) -> list[int]:
 
 
 def padded_size(params: Any, replicas: int) -> int:
-  """``n``: the floating leaves' total size rounded up to a multiple of ``8·replicas``."""
+  """`n`: the floating leaves' total size rounded up to a multiple of `8·replicas`."""
   leaves = jax.tree.leaves(params)
   total = sum(math.prod(np.shape(leaves[i])) for i in _floating(leaves))
   block = BITS * replicas
@@ -221,7 +223,7 @@ def padded_size(params: Any, replicas: int) -> int:
 
 
 def init(params: Any, replicas: int) -> OneBitAdamState:
-  """One replica's initial :class:`OneBitAdamState` for ``params`` on ``replicas`` data-parallel replicas."""
+  """One replica's initial `OneBitAdamState` for `params` on `replicas` data-parallel replicas."""
   replicas = check_int(replicas, "replicas", 1, "the number of data-parallel replicas.")
   n = padded_size(params, replicas)
   zeros = lambda k: jnp.zeros((k,), jnp.float32)  # noqa: E731
@@ -229,34 +231,34 @@ def init(params: Any, replicas: int) -> OneBitAdamState:
 
 
 def pack(signs: jax.Array) -> jax.Array:
-  """``[..., 8k]`` bools as ``[..., k]`` uint8 (bit ``b`` of byte ``j``: value ``8j + b``)."""
+  """`[..., 8k]` bools as `[..., k]` uint8 (bit `b` of byte `j`: value `8j + b`)."""
   bits = signs.reshape(*signs.shape[:-1], -1, BITS).astype(jnp.uint8)
   shifts = jnp.arange(BITS, dtype=jnp.uint8).reshape((1,) * (bits.ndim - 1) + (BITS,))
   return jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint8)
 
 
 def unpack(packed: jax.Array) -> jax.Array:
-  """The inverse of :func:`pack`: ``[..., k]`` uint8 as ``[..., 8k]`` values in ``{−1, +1}`` (float32)."""
+  """The inverse of `pack`: `[..., k]` uint8 as `[..., 8k]` values in `{−1, +1}` (float32)."""
   shifts = jnp.arange(BITS, dtype=jnp.uint8).reshape((1,) * packed.ndim + (BITS,))
   bits = (packed[..., None] >> shifts) & 1
   return (2.0 * bits.astype(jnp.float32) - 1.0).reshape(*packed.shape[:-1], -1)
 
 
 def compress(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(signs packed [..., L/8], scale [...])`` of ``x`` ``[..., L]``: ``x ≈ scale · sign(x)``, sign(0) = +1,
-  ``scale = ‖x‖₂ / √L`` per row."""
+  """`(signs packed [..., L/8], scale [...])` of `x` `[..., L]`: `x ≈ scale · sign(x)`, sign(0) = +1,
+  `scale = ‖x‖₂ / √L` per row."""
   scale = jnp.sqrt(jnp.mean(jnp.square(x), axis=-1))
   return pack(x >= 0), scale
 
 
 def _varying(x: jax.Array, axes: tuple) -> jax.Array:
-  """``x`` typed as varying over ``axes`` (a per-replica state leaf), whatever it was."""
+  """`x` typed as varying over `axes` (a per-replica state leaf), whatever it was."""
   missing = tuple(a for a in axes if a not in varying_axes(x))
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def reduction(settings: OneBitAdam) -> Any:
-  """The reduction half (a :class:`jaxdp.reductions.Reduction`); ``warmup_steps`` may be 0 here (compressed from
+  """The reduction half (a `jaxdp.reductions.Reduction`); `warmup_steps` may be 0 here (compressed from
   the first step, e.g. to read the compressed program's bytes; the optimizer needs a warm-up)."""
   from jaxdp.reductions import Reduction
 

@@ -1,21 +1,21 @@
-"""The jitted data-parallel step: placement, ``jit`` and the mapping over the data axis.
+"""The jitted data-parallel step: placement, `jit` and the mapping over the data axis.
 
-:func:`make_train_step` composes the pure functions of :mod:`jaxdp.training.step`:
+`make_train_step` composes the pure functions of `jaxdp.training.step`:
 
-- ZeRO stage 0: the whole :func:`jaxdp.train_step` runs per replica inside
-  ``shard_map`` (or ``pmap``);
-- stages 1-3: :func:`jaxdp.gradient_step` runs per replica inside
-  ``shard_map`` (the stage-3 all-gather of the parameters, the forward and
+- ZeRO stage 0: the whole `jaxdp.train_step` runs per replica inside
+  `shard_map` (or `pmap`);
+- stages 1-3: `jaxdp.gradient_step` runs per replica inside
+  `shard_map` (the stage-3 all-gather of the parameters, the forward and
   backward pass, the all-reduce or reduce-scatter of the gradient), and
-  :func:`jaxdp.finish_step` runs on the global arrays: the optimizer sees
+  `jaxdp.finish_step` runs on the global arrays: the optimizer sees
   every leaf whole, with its real shape, and XLA partitions the update as
   the state is sharded. Every optax optimizer (clipping by the global norm,
   LAMB's trust ratio, Adafactor's factored moments, Muon's matrix
   iterations) then gives stage 0's numbers.
 
-Only the data axis is manual (``shard_map(..., axis_names={axis_name})``);
+Only the data axis is manual (`shard_map(..., axis_names={axis_name})`);
 any other mesh axis (tensor parallelism) is left to the compiler. A
-pipeline's stage axis is manual too (:mod:`jaxdp.sharding.pipelining`), and a
+pipeline's stage axis is manual too (`jaxdp.sharding.pipelining`), and a
 pipelined step takes the route of stages 1-3 at every stage.
 """
 
@@ -67,17 +67,17 @@ _COUNTS_READ_EVERY = 16  # the subnormal count of device weights is read at most
 
 
 class CompiledStep:
-  """A jitted data-parallel step: ``step(state, batch, weights=None, rng=None) -> (state, metrics)``.
+  """A jitted data-parallel step: `step(state, batch, weights=None, rng=None) -> (state, metrics)`.
 
-  Built by :func:`make_train_step`. Inputs are validated on the host (shapes
+  Built by `make_train_step`. Inputs are validated on the host (shapes
   and structure only, once per signature) before anything runs or is
-  donated, then placed on the mesh (:mod:`jaxdp.runtime.host_inputs`). A call with
+  donated, then placed on the mesh (`jaxdp.runtime.host_inputs`). A call with
   the state the previous call returned and inputs of a signature seen before
   does only what their values need, and dispatches one program. The step
   holds the leaves of the state it returned last until its next call (which
   donates them).
-  ``lower(...)`` validates and places the same way and returns the
-  ``jax.stages.Lowered`` of that program, for HLO and ``memory_analysis()``.
+  `lower(...)` validates and places the same way and returns the
+  `jax.stages.Lowered` of that program, for HLO and `memory_analysis()`.
   """
 
   def __init__(self, build, loss_fn, optimizer, layout: DataParallel, config: StepConfig, *,
@@ -154,10 +154,10 @@ class CompiledStep:
     self._skips.check()
 
   def _prepare(self, state, batch, weights, rng, has_more=None):
-    """Runs the host input layer (:mod:`jaxdp.runtime.host_inputs`) on one call's inputs, in this order.
+    """Runs the host input layer (`jaxdp.runtime.host_inputs`) on one call's inputs, in this order.
 
-    Returns ``(program, args, leaves, treedef, plan, layout_key)``: the program for the state's layout, its
-    arguments, the leaves of the state it gets and that state's structure, the inputs' :class:`InputPlan`, and
+    Returns `(program, args, leaves, treedef, plan, layout_key)`: the program for the state's layout, its
+    arguments, the leaves of the state it gets and that state's structure, the inputs' `InputPlan`, and
     the layout's key.
     """
     for check in self._before_step:  # a model library's (e.g. the model's mode must not have changed)
@@ -250,11 +250,11 @@ class CompiledStep:
     self._traces += 1  # the program's Python runs only when JAX traces it
 
   def layout(self, state: TrainState) -> Layout:
-    """The :class:`jaxdp.sharding.layout.Layout` this step places ``state`` in (model splits kept, ZeRO's added)."""
+    """The `jaxdp.sharding.layout.Layout` this step places `state` in (model splits kept, ZeRO's added)."""
     return self.layout_at(state, self.zero_stage)
 
   def layout_at(self, state: TrainState, zero_stage: int) -> Layout:
-    """The layout of ``state`` on this step's mesh at ``zero_stage``."""
+    """The layout of `state` on this step's mesh at `zero_stage`."""
     return make_layout(state, self.mesh, self.axis_name, zero_stage,
                        model_specs_of(state.params, self.mesh, self.axis_name), self.layers, self._stage_axis)
 
@@ -297,7 +297,7 @@ class CompiledStep:
       *,
       has_more: jax.Array | None = None,
   ) -> jax.stages.Lowered:
-    """The ``jax.stages.Lowered`` of the program a call with these inputs runs (validated and placed alike)."""
+    """The `jax.stages.Lowered` of the program a call with these inputs runs (validated and placed alike)."""
     program, args, *_ = self._prepare(state, batch, weights, rng, has_more)
     with mesh_context(self.mesh):
       return program.lower(*args)
@@ -305,9 +305,9 @@ class CompiledStep:
 
 def _program(jitted: Callable, per_device: Callable, donate: bool, limit: int | None,
              traced: Callable[[], None]) -> Callable:
-  """The step's one program per layout: ``jitted`` (the step), its new state as a flat list of leaves (the host
+  """The step's one program per layout: `jitted` (the step), its new state as a flat list of leaves (the host
   rebuilds the tree without flattening it again), its metrics, and the guards' state after the step
-  (:class:`jaxdp.runtime.host_inputs.Guard`). The inner jit is inlined: one dispatch per call."""
+  (`jaxdp.runtime.host_inputs.Guard`). The inner jit is inlined: one dispatch per call."""
 
   def run(state, batch, weights, rng, has_more, guard):
     traced()
@@ -318,7 +318,7 @@ def _program(jitted: Callable, per_device: Callable, donate: bool, limit: int | 
 
 
 def _per_device_weights(mesh: Mesh, sharding: NamedSharding) -> Callable[[jax.Array], tuple]:
-  """``per_device(weights) -> (zero_rows, subnormal)``, one int32 per device of the data axes, split like the
+  """`per_device(weights) -> (zero_rows, subnormal)`, one int32 per device of the data axes, split like the
   weights: whether the device has a row of weight 0 (padding), and how many of its weights lie in (0,
   float32's smallest normal), which the devices read as 0 (read from the bits). No collective: traced into
   the step's own program, summed on the host when a later call reads it."""
@@ -360,17 +360,17 @@ def make_train_step(
     donate: bool = True,
     check_replicas: bool = False,
 ) -> CompiledStep:
-  """Builds the jitted step that runs :func:`train_step` on every device of the layout's data axes.
+  """Builds the jitted step that runs `train_step` on every device of the layout's data axes.
 
   Args:
-    loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
-      or per-token losses ``[b, t]``, or a :class:`jaxdp.LossOutput` (see
-      :mod:`jaxdp.core.loss`).
-    optimizer: an optax ``GradientTransformation``.
-    layout: a :class:`jaxdp.DataParallel` (:func:`jaxdp.data_parallel`: the
+    loss_fn: `loss_fn(params, batch)` returning per-example losses `[b]`
+      or per-token losses `[b, t]`, or a `jaxdp.LossOutput` (see
+      `jaxdp.core.loss`).
+    optimizer: an optax `GradientTransformation`.
+    layout: a `jaxdp.DataParallel` (`jaxdp.data_parallel`: the
       mesh, its data axes, the ZeRO stage, layer stacks, a pipeline, the
-      backend), a ``Mesh`` (``data_parallel(mesh)``), or ``None`` (every
-      device on one ``"data"`` axis). Only the data axes (and a pipeline's
+      backend), a `Mesh` (`data_parallel(mesh)`), or `None` (every
+      device on one `"data"` axis). Only the data axes (and a pipeline's
       stage axis) are manual in the step; the compiler partitions any other
       axis as the parameters' shardings say, and the batch is replicated
       over them. At ZeRO stages 1-3 the optimizer sees whole leaves (the
@@ -378,42 +378,42 @@ def make_train_step(
       sharded), so every optax optimizer gives stage 0's numbers. Any state
       of the right structure is accepted: one laid out otherwise (another
       stage, device count or mesh) is moved into this layout first.
-    reduction: a :class:`jaxdp.reductions.Reduction` (default
-      :func:`jaxdp.reductions.mean`, exact); see :func:`jaxdp.train_step`.
-    precision: a :class:`jaxdp.Precision` (default: the params' dtypes, no
-      loss scaling); a policy with ``loss_scaling`` needs the state made by
-      ``jaxdp.init_state(..., precision=)``, and ``metrics["loss_scale"]``
+    reduction: a `jaxdp.reductions.Reduction` (default
+      `jaxdp.reductions.mean`, exact); see `jaxdp.train_step`.
+    precision: a `jaxdp.Precision` (default: the params' dtypes, no
+      loss scaling); a policy with `loss_scaling` needs the state made by
+      `jaxdp.init_state(..., precision=)`, and `metrics["loss_scale"]`
       reports the scale each step used.
     accum_steps: gradient accumulation: each device's slice is split into
       this many contiguous micro-batches, scanned, and reduced once per step.
-    example_ids: layout-invariant dropout (see :mod:`jaxdp.core.randomness`):
-      the key of each row's global id in a dict batch (e.g. ``"id"``) or a
-      callable ``batch -> [b]`` integer ids. ``loss_fn`` then gets
-      ``fold_in(rng, state.step)`` on every replica and micro-batch, and
-      :class:`jaxdp.adapters.nnx.Dropout` / :class:`jaxdp.adapters.linen.Dropout` draw each
+    example_ids: layout-invariant dropout (see `jaxdp.core.randomness`):
+      the key of each row's global id in a dict batch (e.g. `"id"`) or a
+      callable `batch -> [b]` integer ids. `loss_fn` then gets
+      `fold_in(rng, state.step)` on every replica and micro-batch, and
+      `jaxdp.adapters.nnx.Dropout` / `jaxdp.adapters.linen.Dropout` draw each
       row's mask from its id: the same masks on any mesh, split and
-      ``accum_steps``, and as one device's. A library's own ``Dropout``
+      `accum_steps`, and as one device's. A library's own `Dropout`
       (linen's, nnx's) is refused with it.
     max_consecutive_skips: a step whose gradient or loss is NaN/Inf on any
-      replica is skipped by every replica (``metrics["skipped"]``). After
+      replica is skipped by every replica (`metrics["skipped"]`). After
       this many such steps in a row the next call raises
-      ``FloatingPointError`` (before running anything), and so does every
-      call until ``step.reset_nonfinite_guard()``. ``None`` never raises.
+      `FloatingPointError` (before running anything), and so does every
+      call until `step.reset_nonfinite_guard()`. `None` never raises.
       The check reads earlier steps' flags once they are done and never
       waits for the previous step's, so dispatch stays asynchronous: the
       error comes one call after the limit is reached when the steps keep
       up, at the latest three calls after.
     donate: donate the input state's buffers to the output state.
-    check_replicas: add ``metrics["replica_divergence"]`` (see
-      :func:`jaxdp.replica_divergence`), computed in the graph over every
+    check_replicas: add `metrics["replica_divergence"]` (see
+      `jaxdp.replica_divergence`), computed in the graph over every
       mesh axis that holds copies of a leaf: the data axes, a model axis
-      for a leaf not split over it, ``"replica"`` for a hybrid ZeRO chunk.
+      for a leaf not split over it, `"replica"` for a hybrid ZeRO chunk.
 
   Returns:
-    A :class:`CompiledStep` ``step(state, batch, weights=None, rng=None) ->
-    (state, metrics)``; with ``rng`` (a PRNG key) ``loss_fn`` is called as
-    ``loss_fn(params, batch, key)`` with a key per replica, step and
-    micro-batch (one key for all with ``example_ids``).
+    A `CompiledStep` `step(state, batch, weights=None, rng=None) ->
+    (state, metrics)`; with `rng` (a PRNG key) `loss_fn` is called as
+    `loss_fn(params, batch, key)` with a key per replica, step and
+    micro-batch (one key for all with `example_ids`).
   """
   layout = as_layout(layout)
   config = step_config(layout, reduction, precision, accum_steps, example_ids)
@@ -425,7 +425,7 @@ def make_train_step(
 
 
 def _check_step_arguments(loss_fn, optimizer, max_consecutive_skips: Any, donate: Any, check_replicas: Any) -> None:
-  """Checks :func:`make_train_step`'s arguments beyond the layout, reduction and precision."""
+  """Checks `make_train_step`'s arguments beyond the layout, reduction and precision."""
   check_loss_fn(loss_fn)
   check_optimizer(optimizer)
   if max_consecutive_skips is not None:
@@ -437,7 +437,7 @@ def _check_step_arguments(loss_fn, optimizer, max_consecutive_skips: Any, donate
 
 def _built_train_step(settings: StepConfig, layout_value: DataParallel, loss_fn, optimizer, *, donate: bool,
                       check_replicas: bool, max_consecutive_skips: int | None) -> CompiledStep:
-  """The :class:`CompiledStep` of checked arguments: it builds one jitted step per state layout."""
+  """The `CompiledStep` of checked arguments: it builds one jitted step per state layout."""
   axis_name, reduction = settings.axis_name, settings.mode
   mesh, backend, pipeline = layout_value.mesh, layout_value.backend, layout_value.pipeline
   # Typed on any number of devices, so that a program that fails at scale fails on one device too. Under
@@ -477,14 +477,14 @@ def _built_train_step(settings: StepConfig, layout_value: DataParallel, loss_fn,
 
 
 def _manual_specs(layout: Layout, axis_name: str) -> TrainState:
-  """The state's specs as ``shard_map`` sees them with only the data axis manual."""
+  """The state's specs as `shard_map` sees them with only the data axis manual."""
   specs = jax.tree.map(lambda s: data_part(s, axis_name), layout.specs)
   # The compression state names the data axes only (each error split over all of them): kept whole.
   return specs._replace(compression=layout.specs.compression)
 
 
 def _shard_map_over(replica_step, mesh: Mesh, axis_name: str, layout: Layout, *, check_vma: bool):
-  """The whole step per replica (stage 0): ``shard_map`` over the data axis, other axes left to the compiler."""
+  """The whole step per replica (stage 0): `shard_map` over the data axis, other axes left to the compiler."""
   specs = _manual_specs(layout, axis_name)
   batch_spec = split_along(mesh, axis_name).spec
   return jax.shard_map(
@@ -499,7 +499,7 @@ def _shard_map_over(replica_step, mesh: Mesh, axis_name: str, layout: Layout, *,
 
 
 def _with_guard_flag(step):
-  """``step`` returning ``(state, metrics, flag)``: ``flag`` a buffer of its own with ``metrics["nonfinite"]``."""
+  """`step` returning `(state, metrics, flag)`: `flag` a buffer of its own with `metrics["nonfinite"]`."""
 
   def flagged(*args):
     new_state, metrics = step(*args)
@@ -509,7 +509,7 @@ def _with_guard_flag(step):
 
 
 def _with_divergence(step, layout: Layout, mesh: Mesh):
-  """``step`` with ``metrics["replica_divergence"]`` of its new state, over every mesh axis that holds copies."""
+  """`step` with `metrics["replica_divergence"]` of its new state, over every mesh axis that holds copies."""
 
   def checked(*args):
     new_state, metrics = step(*args)
@@ -591,7 +591,7 @@ def _global_update_over(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, la
 
 
 def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout: Layout) -> Callable:
-  """:func:`run_gradient_step` with the loss's :func:`jaxdp.scan_layers` running ``pipeline`` over the stacks,
+  """`run_gradient_step` with the loss's `jaxdp.scan_layers` running `pipeline` over the stacks,
   and a check that the loss did run every stack through it."""
   stages = mesh.shape[pipeline.axis_name]
 
@@ -617,7 +617,7 @@ def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout
 
 def _in_circular_order(gradient: Callable, pipeline: pipelining.Pipeline, mesh: Mesh, layout: Layout,
                        grad_specs: Any) -> Callable:
-  """``gradient`` on the stacks permuted into the circular assignment, its gradient permuted back."""
+  """`gradient` on the stacks permuted into the circular assignment, its gradient permuted back."""
   stages, repeats = mesh.shape[pipeline.axis_name], pipeline.repeats
 
   def permuted(state, *args):
@@ -640,7 +640,7 @@ def _in_circular_order(gradient: Callable, pipeline: pipelining.Pipeline, mesh: 
 
 
 def _pmap_over(replica_step, mesh: Mesh, axis_name: str):
-  """The same step through ``jax.pmap``: global batch reshaped to ``[n, b, ...]``."""
+  """The same step through `jax.pmap`: global batch reshaped to `[n, b, ...]`."""
   n = mesh.shape[axis_name]
   devices = list(mesh.devices.flat)
   # pmap mis-flattens in_axes against a None argument, so each combination of absent arguments has its own map.

@@ -1,21 +1,21 @@
 """DiLoCo (Douillard et al., 2023): exact data parallelism inside replica groups, an outer step every H steps.
 
-The mesh has an outer axis (``"replica"``, R groups) and the data axes
-(``"data"``, D devices per group). One call of the step is one inner step
+The mesh has an outer axis (`"replica"`, R groups) and the data axes
+(`"data"`, D devices per group). One call of the step is one inner step
 on every group: each group runs jaxdp's exact data-parallel step
-(:func:`jaxdp.train_step`, the weighted mean over the group's rows) on its
+(`jaxdp.train_step`, the weighted mean over the group's rows) on its
 own rows of the global batch, with its own parameters and inner optimizer
-state. Nothing crosses the outer axis then. Every ``inner_steps`` calls,
-the outer sync: each group's delta ``outer_params - inner_params_r`` is
+state. Nothing crosses the outer axis then. Every `inner_steps` calls,
+the outer sync: each group's delta `outer_params - inner_params_r` is
 averaged over the outer axis, weighted by the group's summed example (or
 token) weights over the period, the outer optimizer applies that average
-as its gradient to ``outer_params``, and every group restarts from the new
+as its gradient to `outer_params`, and every group restarts from the new
 outer parameters (the inner optimizer states stay per group, as in the
 paper).
 
 Two jitted programs, picked on the host by the state's step count: the
 inner step, and the inner step followed by the sync; each one's compiled
-HLO shows its own collectives (:meth:`DiLoCoStep.comm_report`).
+HLO shows its own collectives (`DiLoCoStep.comm_report`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from jaxdp.core.state import TrainState
 from jaxdp.training.step import train_step
 
 DELTA_DTYPES = (None, "bfloat16", "int8")
-"""What the outer sync may communicate the delta in: ``None`` (the parameters' own dtype), bfloat16, or int8
-(blocks of :data:`INT8_BLOCK` values, each with a float32 scale)."""
+"""What the outer sync may communicate the delta in: `None` (the parameters' own dtype), bfloat16, or int8
+(blocks of `INT8_BLOCK` values, each with a float32 scale)."""
 
 INT8_BLOCK = 256
 """Values per float32 scale of an int8 delta (1.6% more bytes than the int8 values alone)."""
@@ -53,15 +53,15 @@ class DiLoCoState(NamedTuple):
   """The state of a DiLoCo run.
 
   Attributes:
-    inner: a :class:`jaxdp.TrainState` whose every leaf has a leading
-      ``[R]`` dimension, one entry per replica group, split over the outer
+    inner: a `jaxdp.TrainState` whose every leaf has a leading
+      `[R]` dimension, one entry per replica group, split over the outer
       axis (the groups' parameters differ between syncs); each group's
       entry is replicated over its data axes.
     outer_params: the global parameters (replicated), as of the last sync.
-    outer_opt_state: the outer optimizer's state for ``outer_params``.
+    outer_opt_state: the outer optimizer's state for `outer_params`.
     inner_step: int32 scalar, the number of inner steps run (calls of the
-      step); the sync follows every ``inner_steps``-th.
-    period_weight: float32 ``[R]``, each group's summed weight of the
+      step); the sync follows every `inner_steps`-th.
+    period_weight: float32 `[R]`, each group's summed weight of the
       inner steps it applied since the last sync (its weight in the
       average of the deltas).
   """
@@ -84,8 +84,8 @@ def default_outer_optimizer() -> optax.GradientTransformation:
 
 
 def check_int8_groups(delta_dtype: Any, groups: int) -> None:
-  """Refuses an int8 delta over more than 127 groups: each group's values are rounded to ``127 // R`` levels so
-  that their int8 sum cannot overflow, and ``R > 127`` leaves none (every scale would divide by zero)."""
+  """Refuses an int8 delta over more than 127 groups: each group's values are rounded to `127 // R` levels so
+  that their int8 sum cannot overflow, and `R > 127` leaves none (every scale would divide by zero)."""
   if delta_dtype == jnp.int8 and groups > 127:
     raise ValueError(
         f"delta_dtype=jnp.int8 over {groups} replica groups: the int8 sum of R groups fits only with 127 // R "
@@ -94,7 +94,7 @@ def check_int8_groups(delta_dtype: Any, groups: int) -> None:
 
 
 def _check_axes(mesh: Any, outer_axis: Any, axis_name: Any) -> Mesh:
-  """The mesh (as given), after checking that it has ``outer_axis`` besides the data axes, and nothing else."""
+  """The mesh (as given), after checking that it has `outer_axis` besides the data axes, and nothing else."""
   if not isinstance(outer_axis, str):
     raise TypeError(f"outer_axis must name one mesh axis (a str, e.g. 'replica'), got {outer_axis!r}.")
   check_mesh_axis(mesh, axis_name)
@@ -158,29 +158,29 @@ def init_diloco_state(
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
 ) -> DiLoCoState:
-  """The state :func:`make_diloco_step` expects, placed on ``mesh``: every group starts from ``params``.
+  """The state `make_diloco_step` expects, placed on `mesh`: every group starts from `params`.
 
   Args:
     params: the initial parameters (a pytree of arrays).
     inner_optimizer: the groups' optax optimizer (the step's).
-    layout: a :class:`jaxdp.DataParallel` (or a ``Mesh``, its data axis
-      ``"data"``) whose mesh has ``outer_axis`` and the data axes inside a
+    layout: a `jaxdp.DataParallel` (or a `Mesh`, its data axis
+      `"data"`) whose mesh has `outer_axis` and the data axes inside a
       group.
     outer_axis: the axis of the replica groups.
     outer_optimizer: the outer optimizer (the step's); default
-      :func:`default_outer_optimizer`.
-    model_state: the model's non-trainable state, or ``None``; each group
+      `default_outer_optimizer`.
+    model_state: the model's non-trainable state, or `None`; each group
       keeps its own copy (it is not averaged at the sync).
 
   Returns:
-    A :class:`DiLoCoState` of fresh buffers.
+    A `DiLoCoState` of fresh buffers.
   """
   build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state)
   return jax.jit(build, out_shardings=shardings)(params, model_state)
 
 
 def _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state):
-  """``(build(params, model_state) -> DiLoCoState, its shardings)``, the arguments checked."""
+  """`(build(params, model_state) -> DiLoCoState, its shardings)`, the arguments checked."""
   mesh = _group_mesh(layout, outer_axis)
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
@@ -209,21 +209,21 @@ def abstract_diloco_state(
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
 ) -> DiLoCoState:
-  """The :class:`DiLoCoState` :func:`init_diloco_state` would build, as ``jax.ShapeDtypeStruct``s with their
-  shardings on the layout's mesh (what :meth:`jaxdp.CheckpointManager.restore_diloco` reads into); nothing is
-  computed. ``params`` and ``model_state`` may be ``ShapeDtypeStruct``s."""
+  """The `DiLoCoState` `init_diloco_state` would build, as `jax.ShapeDtypeStruct`s with their
+  shardings on the layout's mesh (what `jaxdp.CheckpointManager.restore_diloco` reads into); nothing is
+  computed. `params` and `model_state` may be `ShapeDtypeStruct`s."""
   build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state)
   abstract = jax.eval_shape(build, params, model_state)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
 class DiLoCoStep:
-  """``step(state, batch, weights=None, rng=None) -> (state, metrics)``; built by :func:`make_diloco_step`.
+  """`step(state, batch, weights=None, rng=None) -> (state, metrics)`; built by `make_diloco_step`.
 
-  ``metrics`` holds each group's metrics of :func:`jaxdp.train_step` with a
-  leading ``[R]`` dimension (``loss`` the group's weighted mean, ``weight``
-  its summed weight, ``skipped``...): the global weighted mean loss is
-  ``sum(loss * weight) / sum(weight)``. ``metrics["synced"]`` is 1 on a
+  `metrics` holds each group's metrics of `jaxdp.train_step` with a
+  leading `[R]` dimension (`loss` the group's weighted mean, `weight`
+  its summed weight, `skipped`...): the global weighted mean loss is
+  `sum(loss * weight) / sum(weight)`. `metrics["synced"]` is 1 on a
   call that ended with the outer sync.
   """
 
@@ -307,9 +307,9 @@ class DiLoCoStep:
                        "build the state with jaxdp.init_diloco_state.")
 
   def _prepare(self, state, batch, weights, rng):
-    """Runs the host input layer (:mod:`jaxdp.runtime.host_inputs`) on one call's inputs.
+    """Runs the host input layer (`jaxdp.runtime.host_inputs`) on one call's inputs.
 
-    Returns ``(shardings, args, leaves, treedef)``: the state's shardings, the program's arguments, the leaves
+    Returns `(shardings, args, leaves, treedef)`: the state's shardings, the program's arguments, the leaves
     of the state it gets and that state's structure.
     """
     weights = _checks.as_array(weights)
@@ -379,22 +379,22 @@ class DiLoCoStep:
     return new_state, metrics
 
   def lower_inner(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
-    """The ``jax.stages.Lowered`` of the inner step (no sync) on these inputs."""
+    """The `jax.stages.Lowered` of the inner step (no sync) on these inputs."""
     shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
     with mesh_context(self.mesh):
       return self._program(False, shardings).lower(*prepared, self._guard_input())
 
   def lower_sync(self, state, batch, weights=None, rng=None) -> jax.stages.Lowered:
-    """The ``jax.stages.Lowered`` of the inner step followed by the outer sync."""
+    """The `jax.stages.Lowered` of the inner step followed by the outer sync."""
     shardings, prepared, *_ = self._prepare(state, batch, weights, rng)
     with mesh_context(self.mesh):
       return self._program(True, shardings).lower(*prepared, self._guard_input())
 
   def comm_report(self, state, batch, weights=None, rng=None, *, sync: bool, compiled: bool = True
                   ) -> dict[str, Collective]:
-    """The collectives of the inner program (``sync=False``) or of the sync program, per device, as
-    :func:`jaxdp.comm_report` counts them: ``compiled=True`` reads the compiled HLO (on CPU, XLA widens a
-    bfloat16 all-reduce to float32), ``compiled=False`` the HLO before optimisation (the dtypes jaxdp
+    """The collectives of the inner program (`sync=False`) or of the sync program, per device, as
+    `jaxdp.comm_report` counts them: `compiled=True` reads the compiled HLO (on CPU, XLA widens a
+    bfloat16 all-reduce to float32), `compiled=False` the HLO before optimisation (the dtypes jaxdp
     writes: the bytes GPU and TPU backends move)."""
     lowered = (self.lower_sync if sync else self.lower_inner)(state, batch, weights, rng)
     hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
@@ -402,13 +402,13 @@ class DiLoCoStep:
 
   def bytes_per_step(self, state, batch, weights=None, rng=None, *, field: str = "bytes", compiled: bool = True,
                      outer_only: bool = False) -> float:
-    """Per-device collective bytes per call, averaged over an outer period: ``((H - 1) * inner + sync) / H``.
+    """Per-device collective bytes per call, averaged over an outer period: `((H - 1) * inner + sync) / H`.
 
-    ``field``: ``"bytes"`` (the buffers reduced or gathered, as
-    :class:`jaxdp.Collective` counts them) or ``"traffic_bytes"`` (ring
-    traffic per device). ``compiled``: as in :meth:`comm_report`.
-    ``outer_only``: only the collectives over the outer axis, ``(sync -
-    inner) / H`` (the sync program is the inner one plus those), the bytes
+    `field`: `"bytes"` (the buffers reduced or gathered, as
+    `jaxdp.Collective` counts them) or `"traffic_bytes"` (ring
+    traffic per device). `compiled`: as in `comm_report`.
+    `outer_only`: only the collectives over the outer axis, `(sync -
+    inner) / H` (the sync program is the inner one plus those), the bytes
     that cross between groups; the rest stay within a group.
     """
     if field not in ("bytes", "traffic_bytes"):
@@ -474,7 +474,7 @@ class DiLoCoStep:
 
 def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainState, period_weight, outer_axis: str,
                 delta_dtype):
-  """Per group: the weighted average of the groups' deltas (one all-reduce over ``outer_axis``), the outer
+  """Per group: the weighted average of the groups' deltas (one all-reduce over `outer_axis`), the outer
   update, and the group's restart from the new outer parameters."""
   total = lax.psum(period_weight, outer_axis)  # 4 bytes
   share = jnp.where(total > 0, period_weight / jnp.where(total > 0, total, 1.0), 0.0)
@@ -500,11 +500,11 @@ def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainStat
 
 
 def _int8_psum(tree: Any, axis: str) -> Any:
-  """``lax.psum(tree, axis)`` of float32 leaves, communicated as int8: the leaves flattened into one vector, in
-  blocks of :data:`INT8_BLOCK` values.
+  """`lax.psum(tree, axis)` of float32 leaves, communicated as int8: the leaves flattened into one vector, in
+  blocks of `INT8_BLOCK` values.
 
   Each block's scale is its largest magnitude over every device (one all-reduce of the scales) over
-  ``127 // R``: each device's rounded values then lie in ``[-(127 // R), 127 // R]`` and their sum over the R
+  `127 // R`: each device's rounded values then lie in `[-(127 // R), 127 // R]` and their sum over the R
   devices fits int8, so the all-reduce itself runs in int8. Each value is off by at most half a scale step
   per device.
   """
@@ -536,52 +536,52 @@ def make_diloco_step(
     donate: bool = True,
     max_consecutive_skips: int | None = 10,
 ) -> DiLoCoStep:
-  """Builds the DiLoCo step: exact data parallelism over ``axis_name`` inside each group of ``outer_axis``, and
-  every ``inner_steps`` calls the outer sync across the groups.
+  """Builds the DiLoCo step: exact data parallelism over `axis_name` inside each group of `outer_axis`, and
+  every `inner_steps` calls the outer sync across the groups.
 
-  Rows of the global batch are split over ``(outer_axis, *data axes)``:
-  group ``r`` gets the ``r``-th of R contiguous blocks of rows, split over its
-  devices as :func:`jaxdp.make_train_step` splits a batch. Each call runs
-  :func:`jaxdp.train_step` on every group (the exact weighted mean of the
+  Rows of the global batch are split over `(outer_axis, *data axes)`:
+  group `r` gets the `r`-th of R contiguous blocks of rows, split over its
+  devices as `jaxdp.make_train_step` splits a batch. Each call runs
+  `jaxdp.train_step` on every group (the exact weighted mean of the
   group's rows, reduced over the group's data axes only). The call that
-  completes a period of ``inner_steps`` then averages the groups' deltas
-  ``outer_params - inner_params_r`` with weights proportional to each group's
+  completes a period of `inner_steps` then averages the groups' deltas
+  `outer_params - inner_params_r` with weights proportional to each group's
   summed weight over the period (weight of skipped steps excluded), and the
   outer optimizer applies that average as its gradient. With this weighting,
-  ``inner_steps=1``, inner ``optax.sgd(lr)`` and outer ``optax.sgd(1.0)``
+  `inner_steps=1`, inner `optax.sgd(lr)` and outer `optax.sgd(1.0)`
   give the exact step of the global weighted mean (the weighted average of
-  ``lr * group mean gradient`` is ``lr`` times the global mean gradient).
+  `lr * group mean gradient` is `lr` times the global mean gradient).
 
   Args:
-    loss_fn: as for :func:`jaxdp.make_train_step`.
+    loss_fn: as for `jaxdp.make_train_step`.
     inner_optimizer: the groups' optax optimizer; each group keeps its own
       state, which the sync leaves as it is.
-    mesh: a mesh of ``outer_axis`` and the data axes only.
+    mesh: a mesh of `outer_axis` and the data axes only.
     outer_axis: the axis of the replica groups (R of them).
     axis_name: the data axis (or a tuple of axes) inside a group.
     inner_steps: H, the inner steps per outer sync (an int >= 1).
     outer_optimizer: applied to the averaged delta; default
-      :func:`default_outer_optimizer` (Nesterov SGD, lr 0.7, momentum 0.9).
-    delta_dtype: the dtype the deltas are all-reduced in: ``None`` (the
-      parameters' own), ``jnp.bfloat16`` (half the bytes of float32) or
-      ``jnp.int8`` (a quarter: the leaves in one vector, with a float32
-      scale per block of :data:`INT8_BLOCK` values, the block's largest
-      magnitude over the groups divided by ``127 // R`` so that the int8
+      `default_outer_optimizer` (Nesterov SGD, lr 0.7, momentum 0.9).
+    delta_dtype: the dtype the deltas are all-reduced in: `None` (the
+      parameters' own), `jnp.bfloat16` (half the bytes of float32) or
+      `jnp.int8` (a quarter: the leaves in one vector, with a float32
+      scale per block of `INT8_BLOCK` values, the block's largest
+      magnitude over the groups divided by `127 // R` so that the int8
       sum cannot overflow; refused for more than 127 groups). The
       weighting is applied before the cast.
     reduction, precision, accum_steps: the inner step's, as for
-      :func:`jaxdp.make_train_step` (``reductions.none()`` is refused: a
+      `jaxdp.make_train_step` (`reductions.none()` is refused: a
       group must stay one replica; so are reductions with a state).
     donate: donate the input state's buffers to the output state.
-    max_consecutive_skips: as for :func:`jaxdp.make_train_step`: a call
+    max_consecutive_skips: as for `jaxdp.make_train_step`: a call
       whose inner step had a NaN/Inf gradient or loss in at least one group
-      (that group skips its update, ``metrics["skipped"]``, and adds no
+      (that group skips its update, `metrics["skipped"]`, and adds no
       weight to the period) counts; after this many in a row the next call
-      raises ``FloatingPointError`` before it runs or donates anything,
-      until ``step.reset_nonfinite_guard()``. ``None`` never raises.
+      raises `FloatingPointError` before it runs or donates anything,
+      until `step.reset_nonfinite_guard()`. `None` never raises.
 
   Returns:
-    A :class:`DiLoCoStep`.
+    A `DiLoCoStep`.
   """
   inner_steps = check_int(inner_steps, "inner_steps", 1, "the number of inner steps between outer syncs (H).")
   mesh = _group_mesh(layout, outer_axis)

@@ -1,17 +1,17 @@
-"""Several processes, one job: starting ``jax.distributed`` and checking that processes agree.
+"""Several processes, one job: starting `jax.distributed` and checking that processes agree.
 
-:func:`initialize` is a thin wrapper over ``jax.distributed.initialize`` that
+`initialize` is a thin wrapper over `jax.distributed.initialize` that
 reads its arguments from (in this order) the call, the environment set by
-``python -m jaxdp.launch``, or a cluster scheduler that JAX knows how to read
-(SLURM, Open MPI, Cloud TPU, ``JAX_COORDINATOR_ADDRESS``). With none of these
+`python -m jaxdp.launch`, or a cluster scheduler that JAX knows how to read
+(SLURM, Open MPI, Cloud TPU, `JAX_COORDINATOR_ADDRESS`). With none of these
 it does nothing, so the same script runs as one plain process. Call it first,
 before anything touches a JAX device.
 
-Nothing here runs at import: importing :mod:`jaxdp` never starts the JAX
+Nothing here runs at import: importing `jaxdp` never starts the JAX
 backend, so device counts can still be configured afterwards.
 
-:func:`assert_same_across_processes` turns a disagreement between processes
-(batch shapes, configuration) into a ``ValueError`` on every process, instead
+`assert_same_across_processes` turns a disagreement between processes
+(batch shapes, configuration) into a `ValueError` on every process, instead
 of mismatched collectives that hang.
 """
 
@@ -52,20 +52,20 @@ _DEFAULT_SHUTDOWN_TIMEOUT = 300
 
 
 class ProcessInfo(NamedTuple):
-  """Where this process stands in the job, as :func:`initialize` left it.
+  """Where this process stands in the job, as `initialize` left it.
 
   Attributes:
-    process_index: this process, ``0 <= process_index < process_count``.
+    process_index: this process, `0 <= process_index < process_count`.
     process_count: the number of processes in the job.
     local_device_count: devices this process drives.
     device_count: devices of every process together (what
-      :func:`jaxdp.data_mesh` spans).
-    coordinator_address: ``host:port`` of the coordinator, ``None`` for a
+      `jaxdp.data_mesh` spans).
+    coordinator_address: `host:port` of the coordinator, `None` for a
       plain single process.
-    source: where the settings came from: ``"arguments"``, ``"launcher"``
-      (``python -m jaxdp.launch``), a cluster (``"slurm"``, ``"openmpi"``,
-      ``"tpu"``, ``"jax"`` for ``JAX_COORDINATOR_ADDRESS``), ``"external"``
-      (``jax.distributed`` was started by someone else) or ``"none"`` (one
+    source: where the settings came from: `"arguments"`, `"launcher"`
+      (`python -m jaxdp.launch`), a cluster (`"slurm"`, `"openmpi"`,
+      `"tpu"`, `"jax"` for `JAX_COORDINATOR_ADDRESS`), `"external"`
+      (`jax.distributed` was started by someone else) or `"none"` (one
       plain process).
   """
 
@@ -81,12 +81,12 @@ _info: ProcessInfo | None = None
 
 
 def detect_cluster() -> str | None:
-  """The cluster environment :func:`initialize` would use, without starting anything.
+  """The cluster environment `initialize` would use, without starting anything.
 
   Returns:
-    ``"launcher"`` (``python -m jaxdp.launch``), ``"slurm"``, ``"openmpi"``,
-    ``"tpu"`` (a multi-host Cloud TPU), ``"jax"`` (``JAX_COORDINATOR_ADDRESS``
-    set) or ``None`` (no cluster: one plain process).
+    `"launcher"` (`python -m jaxdp.launch`), `"slurm"`, `"openmpi"`,
+    `"tpu"` (a multi-host Cloud TPU), `"jax"` (`JAX_COORDINATOR_ADDRESS`
+    set) or `None` (no cluster: one plain process).
   """
   if ENV_COORDINATOR in os.environ:
     return "launcher"
@@ -150,7 +150,7 @@ def _is_loopback(address: str) -> bool:
 
 
 def _launcher_settings() -> dict[str, Any]:
-  """The settings ``python -m jaxdp.launch`` left in the environment (empty if none)."""
+  """The settings `python -m jaxdp.launch` left in the environment (empty if none)."""
   if ENV_COORDINATOR not in os.environ:
     return {}
   coordinator = _check_address(os.environ[ENV_COORDINATOR], f"environment variable {ENV_COORDINATOR}")
@@ -206,62 +206,62 @@ def initialize(
     cpu_collectives: str | None = "gloo",
     fail_fast: bool = True,
 ) -> ProcessInfo:
-  """Joins this process to the job (``jax.distributed.initialize``), or does nothing when alone.
+  """Joins this process to the job (`jax.distributed.initialize`), or does nothing when alone.
 
   Settings come from the arguments, then from the environment of
-  ``python -m jaxdp.launch`` (``JAXDP_COORDINATOR``, ``JAXDP_NUM_PROCESSES``,
-  ``JAXDP_PROCESS_ID``, ``JAXDP_DEVICES_PER_PROC``, ``JAXDP_HEARTBEAT_TIMEOUT``,
-  ``JAXDP_INIT_TIMEOUT``), then from a cluster scheduler through JAX's own
-  detection (SLURM, Open MPI, Cloud TPU, ``JAX_COORDINATOR_ADDRESS``). With
+  `python -m jaxdp.launch` (`JAXDP_COORDINATOR`, `JAXDP_NUM_PROCESSES`,
+  `JAXDP_PROCESS_ID`, `JAXDP_DEVICES_PER_PROC`, `JAXDP_HEARTBEAT_TIMEOUT`,
+  `JAXDP_INIT_TIMEOUT`), then from a cluster scheduler through JAX's own
+  detection (SLURM, Open MPI, Cloud TPU, `JAX_COORDINATOR_ADDRESS`). With
   none of them (and no arguments) no service is started: the script runs as
   one process on the local devices.
 
   Before the backend starts it selects the CPU cross-process collectives
-  (``jax_cpu_collectives_implementation``, gloo by default) and, if given, the
-  number of simulated CPU devices (``jax_num_cpu_devices``). Call it first:
+  (`jax_cpu_collectives_implementation`, gloo by default) and, if given, the
+  number of simulated CPU devices (`jax_num_cpu_devices`). Call it first:
   JAX refuses to join a job once a device has been touched. It then starts
   the backend to count the devices it returns.
 
   Calling it again is a no-op that returns the first call's result (the
-  arguments of later calls are ignored). If ``jax.distributed`` was already
+  arguments of later calls are ignored). If `jax.distributed` was already
   initialized by other code, the job is reported as it is.
 
   Args:
-    coordinator_address: ``host:port`` of process 0's coordinator, the same
+    coordinator_address: `host:port` of process 0's coordinator, the same
       on every process.
     num_processes: the number of processes in the job.
-    process_id: this process, ``0 <= process_id < num_processes``.
-    local_device_ids: the accelerator ids this process may use (GPU); ``None``
+    process_id: this process, `0 <= process_id < num_processes`.
+    local_device_ids: the accelerator ids this process may use (GPU); `None`
       for all (or what the cluster assigns).
     num_cpu_devices: simulated CPU devices for this process; default
-      ``JAXDP_DEVICES_PER_PROC`` if set, else JAX's default.
+      `JAXDP_DEVICES_PER_PROC` if set, else JAX's default.
     coordinator_bind_address: where process 0 listens; default: the
       coordinator address itself when that is a loopback address (or came
       from the launcher), else JAX's default (all interfaces).
     cluster_detection_method: passed to JAX to force one cluster detector
-      (e.g. ``"mpi4py"``, ``"slurm"``); always joins a job.
+      (e.g. `"mpi4py"`, `"slurm"`); always joins a job.
     initialization_timeout: seconds to wait for every process to connect
-      (default ``JAXDP_INIT_TIMEOUT`` or 300).
+      (default `JAXDP_INIT_TIMEOUT` or 300).
     heartbeat_timeout_seconds: seconds without a heartbeat after which a
       process is declared dead and the job fails (default
-      ``JAXDP_HEARTBEAT_TIMEOUT`` or 100).
+      `JAXDP_HEARTBEAT_TIMEOUT` or 100).
     shutdown_timeout_seconds: seconds a finishing process waits for the
-      others at exit (default ``JAXDP_SHUTDOWN_TIMEOUT`` or 300). A process
-      that ends with ``sys.exit(code)`` while the others are still working
+      others at exit (default `JAXDP_SHUTDOWN_TIMEOUT` or 300). A process
+      that ends with `sys.exit(code)` while the others are still working
       stays in that wait, then JAX aborts every process.
-    cpu_collectives: ``"gloo"``, ``"mpi"`` or ``None`` to leave JAX's setting.
+    cpu_collectives: `"gloo"`, `"mpi"` or `None` to leave JAX's setting.
     fail_fast: in a job of several processes, an uncaught exception prints
       its traceback and ends this process at once with exit code 1
-      (``os._exit``: later ``atexit`` handlers do not run), instead of
+      (`os._exit`: later `atexit` handlers do not run), instead of
       waiting in JAX's exit barrier for processes that may be blocked in a
       collective with it. The launcher (or the others' heartbeats) then stops
       the job.
 
   Returns:
-    A :class:`ProcessInfo`.
+    A `ProcessInfo`.
 
   Raises:
-    ValueError: for a malformed argument or ``JAXDP_*`` variable.
+    ValueError: for a malformed argument or `JAXDP_*` variable.
     RuntimeError: if a job must be joined but the JAX backend already started.
   """
   global _info
@@ -330,7 +330,7 @@ def initialize(
 
 
 def _exiting_at_once(hook):
-  """``hook`` (an ``excepthook``) followed by an immediate exit with code 1."""
+  """`hook` (an `excepthook`) followed by an immediate exit with code 1."""
 
   def excepthook(kind, value, traceback):
     try:

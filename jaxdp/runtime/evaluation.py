@@ -1,11 +1,11 @@
 """Data-parallel evaluation: exact global weighted metrics over padded, uneven batches.
 
-The evaluation step calls the training ``loss_fn`` with ``train=False`` (if
-it declares ``train``) and no PRNG key, and reduces the loss and every metric
+The evaluation step calls the training `loss_fn` with `train=False` (if
+it declares `train`) and no PRNG key, and reduces the loss and every metric
 it returns with the same weighted sums as the training step
-(:func:`jaxdp.loss_sums`): one definition of each metric for training and
+(`jaxdp.loss_sums`): one definition of each metric for training and
 evaluation. Each real example counts once and padding (weight 0) never
-counts, unlike PyTorch's ``DistributedSampler``, which pads an evaluation set
+counts, unlike PyTorch's `DistributedSampler`, which pads an evaluation set
 by repeating examples.
 """
 
@@ -56,13 +56,13 @@ def eval_sums(
     layout: Any = "data",
     precision: Any = None,
 ) -> dict[str, jax.Array]:
-  """Global sums ``{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}`` of one batch, as seen by one replica.
+  """Global sums `{"loss": Σ w·l, "weight": Σ w, name: Σ w·m}` of one batch, as seen by one replica.
 
-  Call it inside ``shard_map`` over the data axes of ``layout`` (a
-  :class:`jaxdp.DataParallel` or the axis' name; batch split); one
-  all-reduce. Dividing by ``"weight"`` gives the exact global weighted
+  Call it inside `shard_map` over the data axes of `layout` (a
+  `jaxdp.DataParallel` or the axis' name; batch split); one
+  all-reduce. Dividing by `"weight"` gives the exact global weighted
   means; adding sums over batches first gives those of a whole dataset.
-  ``precision``: the forward pass in its ``compute_dtype``, as the training
+  `precision`: the forward pass in its `compute_dtype`, as the training
   step's (the floating params and batch leaves cast; the sums stay float32).
   """
   policy = as_precision(precision)
@@ -72,8 +72,8 @@ def eval_sums(
 
 def _legacy_sharded_eval(loss_fn, state, batch, weights=None, *, layout="data", precision=None, reduction=None,
                          **splits):
-  """``eval_sums(..., params_split=, stacked=, bucket_bytes=)`` of jaxdp 0.1 (ZeRO's splits left the public
-  signature; ``bucket_bytes=`` arrives translated into a reduction)."""
+  """`eval_sums(..., params_split=, stacked=, bucket_bytes=)` of jaxdp 0.1 (ZeRO's splits left the public
+  signature; `bucket_bytes=` arrives translated into a reduction)."""
   return sharded_eval_sums(loss_fn, state, batch, weights, axis_name=axis_of(layout),
                            compute_dtype=as_precision(precision).compute_dtype,
                            bucket_bytes=resolve(reduction).bucket_bytes, **splits)
@@ -91,14 +91,14 @@ def sharded_eval_sums(
     compute_dtype: Any = None,
     stacked: Any = None,
 ) -> dict[str, jax.Array]:
-  """:func:`eval_sums` with ZeRO's splits (what :func:`make_eval_step` runs per replica).
+  """`eval_sums` with ZeRO's splits (what `make_eval_step` runs per replica).
 
-  ``params_split``: the params' tree of data-axis specs of parameters that
-  arrive split over ``axis_name`` (ZeRO stage 3), gathered first: one
+  `params_split`: the params' tree of data-axis specs of parameters that
+  arrive split over `axis_name` (ZeRO stage 3), gathered first: one
   all-gather per larger leaf and one for the small ones, or one per flat
-  bucket of about ``bucket_bytes``. ``stacked``: the params' tree of bools
+  bucket of about `bucket_bytes`. `stacked`: the params' tree of bools
   marking the stacks of layers (layer-wise stage 3): those leaves stay split
-  and the loss gathers them a layer at a time (:func:`jaxdp.gather`).
+  and the loss gathers them a layer at a time (`jaxdp.gather`).
   """
   specs = params_split
   if stacked is not None and params_split is not None:  # stacks of layers: gathered a layer at a time in the loss
@@ -119,22 +119,22 @@ def sharded_eval_sums(
 
 
 def means_from_sums(sums: dict[str, Any]) -> dict[str, Any]:
-  """``{"loss": Σ w·l / Σ w, name: Σ w·m / Σ w, "weight": Σ w}`` (0, not NaN, when ``Σ w`` is 0)."""
+  """`{"loss": Σ w·l / Σ w, name: Σ w·m / Σ w, "weight": Σ w}` (0, not NaN, when `Σ w` is 0)."""
   weight = sums["weight"]
   means = safe_divide({k: v for k, v in sums.items() if k != "weight"}, weight)
   return {**means, "weight": weight}
 
 
 class EvalStep:
-  """A jitted data-parallel evaluation step; built by :func:`make_eval_step`.
+  """A jitted data-parallel evaluation step; built by `make_eval_step`.
 
-  ``eval_step(state, batch, weights=None)`` returns the global weighted
-  means of one batch (``loss``, each metric, and ``weight`` = ``Σ w``) as
-  device scalars; ``eval_step.evaluate(state, batches)`` runs over an
-  iterable of ``(batch, weights)`` (e.g. one pass of a
-  :class:`jaxdp.DataPipeline`) and returns the exact weighted means over all
+  `eval_step(state, batch, weights=None)` returns the global weighted
+  means of one batch (`loss`, each metric, and `weight` = `Σ w`) as
+  device scalars; `eval_step.evaluate(state, batches)` runs over an
+  iterable of `(batch, weights)` (e.g. one pass of a
+  `jaxdp.DataPipeline`) and returns the exact weighted means over all
   of it as Python floats, the per-batch float32 sums added in float64. A
-  batch padded by :func:`jaxdp.split_batch`, :func:`jaxdp.shard_uneven` or a
+  batch padded by `jaxdp.split_batch`, `jaxdp.shard_uneven` or a
   pipeline is refused without its weights, as the training step refuses it.
   """
 
@@ -152,7 +152,7 @@ class EvalStep:
     self._split = split_along(mesh, axis_name)  # the batch's sharding
 
   def _prepare(self, state, batch, weights, kind: str = "sums"):
-    """Runs the host input layer (:mod:`jaxdp.runtime.host_inputs`) on one call's inputs: ``(program, args)``."""
+    """Runs the host input layer (`jaxdp.runtime.host_inputs`) on one call's inputs: `(program, args)`."""
     weights = _checks.as_array(weights)
     _checks.check_padded_weights(batch, weights)  # identity lookups, and only without weights
     leaves, treedef = jax.tree.flatten(state)
@@ -176,7 +176,7 @@ class EvalStep:
     return self._program(split_key, kind, placed), (placed, batch, weights)
 
   def _enter_state(self, state):
-    """A state not known yet: ``(key, placed)``; its parameters stay where they are (a ZeRO-3 split is gathered
+    """A state not known yet: `(key, placed)`; its parameters stay where they are (a ZeRO-3 split is gathered
     inside), the optimizer state is not needed."""
     specs = jax.tree.map(lambda x: _current_spec(x, self.mesh), state.params)
     if self._gather_split:
@@ -209,7 +209,7 @@ class EvalStep:
     return plan
 
   def _program(self, split_key, kind: str, placed: TrainState):
-    """The one program of a layout: the sums of a batch, or (``kind="means"``) their means too."""
+    """The one program of a layout: the sums of a batch, or (`kind="means"`) their means too."""
     _, splits_id, splits = split_key  # the program follows the params' structure and splits, not their shapes
     key = (splits_id, kind)
     if key not in self._programs:
@@ -221,7 +221,7 @@ class EvalStep:
     return self._programs[key]
 
   def sums(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> dict[str, jax.Array]:
-    """The global sums of one batch (see :func:`eval_sums`)."""
+    """The global sums of one batch (see `eval_sums`)."""
     program, args = self._prepare(state, batch, weights)
     return self._run(program, args, state)
 
@@ -238,15 +238,15 @@ class EvalStep:
       raise
 
   def lower(self, state: TrainState, batch: Any, weights: jax.Array | None = None) -> jax.stages.Lowered:
-    """The step for these arguments, lowered (e.g. ``.compile().as_text()`` to read its collectives)."""
+    """The step for these arguments, lowered (e.g. `.compile().as_text()` to read its collectives)."""
     program, args = self._prepare(state, batch, weights)
     with mesh_context(self.mesh):
       return program.lower(*args)
 
   def evaluate(self, state: TrainState, batches: Iterable[tuple[Any, Any]]) -> dict[str, float]:
-    """Exact weighted means over every ``(batch, weights)`` of ``batches`` (Python floats).
+    """Exact weighted means over every `(batch, weights)` of `batches` (Python floats).
 
-    ``weight`` is the total ``Σ w``. Batches are dispatched asynchronously;
+    `weight` is the total `Σ w`. Batches are dispatched asynchronously;
     the sums are fetched once at the end.
     """
     pending = []
@@ -279,29 +279,29 @@ def make_eval_step(loss_fn: Callable[..., Any], layout: DataParallel | Mesh | No
   """Builds the jitted evaluation step over every device of the layout's data axes.
 
   Args:
-    loss_fn: the training ``loss_fn`` (see :mod:`jaxdp.core.loss`); it is called
-      with ``train=False`` if it declares ``train``, with the state's
-      ``model_state`` if it declares ``model_state``, and without a PRNG key.
-    layout: a :class:`jaxdp.DataParallel`, a ``Mesh`` or ``None``, as for
-      :func:`jaxdp.make_train_step` (its ZeRO stage does not matter: the
-      step takes a state of any stage). With ``layers`` a stage-3 state's
-      stacked leaves are gathered a layer at a time by :func:`jaxdp.gather`
-      in the loss; with a ``pipeline`` the stacks run as that pipeline (the
+    loss_fn: the training `loss_fn` (see `jaxdp.core.loss`); it is called
+      with `train=False` if it declares `train`, with the state's
+      `model_state` if it declares `model_state`, and without a PRNG key.
+    layout: a `jaxdp.DataParallel`, a `Mesh` or `None`, as for
+      `jaxdp.make_train_step` (its ZeRO stage does not matter: the
+      step takes a state of any stage). With `layers` a stage-3 state's
+      stacked leaves are gathered a layer at a time by `jaxdp.gather`
+      in the loss; with a `pipeline` the stacks run as that pipeline (the
       state may come from any layout: its stacks are moved onto the stage
-      axis inside the step). Under ``backend="pmap"`` parameters split over
+      axis inside the step). Under `backend="pmap"` parameters split over
       the data axis are gathered onto every device before the call.
     reduction: the training step's reduction: of it only
-      :func:`jaxdp.reductions.bucketed` matters here (parameters split over
+      `jaxdp.reductions.bucketed` matters here (parameters split over
       the data axis are gathered in flat buckets of about that many bytes,
       one all-gather each, as the training step does); without it one
-      all-gather for the leaves of up to ``jaxdp.training.reduction.PACK_BYTES`` and
+      all-gather for the leaves of up to `jaxdp.training.reduction.PACK_BYTES` and
       one per larger leaf. The gathered parameters are the same, bit for
       bit.
-    precision: the training step's :class:`jaxdp.Precision`: the forward
-      pass in its ``compute_dtype`` (``None``: the params' own dtypes).
+    precision: the training step's `jaxdp.Precision`: the forward
+      pass in its `compute_dtype` (`None`: the params' own dtypes).
 
   Returns:
-    An :class:`EvalStep`. It takes a :class:`jaxdp.TrainState` of any ZeRO
+    An `EvalStep`. It takes a `jaxdp.TrainState` of any ZeRO
     stage and never changes it (nothing is donated).
   """
   check_loss_fn(loss_fn)
@@ -336,7 +336,7 @@ def make_eval_step(loss_fn: Callable[..., Any], layout: DataParallel | Mesh | No
 def _pipelined_eval(loss_fn: Callable[..., Any], mesh: Mesh, axis_name: Any, pipeline: pipelining.Pipeline,
                     stacked: Any, compute_dtype: Any):
   """The evaluation step over the stage and data axes: the stacks split over the stages along their layer axis
-  (in the circular assignment under ``"circular"``), every other parameter whole on every device."""
+  (in the circular assignment under `"circular"`), every other parameter whole on every device."""
   stage_axis, stages, repeats = pipeline.axis_name, mesh.shape[pipeline.axis_name], pipeline.repeats
   params_specs = jax.tree.map(lambda is_layer: P(stage_axis) if is_layer else P(), stacked)
   batch_spec = split_along(mesh, axis_name).spec
@@ -365,7 +365,7 @@ def _pipelined_eval(loss_fn: Callable[..., Any], mesh: Mesh, axis_name: Any, pip
 
 
 def _pmap_eval(replica, mesh: Mesh, axis_name: str):
-  """The evaluation step through ``jax.pmap``: the global batch reshaped to ``[n, b, ...]``, the state unmapped."""
+  """The evaluation step through `jax.pmap`: the global batch reshaped to `[n, b, ...]`, the state unmapped."""
   n = mesh.shape[axis_name]
   mapped = jax.pmap(replica, axis_name, in_axes=(None, 0, 0), out_axes=None, devices=list(mesh.devices.flat))
 
@@ -377,7 +377,7 @@ def _pmap_eval(replica, mesh: Mesh, axis_name: str):
 
 
 def _current_spec(x: Any, mesh: Mesh) -> P:
-  """Where a parameter lives now on ``mesh`` (its full spec), or ``P()`` when it is not placed on it."""
+  """Where a parameter lives now on `mesh` (its full spec), or `P()` when it is not placed on it."""
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names) and (
       sharding.mesh.devices.shape == mesh.devices.shape

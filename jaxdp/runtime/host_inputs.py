@@ -1,28 +1,28 @@
 """The host side of a step call, shared by the train, eval and DiLoCo steps: one input layer.
 
-Every call of :class:`jaxdp.runtime.compiled.CompiledStep`, :class:`jaxdp.runtime.evaluation.EvalStep` and
-:class:`jaxdp.runtime.diloco.DiLoCoStep` runs its inputs through the functions of this module in one place, each
-step's ``_prepare``, in this order, each function one concern:
+Every call of `jaxdp.runtime.compiled.CompiledStep`, `jaxdp.runtime.evaluation.EvalStep` and
+`jaxdp.runtime.diloco.DiLoCoStep` runs its inputs through the functions of this module in one place, each
+step's `_prepare`, in this order, each function one concern:
 
-- :func:`known_state`: whether the state is the one the step returned (or placed) last, by the identity of
-  its leaves, none deleted, and no donation of undeleted arrays anywhere since (:func:`mark_donated` counts
+- `known_state`: whether the state is the one the step returned (or placed) last, by the identity of
+  its leaves, none deleted, and no donation of undeleted arrays anywhere since (`mark_donated` counts
   them). Such a state skips the checks of its structure, donation and placement: it was checked when it
   went in, and the step's own program made it.
-- :func:`check_state_donation`: any other state is refused if an earlier step consumed it (by name and fix).
-- :func:`input_signature`: a cheap key of the other inputs (structure, shapes, dtypes, shardings); with the
-  state's layout key it picks the :class:`InputPlan` checked once per signature (:func:`plan_inputs`).
-- :func:`agree_across_processes`: with several processes, on every call, one 32-byte all-gather (a
+- `check_state_donation`: any other state is refused if an earlier step consumed it (by name and fix).
+- `input_signature`: a cheap key of the other inputs (structure, shapes, dtypes, shardings); with the
+  state's layout key it picks the `InputPlan` checked once per signature (`plan_inputs`).
+- `agree_across_processes`: with several processes, on every call, one 32-byte all-gather (a
   per-process cache could let one process skip it and leave the others waiting).
-- :func:`check_input_values`: only what the values decide (host weights below float32's smallest normal,
+- `check_input_values`: only what the values decide (host weights below float32's smallest normal,
   64-bit host ids out of 32-bit range), and only for the inputs the plan says are on the host.
-- :func:`place_inputs`: the batch split over the data axes unless it is already, the key replicated.
-- :func:`unshare_inputs`: a copy of an input that holds one of the donated state's buffers (only inputs of a
+- `place_inputs`: the batch split over the data axes unless it is already, the key replicated.
+- `unshare_inputs`: a copy of an input that holds one of the donated state's buffers (only inputs of a
   state leaf's shape and dtype are compared).
 
 What needs the values on the device is never read here (that would wait for the device): the guards
-(:class:`Guard`: the count of non-finite steps in a row, their padding rows, the count of subnormal device
-weights) are carried from one call's program to the next on the devices (:func:`update_guard`, traced into
-the step's own program), and a later call reads them (:func:`read_scalar`, :func:`read_total`).
+(`Guard`: the count of non-finite steps in a row, their padding rows, the count of subnormal device
+weights) are carried from one call's program to the next on the devices (`update_guard`, traced into
+the step's own program), and a later call reads them (`read_scalar`, `read_total`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ _donations = 0
 
 
 def mark_donated(leaves: list) -> None:
-  """Records that a step consumed ``leaves``, the arrays of a placed state (see
-  :func:`jaxdp.core.checks.mark_donated`)."""
+  """Records that a step consumed `leaves`, the arrays of a placed state (see
+  `jaxdp.core.checks.mark_donated`)."""
   global _donations
   if not leaves or _deleted(leaves, all):  # the usual case: XLA deleted every donated buffer
     return
@@ -59,7 +59,7 @@ _is_deleted = operator.methodcaller("is_deleted")  # a placed state's leaves are
 
 
 def _deleted(leaves: list, reduce: Callable = any) -> bool:
-  """``reduce`` (``any`` or ``all``) of whether each of ``leaves`` (jax.Arrays, at least one) is deleted: by the
+  """`reduce` (`any` or `all`) of whether each of `leaves` (jax.Arrays, at least one) is deleted: by the
   array class's own method when they all share it (a third of the cost of looking it up on each)."""
   method = getattr(type(leaves[0]), "is_deleted", None)
   if not isinstance(method, types.FunctionType):  # jax's own (compiled) method: it refuses any other class
@@ -73,7 +73,7 @@ def _deleted(leaves: list, reduce: Callable = any) -> bool:
 class KnownState:
   """A state whose leaves a step placed and checked: its own output, or an input it placed as it was.
 
-  ``strong``: hold the leaves themselves (a step's own output, which the next call donates) instead of weak
+  `strong`: hold the leaves themselves (a step's own output, which the next call donates) instead of weak
   references to them (an input the user may drop).
   """
 
@@ -85,8 +85,8 @@ class KnownState:
 
 
 def known_state(known: KnownState | None, leaves: list, treedef: Any) -> Any:
-  """``known.key`` if ``leaves`` are exactly ``known``'s (same objects, same tree), none is deleted, and no step
-  donated an array it could not delete since; else ``None``."""
+  """`known.key` if `leaves` are exactly `known`'s (same objects, same tree), none is deleted, and no step
+  donated an array it could not delete since; else `None`."""
   if known is None or known.donations != _donations or len(leaves) != len(known.leaves) or treedef != known.treedef:
     return None
   held = known.leaves if known.strong else [ref() for ref in known.leaves]
@@ -109,14 +109,14 @@ def _leaf_key(x: Any) -> tuple:
 
 
 def input_signature(*trees: Any) -> tuple[list, tuple]:
-  """``(leaves, key)``: the leaves of ``trees`` and a hashable key of their structure, shapes, dtypes and
+  """`(leaves, key)`: the leaves of `trees` and a hashable key of their structure, shapes, dtypes and
   shardings (host leaves by type, shape and dtype)."""
   leaves, treedef = jax.tree.flatten(trees)
   return leaves, (treedef, tuple(map(_leaf_key, leaves)))
 
 
 class InputPlan(NamedTuple):
-  """What a call with inputs of one signature has to do, decided once (:func:`plan_inputs`)."""
+  """What a call with inputs of one signature has to do, decided once (`plan_inputs`)."""
 
   place_batch: bool  # a batch, weights or has_more leaf not yet split over the data axes as the step needs
   check_ids: bool  # a host 64-bit integer batch leaf: its values are checked against 32-bit range each call
@@ -128,7 +128,7 @@ class InputPlan(NamedTuple):
 
 def plan_inputs(batch: Any, weights: Any, has_more: Any, split: jax.sharding.Sharding,
                 state_kinds: frozenset = frozenset()) -> InputPlan:
-  """The :class:`InputPlan` of these inputs; ``state_kinds``: the donated state's ``(shape, dtype)`` pairs."""
+  """The `InputPlan` of these inputs; `state_kinds`: the donated state's `(shape, dtype)` pairs."""
   inputs = jax.tree.leaves((batch, weights, has_more))
   floating = weights is not None and jax.dtypes.issubdtype(np.asarray(weights).dtype if not hasattr(
       weights, "dtype") else weights.dtype, np.floating)
@@ -162,7 +162,7 @@ def agree_across_processes(inputs: dict, name: str) -> None:
 
 
 def place_inputs(plan: InputPlan, inputs: Any, split: jax.sharding.Sharding) -> Any:
-  """``inputs`` (batch, weights, has_more) split over the data axes, unless the plan says they are already."""
+  """`inputs` (batch, weights, has_more) split over the data axes, unless the plan says they are already."""
   return jax.device_put(inputs, split) if plan.place_batch else inputs
 
 
@@ -186,14 +186,14 @@ class PlacedKey:
 
 
 def state_kinds(state: Any) -> frozenset:
-  """The ``(shape, dtype)`` pairs of the state's arrays: an input of one of them may share a donated buffer."""
+  """The `(shape, dtype)` pairs of the state's arrays: an input of one of them may share a donated buffer."""
   return frozenset((x.shape, x.dtype) for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
 
 
 def unshare_inputs(plan: InputPlan, inputs: Any, kinds: frozenset, donated: Callable[[], list]) -> Any:
-  """``inputs`` with a copy of any array that holds one of the donated state's buffers.
+  """`inputs` with a copy of any array that holds one of the donated state's buffers.
 
-  Such an input (``weights=state.params[...]``, or an array built on its shards) would reach the step twice,
+  Such an input (`weights=state.params[...]`, or an array built on its shards) would reach the step twice,
   once donated, and XLA crashes the process on that. Only inputs of a state leaf's (shape, dtype) are compared,
   and only when the plan found some.
   """
@@ -213,7 +213,7 @@ def unshare_inputs(plan: InputPlan, inputs: Any, kinds: frozenset, donated: Call
 
 def raise_if_consumed(error: RuntimeError, state: Any, name: str = "state") -> None:
   """After JAX refused a deleted input array (before running or donating anything): jaxdp's message if it is
-  one of the state's leaves; the caller re-raises ``error`` otherwise."""
+  one of the state's leaves; the caller re-raises `error` otherwise."""
   if "deleted" in str(error):
     check_state_donation(state, jax.tree.leaves(state), name)
 
@@ -224,13 +224,13 @@ def raise_if_consumed(error: RuntimeError, state: Any, name: str = "state") -> N
 
 
 class Guard(NamedTuple):
-  """The guards' state, carried on the devices from one call's program to the next (``None``: not carried).
+  """The guards' state, carried on the devices from one call's program to the next (`None`: not carried).
 
   Attributes:
-    skips: int32 ``[]``, replicated: the non-finite steps in a row, counting stopped at the limit (tripped).
-    padded: int32 ``[N]``, one per device of the data axes: whether one of those steps had a padding row
+    skips: int32 `[]`, replicated: the non-finite steps in a row, counting stopped at the limit (tripped).
+    padded: int32 `[N]`, one per device of the data axes: whether one of those steps had a padding row
       (weight 0) on that device.
-    subnormal: int32 ``[N]``: per device, how many weights below float32's smallest normal it was given since
+    subnormal: int32 `[N]`: per device, how many weights below float32's smallest normal it was given since
       the count was last read (no collective: each device counts its own).
   """
 
@@ -241,9 +241,9 @@ class Guard(NamedTuple):
 
 def fresh_guard(guard: Guard | None, *, skips: bool, weights: bool, place_scalar: Callable, place_split: Callable,
                 n: int) -> Guard:
-  """``guard`` with the parts a call carries: ``skips`` and ``padded`` with the non-finite guard on,
-  ``subnormal`` with floating weights; a missing part starts at zero, a part this call does not carry is
-  ``None`` (kept by the caller for a later call)."""
+  """`guard` with the parts a call carries: `skips` and `padded` with the non-finite guard on,
+  `subnormal` with floating weights; a missing part starts at zero, a part this call does not carry is
+  `None` (kept by the caller for a later call)."""
   guard = Guard() if guard is None else guard
   if (guard.skips is not None) == skips and (guard.padded is not None) == skips and (
       guard.subnormal is not None) == weights:
@@ -258,7 +258,7 @@ def fresh_guard(guard: Guard | None, *, skips: bool, weights: bool, place_scalar
 
 
 def merge_guard(new: Guard, old: Guard) -> Guard:
-  """``new``, with ``old``'s part wherever ``new`` does not carry one (kept for a later call)."""
+  """`new`, with `old`'s part wherever `new` does not carry one (kept for a later call)."""
   if (new.skips is not None or old.skips is None) and (new.padded is not None or old.padded is None) and (
       new.subnormal is not None or old.subnormal is None):
     return new  # the usual call: every part ``old`` had, carried
@@ -266,8 +266,8 @@ def merge_guard(new: Guard, old: Guard) -> Guard:
 
 
 def update_guard(guard: Guard, flag: jax.Array, weights: Any, limit: int | None, per_device: Callable) -> Guard:
-  """The guard after one step (traced in the step's program). ``flag``: the step's ``metrics["nonfinite"]``;
-  ``per_device(weights)``: per device, whether it has a row of weight 0 and how many subnormal weights."""
+  """The guard after one step (traced in the step's program). `flag`: the step's `metrics["nonfinite"]`;
+  `per_device(weights)`: per device, whether it has a row of weight 0 and how many subnormal weights."""
   zero_rows, below = per_device(weights) if weights is not None else (0, None)
   skips, padded, subnormal = guard
   if skips is not None:
@@ -283,21 +283,21 @@ MAX_UNREAD_FLAGS = 2  # the non-finite count of an earlier call is read at the l
 
 
 class SkipWatch:
-  """The host side of the non-finite guard (``max_consecutive_skips``), shared by the train and DiLoCo steps.
+  """The host side of the non-finite guard (`max_consecutive_skips`), shared by the train and DiLoCo steps.
 
-  Each call's program leaves its count of non-finite steps in a row (:attr:`Guard.skips`, stopped at the
-  limit) on the devices; :meth:`push` queues it and :meth:`check`, at the start of a later call, reads the
-  newest count that is ready (waiting only for one :data:`MAX_UNREAD_FLAGS` calls old: the device then still
-  has the previous step to run while this one is prepared and dispatched) and raises ``FloatingPointError``
+  Each call's program leaves its count of non-finite steps in a row (`Guard.skips`, stopped at the
+  limit) on the devices; `push` queues it and `check`, at the start of a later call, reads the
+  newest count that is ready (waiting only for one `MAX_UNREAD_FLAGS` calls old: the device then still
+  has the previous step to run while this one is prepared and dispatched) and raises `FloatingPointError`
   once it reaches the limit. With several processes, only by count: whether a count is ready depends on each
   process's timing, and every process must trip at the same call (else one leaves the job while another waits
   in the next collective). Once tripped it stays tripped (nothing runs, so no good step can clear it) until
-  :meth:`reset`.
+  `reset`.
 
   Attributes:
-    limit: ``max_consecutive_skips`` (an int >= 1), or ``None``: never raises.
-    read: how a count on the devices is read (:func:`read_scalar` of a replicated count, the default;
-      :func:`read_max` of one count per DiLoCo group).
+    limit: `max_consecutive_skips` (an int >= 1), or `None`: never raises.
+    read: how a count on the devices is read (`read_scalar` of a replicated count, the default;
+      `read_max` of one count per DiLoCo group).
     count: the non-finite steps in a row, as of the last count read.
     pending: each call's count on the devices, not read yet (oldest first).
   """
@@ -318,7 +318,7 @@ class SkipWatch:
     self.pending_padded.clear()
 
   def push(self, skips: Any, padded: Any = None) -> None:
-    """Queues one call's count (``None``: the guard is off) and its per-device padding flags."""
+    """Queues one call's count (`None`: the guard is off) and its per-device padding flags."""
     if skips is not None:
       self.pending.append(skips)  # the guard's own count: the user may delete or donate metrics
       self.pending_padded[id(skips)] = padded
@@ -352,7 +352,7 @@ class SkipWatch:
 
 
 def read_scalar(x: jax.Array) -> int:
-  """A replicated scalar's value, from this process's first copy (a fraction of ``jax.device_get``'s cost)."""
+  """A replicated scalar's value, from this process's first copy (a fraction of `jax.device_get`'s cost)."""
   return int(np.asarray(x.addressable_data(0)))
 
 

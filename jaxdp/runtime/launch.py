@@ -1,79 +1,79 @@
-"""Local launcher: ``python -m jaxdp.launch --nproc P [--devices-per-proc D] -- script.py [args]``.
+"""Local launcher: `python -m jaxdp.launch --nproc P [--devices-per-proc D] -- script.py [args]`.
 
-Like ``torchrun --standalone``: picks a free port on the loopback interface,
-starts ``P`` worker processes with the environment that
-:func:`jaxdp.runtime.distributed.initialize` reads, streams their output prefixed with
-``[rank i]``, and takes the whole job down when one worker fails.
+Like `torchrun --standalone`: picks a free port on the loopback interface,
+starts `P` worker processes with the environment that
+`jaxdp.runtime.distributed.initialize` reads, streams their output prefixed with
+`[rank i]`, and takes the whole job down when one worker fails.
 
 Failure handling, all bounded in time:
 
 * a worker that exits non-zero or is killed by a signal: the others get
-  SIGTERM, then SIGKILL after ``--grace-period`` seconds; the launcher exits
-  with that worker's code (``128 + signal`` for a signal) and names its rank
+  SIGTERM, then SIGKILL after `--grace-period` seconds; the launcher exits
+  with that worker's code (`128 + signal` for a signal) and names its rank
   (when a peer is killed by a signal within a second of a non-zero exit, the
   killed one is named: its death is usually why the other failed);
-* ``--timeout`` seconds of wall clock (e.g. a worker that hangs): everything
+* `--timeout` seconds of wall clock (e.g. a worker that hangs): everything
   is stopped the same way, exit code 124;
 * SIGINT (Ctrl-C) or SIGTERM to the launcher: everything is stopped, exit
-  code ``128 + signal``.
+  code `128 + signal`.
 
 Stopping the job stops every process it started, however deep and in
 whatever session or process group (Linux; elsewhere only the workers'
 process groups). The workers are children of a small *guardian* process
-(this file run with ``python -I -S``: standard library only, so it starts in
+(this file run with `python -I -S`: standard library only, so it starts in
 milliseconds), not of the launcher. The guardian is a child subreaper
-(``prctl(PR_SET_CHILD_SUBREAPER)``): a process whose parent exits is
+(`prctl(PR_SET_CHILD_SUBREAPER)`): a process whose parent exits is
 re-parented to it instead of to init, so every live process of the job stays
-below it in the ``/proc`` parent chains, even one that double-forked into a
+below it in the `/proc` parent chains, even one that double-forked into a
 new session. Stopping walks those chains: SIGTERM and SIGCONT to every
 process, SIGKILL after the grace period to every one left, until the
 guardian has no child. The guardian runs in its own session and holds the
 read end of a pipe from the launcher; when the pipe closes, which the kernel
 also does when the launcher is SIGKILLed, it SIGKILLs the whole tree and
-exits. ``PR_SET_PDEATHSIG`` alone cannot do this: it only reaches a process
+exits. `PR_SET_PDEATHSIG` alone cannot do this: it only reaches a process
 whose parent dies, not a grandchild whose parent is still alive or already
 gone; a cgroup can, but needs a delegated cgroup hierarchy that containers
 and CI runners often lack. As a second line, the workers still get SIGKILL
-from the kernel if the guardian itself dies (``PR_SET_PDEATHSIG``).
+from the kernel if the guardian itself dies (`PR_SET_PDEATHSIG`).
 
-Automatic restart (``--max-restarts K``, like torchrun's): when a worker
+Automatic restart (`--max-restarts K`, like torchrun's): when a worker
 fails, the job is stopped as above and started again from scratch, with a
-fresh coordinator port (unless ``--port`` fixes it), up to ``K`` times. Each
+fresh coordinator port (unless `--port` fixes it), up to `K` times. Each
 restart is logged to stderr with the failing rank and its exit code, and the
-workers read ``JAXDP_RESTART_COUNT`` (0 for the first attempt). After ``K``
-restarts the launcher exits with the last failure's code. ``--timeout``
+workers read `JAXDP_RESTART_COUNT` (0 for the first attempt). After `K`
+restarts the launcher exits with the last failure's code. `--timeout`
 bounds each attempt, not the whole run. What is and is not recovered:
 
 * recovered: a worker that exits non-zero or is killed (crash, OOM killer,
   SIGKILL), and so the job it takes down. The new attempt runs the script
   from its start: one that resumes from its latest checkpoint (see
-  :class:`jaxdp.CheckpointManager`) redoes only the steps since then, one
+  `jaxdp.CheckpointManager`) redoes only the steps since then, one
   without checkpoints redoes everything;
 * not recovered: a timeout (exit 124: a hang would most likely hang again;
-  a hang that keeps sending heartbeats is only ended by ``--timeout``),
+  a hang that keeps sending heartbeats is only ended by `--timeout`),
   Ctrl-C or SIGTERM to the launcher (someone wants the job gone), and a
   worker that exits 0, even early: it has not failed, and the launcher
   waits for the others (a JAX worker that leaves early waits in JAX's
   shutdown barrier; if the others never get there JAX aborts them all after
-  ``--shutdown-timeout``, and that abort is a failure).
+  `--shutdown-timeout`, and that abort is a failure).
 
-``--min-nproc M`` (default ``--nproc``) lets a restarted job run with fewer
-processes. The policy depends only on the attempt number ``k``: attempt
-``k`` runs ``max(P - k, M)`` processes. With ``--devices-per-proc D`` the
-first attempt's ``P * D`` devices are re-split over the new count when it
-divides them (``2 x 2`` restarts as ``1 x 4``), so the data axis keeps its
-size; otherwise each process keeps ``D`` devices and the job has fewer in
-all (``3 x 1`` restarts as ``2 x 1``): the script must then cope with a
+`--min-nproc M` (default `--nproc`) lets a restarted job run with fewer
+processes. The policy depends only on the attempt number `k`: attempt
+`k` runs `max(P - k, M)` processes. With `--devices-per-proc D` the
+first attempt's `P * D` devices are re-split over the new count when it
+divides them (`2 x 2` restarts as `1 x 4`), so the data axis keeps its
+size; otherwise each process keeps `D` devices and the job has fewer in
+all (`3 x 1` restarts as `2 x 1`): the script must then cope with a
 smaller mesh, e.g. by restoring its checkpoint onto it. Without
-``--devices-per-proc`` each process uses what the backend gives it.
+`--devices-per-proc` each process uses what the backend gives it.
 
 A JAX worker that joined the job catches SIGTERM (JAX's preemption notifier:
-``multihost_utils.reached_preemption_sync_point`` lets it checkpoint), so
+`multihost_utils.reached_preemption_sync_point` lets it checkpoint), so
 stopping one takes the grace period before SIGKILL.
 
-The launcher starts workers with ``sys.executable``; it does not change
-``sys.path``, so the script must be able to import jaxdp (installed, or
-``PYTHONPATH``).
+The launcher starts workers with `sys.executable`; it does not change
+`sys.path`, so the script must be able to import jaxdp (installed, or
+`PYTHONPATH`).
 """
 
 # Only the standard library at module level: the guardian runs this file without jaxdp on its path.
@@ -97,13 +97,13 @@ from typing import IO, Callable, NamedTuple, Sequence
 # The environment written for each worker, read by :func:`jaxdp.runtime.distributed.initialize` (which re-exports
 # these names). They live here because the launcher imports no jax.
 ENV_COORDINATOR = "JAXDP_COORDINATOR"
-"""``host:port`` the workers connect to."""
+"""`host:port` the workers connect to."""
 ENV_COORDINATOR_BIND = "JAXDP_COORDINATOR_BIND"
-"""``host:port`` the coordinator (process 0) listens on; default: ``JAXDP_COORDINATOR``."""
+"""`host:port` the coordinator (process 0) listens on; default: `JAXDP_COORDINATOR`."""
 ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDP_PROCESS_ID"
 ENV_DEVICES_PER_PROC = "JAXDP_DEVICES_PER_PROC"
-"""Simulated CPU devices per process (``jax_num_cpu_devices``); unset: JAX's default."""
+"""Simulated CPU devices per process (`jax_num_cpu_devices`); unset: JAX's default."""
 ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "JAXDP_INIT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "JAXDP_SHUTDOWN_TIMEOUT"
@@ -125,8 +125,8 @@ _GUARDIAN_FAILED = -1  # "exit code" of a rank the guardian stopped reporting on
 class Failure(NamedTuple):
   """Why the job stopped early: the first worker to fail, a timeout or a signal.
 
-  ``worker_code`` is the failed worker's status as ``subprocess`` reports it
-  (negative: killed by that signal), ``None`` when no worker failed: only a
+  `worker_code` is the failed worker's status as `subprocess` reports it
+  (negative: killed by that signal), `None` when no worker failed: only a
   worker's failure restarts the job.
   """
 
@@ -137,7 +137,7 @@ class Failure(NamedTuple):
 
 
 class ProcessLayout(NamedTuple):
-  """The processes of one attempt, and simulated devices per process (``None``: the backend's default)."""
+  """The processes of one attempt, and simulated devices per process (`None`: the backend's default)."""
 
   nproc: int
   devices_per_proc: int | None = None
@@ -145,10 +145,10 @@ class ProcessLayout(NamedTuple):
 
 def restart_layout(restart: int, nproc: int, devices_per_proc: int | None = None,
                    min_nproc: int | None = None) -> ProcessLayout:
-  """The layout of attempt ``restart`` (0 is the first) of a ``nproc x devices_per_proc`` job.
+  """The layout of attempt `restart` (0 is the first) of a `nproc x devices_per_proc` job.
 
-  ``max(nproc - restart, min_nproc)`` processes; the first attempt's device
-  total re-split over them when it divides evenly, else ``devices_per_proc``
+  `max(nproc - restart, min_nproc)` processes; the first attempt's device
+  total re-split over them when it divides evenly, else `devices_per_proc`
   each (see the module docstring).
   """
   count = max(nproc - restart, nproc if min_nproc is None else min_nproc)
@@ -158,7 +158,7 @@ def restart_layout(restart: int, nproc: int, devices_per_proc: int | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-  """A TCP port that is free on ``host`` right now (the OS picks it)."""
+  """A TCP port that is free on `host` right now (the OS picks it)."""
   family = socket.AF_INET6 if ":" in host else socket.AF_INET
   with socket.socket(family, socket.SOCK_STREAM) as s:
     s.bind((host, 0))
@@ -170,7 +170,7 @@ def _join_host_port(host: str, port: int) -> str:
 
 
 def _connect_host(host: str) -> str:
-  """Where local workers reach a coordinator bound to ``host`` (wildcards mean loopback)."""
+  """Where local workers reach a coordinator bound to `host` (wildcards mean loopback)."""
   return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
@@ -186,7 +186,7 @@ def worker_env(
     restart_count: int = 0,
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
-  """The environment of worker ``rank``: ``base`` (default ``os.environ``) plus the ``JAXDP_*`` settings."""
+  """The environment of worker `rank`: `base` (default `os.environ`) plus the `JAXDP_*` settings."""
   env = dict(os.environ if base is None else base)
   env.update({
       ENV_COORDINATOR: coordinator,
@@ -211,7 +211,7 @@ def worker_env(
 
 
 def _prctl(option: int, value: int) -> bool:
-  """``prctl(option, value)`` on Linux; False where it is not available or fails."""
+  """`prctl(option, value)` on Linux; False where it is not available or fails."""
   if not sys.platform.startswith("linux"):
     return False
   try:
@@ -227,9 +227,9 @@ def _prepare_child() -> None:
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
-  """Copies ``stream`` to ``out`` line by line, each line prefixed, until end of file.
+  """Copies `stream` to `out` line by line, each line prefixed, until end of file.
 
-  If ``out`` breaks (e.g. the launcher's output was piped into ``head``), the
+  If `out` breaks (e.g. the launcher's output was piped into `head`), the
   rest is read and dropped, so that the worker never blocks on a full pipe.
   """
   for line in iter(stream.readline, b""):
@@ -247,23 +247,23 @@ def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock
 
 
 class Job:
-  """``nproc`` workers running one command, stopped together with every process they start.
+  """`nproc` workers running one command, stopped together with every process they start.
 
   Args:
-    command: the worker command line (``[python, script, ...]``).
+    command: the worker command line (`[python, script, ...]`).
     nproc: the number of workers.
     host: the address the coordinator binds to.
-    port: the coordinator port; ``0`` picks a free one.
-    devices_per_proc: simulated CPU devices per worker, or ``None``.
-    heartbeat_timeout: ``JAXDP_HEARTBEAT_TIMEOUT`` for the workers, or ``None``.
-    shutdown_timeout: ``JAXDP_SHUTDOWN_TIMEOUT`` for the workers, or ``None``.
+    port: the coordinator port; `0` picks a free one.
+    devices_per_proc: simulated CPU devices per worker, or `None`.
+    heartbeat_timeout: `JAXDP_HEARTBEAT_TIMEOUT` for the workers, or `None`.
+    shutdown_timeout: `JAXDP_SHUTDOWN_TIMEOUT` for the workers, or `None`.
     grace_period: seconds between SIGTERM and SIGKILL when stopping.
-    restart_count: ``JAXDP_RESTART_COUNT`` for the workers.
+    restart_count: `JAXDP_RESTART_COUNT` for the workers.
 
   Attributes:
-    pids: each worker's pid once the guardian has started it, else ``None``.
-    exits: ``(rank, code)`` of each worker as it exits (a negative code is
-      a signal); ``(None, -1)`` if the guardian ended before every worker.
+    pids: each worker's pid once the guardian has started it, else `None`.
+    exits: `(rank, code)` of each worker as it exits (a negative code is
+      a signal); `(None, -1)` if the guardian ended before every worker.
   """
 
   def __init__(self, command: Sequence[str], nproc: int, *, host: str = "127.0.0.1", port: int = 0,
@@ -341,7 +341,7 @@ class Job:
       pass
 
   def _read_reports(self) -> None:
-    """Turns the guardian's ``pid RANK PID`` and ``exit RANK CODE`` lines into ``pids`` and ``exits``."""
+    """Turns the guardian's `pid RANK PID` and `exit RANK CODE` lines into `pids` and `exits`."""
     for line in self._guardian.stdout:
       kind, rank, value = line.decode().split()
       if kind == "pid":
@@ -359,7 +359,7 @@ class Job:
   def stop(self) -> None:
     """SIGTERM and SIGCONT to every process of the job, SIGKILL to what is left after the grace period.
 
-    SIGCONT lets a stopped (``SIGSTOP``) process act on SIGTERM. Returns when
+    SIGCONT lets a stopped (`SIGSTOP`) process act on SIGTERM. Returns when
     the guardian has reaped every process of the job (or after a bounded wait
     if one survives SIGKILL, e.g. stuck in the kernel).
     """
@@ -403,7 +403,7 @@ def _interrupted(signum: int) -> Failure:
 
 
 class _Signals:
-  """Notes the first SIGINT or SIGTERM to the launcher; the main loop polls ``received``.
+  """Notes the first SIGINT or SIGTERM to the launcher; the main loop polls `received`.
 
   The handler never raises, so no signal can cut a start or a clean-up
   short, and a second Ctrl-C changes nothing.
@@ -427,11 +427,11 @@ class _Signals:
 
 
 def run(job: Job, timeout: float | None = None) -> int:
-  """Runs ``job`` once to the end and returns the launcher's exit code.
+  """Runs `job` once to the end and returns the launcher's exit code.
 
   Returns 0 when every worker exits 0. Otherwise stops every process of the
-  job and returns the first failed worker's code (``128 + signal`` if it was
-  killed), 124 on ``timeout`` or ``128 + signal`` when the launcher is
+  job and returns the first failed worker's code (`128 + signal` if it was
+  killed), 124 on `timeout` or `128 + signal` when the launcher is
   interrupted, after printing the reason to stderr.
   """
   return supervise(lambda restart: job, timeout=timeout)
@@ -439,17 +439,17 @@ def run(job: Job, timeout: float | None = None) -> int:
 
 def supervise(new_job: Callable[[int], Job], *, timeout: float | None = None, max_restarts: int = 0,
               signals: _Signals | None = None) -> int:
-  """Runs a job, and starts it again after a worker fails, up to ``max_restarts`` times.
+  """Runs a job, and starts it again after a worker fails, up to `max_restarts` times.
 
   Args:
-    new_job: ``new_job(restart)`` builds attempt ``restart`` (0 is the first), unstarted.
+    new_job: `new_job(restart)` builds attempt `restart` (0 is the first), unstarted.
     timeout: seconds each attempt may run.
     max_restarts: how many times a worker's failure restarts the job.
     signals: the launcher's handlers of SIGINT and SIGTERM, already installed
-      (as ``main`` does first); by default they are installed here.
+      (as `main` does first); by default they are installed here.
 
   Returns:
-    The launcher's exit code, as :func:`run`: that of the last attempt.
+    The launcher's exit code, as `run`: that of the last attempt.
   """
   with contextlib.nullcontext(signals) if signals is not None else _Signals() as signals:
     job, restart = new_job(0), 0
@@ -478,7 +478,7 @@ def _restart_message(failure: Failure, restart: int, max_restarts: int, previous
 
 
 def _attempt(job: Job, timeout: float | None, signals: _Signals) -> Failure | None:
-  """Runs ``job`` to the end or to its first failure, then stops all of it."""
+  """Runs `job` to the end or to its first failure, then stops all of it."""
   if signals.received is not None:  # came before any worker started: start none
     return _interrupted(signals.received)
   try:
@@ -490,7 +490,7 @@ def _attempt(job: Job, timeout: float | None, signals: _Signals) -> Failure | No
 
 
 def _watch(job: Job, timeout: float | None, signals: _Signals) -> Failure | None:
-  """Waits for every worker to exit 0 (``None``), for the first to fail, for ``timeout`` or for a signal."""
+  """Waits for every worker to exit 0 (`None`), for the first to fail, for `timeout` or for a signal."""
   deadline = None if timeout is None else time.monotonic() + timeout
   running = job.nproc
   while running:
@@ -512,7 +512,7 @@ def _watch(job: Job, timeout: float | None, signals: _Signals) -> Failure | None
 
 
 def _root_cause(job: Job, rank: int, code: int) -> tuple[int, int]:
-  """The failure to report: a worker killed by a signal among those failing within ``_SETTLE_SECONDS``.
+  """The failure to report: a worker killed by a signal among those failing within `_SETTLE_SECONDS`.
 
   When one worker is killed, its peers often fail a moment later on their own (a collective's
   connection resets) and can be reaped first; the killed one is the cause worth naming.
@@ -536,7 +536,7 @@ def _root_cause(job: Job, rank: int, code: int) -> tuple[int, int]:
 
 
 def _descendants(root: int) -> list[int]:
-  """Pids of every process below ``root`` in the parent chains of ``/proc`` (empty without ``/proc``)."""
+  """Pids of every process below `root` in the parent chains of `/proc` (empty without `/proc`)."""
   children: dict[int, list[int]] = {}
   try:
     names = os.listdir("/proc")
@@ -560,7 +560,7 @@ def _descendants(root: int) -> list[int]:
 
 
 def _last_ran(pid: int) -> float:
-  """When ``pid`` (a zombie: not yet reaped) last ran, in the scheduler's clock; ``inf`` where Linux does not say."""
+  """When `pid` (a zombie: not yet reaped) last ran, in the scheduler's clock; `inf` where Linux does not say."""
   try:
     with open(f"/proc/{pid}/sched") as f:
       for line in f:
@@ -579,13 +579,13 @@ def _report(line: str) -> None:
 
 
 class _LineReader:
-  """Lines from a pipe, waiting at most ``timeout`` for each (the guardian also watches its children)."""
+  """Lines from a pipe, waiting at most `timeout` for each (the guardian also watches its children)."""
 
   def __init__(self, fd: int, wake: int | None = None):
     self.fd, self.wake, self.buffer, self.closed = fd, wake, b"", False
 
   def read(self, timeout: float | None) -> str | None:
-    """The next line, or ``None`` if none came within ``timeout``, a byte came on ``wake``, or the pipe closed."""
+    """The next line, or `None` if none came within `timeout`, a byte came on `wake`, or the pipe closed."""
     while b"\n" not in self.buffer and not self.closed:
       ready = select.select([self.fd] + ([self.wake] if self.wake is not None else []), [], [], timeout)[0]
       if self.wake in ready:
@@ -632,7 +632,7 @@ class _Guardian:
 
     The order matters: the first worker to fail is the one the launcher names, and its peers usually fail
     a moment later when their collectives lose it. Children that exited since the last pass are ordered
-    by when they last ran (``/proc/PID/sched``, read before reaping) where Linux shows it, else as found.
+    by when they last ran (`/proc/PID/sched`, read before reaping) where Linux shows it, else as found.
     """
     exited = []
     while True:
@@ -655,7 +655,7 @@ class _Guardian:
     return alive
 
   def signal_all(self, sig: int) -> None:
-    """``sig`` to the live workers' process groups and to every process below the guardian."""
+    """`sig` to the live workers' process groups and to every process below the guardian."""
     for pid in list(self.workers):  # without /proc (not Linux) the groups are all it can find
       with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -664,7 +664,7 @@ class _Guardian:
         os.kill(pid, sig)
 
   def kill_all(self) -> None:
-    """SIGKILL to every process below, again and again, until none is left (or for ``_KILL_WAIT_SECONDS``).
+    """SIGKILL to every process below, again and again, until none is left (or for `_KILL_WAIT_SECONDS`).
 
     Repeated because a process may fork between the walk and the kill; its
     child is then re-parented to the guardian and found by the next walk.
@@ -740,7 +740,7 @@ def _positive_float(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-  """The command line of ``python -m jaxdp.launch``."""
+  """The command line of `python -m jaxdp.launch`."""
   p = argparse.ArgumentParser(
       prog="python -m jaxdp.launch",
       description="Start NPROC local worker processes of one JAX job (call jaxdp.runtime.distributed.initialize() in the script).",
@@ -768,7 +768,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs ``python -m jaxdp.launch`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+  """Runs `python -m jaxdp.launch` with `argv` (default `sys.argv[1:]`); returns the exit code."""
   # The handlers come first: a signal from here on stops the job cleanly, even before a worker exists.
   with _Signals() as signals:
     return _main(argv, signals)

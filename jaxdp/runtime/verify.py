@@ -4,35 +4,37 @@ A float32 run on several devices drifts from one device even when the layout
 is exact: models with ReLUs, max-pools or argmaxes amplify the last bits of
 a sum taken in another order (a 7.5e-8 difference after one step grew to
 2.8e-4 in the loss by step 10 on a port of flax's MNIST CNN). A float32
-comparison of two runs cannot tell that from a bug. :func:`verify` runs the
+comparison of two runs cannot tell that from a bug. `verify` runs the
 two checks that can:
 
 * **float64**: the user's step, on the layout and on one device, with the
   parameters, model state, batch and weights cast to float64 (inside
-  ``jax.enable_x64``, restored on return). Round-off is then about 1e-16
+  `jax.enable_x64`, restored on return). Round-off is then about 1e-16
   relative, far below any real error;
 * **teacher forcing**: at each step both steps start from the *same* state
   (one device's), so a difference cannot be inherited from earlier steps;
   the one-device run itself is carried forward.
 
 It reports the largest relative difference, per step, of the loss, the
-gradient (read from a step with ``optax.sgd(1.0)`` from the same state),
+gradient (read from a step with `optax.sgd(1.0)` from the same state),
 the parameters, the optimizer state and the model state. The verdict reads
 the loss, the gradient and the model state, each leaf's difference relative
-to its part's largest magnitude: past ``rtol`` it is a real divergence (a
+to its part's largest magnitude: past `rtol` it is a real divergence (a
 layout bug, or a reduction that is not exact, e.g.
-``reductions.rank_mean()`` on uneven rows), with the first step and leaf.
+`reductions.rank_mean()` on uneven rows), with the first step and leaf.
 Parameters and optimizer state that part by more while the gradient agrees
 are round-off amplified by the optimizer (Adam normalises a gradient leaf
 that is round-off itself, e.g. a bias before a BatchNorm, to a step of
 about its learning rate), reported as such. The free-running float64
 difference (each run on its own trajectory) is reported too.
 
-Example::
+Example:
 
-  report = jaxdp.runtime.verify.verify(loss_fn, optax.adam(1e-3), dp, params, batches, steps=5)
-  print(report)            # "round-off: ..." or "divergence at step 1, params['w']: ..."
-  assert not report.diverged
+```python
+report = jaxdp.runtime.verify.verify(loss_fn, optax.adam(1e-3), dp, params, batches, steps=5)
+print(report)            # "round-off: ..." or "divergence at step 1, params['w']: ..."
+assert not report.diverged
+```
 """
 
 from __future__ import annotations
@@ -53,24 +55,24 @@ from jaxdp.sharding.layout import data_mesh, gather_state
 from jaxdp.sharding.parallel import DataParallel, as_layout, data_parallel, init_state
 
 PARTS = ("loss", "gradient", "params", "opt_state", "model_state")
-"""What :func:`verify` compares at each step."""
+"""What `verify` compares at each step."""
 
 VERDICT_PARTS = ("loss", "gradient", "model_state")
-"""The parts whose difference past ``rtol`` is a divergence; the others only report the optimizer's amplification."""
+"""The parts whose difference past `rtol` is a divergence; the others only report the optimizer's amplification."""
 
 DEFAULT_RTOL = 1e-9
-"""The largest relative difference :func:`verify` calls round-off in float64 (about 5e6 float64 ulps: room for
+"""The largest relative difference `verify` calls round-off in float64 (about 5e6 float64 ulps: room for
 sums over many elements and a few steps' amplification, far below a real error's 1e-6 and up)."""
 
 
 class StepDifference(NamedTuple):
-  """The largest relative differences of one step: per leaf ``max |a - b|`` over the largest magnitude of its
+  """The largest relative differences of one step: per leaf `max |a - b|` over the largest magnitude of its
   part (all of the part's leaves, both runs), then the largest over the part's leaves.
 
   Attributes:
     loss, gradient, params, opt_state, model_state: the part's largest relative difference (0.0 if empty).
-    leaf: the part and leaf path of the largest difference over :data:`VERDICT_PARTS`, e.g. ``"gradient['w']"``.
-    amplified: the same over the parameters and optimizer state, e.g. ``"params['b']"``.
+    leaf: the part and leaf path of the largest difference over `VERDICT_PARTS`, e.g. `"gradient['w']"`.
+    amplified: the same over the parameters and optimizer state, e.g. `"params['b']"`.
   """
 
   loss: float
@@ -93,17 +95,17 @@ class StepDifference(NamedTuple):
 
 
 class Report(NamedTuple):
-  """What :func:`verify` found.
+  """What `verify` found.
 
   Attributes:
-    forced: one :class:`StepDifference` per step, teacher-forced (both steps from one device's state) in float64.
+    forced: one `StepDifference` per step, teacher-forced (both steps from one device's state) in float64.
     free: one per step, each run on its own trajectory in float64.
     rtol: the tolerance the verdict used.
-    first: ``(step, leaf)`` of the first teacher-forced step and leaf of :data:`VERDICT_PARTS` past ``rtol``
-      (steps count from 1), or ``None``.
-    amplified: ``(step, leaf)`` of the first teacher-forced step whose parameters or optimizer state part by
-      more than ``rtol`` while its loss, gradient and model state agree (round-off the optimizer amplified), or
-      ``None``.
+    first: `(step, leaf)` of the first teacher-forced step and leaf of `VERDICT_PARTS` past `rtol`
+      (steps count from 1), or `None`.
+    amplified: `(step, leaf)` of the first teacher-forced step whose parameters or optimizer state part by
+      more than `rtol` while its loss, gradient and model state agree (round-off the optimizer amplified), or
+      `None`.
   """
 
   forced: list
@@ -114,7 +116,7 @@ class Report(NamedTuple):
 
   @property
   def diverged(self) -> bool:
-    """Whether a teacher-forced float64 step differs from one device's by more than ``rtol``: a real divergence."""
+    """Whether a teacher-forced float64 step differs from one device's by more than `rtol`: a real divergence."""
     return self.first is not None
 
   @property
@@ -144,7 +146,7 @@ class Report(NamedTuple):
 
 
 def _to_float64(tree: Any) -> Any:
-  """Every floating leaf of ``tree`` as float64 numpy (complex as complex128); others as they are."""
+  """Every floating leaf of `tree` as float64 numpy (complex as complex128); others as they are."""
   def cast(x):
     dtype = np.asarray(x).dtype if not hasattr(x, "dtype") else np.dtype(x.dtype)
     if jnp.issubdtype(dtype, jnp.complexfloating):
@@ -179,7 +181,7 @@ def _part_scale(*trees: Any) -> float:
 
 
 def _difference(parts: dict, ref_parts: dict) -> StepDifference:
-  """``parts``/``ref_parts``: ``{part: tree}`` of the layout's and one device's (host values)."""
+  """`parts`/`ref_parts`: `{part: tree}` of the layout's and one device's (host values)."""
   worst, where = {name: 0.0 for name in PARTS}, {"verdict": ("loss", -1.0), "state": ("params", -1.0)}
   for name in PARTS:
     got, want = parts[name], ref_parts[name]
@@ -232,24 +234,24 @@ def verify(
     rtol: float = DEFAULT_RTOL,
     **step_options: Any,
 ) -> Report:
-  """Runs the user's step on ``layout`` and on one device, in float64 and teacher-forced; see the module.
+  """Runs the user's step on `layout` and on one device, in float64 and teacher-forced; see the module.
 
   Args:
-    loss_fn, optimizer: as for :func:`jaxdp.make_train_step`.
-    layout: the layout to verify (a :class:`jaxdp.DataParallel`, a ``Mesh``, or ``None``: every device).
+    loss_fn, optimizer: as for `jaxdp.make_train_step`.
+    layout: the layout to verify (a `jaxdp.DataParallel`, a `Mesh`, or `None`: every device).
     params: the initial parameters (any float dtype: cast to float64 here).
-    batches: an iterable of ``(batch, weights)`` pairs (or of batches, without weights), host arrays; their
+    batches: an iterable of `(batch, weights)` pairs (or of batches, without weights), host arrays; their
       floating leaves are cast to float64.
     steps: how many of them to run (default: all).
-    model_state: the model's initial state, as for :func:`jaxdp.init_state`.
-    rng: the PRNG key given to every step (dropout), or ``None``. The masks are one device's only with
-      layout-invariant dropout (``example_ids=`` in ``step_options``); per-replica masks are a real difference.
-    rtol: the largest relative difference called round-off (default :data:`DEFAULT_RTOL`).
-    step_options: the other keywords of :func:`jaxdp.make_train_step` (``reduction``, ``precision``,
-      ``accum_steps``, ``example_ids``), given to both steps alike.
+    model_state: the model's initial state, as for `jaxdp.init_state`.
+    rng: the PRNG key given to every step (dropout), or `None`. The masks are one device's only with
+      layout-invariant dropout (`example_ids=` in `step_options`); per-replica masks are a real difference.
+    rtol: the largest relative difference called round-off (default `DEFAULT_RTOL`).
+    step_options: the other keywords of `jaxdp.make_train_step` (`reduction`, `precision`,
+      `accum_steps`, `example_ids`), given to both steps alike.
 
   Returns:
-    A :class:`Report`; ``str(report)`` says round-off or divergence (the step and leaf).
+    A `Report`; `str(report)` says round-off or divergence (the step and leaf).
 
   Raises:
     ValueError: a reduction with a per-replica state (PowerSGD's error feedback has one entry per replica,

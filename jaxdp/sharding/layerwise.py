@@ -3,30 +3,30 @@
 At ZeRO stage 3 every parameter is split over the data axis. By default the
 step all-gathers all of them before the forward pass and keeps them until the
 backward pass ends, so the peak per device still holds the whole model. For a
-model whose repeated layers are stacked on a leading axis (``nnx.vmap``,
-``nn.scan``, a stacked pytree under ``lax.scan``), name the stacks with
-``layers=`` (:func:`jaxdp.make_train_step`, :func:`jaxdp.init_state`): those
-leaves then reach ``loss_fn`` still split (along a dimension of one layer,
-never the layer axis), and the loop body calls :func:`gather` on its layer's
+model whose repeated layers are stacked on a leading axis (`nnx.vmap`,
+`nn.scan`, a stacked pytree under `lax.scan`), name the stacks with
+`layers=` (`jaxdp.make_train_step`, `jaxdp.init_state`): those
+leaves then reach `loss_fn` still split (along a dimension of one layer,
+never the layer axis), and the loop body calls `gather` on its layer's
 slice. Inside a jaxdp step that is an all-gather over the data axis of that
 layer alone; its transpose in the backward pass is a reduce-scatter of that
 layer's gradient, inside the backward loop, so the gradient of a stacked leaf
 leaves the loss already summed over the replicas and split (the step only
 divides it by the global weight). Outside a jaxdp step, and for leaves that
-are not split, :func:`gather` returns its argument: the same model code runs
+are not split, `gather` returns its argument: the same model code runs
 on one device.
 
-Memory: wrap the loop body in ``jax.checkpoint`` with
-``policy=jaxdp.gather_policy(reshard_after_forward)``. With ``True`` (the
+Memory: wrap the loop body in `jax.checkpoint` with
+`policy=jaxdp.gather_policy(reshard_after_forward)`. With `True` (the
 default, FSDP2's) the gathered layer is dropped after its forward use and
-gathered again in the backward pass; with ``False`` it is kept for the
+gathered again in the backward pass; with `False` it is kept for the
 backward pass (less traffic, one gathered layer per layer alive). Without
-``jax.checkpoint`` autodiff keeps every gathered layer as a residual. The
+`jax.checkpoint` autodiff keeps every gathered layer as a residual. The
 setting is the model's, in its checkpoint policy, as FSDP2 sets it per
 module: JAX caches a checkpointed body's trace and partial evaluation, so a
 setting read from the step while tracing could be a stale one.
 
-Prefetch: :func:`scan_layers` runs the loop itself, gathering layer l + 1
+Prefetch: `scan_layers` runs the loop itself, gathering layer l + 1
 while layer l computes (and layer l − 1 in the backward pass).
 """
 
@@ -47,7 +47,7 @@ from jaxdp.sharding import pipelining
 from jaxdp.sharding.layout import data_dim, key_name, one_layer_spec, per_model_shard, zero_axis
 
 GATHERED = "jaxdp_gathered"
-"""The ``checkpoint_name`` of a layer's gathered parameters (see :func:`gather_policy`)."""
+"""The `checkpoint_name` of a layer's gathered parameters (see `gather_policy`)."""
 
 
 class _Stacked(NamedTuple):
@@ -68,10 +68,10 @@ _ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar("jax
 
 @contextlib.contextmanager
 def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any):
-  """While tracing a step's loss: :func:`gather` gathers the slices of the stacked leaves of ``params``.
+  """While tracing a step's loss: `gather` gathers the slices of the stacked leaves of `params`.
 
-  ``params``: this device's params as the loss gets them; ``specs``: their full specs; ``stacked``: the
-  params' tree of bools from :func:`jaxdp.sharding.layout.layer_mask` (``None``: nothing stacked).
+  `params`: this device's params as the loss gets them; `specs`: their full specs; `stacked`: the
+  params' tree of bools from `jaxdp.sharding.layout.layer_mask` (`None`: nothing stacked).
   """
   if stacked is None:
     yield
@@ -116,7 +116,7 @@ def _match(path: tuple, x: Any, leaves: tuple[_Stacked, ...]) -> list[_Stacked]:
 
 
 def _plan(layer: Any, active: _Gathering) -> list:
-  """Per leaf of one layer (arrays or shapes): ``(dim, spec)`` for a slice to gather, ``None`` for a whole leaf."""
+  """Per leaf of one layer (arrays or shapes): `(dim, spec)` for a slice to gather, `None` for a whole leaf."""
   found = False
 
   def one(path, x):
@@ -146,9 +146,9 @@ def _plan(layer: Any, active: _Gathering) -> list:
 
 
 def _each_planned(tree: Any, plan: list, active: _Gathering, collective: Callable) -> Any:
-  """``collective(leaf, axis, dim)`` over ZeRO's axis, per model shard, on the leaves ``plan`` splits.
+  """`collective(leaf, axis, dim)` over ZeRO's axis, per model shard, on the leaves `plan` splits.
 
-  In the stacked leaf's own dtype (float32 master weights under ``compute_dtype``): the gradient's
+  In the stacked leaf's own dtype (float32 master weights under `compute_dtype`): the gradient's
   reduce-scatter, the gather's transpose, then sums in float32 as every reduction of the step does.
   """
   zero = zero_axis(active.axis_name)
@@ -170,7 +170,7 @@ def _gathered(layer: Any, plan: list, active: _Gathering) -> Any:
 
 
 def _scattered(cotangent: Any, plan: list, active: _Gathering) -> Any:
-  """The transpose of :func:`_gathered`: each gathered leaf's cotangent reduce-scattered back to its slice."""
+  """The transpose of `_gathered`: each gathered leaf's cotangent reduce-scattered back to its slice."""
   return _each_planned(cotangent, plan, active,
                        lambda y, axis, dim: lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True))
 
@@ -178,12 +178,12 @@ def _scattered(cotangent: Any, plan: list, active: _Gathering) -> Any:
 def gather(layer: Any) -> Any:
   """One layer's whole parameters from this device's slices, inside the loop over a stack of layers.
 
-  ``layer``: the parameters of one layer of a stack named by ``layers=`` (a subtree of one scan iteration:
-  the loop body's slice of the stacked params, an nnx layer's ``nnx.state(..., nnx.Param)``, a linen
-  block's ``params``). Inside a jaxdp step each leaf split over the data axis is all-gathered (named
-  :data:`GATHERED` for :func:`gather_policy`); elsewhere (one device, stages 0-2, a plain program) the
-  leaves come back as they are. Raises ``ValueError`` inside a step when ``layer`` is not one layer of a
-  stack named by ``layers=``.
+  `layer`: the parameters of one layer of a stack named by `layers=` (a subtree of one scan iteration:
+  the loop body's slice of the stacked params, an nnx layer's `nnx.state(..., nnx.Param)`, a linen
+  block's `params`). Inside a jaxdp step each leaf split over the data axis is all-gathered (named
+  `GATHERED` for `gather_policy`); elsewhere (one device, stages 0-2, a plain program) the
+  leaves come back as they are. Raises `ValueError` inside a step when `layer` is not one layer of a
+  stack named by `layers=`.
   """
   active = _ACTIVE.get()
   if active is None or not active.leaves:
@@ -193,24 +193,24 @@ def gather(layer: Any) -> Any:
 
 def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
                 reshard_after_forward: bool = True) -> tuple[Any, Any]:
-  """``lax.scan`` of ``f(carry, layer, x) -> (carry, y)`` over a stack of layers, each gathered ahead of its use.
+  """`lax.scan` of `f(carry, layer, x) -> (carry, y)` over a stack of layers, each gathered ahead of its use.
 
-  The functional route's loop with prefetch: inside a layer-wise step, layer ``l + 1``'s all-gather is
-  issued in iteration ``l``, before ``f`` computes layer ``l`` (the loop carries the next layer's gathered
+  The functional route's loop with prefetch: inside a layer-wise step, layer `l + 1`'s all-gather is
+  issued in iteration `l`, before `f` computes layer `l` (the loop carries the next layer's gathered
   parameters), so a GPU or TPU scheduler can overlap the two; the backward pass runs the layers in reverse,
-  gathering layer ``l - 1`` while it recomputes and differentiates layer ``l``, and reduce-scatters each
+  gathering layer `l - 1` while it recomputes and differentiates layer `l`, and reduce-scatters each
   layer's gradient there. Each layer's forward pass is recomputed in the backward pass (only each
-  layer's input carry is kept); ``reshard_after_forward=False`` also keeps each gathered layer, so the
-  backward pass gathers nothing. ``layers``: the stacked params as ``loss_fn`` got them (leading layer
-  axis); ``xs``: per-layer inputs (leading layer axis) or ``None``. Returns ``(carry, ys)`` as
-  ``lax.scan``. Elsewhere (one device, below stage 3, a plain program) it is ``lax.scan`` with the layers
-  as they are, so the same model runs everywhere. The gradients of values ``f`` closes over (floating
-  values being differentiated, which ``jax.closure_convert`` hoists) are summed over the layers.
+  layer's input carry is kept); `reshard_after_forward=False` also keeps each gathered layer, so the
+  backward pass gathers nothing. `layers`: the stacked params as `loss_fn` got them (leading layer
+  axis); `xs`: per-layer inputs (leading layer axis) or `None`. Returns `(carry, ys)` as
+  `lax.scan`. Elsewhere (one device, below stage 3, a plain program) it is `lax.scan` with the layers
+  as they are, so the same model runs everywhere. The gradients of values `f` closes over (floating
+  values being differentiated, which `jax.closure_convert` hoists) are summed over the layers.
 
-  Inside a pipelined step (``make_train_step(..., pipeline=)``, see :mod:`jaxdp.sharding.pipelining`) it runs the
-  stage's block of layers on microbatches of ``init`` instead (every leaf of ``init`` holding the device's
-  rows on dim 0) and returns the whole stack's output on every stage; ``f`` must return ``(carry, None)``
-  there, and ``xs`` cover the whole stack (``[L, ...]``).
+  Inside a pipelined step (`make_train_step(..., pipeline=)`, see `jaxdp.sharding.pipelining`) it runs the
+  stage's block of layers on microbatches of `init` instead (every leaf of `init` holding the device's
+  rows on dim 0) and returns the whole stack's output on every stage; `f` must return `(carry, None)`
+  there, and `xs` cover the whole stack (`[L, ...]`).
   """
   if not isinstance(reshard_after_forward, (bool, np.bool_)):
     raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}.")
@@ -228,12 +228,12 @@ def scan_layers(f: Callable, init: Any, layers: Any, xs: Any = None, *,
 
 def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_after_forward: bool,
                    in_loop: bool = False) -> tuple[Any, Any]:
-  """:func:`scan_layers` outside a pipeline (and on one work unit's block inside one): the layers gathered one at
-  a time with prefetch inside a layer-wise ZeRO-3 step, a ``lax.scan`` elsewhere.
+  """`scan_layers` outside a pipeline (and on one work unit's block inside one): the layers gathered one at
+  a time with prefetch inside a layer-wise ZeRO-3 step, a `lax.scan` elsewhere.
 
-  ``in_loop``: inside the pipeline's loop over work units, where the same layers are gathered again each
+  `in_loop`: inside the pipeline's loop over work units, where the same layers are gathered again each
   unit: the gathers are tied to the unit's input, so that XLA does not hoist them out of that loop (which would
-  hold the whole block gathered, as ``gather="step"`` does).
+  hold the whole block gathered, as `gather="step"` does).
   """
   active = _ACTIVE.get()
   count = {np.shape(x)[0] for x in jax.tree.leaves(layers)}
@@ -303,13 +303,13 @@ def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_afte
 
 
 def gather_policy(reshard_after_forward: bool = True, *_misuse: Any, **_misuse_keywords: Any) -> Callable[..., bool]:
-  """The ``jax.checkpoint`` policy for a loop body that calls :func:`gather`: FSDP2's ``reshard_after_forward``.
+  """The `jax.checkpoint` policy for a loop body that calls `gather`: FSDP2's `reshard_after_forward`.
 
-  ``True`` (default): nothing is saved, the gathered layer is dropped after the forward pass and gathered
-  again in the backward pass (3Ψ traffic per step with the gradient's reduce-scatter). ``False``: the
+  `True` (default): nothing is saved, the gathered layer is dropped after the forward pass and gathered
+  again in the backward pass (3Ψ traffic per step with the gradient's reduce-scatter). `False`: the
   gathered parameters (and nothing else) are saved for the backward pass (2Ψ, one gathered layer kept per
-  layer). Use it as ``jax.checkpoint(body, policy=jaxdp.gather_policy())`` (``nn.remat(..., policy=...)``,
-  ``nnx.remat(policy=...)``).
+  layer). Use it as `jax.checkpoint(body, policy=jaxdp.gather_policy())` (`nn.remat(..., policy=...)`,
+  `nnx.remat(policy=...)`).
   """
   # Passed uncalled (policy=jaxdp.gather_policy), JAX calls it as a policy: (primitive, *avals, **params).
   if _misuse or _misuse_keywords or not isinstance(reshard_after_forward, (bool, np.bool_)):

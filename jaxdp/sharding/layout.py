@@ -1,27 +1,27 @@
 """Layout and placement: meshes, where each leaf of the training state lives, and putting it there.
 
-Every leaf keeps its shape at every ZeRO stage; only its ``NamedSharding``
+Every leaf keeps its shape at every ZeRO stage; only its `NamedSharding`
 changes. A leaf's sharding has two parts:
 
 - its *model* part: whatever the user gave it over the mesh's other axes
-  (tensor parallelism: ``NamedSharding`` arrays, or explicit
-  ``param_specs``), kept as it is by every function here;
+  (tensor parallelism: `NamedSharding` arrays, or explicit
+  `param_specs`), kept as it is by every function here;
 - its *data* part: at ZeRO stage 1 and above, each leaf of the optimizer
   state is also split over the data axis along one dimension, and at stage 3
   each parameter too (Rajbhandari et al., 2020; PyTorch FSDP2's per-parameter
   sharding).
 
-The dimension rule (:func:`zero_dim`): the largest dimension that is not
+The dimension rule (`zero_dim`): the largest dimension that is not
 already sharded over a model axis and whose size divides by the data axis's
 device count (the first such one on a tie). A leaf with no such dimension
 (a scalar, a bias of odd length) stays replicated over the data axis rather
 than being padded: padding would change its shape, and with it what a
 shape-aware optimizer (Adafactor's factored moments, Muon's matrices) and a
-checkpoint see. :func:`jaxdp.memory_report` lists those leaves and their bytes.
+checkpoint see. `jaxdp.memory_report` lists those leaves and their bytes.
 
 The optimizer state takes its model part from the parameter it belongs to:
 an optimizer-state leaf whose key path ends with a parameter's key path and
-has that parameter's shape (Adam's ``mu['w']`` for ``params['w']``) gets that
+has that parameter's shape (Adam's `mu['w']` for `params['w']`) gets that
 parameter's model spec; any other leaf (counts, Adafactor's factored rows and
 columns) is replicated over the model axes before the data rule is applied.
 """
@@ -50,14 +50,14 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "data") -> Mesh:
-  """A 1-D mesh over ``devices`` (default: every device) with one data axis.
+  """A 1-D mesh over `devices` (default: every device) with one data axis.
 
-  The axis type is set explicitly to ``AxisType.Auto`` so that behaviour does
+  The axis type is set explicitly to `AxisType.Auto` so that behaviour does
   not depend on the JAX version's default, and so that the arrays jaxdp
-  returns carry no mesh axes in their types (see :func:`auto_mesh`); a mesh
-  of ``jax.make_mesh`` (Explicit axes) works as well. For
-  tensor parallelism or hybrid sharding build a ``Mesh`` with more axes
-  (e.g. ``jax.make_mesh((4, 2), ("data", "model"))``) and pass it instead.
+  returns carry no mesh axes in their types (see `auto_mesh`); a mesh
+  of `jax.make_mesh` (Explicit axes) works as well. For
+  tensor parallelism or hybrid sharding build a `Mesh` with more axes
+  (e.g. `jax.make_mesh((4, 2), ("data", "model"))`) and pass it instead.
   """
   if devices is not None and (isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable)):
     raise TypeError(
@@ -73,11 +73,11 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "dat
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
-  """``mesh`` with every axis of type ``AxisType.Auto`` (the same devices and names).
+  """`mesh` with every axis of type `AxisType.Auto` (the same devices and names).
 
-  jaxdp runs on the mesh it is given, whatever its axis types (docs/meshes.md). Arrays on an ``Explicit``
-  mesh follow JAX's rules for it: eager single-device code that meets them (``nnx.update`` then a metrics
-  object's ``reset()``) runs inside ``jax.set_mesh(mesh)``, and fails outside it with "Length of device
+  jaxdp runs on the mesh it is given, whatever its axis types (docs/meshes.md). Arrays on an `Explicit`
+  mesh follow JAX's rules for it: eager single-device code that meets them (`nnx.update` then a metrics
+  object's `reset()`) runs inside `jax.set_mesh(mesh)`, and fails outside it with "Length of device
   assignment 1 is not equal to the size of the mesh ... use jax.set_mesh". A program that wants arrays usable
   anywhere gives jaxdp this twin instead: Auto-typed arrays carry no mesh axes in their types.
   """
@@ -87,11 +87,11 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 
 def mesh_context(mesh: Mesh) -> Any:
-  """The context a jaxdp program on ``mesh`` runs in: ``jax.set_mesh(mesh)`` where ``mesh`` has an Explicit axis.
+  """The context a jaxdp program on `mesh` runs in: `jax.set_mesh(mesh)` where `mesh` has an Explicit axis.
 
-  A step is then traced once, whether its caller is inside ``with jax.set_mesh(mesh):`` or not, and what it
+  A step is then traced once, whether its caller is inside `with jax.set_mesh(mesh):` or not, and what it
   traces sees the mesh its arrays' types name. A mesh of Auto axes only, a caller already in this mesh's
-  context, and a call while tracing (inside the caller's own ``jit``, where ``set_mesh`` is refused: the
+  context, and a call while tracing (inside the caller's own `jit`, where `set_mesh` is refused: the
   caller's context stands) get no context of their own.
   """
   if AxisType.Explicit not in mesh.axis_types or jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
@@ -103,16 +103,16 @@ def mesh_context(mesh: Mesh) -> Any:
 
 
 def axis_names(axis_name: Any) -> tuple[str, ...]:
-  """The data axes named by ``axis_name``: one mesh axis (a str) or several (a tuple, e.g. ``("replica", "data")``)."""
+  """The data axes named by `axis_name`: one mesh axis (a str) or several (a tuple, e.g. `("replica", "data")`)."""
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def zero_axis(axis_name: Any) -> str:
-  """The axis ZeRO splits the state over: ``axis_name``, or the last of several data axes.
+  """The axis ZeRO splits the state over: `axis_name`, or the last of several data axes.
 
-  With ``axis_name=("replica", "data")`` (hybrid sharding, FSDP's
-  ``HYBRID_SHARD``) the state is split over ``"data"`` and replicated over
-  ``"replica"``; the batch is split over both.
+  With `axis_name=("replica", "data")` (hybrid sharding, FSDP's
+  `HYBRID_SHARD`) the state is split over `"data"` and replicated over
+  `"replica"`; the batch is split over both.
   """
   return axis_names(axis_name)[-1]
 
@@ -123,7 +123,7 @@ def data_size(mesh: Mesh, axis_name: Any) -> int:
 
 
 def data_rows(mesh: Mesh, axis_name: Any) -> np.ndarray:
-  """``mesh.devices`` as ``[data-parallel position, other devices]`` (positions in ``P(axis_name)`` order)."""
+  """`mesh.devices` as `[data-parallel position, other devices]` (positions in `P(axis_name)` order)."""
   names = axis_names(axis_name)
   order = [mesh.axis_names.index(a) for a in names]
   rest = [i for i in range(len(mesh.axis_names)) if i not in order]
@@ -131,11 +131,11 @@ def data_rows(mesh: Mesh, axis_name: Any) -> np.ndarray:
 
 
 BACKENDS = ("shard_map", "pmap")
-"""How a step maps over the data axis: ``jit`` of ``jax.shard_map``, or ``jax.pmap``."""
+"""How a step maps over the data axis: `jit` of `jax.shard_map`, or `jax.pmap`."""
 
 
 def check_backend(backend: Any, mesh: Mesh, axis_name: Any) -> None:
-  """Raises unless ``backend`` is one of :data:`BACKENDS` and can map over ``mesh[axis_name]``."""
+  """Raises unless `backend` is one of `BACKENDS` and can map over `mesh[axis_name]`."""
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}.")
   if backend == "pmap" and mesh.axis_names != (axis_name,):
@@ -152,7 +152,7 @@ def check_backend(backend: Any, mesh: Mesh, axis_name: Any) -> None:
 
 
 def check_mesh_axis(mesh: Any, axis_name: Any) -> None:
-  """Raises unless ``mesh`` is a ``Mesh`` with the axis ``axis_name`` (a str), or each of several (a tuple)."""
+  """Raises unless `mesh` is a `Mesh` with the axis `axis_name` (a str), or each of several (a tuple)."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with jaxdp.data_mesh().")
   names = axis_names(axis_name) if isinstance(axis_name, (str, tuple)) else None
@@ -186,17 +186,17 @@ def check_zero_stage(zero_stage: Any) -> None:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-  """The sharding of a value held whole by every device of ``mesh``."""
+  """The sharding of a value held whole by every device of `mesh`."""
   return NamedSharding(mesh, P())
 
 
 def constrain(tree: Any, shardings: Any) -> Any:
-  """``tree`` laid out as ``shardings`` (one ``NamedSharding`` or a matching tree) inside a traced function.
+  """`tree` laid out as `shardings` (one `NamedSharding` or a matching tree) inside a traced function.
 
-  JAX takes each kind of mesh axis its own way: an ``Explicit`` axis is in
-  the array's type and is moved with ``jax.sharding.reshard`` (a type
-  change), an ``Auto`` axis is the compiler's and is asked for with
-  ``with_sharding_constraint``; each refuses the other's axes. A mixed mesh
+  JAX takes each kind of mesh axis its own way: an `Explicit` axis is in
+  the array's type and is moved with `jax.sharding.reshard` (a type
+  change), an `Auto` axis is the compiler's and is asked for with
+  `with_sharding_constraint`; each refuses the other's axes. A mixed mesh
   gets both, each naming only its own axes.
   """
   if isinstance(shardings, jax.sharding.Sharding):
@@ -215,7 +215,7 @@ def _constrain_leaf(x: Any, sharding: NamedSharding) -> Any:
 
 
 def _only_axes(spec: P, keep: set) -> P:
-  """``spec`` naming only the mesh axes in ``keep`` (the others' dimensions left unsplit)."""
+  """`spec` naming only the mesh axes in `keep` (the others' dimensions left unsplit)."""
   def part(entry):
     names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in keep)
     return None if not names else names[0] if len(names) == 1 else names
@@ -223,15 +223,15 @@ def _only_axes(spec: P, keep: set) -> P:
 
 
 def split_along(mesh: Mesh, axis_name: Any) -> NamedSharding:
-  """The sharding of a batch whose leading axis is split over ``axis_name`` (replicated over other axes)."""
+  """The sharding of a batch whose leading axis is split over `axis_name` (replicated over other axes)."""
   return NamedSharding(mesh, P(axis_name if isinstance(axis_name, str) else tuple(axis_name)))
 
 
 def global_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding, block: Any) -> jax.Array:
-  """The global array of ``shape`` whose shard at each global index is ``block(index)`` (a host array).
+  """The global array of `shape` whose shard at each global index is `block(index)` (a host array).
 
-  The one place jaxdp calls ``jax.make_array_from_callback``, rather than
-  ``make_array_from_process_local_data``: the callback is handed the global
+  The one place jaxdp calls `jax.make_array_from_callback`, rather than
+  `make_array_from_process_local_data`: the callback is handed the global
   index of each *addressable* shard and returns exactly that device's data,
   so a process needs (and touches) only its own shards, whatever the order
   of the processes' devices along the axes and whatever axes the array is
@@ -259,9 +259,9 @@ def _place_leaf(x: Any, sharding: jax.sharding.Sharding) -> Any:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-  """``jax.device_put(tree, shardings)`` that also works for process-local values in a multi-process run.
+  """`jax.device_put(tree, shardings)` that also works for process-local values in a multi-process run.
 
-  ``shardings`` is one ``Sharding`` or a matching tree of them. Every process
+  `shardings` is one `Sharding` or a matching tree of them. Every process
   must pass the same values. A leaf already placed as asked is returned as it is.
   """
   if isinstance(shardings, jax.sharding.Sharding):
@@ -270,9 +270,9 @@ def place(tree: Any, shardings: Any) -> Any:
 
 
 def to_host(x: Any) -> np.ndarray:
-  """The whole value of ``x`` as a numpy array (gathered from every process when it spans several).
+  """The whole value of `x` as a numpy array (gathered from every process when it spans several).
 
-  A typed PRNG key (e.g. in ``optax.noisy_sgd``'s state) has no numpy form: its key data are gathered and it
+  A typed PRNG key (e.g. in `optax.noisy_sgd`'s state) has no numpy form: its key data are gathered and it
   comes back as an unsharded key array of the same implementation.
   """
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -305,11 +305,11 @@ def _axes_of(entry: Any) -> tuple[str, ...]:
 
 
 def zero_dim(shape: Sequence[int], model_spec: P | None, n: int) -> int | None:
-  """The dimension a leaf of ``shape`` is split along over ``n`` data-parallel devices, or ``None``.
+  """The dimension a leaf of `shape` is split along over `n` data-parallel devices, or `None`.
 
   The largest dimension not already sharded over a model axis whose size
-  divides by ``n`` (the first such one on a tie); ``None`` (replicated over
-  the data axis) if there is none, or if ``n == 1``.
+  divides by `n` (the first such one on a tie); `None` (replicated over
+  the data axis) if there is none, or if `n == 1`.
   """
   if n <= 1:
     return None
@@ -326,10 +326,10 @@ def _with_data(model_spec: P, ndim: int, dim: int | None, axis_name: str) -> P:
 
 
 def model_spec_of(x: Any, mesh: Mesh, axis_name: str) -> P:
-  """The part of ``x``'s sharding over ``mesh``'s axes other than ``axis_name`` (``P()`` if it has none).
+  """The part of `x`'s sharding over `mesh`'s axes other than `axis_name` (`P()` if it has none).
 
   A spec names axes, so the split is kept on any mesh that has those axes with the same sizes, whatever their
-  order or the other axes (a mesh reordered, or one with a "replica" axis added); axes ``mesh`` lacks, or has
+  order or the other axes (a mesh reordered, or one with a "replica" axis added); axes `mesh` lacks, or has
   with another size, are dropped (the leaf is then replicated over them).
   """
   sharding = getattr(x, "sharding", None)
@@ -344,9 +344,9 @@ def model_spec_of(x: Any, mesh: Mesh, axis_name: str) -> P:
 
 
 def check_param_specs(param_specs: Any, params: Any, mesh: Mesh, axis_name: str, source: str = "param_specs") -> Any:
-  """``param_specs`` checked against ``params`` and ``mesh``: a tree of ``PartitionSpec`` over the model axes.
+  """`param_specs` checked against `params` and `mesh`: a tree of `PartitionSpec` over the model axes.
 
-  ``source``: what the messages call the specs (the argument the user passed)."""
+  `source`: what the messages call the specs (the argument the user passed)."""
   try:
     specs = jax.tree.leaves(jax.tree.map(lambda _, s: [s], params, param_specs), is_leaf=lambda x: isinstance(x, list))
   except ValueError as e:
@@ -379,19 +379,19 @@ def check_param_specs(param_specs: Any, params: Any, mesh: Mesh, axis_name: str,
 
 
 def data_dim(spec: P, axis_name: Any) -> int | None:
-  """The dimension ``spec`` splits over ZeRO's axis (:func:`zero_axis`), or ``None``."""
+  """The dimension `spec` splits over ZeRO's axis (`zero_axis`), or `None`."""
   zero = zero_axis(axis_name)
   return next((d for d, entry in enumerate(spec) if zero in _axes_of(entry)), None)
 
 
 def data_part(spec: P, axis_name: Any) -> P:
-  """``spec`` with only ZeRO's axis kept: the spec ``shard_map`` sees when only the data axes are manual."""
+  """`spec` with only ZeRO's axis kept: the spec `shard_map` sees when only the data axes are manual."""
   zero = zero_axis(axis_name)
   return _spec([zero if zero in _axes_of(entry) else None for entry in spec])
 
 
 def model_part(spec: P, axis_name: Any) -> P:
-  """``spec`` without the data axes: the part the compiler partitions inside ``shard_map`` over the data axes."""
+  """`spec` without the data axes: the part the compiler partitions inside `shard_map` over the data axes."""
   names = axis_names(axis_name)
   entries = []
   for entry in spec:
@@ -401,12 +401,12 @@ def model_part(spec: P, axis_name: Any) -> P:
 
 
 def per_model_shard(fn: Any, spec: P, axis_name: Any) -> Any:
-  """``fn`` (a data-axis collective) run on each model-axis shard of a leaf whose full spec is ``spec``.
+  """`fn` (a data-axis collective) run on each model-axis shard of a leaf whose full spec is `spec`.
 
-  For use inside ``shard_map`` over the data axes. A data-axis collective on
+  For use inside `shard_map` over the data axes. A data-axis collective on
   a leaf the compiler partitions over model axes otherwise makes XLA gather
   the leaf over those axes first (more bytes sent than the collective
-  itself needs); a nested ``shard_map`` over the model axes keeps every
+  itself needs); a nested `shard_map` over the model axes keeps every
   device on its own model shard.
   """
   model = model_part(spec, axis_name)
@@ -417,23 +417,23 @@ def per_model_shard(fn: Any, spec: P, axis_name: Any) -> Any:
 
 
 class Layout(NamedTuple):
-  """Where every leaf of a :class:`jaxdp.TrainState` lives, for one mesh, data axis and ZeRO stage.
+  """Where every leaf of a `jaxdp.TrainState` lives, for one mesh, data axis and ZeRO stage.
 
   Attributes:
-    specs: a ``TrainState`` of full ``PartitionSpec``s (model and data axes).
-    grad_specs: the params' tree of the data-axis ``PartitionSpec`` each
+    specs: a `TrainState` of full `PartitionSpec`s (model and data axes).
+    grad_specs: the params' tree of the data-axis `PartitionSpec` each
       reduced gradient leaf has: split along the dimension its parameter
       is split along at stage 3 (reduce-scattered) at stages 2 and 3,
-      ``P()`` (all-reduced) at stages 0 and 1.
+      `P()` (all-reduced) at stages 0 and 1.
     zero_stage: the stage.
-    split_specs: the params' tree of the full ``PartitionSpec`` each
+    split_specs: the params' tree of the full `PartitionSpec` each
       parameter has when split over the data axis (its model axes kept;
       unchanged where no dimension divides), the same at every stage: the
       params' own specs at stage 3, the slices the update computes before
-      stages 1-2 gather them in flat buckets (``bucket_bytes``), and the
+      stages 1-2 gather them in flat buckets (`bucket_bytes`), and the
       reduced gradient's full specs at stages 2-3.
-    layers: the params' tree of bools, ``True`` for a leaf of a stack of
-      layers named by ``layers=`` (:func:`layer_mask`); ``None`` if none.
+    layers: the params' tree of bools, `True` for a leaf of a stack of
+      layers named by `layers=` (`layer_mask`); `None` if none.
   """
 
   specs: TrainState
@@ -447,8 +447,8 @@ class Layout(NamedTuple):
 
 
 def _per_parameter(opt_state: Any, params: Any, values: Any, default: Any) -> Any:
-  """Each optimizer-state leaf's parameter's entry of ``values`` (a params-shaped tree) if its path ends with
-  that parameter's path and shapes agree (Adam's ``mu['w']`` for ``params['w']``), else ``default``."""
+  """Each optimizer-state leaf's parameter's entry of `values` (a params-shaped tree) if its path ends with
+  that parameter's path and shapes agree (Adam's `mu['w']` for `params['w']`), else `default`."""
   shapes = {path: np.shape(x) for path, x in jax.tree_util.tree_leaves_with_path(params)}
   by_path = dict(jax.tree_util.tree_leaves_with_path(values, is_leaf=lambda x: isinstance(x, P)))
   longest_first = sorted(shapes, key=len, reverse=True)
@@ -491,22 +491,22 @@ def _layer_paths(layers: Any) -> list[tuple]:
 
 
 def one_layer_spec(spec: P | None, ndim: int) -> P:
-  """The spec of one layer of a stacked leaf of ``ndim`` dimensions whose spec is ``spec`` (its layer axis dropped)."""
+  """The spec of one layer of a stacked leaf of `ndim` dimensions whose spec is `spec` (its layer axis dropped)."""
   return _spec(_entries(spec, ndim)[1:])
 
 
 def check_layers(layers: Any) -> None:
-  """Raises ``TypeError`` unless ``layers`` is ``None`` or names stacks of layers as :func:`layer_mask` reads."""
+  """Raises `TypeError` unless `layers` is `None` or names stacks of layers as `layer_mask` reads."""
   if layers is not None:
     _layer_paths(layers)
 
 
 def layer_mask(params: Any, layers: Any) -> Any:
-  """The params' tree of bools: ``True`` for the leaves under the key paths ``layers`` names (stacks of layers).
+  """The params' tree of bools: `True` for the leaves under the key paths `layers` names (stacks of layers).
 
-  ``layers``: ``None`` (no stack), a key (``"layers"``), a path of keys (``("decoder", "layers")``) or a list
-  of them; the leaves under each must share a leading layer axis (``nnx.vmap``, ``nn.scan`` or a stacked
-  pytree). Raises ``ValueError`` naming the fix when a path names nothing or a stack's leaves disagree.
+  `layers`: `None` (no stack), a key (`"layers"`), a path of keys (`("decoder", "layers")`) or a list
+  of them; the leaves under each must share a leading layer axis (`nnx.vmap`, `nn.scan` or a stacked
+  pytree). Raises `ValueError` naming the fix when a path names nothing or a stack's leaves disagree.
   """
   if layers is None:
     return None
@@ -535,19 +535,19 @@ def layer_mask(params: Any, layers: Any) -> Any:
 
 def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: int, model_specs: Any = None,
                 layers: Any = None, stage_axis: str | None = None) -> Layout:
-  """The :class:`Layout` of a state shaped like ``abstract`` (arrays or ``ShapeDtypeStruct``s).
+  """The `Layout` of a state shaped like `abstract` (arrays or `ShapeDtypeStruct`s).
 
-  ``model_specs`` is the params' tree of model-axis ``PartitionSpec``s
-  (``None``: every parameter replicated over the model axes). ``layers``
-  names the stacks of layers in the params (:func:`layer_mask`): their
+  `model_specs` is the params' tree of model-axis `PartitionSpec`s
+  (`None`: every parameter replicated over the model axes). `layers`
+  names the stacks of layers in the params (`layer_mask`): their
   leaves, and the optimizer state that belongs to them, are split by the
   dimension rule applied to one layer's shape, never along the layer axis,
   so that a layer's slice can be gathered inside the loop over layers
-  (:func:`jaxdp.gather`).
+  (`jaxdp.gather`).
 
-  ``stage_axis``: a pipeline's stage axis (:mod:`jaxdp.sharding.pipelining`): the stacked leaves, and the optimizer
-  state that belongs to them, are split over it along their layer axis (stage ``s`` holds layers
-  ``s·L/P … (s+1)·L/P − 1``); every other leaf is replicated over it.
+  `stage_axis`: a pipeline's stage axis (`jaxdp.sharding.pipelining`): the stacked leaves, and the optimizer
+  state that belongs to them, are split over it along their layer axis (stage `s` holds layers
+  `s·L/P … (s+1)·L/P − 1`); every other leaf is replicated over it.
   """
   zero = zero_axis(axis_name)
   n = mesh.shape[zero]
@@ -600,7 +600,7 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
 
 
 def _with_stage(spec: P, ndim: int, stage_axis: str, is_layer: bool) -> P:
-  """``spec`` without ``stage_axis``, then split over it along dim 0 when ``is_layer``."""
+  """`spec` without `stage_axis`, then split over it along dim 0 when `is_layer`."""
   entries = []
   for entry in _entries(spec, ndim):
     kept = tuple(a for a in _axes_of(entry) if a != stage_axis)
@@ -611,7 +611,7 @@ def _with_stage(spec: P, ndim: int, stage_axis: str, is_layer: bool) -> P:
 
 
 def manual_part(spec: P, axes: Any) -> P:
-  """``spec`` with only the mesh axes ``axes`` kept: the spec ``shard_map`` sees when those axes are manual."""
+  """`spec` with only the mesh axes `axes` kept: the spec `shard_map` sees when those axes are manual."""
   entries = []
   for entry in spec:
     kept = tuple(a for a in _axes_of(entry) if a in axes)
@@ -620,14 +620,14 @@ def manual_part(spec: P, axes: Any) -> P:
 
 
 def model_specs_of(params: Any, mesh: Mesh, axis_name: str) -> Any:
-  """The params' tree of model-axis specs read off their shardings (``P()`` for unsharded leaves)."""
+  """The params' tree of model-axis specs read off their shardings (`P()` for unsharded leaves)."""
   return jax.tree.map(lambda x: model_spec_of(x, mesh, axis_name), params)
 
 
 def state_specs(state: TrainState) -> TrainState:
-  """The ``PartitionSpec`` of every leaf of a placed state, read off its arrays (``P()`` for host values).
+  """The `PartitionSpec` of every leaf of a placed state, read off its arrays (`P()` for host values).
 
-  The layout is in the shardings: ``state_specs(state).opt_state`` shows
+  The layout is in the shardings: `state_specs(state).opt_state` shows
   which optimizer-state leaves ZeRO split over the data axis, and along
   which dimension; model axes show tensor-parallel splits.
   """
@@ -641,7 +641,7 @@ def state_specs(state: TrainState) -> TrainState:
 
 def abstract_state(params: Any, optimizer: optax.GradientTransformation, model_state: Any = None,
                    loss_scale: Any = None) -> TrainState:
-  """The stage-0 state of ``params`` as ``ShapeDtypeStruct``s (every stage has these shapes)."""
+  """The stage-0 state of `params` as `ShapeDtypeStruct`s (every stage has these shapes)."""
   return jax.eval_shape(lambda p, m, s: TrainState.create(p, optimizer, m, s), params, model_state, loss_scale)
 
 
@@ -668,12 +668,12 @@ ANNOTATIONS = "the partitioning annotation (nn.with_partitioning) of params"
 
 
 def annotated_model_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: Any) -> tuple[Any, Any]:
-  """``(params, model_specs)``: a model library's partitioning boxes removed and the params' model-axis specs.
+  """`(params, model_specs)`: a model library's partitioning boxes removed and the params' model-axis specs.
 
-  ``param_specs`` (the user's argument) wins and must name model axes only. Without it, the specs come from the
-  boxes (linen's ``nn.with_partitioning``), with the data axes dropped from them: an annotation over the data
-  axis is the model's FSDP placement, which ``zero_stage=`` decides here (the FSDP guide); the model axes are
-  kept. Without either, from the arrays' own shardings (:func:`model_specs_of`).
+  `param_specs` (the user's argument) wins and must name model axes only. Without it, the specs come from the
+  boxes (linen's `nn.with_partitioning`), with the data axes dropped from them: an annotation over the data
+  axis is the model's FSDP placement, which `zero_stage=` decides here (the FSDP guide); the model axes are
+  kept. Without either, from the arrays' own shardings (`model_specs_of`).
   """
   params, boxed = unboxed(params)
   if param_specs is not None:
@@ -684,13 +684,13 @@ def annotated_model_specs(params: Any, param_specs: Any, mesh: Mesh, axis_name: 
 
 
 def without_axes(specs: Any, axes: Iterable[str]) -> Any:
-  """``specs`` (a ``PartitionSpec`` or a tree of them; ``None`` leaves kept) naming none of ``axes``."""
+  """`specs` (a `PartitionSpec` or a tree of them; `None` leaves kept) naming none of `axes`."""
   keep = lambda s: _spec(list(_only_axes(s, {a for e in s for a in _axes_of(e)} - set(axes))))  # noqa: E731
   return jax.tree.map(lambda s: keep(s) if isinstance(s, P) else s, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def unboxed(params: Any) -> tuple[Any, Any]:
-  """``(params, specs)``: a model library's metadata boxes removed and the specs they carried (``None`` if none)."""
+  """`(params, specs)`: a model library's metadata boxes removed and the specs they carried (`None` if none)."""
   for support in model_support():
     if support.unbox is not None:
       unboxed, specs = support.unbox(params)

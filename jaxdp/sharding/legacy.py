@@ -1,13 +1,13 @@
 """The keyword API of jaxdp 0.1, translated into today's values at the edge (one place, with a warning).
 
 Until this release the step's options were keywords, repeated in every entry
-point (``make_train_step(..., zero_stage=3, layers="blocks",
-grad_reduce_dtype=jnp.bfloat16, compression=jaxdp.powersgd(2))``). They are
-now three values: the layout (:func:`jaxdp.data_parallel`), the reduction
-(:mod:`jaxdp.reductions`) and the precision policy (:func:`jaxdp.precision`).
-:func:`accepts_legacy_keywords` wraps each entry point so that a call with
+point (`make_train_step(..., zero_stage=3, layers="blocks",
+grad_reduce_dtype=jnp.bfloat16, compression=jaxdp.powersgd(2))`). They are
+now three values: the layout (`jaxdp.data_parallel`), the reduction
+(`jaxdp.reductions`) and the precision policy (`jaxdp.precision`).
+`accepts_legacy_keywords` wraps each entry point so that a call with
 the old keywords still runs, with the same numbers bit for bit, after one
-``DeprecationWarning`` that names the replacement; nothing below the edge
+`DeprecationWarning` that names the replacement; nothing below the edge
 knows the old keywords.
 """
 
@@ -100,7 +100,7 @@ def _replacement(name: str, old: dict) -> str:
 
 
 def translate(name: str, kwargs: dict, layout_argument: str | None = "layout") -> dict:
-  """``kwargs`` of a call of ``name`` with the old keywords replaced by values (a ``DeprecationWarning`` if any)."""
+  """`kwargs` of a call of `name` with the old keywords replaced by values (a `DeprecationWarning` if any)."""
   # loss_scale= is local_gradient's own argument (the current scale) and init_state's old one (the first).
   legacy = [k for k in _LAYOUT + _REDUCTION + _PRECISION if k != "loss_scale" or name == "init_state"]
   old = {k: kwargs.pop(k) for k in list(kwargs) if k in legacy}
@@ -136,9 +136,9 @@ def translate(name: str, kwargs: dict, layout_argument: str | None = "layout") -
 
 def accepts_legacy_keywords(name: str, positional: tuple[str, ...], layout_argument: str | None = "layout",
                             internal: Callable | None = None, internal_keywords: tuple[str, ...] = ()):
-  """Wraps the entry point ``name`` so that the old keywords are translated (``positional``: its parameters
-  in order, so that an old positional ``mesh`` lands in ``layout``). A call with one of ``internal_keywords``
-  (ZeRO's splits, which left the public signatures) runs ``internal(**kwargs)`` instead."""
+  """Wraps the entry point `name` so that the old keywords are translated (`positional`: its parameters
+  in order, so that an old positional `mesh` lands in `layout`). A call with one of `internal_keywords`
+  (ZeRO's splits, which left the public signatures) runs `internal(**kwargs)` instead."""
 
   def wrap(fn: Callable) -> Callable:
     @functools.wraps(fn)

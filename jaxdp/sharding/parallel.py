@@ -1,15 +1,15 @@
 """The layout value: how a run is spread over its devices, built and checked once.
 
-``dp = jaxdp.data_parallel(mesh, zero_stage=3, layers="blocks")`` holds the
-mesh, its data axes (one, several, or hybrid ``("replica", "data")``), the
+`dp = jaxdp.data_parallel(mesh, zero_stage=3, layers="blocks")` holds the
+mesh, its data axes (one, several, or hybrid `("replica", "data")`), the
 ZeRO stage, the stacks of layers, the pipeline schedule, the tensor-parallel
 specs and the mapping backend. It is the one argument that
-:func:`jaxdp.init_state`, :func:`jaxdp.make_train_step`,
-:func:`jaxdp.make_eval_step`, :func:`jaxdp.make_diloco_step`,
-:meth:`jaxdp.CheckpointManager.restore` and :func:`jaxdp.place_state` take,
+`jaxdp.init_state`, `jaxdp.make_train_step`,
+`jaxdp.make_eval_step`, `jaxdp.make_diloco_step`,
+`jaxdp.CheckpointManager.restore` and `jaxdp.place_state` take,
 in place of the keywords each used to repeat. Every refusal of a pair of
 settings lives here: the layout's own at construction, those of the layout
-with a step's reduction and precision in :func:`check_step`.
+with a step's reduction and precision in `check_step`.
 """
 
 from __future__ import annotations
@@ -53,22 +53,22 @@ from jaxdp.core.state import TrainState
 
 
 class DataParallel(NamedTuple):
-  """A checked layout (build it with :func:`data_parallel`).
+  """A checked layout (build it with `data_parallel`).
 
   Attributes:
     mesh: the device mesh the steps run on, as the caller made it (Explicit,
       Auto or mixed axes; the state and outputs live on it).
     axis_name: the data axis, or several (a tuple; hybrid sharding with
-      ``("replica", "data")``: ZeRO splits over the last, the gradient is
+      `("replica", "data")`: ZeRO splits over the last, the gradient is
       all-reduced over all).
     zero_stage: 0 (replicated, DDP), 1 (optimizer state split), 2 (and the
       gradient) or 3 (and the parameters), over the last data axis.
     layers: the key path(s) of stacks of layers in the params (layer-wise
-      ZeRO-3 and pipelines), or ``None``.
-    pipeline: a :class:`jaxdp.Pipeline` over the mesh's stage axis, or ``None``.
-    param_specs: tensor-parallel ``PartitionSpec``s of the params over the
-      mesh's model axes (for :func:`jaxdp.init_state`), or ``None``.
-    backend: ``"shard_map"`` or ``"pmap"``.
+      ZeRO-3 and pipelines), or `None`.
+    pipeline: a `jaxdp.Pipeline` over the mesh's stage axis, or `None`.
+    param_specs: tensor-parallel `PartitionSpec`s of the params over the
+      mesh's model axes (for `jaxdp.init_state`), or `None`.
+    backend: `"shard_map"` or `"pmap"`.
   """
 
   mesh: Mesh
@@ -86,7 +86,7 @@ class DataParallel(NamedTuple):
 
   @property
   def stage_axis(self) -> str | None:
-    """The pipeline's stage axis, or ``None`` without a pipeline."""
+    """The pipeline's stage axis, or `None` without a pipeline."""
     return None if self.pipeline is None else self.pipeline.axis_name
 
 
@@ -100,21 +100,21 @@ def data_parallel(
     param_specs: Any = None,
     backend: str = "shard_map",
 ) -> DataParallel:
-  """Checks a layout and returns it as a :class:`DataParallel`.
+  """Checks a layout and returns it as a `DataParallel`.
 
   Args:
-    mesh: the device mesh; default ``jaxdp.data_mesh(axis_name=axis_name)``
+    mesh: the device mesh; default `jaxdp.data_mesh(axis_name=axis_name)`
       over every device. More axes than the data axes are left to the
       compiler (tensor parallelism), except a pipeline's stage axis.
     axis_name: the data axis (a str) or several (a tuple).
-    zero_stage: 0, 1, 2 or 3 (see :mod:`jaxdp.sharding.layout`).
-    layers: the stacks of layers (see :mod:`jaxdp.sharding.layerwise`): at stage 3
+    zero_stage: 0, 1, 2 or 3 (see `jaxdp.sharding.layout`).
+    layers: the stacks of layers (see `jaxdp.sharding.layerwise`): at stage 3
       split along one layer's dimensions and gathered one layer at a time;
       with a pipeline, split over the stages.
-    pipeline: :func:`jaxdp.pipeline`'s schedule over the mesh's stage axis.
-    param_specs: the params' tree of model-axis ``PartitionSpec``s
-      (tensor parallelism), read by :func:`jaxdp.init_state`.
-    backend: ``"shard_map"`` (default) or ``"pmap"`` (one data axis, stage 0).
+    pipeline: `jaxdp.pipeline`'s schedule over the mesh's stage axis.
+    param_specs: the params' tree of model-axis `PartitionSpec`s
+      (tensor parallelism), read by `jaxdp.init_state`.
+    backend: `"shard_map"` (default) or `"pmap"` (one data axis, stage 0).
 
   Raises:
     ValueError, TypeError: a setting, or a pair of them, that cannot run;
@@ -139,8 +139,8 @@ def data_parallel(
 
 
 def as_layout(value: Any, *, axis_name: Any = None) -> DataParallel:
-  """``value`` as a :class:`DataParallel`: a layout as it is, a ``Mesh`` as ``data_parallel(mesh)``, ``None`` as
-  ``data_parallel()`` (every device on one ``"data"`` axis); ``TypeError`` for anything else."""
+  """`value` as a `DataParallel`: a layout as it is, a `Mesh` as `data_parallel(mesh)`, `None` as
+  `data_parallel()` (every device on one `"data"` axis); `TypeError` for anything else."""
   if isinstance(value, DataParallel):
     return value
   if value is None or isinstance(value, Mesh):
@@ -152,8 +152,8 @@ def as_layout(value: Any, *, axis_name: Any = None) -> DataParallel:
 
 
 def check_values(reduction: Resolved, precision: Precision, zero_stage: int = 0) -> None:
-  """Refuses a reduction and a precision policy that do not go together (or with ``zero_stage``); the pairs
-  that need the mesh are :func:`jaxdp.sharding.parallel.check_step`'s."""
+  """Refuses a reduction and a precision policy that do not go together (or with `zero_stage`); the pairs
+  that need the mesh are `jaxdp.sharding.parallel.check_step`'s."""
   if reduction.mode == "none" and zero_stage:
     raise ValueError("reduction='none' keeps independent replicas, which a sharded (zero_stage > 0) state cannot "
                      "hold; use zero_stage=0.")
@@ -172,15 +172,15 @@ def check_values(reduction: Resolved, precision: Precision, zero_stage: int = 0)
 
 
 def check_stages_used(layout: DataParallel) -> None:
-  """Refuses a step on a mesh with a ``stage`` axis but no pipeline (it would replicate the work over it)."""
+  """Refuses a step on a mesh with a `stage` axis but no pipeline (it would replicate the work over it)."""
   if layout.pipeline is None:
     pipelining.check_pipeline(None, layout.mesh, layout.axis_name, layers=layout.layers, zero_stage=layout.zero_stage,
                               backend=layout.backend)
 
 
 def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:
-  """Refuses a step's reduction (:class:`jaxdp.reductions.Resolved`) and precision
-  (:class:`jaxdp.Precision`) that cannot run on ``layout``: the pairwise refusals, in one place."""
+  """Refuses a step's reduction (`jaxdp.reductions.Resolved`) and precision
+  (`jaxdp.Precision`) that cannot run on `layout`: the pairwise refusals, in one place."""
   mode, zero, stateful = reduction.mode, layout.zero_stage, reduction.stateful
   what = "compression=powersgd(...)" if reduction.compression is not None else "a user reduction"
   check_values(reduction, precision, zero)
@@ -222,36 +222,36 @@ def init_state(
     reduction: Any = None,
     precision: Any = None,
 ) -> TrainState:
-  """Creates the training state and places it as :func:`jaxdp.make_train_step` expects on ``layout``.
+  """Creates the training state and places it as `jaxdp.make_train_step` expects on `layout`.
 
   Args:
     params: the initial parameters (a pytree of arrays, the same on every
-      process). Leaves that are ``NamedSharding`` arrays on the layout's
+      process). Leaves that are `NamedSharding` arrays on the layout's
       mesh keep their split over its other (model) axes; a model library's
-      partitioning boxes (linen's ``nn.with_partitioning``) are unboxed and
-      their model axes used, unless the layout has ``param_specs``; their
-      data axes are dropped (``zero_stage`` places the state over those).
-    optimizer: an optax ``GradientTransformation``.
-    layout: a :class:`DataParallel` (:func:`data_parallel`), a ``Mesh`` or
-      ``None`` (every device on one ``"data"`` axis). At ZeRO stage 0 every
+      partitioning boxes (linen's `nn.with_partitioning`) are unboxed and
+      their model axes used, unless the layout has `param_specs`; their
+      data axes are dropped (`zero_stage` places the state over those).
+    optimizer: an optax `GradientTransformation`.
+    layout: a `DataParallel` (`data_parallel`), a `Mesh` or
+      `None` (every device on one `"data"` axis). At ZeRO stage 0 every
       leaf is replicated over the data axes (a full replica per device, as
       in DDP); 1 and 2 split the optimizer state over the last data axis; 3
-      splits the parameters too (see :mod:`jaxdp.sharding.layout` for the dimension
+      splits the parameters too (see `jaxdp.sharding.layout` for the dimension
       rule); stacks of layers are split along one layer's dimensions (never
       the layer axis), and over a pipeline's stage axis along their layer
       axis, as the pipelined step holds them.
     model_state: the model's non-trainable state (BatchNorm statistics), or
-      ``None``; replicated at every stage.
-    reduction: the step's reduction (:mod:`jaxdp.reductions`): the state
-      then holds its state in ``compression`` (PowerSGD's
-      :class:`jaxdp.reductions.compression.PowerSGDState`, a user reduction's stacked
+      `None`; replicated at every stage.
+    reduction: the step's reduction (`jaxdp.reductions`): the state
+      then holds its state in `compression` (PowerSGD's
+      `jaxdp.reductions.compression.PowerSGDState`, a user reduction's stacked
       per replica), each replica's part split over the data axes.
-    precision: the step's :class:`jaxdp.Precision`: with ``loss_scaling``
-      the state's ``loss_scale`` holds its first scale, replicated.
+    precision: the step's `jaxdp.Precision`: with `loss_scaling`
+      the state's `loss_scale` holds its first scale, replicated.
 
   Returns:
-    A :class:`TrainState` of fresh buffers: a step that donates it never
-    consumes the caller's ``params``.
+    A `TrainState` of fresh buffers: a step that donates it never
+    consumes the caller's `params`.
   """
   layout = as_layout(layout)
   mesh, axis_name, layers = layout.mesh, layout.axis_name, layout.layers
@@ -295,19 +295,19 @@ def _is_global(x: Any) -> bool:
 @accepts_legacy_keywords("place_state", ("full_state", "optimizer", "layout"))
 def place_state(full_state: TrainState, optimizer: optax.GradientTransformation,
                 layout: DataParallel | Mesh | None = None) -> TrainState:
-  """Places a state (gathered on the host, or placed in any other layout) in ``layout``.
+  """Places a state (gathered on the host, or placed in any other layout) in `layout`.
 
   Nothing is recomputed: each leaf is moved as it is, so
-  ``gather_state(place_state(full, ...))`` equals ``full`` bitwise, on any
+  `gather_state(place_state(full, ...))` equals `full` bitwise, on any
   device count, mesh shape and stage. Each process places only the shards of
   its own devices; with host arrays every process must pass the same values.
 
   Args:
-    full_state: a :class:`jaxdp.TrainState`, e.g. ``jaxdp.gather_state(state)``.
+    full_state: a `jaxdp.TrainState`, e.g. `jaxdp.gather_state(state)`.
     optimizer: the optax optimizer the state belongs to (its state's
-      structure, shapes and dtypes are checked against ``optimizer.init``).
-    layout: the layout wanted (a :class:`DataParallel`, a ``Mesh`` or
-      ``None``); its ``param_specs`` (default: read off ``full_state.params``'
+      structure, shapes and dtypes are checked against `optimizer.init`).
+    layout: the layout wanted (a `DataParallel`, a `Mesh` or
+      `None`); its `param_specs` (default: read off `full_state.params`'
       shardings when they are on a mesh with the same axis names, else
       replicated) give the model-axis splits.
   """

@@ -1,51 +1,51 @@
-"""Pipeline parallelism over a ``stage`` mesh axis: the schedules.
+"""Pipeline parallelism over a `stage` mesh axis: the schedules.
 
-A stack of ``L`` layers is cut into ``P`` stages (one per device of the
-stage axis); the batch goes through in ``M`` microbatches. A *work unit* is
-one microbatch passing through one stage's block of ``L / (P·R)`` layers.
+A stack of `L` layers is cut into `P` stages (one per device of the
+stage axis); the batch goes through in `M` microbatches. A *work unit* is
+one microbatch passing through one stage's block of `L / (P·R)` layers.
 
-* ``"gpipe"``: each stage holds ``L / P`` contiguous layers; microbatch
-  ``m`` enters stage 0 at iteration ``m``. Bubble ``(P−1) / (M+P−1)``.
-* ``"circular"`` (MaxText's looping schedule) with ``R`` repeats: stage
-  ``s`` holds the blocks ``s, s+P, s+2P, …`` and every microbatch goes round
-  the ring of stages ``R`` times. Bubble ``(P−1) / (R·M+P−1)``; it needs
-  ``M ≥ P`` so that a microbatch is back at stage 0 before it is due there.
+* `"gpipe"`: each stage holds `L / P` contiguous layers; microbatch
+  `m` enters stage 0 at iteration `m`. Bubble `(P−1) / (M+P−1)`.
+* `"circular"` (MaxText's looping schedule) with `R` repeats: stage
+  `s` holds the blocks `s, s+P, s+2P, …` and every microbatch goes round
+  the ring of stages `R` times. Bubble `(P−1) / (R·M+P−1)`; it needs
+  `M ≥ P` so that a microbatch is back at stage 0 before it is due there.
 
-Both are one table (:func:`schedule_table`): at iteration ``t`` stage ``s``
-runs unit ``w = t − s`` when ``0 ≤ w < R·M`` (repeat ``w // M``, microbatch
-``w % M``, layer block ``(w // M)·P + s``), else it idles. GPipe is the
-table with ``R = 1``; autodiff through that loop gives the gradient.
+Both are one table (`schedule_table`): at iteration `t` stage `s`
+runs unit `w = t − s` when `0 ≤ w < R·M` (repeat `w // M`, microbatch
+`w % M`, layer block `(w // M)·P + s`), else it idles. GPipe is the
+table with `R = 1`; autodiff through that loop gives the gradient.
 
-* ``"1f1b"`` (PipeDream-flush): GPipe's layers and bubble, but each stage
-  alternates forward and backward passes (:func:`one_f_one_b_table`) and
-  keeps at most ``P`` microbatches' stage inputs. The schedule takes the
-  gradient itself (:func:`one_f_one_b`, called by the step in place of
-  ``jax.value_and_grad``): the loss is traced in three parts (up to the
+* `"1f1b"` (PipeDream-flush): GPipe's layers and bubble, but each stage
+  alternates forward and backward passes (`one_f_one_b_table`) and
+  keeps at most `P` microbatches' stage inputs. The schedule takes the
+  gradient itself (`one_f_one_b`, called by the step in place of
+  `jax.value_and_grad`): the loss is traced in three parts (up to the
   stack, a stage's block, after the stack) on one microbatch's rows at a
-  time, and a backward pass is ``jax.vjp`` of the block at its saved input.
+  time, and a backward pass is `jax.vjp` of the block at its saved input.
 
-At ``zero_stage=3`` a stage's layers are also split over the data axis;
-``Pipeline.gather`` says whether the step gathers the stage's block once
-(``"step"``) or :func:`jaxdp.scan_layers` gathers one layer at a time inside
-each work unit (``"layer"``, :mod:`jaxdp.sharding.layerwise`). With
-``example_ids`` each work unit runs with its microbatch's ids, so dropout
+At `zero_stage=3` a stage's layers are also split over the data axis;
+`Pipeline.gather` says whether the step gathers the stage's block once
+(`"step"`) or `jaxdp.scan_layers` gathers one layer at a time inside
+each work unit (`"layer"`, `jaxdp.sharding.layerwise`). With
+`example_ids` each work unit runs with its microbatch's ids, so dropout
 inside the stack draws one device's masks.
 
-Use: a mesh with a stage axis (``("stage", "data")``, or ``("stage", "replica", "data")``
-with ``axis_name=("replica", "data")``), ``layers=`` naming the stacks, and
-``pipeline=jaxdp.pipeline(M, schedule, repeats=R)`` in
-:func:`jaxdp.make_train_step` and :func:`jaxdp.make_eval_step`. The loss
-loops over each stack with :func:`jaxdp.scan_layers`, which in a pipelined
-step runs :func:`run_stack` on the stage's block of layers (a plain
-``lax.scan`` elsewhere, so the same loss runs on one device); everything
+Use: a mesh with a stage axis (`("stage", "data")`, or `("stage", "replica", "data")`
+with `axis_name=("replica", "data")`), `layers=` naming the stacks, and
+`pipeline=jaxdp.pipeline(M, schedule, repeats=R)` in
+`jaxdp.make_train_step` and `jaxdp.make_eval_step`. The loss
+loops over each stack with `jaxdp.scan_layers`, which in a pipelined
+step runs `run_stack` on the stage's block of layers (a plain
+`lax.scan` elsewhere, so the same loss runs on one device); everything
 before and after the stack runs on every stage alike. The gradient is
 reduced over the data axes once per step, after the whole schedule; each
 stage's layers get their own gradient, and the layers before the stack the
 sum over the stages that autodiff inserts (the transpose of their implicit
 broadcast over the stage axis). Model state (BatchNorm statistics) is
-supported outside the stack only: ``scan_layers``' carry must hold the
-batch rows on dim 0 in every leaf, and ``f`` must return no per-layer
-outputs, so a stack cannot carry statistics (a ``ValueError`` says so).
+supported outside the stack only: `scan_layers`' carry must hold the
+batch rows on dim 0 in every leaf, and `f` must return no per-layer
+outputs, so a stack cannot carry statistics (a `ValueError` says so).
 """
 
 from __future__ import annotations
@@ -66,26 +66,26 @@ from jaxdp.sharding.layout import layer_mask
 from jaxdp.core.carries import varying_axes
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
-"""The pipeline schedules: ``"gpipe"``, ``"circular"`` and ``"1f1b"`` (see :mod:`jaxdp.sharding.pipelining`)."""
+"""The pipeline schedules: `"gpipe"`, `"circular"` and `"1f1b"` (see `jaxdp.sharding.pipelining`)."""
 
 GATHERS = ("step", "layer")
-"""When a ZeRO-3 pipelined step gathers a stage's layers: ``"step"`` (once per step, before the schedule) or
-``"layer"`` (one layer at a time inside the loop over microbatches, with prefetch)."""
+"""When a ZeRO-3 pipelined step gathers a stage's layers: `"step"` (once per step, before the schedule) or
+`"layer"` (one layer at a time inside the loop over microbatches, with prefetch)."""
 
 IDLE = -1
-"""A :func:`schedule_table` entry for a stage that does no work at that iteration."""
+"""A `schedule_table` entry for a stage that does no work at that iteration."""
 
 
 class Pipeline(NamedTuple):
-  """A pipeline schedule over a mesh axis, as :func:`pipeline` checked it.
+  """A pipeline schedule over a mesh axis, as `pipeline` checked it.
 
   Attributes:
-    microbatches: ``M``, how many microbatches each device's batch is cut into (its rows must divide by it).
-    schedule: one of :data:`SCHEDULES`.
-    repeats: ``R``, rounds of the ring per microbatch (1 under ``"gpipe"``).
+    microbatches: `M`, how many microbatches each device's batch is cut into (its rows must divide by it).
+    schedule: one of `SCHEDULES`.
+    repeats: `R`, rounds of the ring per microbatch (1 under `"gpipe"`).
     axis_name: the mesh axis of the stages.
-    gather: at ``zero_stage=3``, when a stage's layers (split over the data axis at rest) are gathered: one of
-      :data:`GATHERS`.
+    gather: at `zero_stage=3`, when a stage's layers (split over the data axis at rest) are gathered: one of
+      `GATHERS`.
   """
 
   microbatches: int
@@ -97,8 +97,8 @@ class Pipeline(NamedTuple):
 
 def pipeline(microbatches: int, schedule: str = "gpipe", *, repeats: int = 1, axis_name: str = "stage",
              gather: str = "step") -> Pipeline:
-  """A checked :class:`Pipeline`: ``microbatches >= 1``, a known schedule, ``repeats >= 1`` (1 for ``"gpipe"``;
-  ``"1f1b"`` with ``repeats > 1`` is interleaved), ``gather`` one of :data:`GATHERS` (read at ``zero_stage=3``
+  """A checked `Pipeline`: `microbatches >= 1`, a known schedule, `repeats >= 1` (1 for `"gpipe"`;
+  `"1f1b"` with `repeats > 1` is interleaved), `gather` one of `GATHERS` (read at `zero_stage=3`
   only)."""
   microbatches = check_int(microbatches, "microbatches", 1, "the number of microbatches per device and step.")
   if schedule not in SCHEDULES:
@@ -116,9 +116,9 @@ def pipeline(microbatches: int, schedule: str = "gpipe", *, repeats: int = 1, ax
 
 
 def check_schedule(stages: int, microbatches: int, repeats: int = 1, schedule: str = "circular") -> None:
-  """Raises ``ValueError`` when ``M < P`` with ``R > 1``: microbatch ``m`` would be due back at stage 0 before
-  it has left the last stage; under ``"1f1b"`` with ``R > 1``, unless ``M % P == 0`` (Megatron's interleaved
-  schedule runs the microbatches in groups of ``P``)."""
+  """Raises `ValueError` when `M < P` with `R > 1`: microbatch `m` would be due back at stage 0 before
+  it has left the last stage; under `"1f1b"` with `R > 1`, unless `M % P == 0` (Megatron's interleaved
+  schedule runs the microbatches in groups of `P`)."""
   if schedule == "1f1b" and repeats > 1 and microbatches % stages:
     raise ValueError(
         f"schedule='1f1b' with repeats={repeats} (interleaved) runs the microbatches in groups of P = {stages}: "
@@ -135,7 +135,7 @@ def check_schedule(stages: int, microbatches: int, repeats: int = 1, schedule: s
 
 
 def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
-  """``[R·M + P − 1, P]`` int32: the work unit each stage runs at each iteration, or :data:`IDLE`."""
+  """`[R·M + P − 1, P]` int32: the work unit each stage runs at each iteration, or `IDLE`."""
   stages = check_int(stages, "stages", 1)
   microbatches = check_int(microbatches, "microbatches", 1)
   repeats = check_int(repeats, "repeats", 1)
@@ -147,18 +147,18 @@ def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarr
 
 
 def bubble_fraction(table: np.ndarray) -> float:
-  """The fraction of (iteration, stage) cells of ``table`` that do no work."""
+  """The fraction of (iteration, stage) cells of `table` that do no work."""
   table = np.asarray(table)
   return float(np.mean(table == IDLE))
 
 
 def bubble_formula(stages: int, microbatches: int, repeats: int = 1) -> float:
-  """``(P − 1) / (R·M + P − 1)``: GPipe's bubble at ``R = 1``, the circular schedule's otherwise."""
+  """`(P − 1) / (R·M + P − 1)`: GPipe's bubble at `R = 1`, the circular schedule's otherwise."""
   return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 def unit_of(w: Any, microbatches: int) -> tuple[Any, Any]:
-  """``(repeat, microbatch)`` of work unit ``w``."""
+  """`(repeat, microbatch)` of work unit `w`."""
   return w // microbatches, w % microbatches
 
 
@@ -166,16 +166,16 @@ def unit_of(w: Any, microbatches: int) -> tuple[Any, Any]:
 
 
 class Running(NamedTuple):
-  """What :func:`jaxdp.scan_layers` reads while a pipelined step traces its loss (see :func:`running`).
+  """What `jaxdp.scan_layers` reads while a pipelined step traces its loss (see `running`).
 
   Attributes:
-    pipeline: the :class:`Pipeline`.
-    stages: ``P``, the size of the stage axis.
-    layers: the numbers of layers ``L`` of the stacks named by ``layers=``.
+    pipeline: the `Pipeline`.
+    stages: `P`, the size of the stage axis.
+    layers: the numbers of layers `L` of the stacks named by `layers=`.
     data_axes: the data axes (manual in the step, like the stage axis).
-    shapes: each stacked leaf's local shape on one stage, ``(L / P, ...)``.
+    shapes: each stacked leaf's local shape on one stage, `(L / P, ...)`.
     ran: the local shapes of the stacked leaves the pipeline ran on, appended as it runs.
-    stacked: the params' tree of bools marking the stacked leaves (read by the 1F1B gradient), or ``None``.
+    stacked: the params' tree of bools marking the stacked leaves (read by the 1F1B gradient), or `None`.
   """
 
   pipeline: Pipeline
@@ -191,15 +191,15 @@ _RUNNING: contextvars.ContextVar[Running | None] = contextvars.ContextVar("jaxdp
 
 
 def active() -> Running | None:
-  """The pipeline of the step whose loss is being traced, or ``None`` (then :func:`jaxdp.scan_layers` scans)."""
+  """The pipeline of the step whose loss is being traced, or `None` (then `jaxdp.scan_layers` scans)."""
   return _RUNNING.get()
 
 
 @contextlib.contextmanager
 def running(pipe: Pipeline, stages: int, layers: Any, data_axes: tuple, shapes: tuple, stacked: Any = None):
-  """While tracing a pipelined step's loss: :func:`jaxdp.scan_layers` runs :func:`run_stack` instead of a scan.
+  """While tracing a pipelined step's loss: `jaxdp.scan_layers` runs `run_stack` instead of a scan.
 
-  Yields the :class:`Running` record; :func:`check_ran` then tells whether the loss ran every stack through it.
+  Yields the `Running` record; `check_ran` then tells whether the loss ran every stack through it.
   """
   record = Running(pipe, stages, tuple(sorted(set(layers))), tuple(data_axes), tuple(shapes), [], stacked)
   token = _RUNNING.set(record)
@@ -210,10 +210,10 @@ def running(pipe: Pipeline, stages: int, layers: Any, data_axes: tuple, shapes: 
 
 
 def check_ran(record: Running) -> None:
-  """Raises ``ValueError`` unless the loss ran each stacked leaf through :func:`jaxdp.scan_layers`.
+  """Raises `ValueError` unless the loss ran each stacked leaf through `jaxdp.scan_layers`.
 
-  A loss that loops over its stage's block itself (``lax.scan`` on the stacked params) would run only that
-  stage's ``L / P`` layers and train a different model, silently.
+  A loss that loops over its stage's block itself (`lax.scan` on the stacked params) would run only that
+  stage's `L / P` layers and train a different model, silently.
   """
   missing = [shape for shape in record.shapes if shape not in record.ran]
   if missing:
@@ -227,7 +227,7 @@ def check_ran(record: Running) -> None:
 
 
 def checked_loss(loss_fn: Callable, record: Running) -> Callable:
-  """``loss_fn`` (same signature) that raises :func:`check_ran`'s error as soon as a call of it has traced."""
+  """`loss_fn` (same signature) that raises `check_ran`'s error as soon as a call of it has traced."""
 
   @functools.wraps(loss_fn)
   def traced(*args, **kwargs):
@@ -240,8 +240,8 @@ def checked_loss(loss_fn: Callable, record: Running) -> Callable:
 
 
 def circular_order(x: Any, stages: int, repeats: int) -> Any:
-  """A stacked leaf's layer axis (natural order) put in the circular assignment: stage ``s``'s rows hold the
-  blocks ``s, s + P, s + 2P, …`` (``[L, ...]`` as ``[R, P, B, ...]`` transposed to ``[P, R, B, ...]``)."""
+  """A stacked leaf's layer axis (natural order) put in the circular assignment: stage `s`'s rows hold the
+  blocks `s, s + P, s + 2P, …` (`[L, ...]` as `[R, P, B, ...]` transposed to `[P, R, B, ...]`)."""
   shape = np.shape(x)
   block = shape[0] // (stages * repeats)
   blocks = x.reshape(repeats, stages, block, *shape[1:])
@@ -249,7 +249,7 @@ def circular_order(x: Any, stages: int, repeats: int) -> Any:
 
 
 def natural_order(x: Any, stages: int, repeats: int) -> Any:
-  """The inverse of :func:`circular_order`."""
+  """The inverse of `circular_order`."""
   shape = np.shape(x)
   block = shape[0] // (stages * repeats)
   blocks = x.reshape(stages, repeats, block, *shape[1:])
@@ -271,18 +271,18 @@ def _plain_scan(f: Callable, init: Any, layers: Any, xs: Any, *, in_loop: bool =
 
 def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
               scan: Callable = _plain_scan) -> tuple[Any, None]:
-  """The pipelined loop over a stack (:func:`jaxdp.scan_layers` inside a pipelined step): ``(carry, None)``.
+  """The pipelined loop over a stack (`jaxdp.scan_layers` inside a pipelined step): `(carry, None)`.
 
-  Runs inside the step's ``shard_map`` (manual over the stage and data axes). ``layers``: this stage's block
-  of each stacked leaf, ``[L / P, ...]`` (under ``"circular"`` the blocks ``s, s + P, …`` in that order);
-  ``init``: the activations, every leaf with this device's rows on dim 0, the same on every stage; ``xs``:
-  per-layer inputs of the whole stack (``[L, ...]``, e.g. dropout keys), each stage takes its layers' rows.
-  The loop runs over the rows of :func:`schedule_table` (its input): at iteration ``t`` stage ``s`` runs unit
-  ``table[t, s]`` (``w = t − s``); its output moves to stage
-  ``s + 1`` by ``ppermute`` (stage ``P − 1`` to stage 0 for the next repeat, kept there per microbatch until
+  Runs inside the step's `shard_map` (manual over the stage and data axes). `layers`: this stage's block
+  of each stacked leaf, `[L / P, ...]` (under `"circular"` the blocks `s, s + P, …` in that order);
+  `init`: the activations, every leaf with this device's rows on dim 0, the same on every stage; `xs`:
+  per-layer inputs of the whole stack (`[L, ...]`, e.g. dropout keys), each stage takes its layers' rows.
+  The loop runs over the rows of `schedule_table` (its input): at iteration `t` stage `s` runs unit
+  `table[t, s]` (`w = t − s`); its output moves to stage
+  `s + 1` by `ppermute` (stage `P − 1` to stage 0 for the next repeat, kept there per microbatch until
   due). The last stage's outputs of the last repeat are summed over the stage axis (zeros elsewhere), so the
   result is the same on every stage. Idle iterations run the layers on a real microbatch's values and their
-  results are dropped (never zeros: ``0 · NaN`` is NaN in the backward pass).
+  results are dropped (never zeros: `0 · NaN` is NaN in the backward pass).
   """
   pipe, stages = record.pipeline, record.stages
   axis, m_count, repeats = pipe.axis_name, pipe.microbatches, pipe.repeats
@@ -371,8 +371,8 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
 
 
 def _microbatch_ids(rows: int, microbatches: int, axes: tuple) -> jax.Array | None:
-  """``[M, rows / M]``: the example ids of the rows being traced (a step with ``example_ids``), cut as the carry is
-  into microbatches, or ``None`` without ids."""
+  """`[M, rows / M]`: the example ids of the rows being traced (a step with `example_ids`), cut as the carry is
+  into microbatches, or `None` without ids."""
   ids = randomness.current_example_ids()
   if ids is None:
     return None
@@ -389,8 +389,8 @@ def _microbatch_ids(rows: int, microbatches: int, axes: tuple) -> jax.Array | No
 
 
 def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_stage: int, backend: str) -> None:
-  """Raises unless ``pipe`` (a :class:`Pipeline` or ``None``) can run on ``mesh`` with this layout (the pairs with
-  a reduction are :func:`jaxdp.sharding.parallel.check_step`'s)."""
+  """Raises unless `pipe` (a `Pipeline` or `None`) can run on `mesh` with this layout (the pairs with
+  a reduction are `jaxdp.sharding.parallel.check_step`'s)."""
   names = tuple(getattr(mesh, "axis_names", ()))
   data = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   if pipe is None:
@@ -425,7 +425,7 @@ def check_pipeline(pipe: Any, mesh: Any, axis_name: Any, *, layers: Any, zero_st
 
 
 def check_stacks(params: Any, layers: Any, pipe: Pipeline, stages: int) -> None:
-  """Raises unless every stack named by ``layers`` in ``params`` splits into ``stages`` (times ``repeats``) blocks."""
+  """Raises unless every stack named by `layers` in `params` splits into `stages` (times `repeats`) blocks."""
   mask = layer_mask(params, layers)
   counts = sorted({np.shape(x)[0] for x, is_layer in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if is_layer})
   parts = stages * pipe.repeats
@@ -441,7 +441,7 @@ def check_stacks(params: Any, layers: Any, pipe: Pipeline, stages: int) -> None:
 
 
 def check_rows(batch: Any, pipe: Pipeline, replicas: int, accum_steps: int) -> None:
-  """Raises unless each device's rows per micro-batch of ``accum_steps`` divide into ``pipe.microbatches``."""
+  """Raises unless each device's rows per micro-batch of `accum_steps` divide into `pipe.microbatches`."""
   leaves = jax.tree.leaves(batch)
   if not leaves or not np.ndim(leaves[0]):
     return  # the step's own checks name this
@@ -459,23 +459,23 @@ def check_rows(batch: Any, pipe: Pipeline, replicas: int, accum_steps: int) -> N
 # 1F1B: the gradient taken by the schedule itself ----------------------------------------------------------------
 
 FORWARD, BACKWARD = 1, 2
-"""The work kinds of :func:`one_f_one_b_table` (``0``: idle)."""
+"""The work kinds of `one_f_one_b_table` (`0`: idle)."""
 
 
 class OneFOneBTable(NamedTuple):
-  """The 1F1B (PipeDream-flush) schedule as tables of ``[T, P]`` int32, ``T = 2·(R·M + P − 1)`` ticks.
+  """The 1F1B (PipeDream-flush) schedule as tables of `[T, P]` int32, `T = 2·(R·M + P − 1)` ticks.
 
   Attributes:
-    kind: 0 (idle), :data:`FORWARD` or :data:`BACKWARD` for each tick and stage.
+    kind: 0 (idle), `FORWARD` or `BACKWARD` for each tick and stage.
     microbatch: the microbatch of that work (0 when idle).
-    repeat: the block of the stage it runs (its ``r``-th, virtual stage ``r·P + s``; 0 when idle).
+    repeat: the block of the stage it runs (its `r`-th, virtual stage `r·P + s`; 0 when idle).
     slot: the buffer slot of that microbatch's stage input (read by the backward pass, written by stage 0's
-      forward), ``0`` when idle.
-    received: the slot where the activation that arrives at the end of the tick is kept, or ``-1``.
+      forward), `0` when idle.
+    received: the slot where the activation that arrives at the end of the tick is kept, or `-1`.
     cotangent_slot: the slot of the microbatch's output cotangent (read by the backward, written by the last
-      stage's forward), ``0`` when idle.
-    cotangent_received: the slot where the cotangent that arrives at the end of the tick is kept, or ``-1``.
-    slots: the stage-input slots a stage needs (at most ``P`` when ``R = 1``; independent of ``M`` in any case);
+      stage's forward), `0` when idle.
+    cotangent_received: the slot where the cotangent that arrives at the end of the tick is kept, or `-1`.
+    slots: the stage-input slots a stage needs (at most `P` when `R = 1`; independent of `M` in any case);
       cotangent_slots: the cotangent slots.
   """
 
@@ -491,14 +491,14 @@ class OneFOneBTable(NamedTuple):
 
 
 def one_f_one_b_table(stages: int, microbatches: int, repeats: int = 1) -> OneFOneBTable:
-  """The 1F1B schedule over ``stages`` and ``microbatches`` (interleaved over ``repeats`` blocks per stage),
+  """The 1F1B schedule over `stages` and `microbatches` (interleaved over `repeats` blocks per stage),
   one unit of work (a forward or a backward pass of one block on one microbatch) per stage and tick.
 
-  ``repeats = 1``: stage ``s`` runs ``min(P − 1 − s, M)`` forward passes, then alternates one forward and one
-  backward pass, then runs the remaining backward passes (Megatron's order). ``repeats = R > 1`` (Megatron's
-  interleaved schedule, ``M % P == 0``): stage ``s`` holds blocks ``s, s + P, …`` (virtual stage ``r·P + s``
-  for its ``r``-th block), runs the forward passes of each group of ``P`` microbatches block by block (the
-  backward passes in the reverse block order), after ``2·(P − 1 − s) + (R − 1)·P`` warm-up forward passes.
+  `repeats = 1`: stage `s` runs `min(P − 1 − s, M)` forward passes, then alternates one forward and one
+  backward pass, then runs the remaining backward passes (Megatron's order). `repeats = R > 1` (Megatron's
+  interleaved schedule, `M % P == 0`): stage `s` holds blocks `s, s + P, …` (virtual stage `r·P + s`
+  for its `r`-th block), runs the forward passes of each group of `P` microbatches block by block (the
+  backward passes in the reverse block order), after `2·(P − 1 − s) + (R − 1)·P` warm-up forward passes.
   Each unit runs at the first tick after the work it needs: the previous virtual stage's forward pass of that
   microbatch, the next one's backward pass (the last: its own forward pass, where the loss's cotangent is
   taken). A stage keeps a unit's input from its arrival to its backward pass, in the lowest free slot.
@@ -582,7 +582,7 @@ def one_f_one_b_table(stages: int, microbatches: int, repeats: int = 1) -> OneFO
 
 
 class _Mode(NamedTuple):
-  """How :func:`jaxdp.scan_layers` runs while the 1F1B schedule traces the loss in one of its three parts."""
+  """How `jaxdp.scan_layers` runs while the 1F1B schedule traces the loss in one of its three parts."""
 
   part: str  # "input": record the stack's input; "stage": run this stage's block on value; "output": return value
   value: Any
@@ -593,7 +593,7 @@ _MODE: contextvars.ContextVar[_Mode | None] = contextvars.ContextVar("jaxdp_1f1b
 
 
 def run_part(f: Callable, init: Any, layers: Any, xs: Any, record: Running, scan: Callable) -> tuple[Any, None] | None:
-  """:func:`jaxdp.scan_layers` inside a 1F1B step, or ``None`` outside the schedule's parts (then the stack runs
+  """`jaxdp.scan_layers` inside a 1F1B step, or `None` outside the schedule's parts (then the stack runs
   as GPipe's forward pass: evaluation, and the step's traces of the loss that are never differentiated)."""
   mode = _MODE.get()
   if mode is None:
@@ -648,15 +648,15 @@ def _found(mode: _Mode) -> Any:
 
 
 def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Running, add: Callable) -> tuple:
-  """``((value, aux), grads)`` as ``jax.value_and_grad(lambda p: fn(p, batch, weights), has_aux=True)(params)``
-  gives them, computed by the 1F1B schedule (:func:`one_f_one_b_table`) instead of autodiff.
+  """`((value, aux), grads)` as `jax.value_and_grad(lambda p: fn(p, batch, weights), has_aux=True)(params)`
+  gives them, computed by the 1F1B schedule (`one_f_one_b_table`) instead of autodiff.
 
-  ``fn(params, batch, weights) -> (value, aux)``: the loss on some rows (it calls :func:`jaxdp.scan_layers` once);
-  its value and aux must add over row subsets (``add(total, aux)`` adds one microbatch's aux). Each device's rows
-  are cut into ``M`` microbatches; ``fn`` is traced in three parts: up to the stack (stage 0), one stage's block,
-  and after the stack (the last stage: value and aux). A stage keeps its microbatches' inputs (at most ``P``)
-  until their backward pass, which recomputes the block's forward pass from the input (``jax.vjp``) and sends
-  the input's cotangent back one stage with ``ppermute``. The gradient of the stacked leaves stays on its
+  `fn(params, batch, weights) -> (value, aux)`: the loss on some rows (it calls `jaxdp.scan_layers` once);
+  its value and aux must add over row subsets (`add(total, aux)` adds one microbatch's aux). Each device's rows
+  are cut into `M` microbatches; `fn` is traced in three parts: up to the stack (stage 0), one stage's block,
+  and after the stack (the last stage: value and aux). A stage keeps its microbatches' inputs (at most `P`)
+  until their backward pass, which recomputes the block's forward pass from the input (`jax.vjp`) and sends
+  the input's cotangent back one stage with `ppermute`. The gradient of the stacked leaves stays on its
   stage; that of every other leaf, and the value and aux, are summed over the stages.
   """
   pipe, stages = record.pipeline, record.stages

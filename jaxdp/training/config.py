@@ -1,9 +1,9 @@
 """What the step functions run under: the step's values, checked once, in one bundle.
 
-The public functions take values (:class:`jaxdp.DataParallel` or an axis
-name, a :class:`jaxdp.reductions.Reduction`, a :class:`jaxdp.Precision`,
-``accum_steps``, ``example_ids``); :func:`step_config` checks them and returns
-the :class:`StepConfig` that the internal functions read, unchanged.
+The public functions take values (`jaxdp.DataParallel` or an axis
+name, a `jaxdp.reductions.Reduction`, a `jaxdp.Precision`,
+`accum_steps`, `example_ids`); `step_config` checks them and returns
+the `StepConfig` that the internal functions read, unchanged.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ class StepConfig(NamedTuple):
 
   Attributes:
     axis_name: the data axis, or several (a tuple).
-    reduction: the resolved reduction (:class:`jaxdp.reductions.Resolved`).
-    precision: the precision policy (:class:`jaxdp.Precision`).
+    reduction: the resolved reduction (`jaxdp.reductions.Resolved`).
+    precision: the precision policy (`jaxdp.Precision`).
     accum_steps: micro-batches per device and step.
     zero_stage: 0-3 (read by the steps' ZeRO paths).
-    example_ids: where the rows' ids are (:mod:`jaxdp.core.randomness`), or ``None``.
+    example_ids: where the rows' ids are (`jaxdp.core.randomness`), or `None`.
   """
 
   axis_name: Any = "data"
@@ -66,13 +66,13 @@ class StepConfig(NamedTuple):
 
 
 def axis_of(layout: Any) -> Any:
-  """The data axes of ``layout``: a :class:`jaxdp.DataParallel`'s, or ``layout`` itself (an axis name)."""
+  """The data axes of `layout`: a `jaxdp.DataParallel`'s, or `layout` itself (an axis name)."""
   return getattr(layout, "axis_name", layout)
 
 
 def step_config(layout: Any = "data", reduction: Any = None, precision: Any = None, accum_steps: int = 1,
                 example_ids: Any = None) -> StepConfig:
-  """Checks a step's values and returns them as a :class:`StepConfig` (``layout``: a layout or an axis name)."""
+  """Checks a step's values and returns them as a `StepConfig` (`layout`: a layout or an axis name)."""
   resolved = resolve(reduction)
   policy = as_precision(precision)
   check_example_ids(example_ids)

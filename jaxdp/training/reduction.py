@@ -4,11 +4,11 @@ The two functions here are the heart of data parallelism and are kept pure
 and separate so that users can compose them differently (accumulate, clip,
 reduce-scatter):
 
-* :func:`local_gradient` differentiates the *weighted sum* of this replica's
+* `local_gradient` differentiates the *weighted sum* of this replica's
   losses. Sums, not means, are what can be added across devices and
   micro-batches without a normalisation error.
-* :func:`reduce_gradient` turns the local sums into the gradient that every
-  replica applies, according to a ``reduction`` mode.
+* `reduce_gradient` turns the local sums into the gradient that every
+  replica applies, according to a `reduction` mode.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ class LocalGradient(NamedTuple):
   """What one replica knows before any communication.
 
   Attributes:
-    grads: gradient of ``loss_sum`` with respect to the params (same pytree),
+    grads: gradient of `loss_sum` with respect to the params (same pytree),
       accumulated in float32 at least.
-    loss_sum: scalar ``Σ w·l`` over this replica's examples (or tokens), float32 at least.
-    weight_sum: scalar float32 ``Σ w`` over this replica's examples (or tokens).
-    metric_sums: ``{name: Σ w·m}`` of the metrics ``loss_fn`` returned (empty if none).
-    model_state: the model state after this replica's forward pass(es), or ``None``.
+    loss_sum: scalar `Σ w·l` over this replica's examples (or tokens), float32 at least.
+    weight_sum: scalar float32 `Σ w` over this replica's examples (or tokens).
+    metric_sums: `{name: Σ w·m}` of the metrics `loss_fn` returned (empty if none).
+    model_state: the model state after this replica's forward pass(es), or `None`.
   """
 
   grads: Any
@@ -57,22 +57,22 @@ class ReducedGradient(NamedTuple):
 
   Attributes:
     grads: the normalised gradient to hand to the optimizer; or, when
-      ``grad_divisor`` is not ``None``, the reduced sums whose quotient by
-      ``grad_divisor`` is that gradient (see :func:`applied_gradient`).
+      `grad_divisor` is not `None`, the reduced sums whose quotient by
+      `grad_divisor` is that gradient (see `applied_gradient`).
     loss: the reduced loss matching the reduction mode.
-    weight: the total weight behind ``grads``: global ``Σ w``, or the local one
-      under ``"none"``. Zero means there is nothing to learn from.
-    metrics: ``{name: value}``, each metric reduced like the loss.
-    model_state: the model state every replica keeps (see :func:`reduce_model_state`).
-    totals: the ``totals`` given to :func:`reduce_gradient`, summed over replicas.
-    grad_divisor: ``None`` (``grads`` is the gradient), or the scalar that
-      ``grads`` is still to be divided by (``reduce_gradient(...,
-      divide=False)``): :func:`jaxdp.finish_step` then divides where the
+    weight: the total weight behind `grads`: global `Σ w`, or the local one
+      under `"none"`. Zero means there is nothing to learn from.
+    metrics: `{name: value}`, each metric reduced like the loss.
+    model_state: the model state every replica keeps (see `reduce_model_state`).
+    totals: the `totals` given to `reduce_gradient`, summed over replicas.
+    grad_divisor: `None` (`grads` is the gradient), or the scalar that
+      `grads` is still to be divided by (`reduce_gradient(...,
+      divide=False)`): `jaxdp.finish_step` then divides where the
       gradient is read (its norm, the optimizer update), so the compiler
       fuses the division into those passes instead of writing a divided
       copy of the whole gradient first. The numbers are the same.
-    compression: the new :class:`jaxdp.PowerSGDState` after a compressed
-      reduction (the step installs it with the update), else ``None``.
+    compression: the new `jaxdp.PowerSGDState` after a compressed
+      reduction (the step installs it with the update), else `None`.
   """
 
   grads: Any
@@ -86,14 +86,14 @@ class ReducedGradient(NamedTuple):
 
 
 def applied_gradient(reduced: ReducedGradient) -> Any:
-  """The gradient a :class:`ReducedGradient` stands for: ``grads``, divided by ``grad_divisor`` if that is set."""
+  """The gradient a `ReducedGradient` stands for: `grads`, divided by `grad_divisor` if that is set."""
   return divide_gradient(reduced.grads, reduced.grad_divisor)
 
 
 def divide_gradient(grads: Any, divisor: jax.Array | None) -> Any:
-  """``grads / divisor`` leaf by leaf, in each leaf's dtype (``divisor=None``: ``grads`` unchanged).
+  """`grads / divisor` leaf by leaf, in each leaf's dtype (`divisor=None`: `grads` unchanged).
 
-  Computed as ``grads * (1 / divisor)`` (within an ulp of the quotient): XLA
+  Computed as `grads * (1 / divisor)` (within an ulp of the quotient): XLA
   fuses a multiply into every pass that reads the gradient (the norm, each
   of the optimizer's moments), where a divide would be written out first.
   """
@@ -104,7 +104,7 @@ def divide_gradient(grads: Any, divisor: jax.Array | None) -> Any:
 
 
 def check_axis_bound(axis_name: Any, name: str = "axis_name") -> None:
-  """Raises ``ValueError`` unless every axis of ``axis_name`` is bound here (inside ``shard_map``/``pmap`` over it)."""
+  """Raises `ValueError` unless every axis of `axis_name` is bound here (inside `shard_map`/`pmap` over it)."""
   for axis in axis_names(axis_name):
     try:
       lax.axis_size(axis)
@@ -117,21 +117,21 @@ def check_axis_bound(axis_name: Any, name: str = "axis_name") -> None:
 
 
 def varies(x: Any, axis_name: Any) -> bool:
-  """Whether ``x`` is typed (inside ``shard_map``) as varying over any of the axes of ``axis_name``."""
+  """Whether `x` is typed (inside `shard_map`) as varying over any of the axes of `axis_name`."""
   return bool(set(axis_names(axis_name)) & varying_axes(x))
 
 
 def as_varying(tree: Any, axis_name: str) -> Any:
-  """Marks every leaf of ``tree`` as varying over ``axis_name`` (a no-op at run time).
+  """Marks every leaf of `tree` as varying over `axis_name` (a no-op at run time).
 
-  Inside ``shard_map`` with ``check_vma=True``, ``jax.grad`` with respect to a
+  Inside `shard_map` with `check_vma=True`, `jax.grad` with respect to a
   replicated value returns a gradient that is already summed over the axis
-  (the transpose of the implicit broadcast is a ``psum``). Differentiating
+  (the transpose of the implicit broadcast is a `psum`). Differentiating
   with respect to a varying copy yields the *local* gradient instead, which is
-  what must be normalised before the one reduction. Under ``pmap`` or with
-  ``check_vma=False`` this returns the leaves unchanged, and so it does
+  what must be normalised before the one reduction. Under `pmap` or with
+  `check_vma=False` this returns the leaves unchanged, and so it does
   where the axis is not bound at all (the same loss called on one device,
-  outside any ``shard_map``).
+  outside any `shard_map`).
   """
   try:
     for axis in axis_names(axis_name):
@@ -160,7 +160,7 @@ def _weighted_sum(values: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:
-  """Every floating leaf of ``tree`` cast to ``dtype`` (other leaves, and ``dtype=None``, unchanged)."""
+  """Every floating leaf of `tree` cast to `dtype` (other leaves, and `dtype=None`, unchanged)."""
   if dtype is None:
     return tree
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
@@ -179,7 +179,7 @@ def _loss_weights(weights: jax.Array | None, losses: jax.Array) -> jax.Array:
 
 
 def _split_micro(tree: Any, accum_steps: int) -> Any:
-  """``[b, ...] -> [K, b/K, ...]``: K contiguous micro-batches of each leaf."""
+  """`[b, ...] -> [K, b/K, ...]`: K contiguous micro-batches of each leaf."""
 
   def split(x):
     if x.shape[0] % accum_steps:
@@ -210,7 +210,7 @@ def _check_weight_rows(weights: Any, batch: Any) -> None:
 
 
 def _abstract_vma(x: Any) -> frozenset:
-  """The varying axes of an array or of a ``ShapeDtypeStruct`` from ``jax.eval_shape``."""
+  """The varying axes of an array or of a `ShapeDtypeStruct` from `jax.eval_shape`."""
   if isinstance(x, jax.ShapeDtypeStruct):
     manual = getattr(x, "manual_axis_type", None)  # JAX 0.10
     return frozenset(manual.varying) if manual is not None else frozenset(getattr(x, "vma", ()) or ())
@@ -229,19 +229,19 @@ def loss_sums(
     train: bool = True,
     example_ids: Any = None,
 ) -> LocalGradient:
-  """This replica's weighted sums ``Σ w·l``, ``Σ w``, ``Σ w·m`` per metric, and its new model state.
+  """This replica's weighted sums `Σ w·l`, `Σ w`, `Σ w·m` per metric, and its new model state.
 
   The one definition of the loss and metrics that training and evaluation
   share. Sums are in float32 at least. Rows of weight 0 never contribute to
   the sums, even if their loss or metric is NaN, so evaluation means are
   exact; the gradient is another matter: differentiating through a row whose
   loss is NaN gives a NaN gradient whatever its weight (the row's zero
-  cotangent meets the NaN inside the model, and ``0 * NaN`` is NaN), and the
+  cotangent meets the NaN inside the model, and `0 * NaN` is NaN), and the
   training step then skips the step. That is why jaxdp pads with copies of real rows
-  (``pad="copy"`` in :func:`jaxdp.shard_uneven` and the pipelines), never
-  rows the model may turn into NaN. Returns a :class:`LocalGradient` with
-  ``grads=None``. ``example_ids``: where the rows' ids are in ``batch``
-  (see :mod:`jaxdp.core.randomness`), set while ``loss_fn`` runs.
+  (`pad="copy"` in `jaxdp.shard_uneven` and the pipelines), never
+  rows the model may turn into NaN. Returns a `LocalGradient` with
+  `grads=None`. `example_ids`: where the rows' ids are in `batch`
+  (see `jaxdp.core.randomness`), set while `loss_fn` runs.
   """
   if weights is not None:
     _check_weight_rows(weights, batch)
@@ -280,66 +280,66 @@ def local_gradient(
   """Gradient of this replica's weighted loss *sum*, with no communication of its own.
 
   Args:
-    loss_fn: ``loss_fn(params, batch)`` (or ``loss_fn(params, batch, rng)``
-      when ``rng`` is given) returning per-example losses ``[b]``, per-token
-      losses ``[b, t]``, or a :class:`jaxdp.LossOutput`; it may declare the
-      keyword arguments of :data:`jaxdp.LOSS_KEYWORDS` (see :mod:`jaxdp.core.loss`).
+    loss_fn: `loss_fn(params, batch)` (or `loss_fn(params, batch, rng)`
+      when `rng` is given) returning per-example losses `[b]`, per-token
+      losses `[b, t]`, or a `jaxdp.LossOutput`; it may declare the
+      keyword arguments of `jaxdp.LOSS_KEYWORDS` (see `jaxdp.core.loss`).
     params: the parameters (replicated across the axis).
     batch: this replica's slice of the batch.
-    weights: ``None`` (all ones) or an array of the losses' shape with values
-      ``>= 0``; zero marks padding.
-    layout: when called inside ``shard_map`` over the data axes, the
-      :class:`jaxdp.DataParallel` (or the data axis' name); the params are
+    weights: `None` (all ones) or an array of the losses' shape with values
+      `>= 0`; zero marks padding.
+    layout: when called inside `shard_map` over the data axes, the
+      `jaxdp.DataParallel` (or the data axis' name); the params are
       then differentiated as a per-replica value, so that the result is the
-      local gradient and not an implicit all-reduce. ``None``: outside any
-      map. (A ``loss_fn`` may still communicate, e.g. for exact BatchNorm
+      local gradient and not an implicit all-reduce. `None`: outside any
+      map. (A `loss_fn` may still communicate, e.g. for exact BatchNorm
       statistics.)
     accum_steps: split the batch into this many contiguous micro-batches and
-      accumulate their gradient *sums* with ``lax.scan`` (activation memory
+      accumulate their gradient *sums* with `lax.scan` (activation memory
       of one micro-batch). The result equals the whole-batch one: sums add
       exactly, only the final normalisation divides. The model state flows
       through the micro-batches in order, as K forward passes would update it.
-    rng: optional PRNG key for ``loss_fn`` (dropout); micro-batch ``i`` gets
-      ``fold_in(rng, i)`` (every micro-batch ``rng`` itself with ``example_ids``).
-    model_state: the model state given to ``loss_fn`` (``None`` if the model
+    rng: optional PRNG key for `loss_fn` (dropout); micro-batch `i` gets
+      `fold_in(rng, i)` (every micro-batch `rng` itself with `example_ids`).
+    model_state: the model state given to `loss_fn` (`None` if the model
       has none).
-    train: the ``train`` flag for a ``loss_fn`` that declares it.
-    precision: a :class:`jaxdp.Precision`; its ``compute_dtype`` is mixed
-      precision: the floating params and batch leaves are cast to that dtype (e.g. ``jnp.bfloat16``) for the forward and backward
+    train: the `train` flag for a `loss_fn` that declares it.
+    precision: a `jaxdp.Precision`; its `compute_dtype` is mixed
+      precision: the floating params and batch leaves are cast to that dtype (e.g. `jnp.bfloat16`) for the forward and backward
       pass, while the gradient is taken with respect to the params as they
       are (float32 master weights) and the sums stay float32. Where the
       backward pass runs in 16 bits (this dtype, 16-bit params, or 16-bit
-      values in the loss's own trace: a model's ``dtype=jnp.float16``), the
-      weighted sum is divided by a power of two near the global ``Σ w`` per
-      micro-batch over ``N·√n`` (``n``: a device's loss elements; see
-      ``_sixteen_bit_scale``; with ``axis_name``, one 4-byte ``psum`` of
+      values in the loss's own trace: a model's `dtype=jnp.float16`), the
+      weighted sum is divided by a power of two near the global `Σ w` per
+      micro-batch over `N·√n` (`n`: a device's loss elements; see
+      `_sixteen_bit_scale`; with `axis_name`, one 4-byte `psum` of
       the weights before the forward pass, so the scale is the same on
-      every replica and collectives in ``loss_fn`` stay exact) and the
+      every replica and collectives in `loss_fn` stay exact) and the
       float32 gradient scaled back exactly: the sum itself overflows
       float16's 65,504 on large batches and flushes to 0 under small
       weights, and one device's mean-loss scale underflows float16 past
       ~16k tokens. Dynamic loss scaling on top of this is the steps'
-      ``loss_scaling=`` (:mod:`jaxdp.core.loss_scaling`). Under ``"rank_mean"`` or
-      ``"none"``, where each replica's own mean counts, a replica whose
+      `loss_scaling=` (`jaxdp.core.loss_scaling`). Under `"rank_mean"` or
+      `"none"`, where each replica's own mean counts, a replica whose
       weights are tiny next to the others' can still underflow float16.
-    example_ids: layout-invariant randomness (see :mod:`jaxdp.core.randomness`):
-      the key of the ids in a dict batch (e.g. ``"id"``) or a callable
-      ``batch -> [b]`` integer ids. Each micro-batch's ids are set while
-      ``loss_fn`` runs, and every micro-batch gets ``rng`` itself.
+    example_ids: layout-invariant randomness (see `jaxdp.core.randomness`):
+      the key of the ids in a dict batch (e.g. `"id"`) or a callable
+      `batch -> [b]` integer ids. Each micro-batch's ids are set while
+      `loss_fn` runs, and every micro-batch gets `rng` itself.
     loss_scale: the current loss scale (a float32 scalar: the state's
-      ``loss_scale.scale`` under a policy with ``loss_scaling``), or ``None``.
+      `loss_scale.scale` under a policy with `loss_scaling`), or `None`.
 
   Returns:
-    A :class:`LocalGradient` with the gradient of ``Σ w·l``, ``Σ w·l``,
-    ``Σ w``, the metric sums and the new model state.
+    A `LocalGradient` with the gradient of `Σ w·l`, `Σ w·l`,
+    `Σ w`, the metric sums and the new model state.
 
-  The 16-bit plan first (:func:`_sixteen_bit_plan`), then one micro-batch's
-  gradient (:func:`_micro_gradient`), or the accumulation of ``accum_steps``
-  of them (:func:`_accumulated`). ``loss_scale``: a float32 scalar (dynamic
-  loss scaling, :mod:`jaxdp.core.loss_scaling`) that multiplies the differentiated
+  The 16-bit plan first (`_sixteen_bit_plan`), then one micro-batch's
+  gradient (`_micro_gradient`), or the accumulation of `accum_steps`
+  of them (`_accumulated`). `loss_scale`: a float32 scalar (dynamic
+  loss scaling, `jaxdp.core.loss_scaling`) that multiplies the differentiated
   value; a 16-bit plan then divides the sum by a power of two near the global
-  ``Σ w`` per replica (a device's mean loss, as torch's ``GradScaler``
-  scales it) instead of the ``√n`` normalisation. Each micro-batch's float32
+  `Σ w` per replica (a device's mean loss, as torch's `GradScaler`
+  scales it) instead of the `√n` normalisation. Each micro-batch's float32
   gradient is divided by both again before it is accumulated or reduced.
   """
   settings = step_config(layout, None, precision, accum_steps, example_ids)
@@ -357,14 +357,14 @@ def local_gradient(
 
 
 class _SixteenBitPlan(NamedTuple):
-  """How a backward pass divides the weighted sum (see :func:`_sixteen_bit_scale`).
+  """How a backward pass divides the weighted sum (see `_sixteen_bit_scale`).
 
   Attributes:
     active: whether the backward pass runs in 16 bits (and so divides by a scale).
     replicas: the data-parallel replicas, read by the scale only.
-    scale: the scale of every micro-batch, from the given weights' global sum; ``None``: each
+    scale: the scale of every micro-batch, from the given weights' global sum; `None`: each
       micro-batch's own, from its count of loss elements (no weights: all ones).
-    loss_scale: the dynamic loss scale (float32 scalar) the divided sum is multiplied by, or ``None``.
+    loss_scale: the dynamic loss scale (float32 scalar) the divided sum is multiplied by, or `None`.
   """
 
   active: bool
@@ -385,7 +385,7 @@ def _sixteen_bit_plan(settings: StepConfig, loss_fn: Callable[..., Any], params:
   every replica's terms right; a per-replica Σ w would not. Without weights (all ones) it follows from the
   count of loss elements, the same on every replica without communication.
 
-  ``scaled`` (dynamic loss scaling): the power of two nearest the global Σ w per replica instead, so that the
+  `scaled` (dynamic loss scaling): the power of two nearest the global Σ w per replica instead, so that the
   loss scale multiplies a device's mean loss (each element's cotangent about scale/n), as in torch.
   """
   axis_name, accum_steps, compute_dtype = settings.axis_name, settings.accum_steps, settings.compute_dtype
@@ -413,7 +413,7 @@ def _sixteen_bit_plan(settings: StepConfig, loss_fn: Callable[..., Any], params:
 
 def _micro_gradient(settings: StepConfig, loss_fn: Callable[..., Any], plan: _SixteenBitPlan, params: Any,
                     micro_batch: Any, micro_weights: Any, micro_rng: Any, state: Any, *, train: bool) -> LocalGradient:
-  """One micro-batch's :class:`LocalGradient`: its sums and the gradient of ``Σ w·l``, float32 at least."""
+  """One micro-batch's `LocalGradient`: its sums and the gradient of `Σ w·l`, float32 at least."""
 
   def weighted_sum(p, rows=micro_batch, row_weights=micro_weights):
     p, b = cast_floating((p, rows), settings.compute_dtype)
@@ -452,7 +452,7 @@ def _micro_gradient(settings: StepConfig, loss_fn: Callable[..., Any], plan: _Si
 
 
 def _add_sums(total: tuple, part: tuple) -> tuple:
-  """One microbatch's ``(sums, scale)`` added to ``total`` (the scale, the same for every microbatch, kept)."""
+  """One microbatch's `(sums, scale)` added to `total` (the scale, the same for every microbatch, kept)."""
   (sums, _), (more, scale) = total, part
   if more.model_state is not None:
     raise ValueError("schedule='1f1b' with a loss that returns a model state: statistics would be per microbatch; "
@@ -463,9 +463,9 @@ def _add_sums(total: tuple, part: tuple) -> tuple:
 
 def _accumulated(settings: StepConfig, micro_gradient: Callable[..., LocalGradient], batch: Any, weights: Any,
                  rng: Any, model_state: Any) -> LocalGradient:
-  """The sums of ``accum_steps`` contiguous micro-batches, scanned; the model state flows through them in order.
+  """The sums of `accum_steps` contiguous micro-batches, scanned; the model state flows through them in order.
 
-  ``micro_gradient(micro_batch, micro_weights, micro_rng, state)``: one micro-batch's :class:`LocalGradient`.
+  `micro_gradient(micro_batch, micro_weights, micro_rng, state)`: one micro-batch's `LocalGradient`.
   """
   axis_name, accum_steps, example_ids = settings.axis_name, settings.accum_steps, settings.example_ids
   micro = _split_micro((batch, weights), accum_steps)
@@ -498,17 +498,17 @@ def _accumulated(settings: StepConfig, micro_gradient: Callable[..., LocalGradie
 
 
 def _varying_like(x: jax.Array, like: Any) -> jax.Array:
-  """``x`` typed as varying over every axis ``like`` (an array or ``ShapeDtypeStruct``) varies over too."""
+  """`x` typed as varying over every axis `like` (an array or `ShapeDtypeStruct`) varies over too."""
   missing = tuple(sorted(_abstract_vma(like) - varying_axes(x)))
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _sixteen_bit_scale(total: jax.Array, replicas: int, elements: Any) -> jax.Array:
-  """The power of two nearest ``total / (replicas · √elements)``: what a 16-bit backward pass divides Σ w·l by.
+  """The power of two nearest `total / (replicas · √elements)`: what a 16-bit backward pass divides Σ w·l by.
 
-  ``total``: the global batch's Σ w (per micro-batch); ``elements``: the loss elements of one device's
-  (micro-)batch. Each element's cotangent is then about ``1/√elements`` of its share (the mean weight counts
-  as 1, whatever the weights' magnitude) and a device's sum about ``√elements`` times an element's: between
+  `total`: the global batch's Σ w (per micro-batch); `elements`: the loss elements of one device's
+  (micro-)batch. Each element's cotangent is then about `1/√elements` of its share (the mean weight counts
+  as 1, whatever the weights' magnitude) and a device's sum about `√elements` times an element's: between
   the sum's overflow of float16's 65,504 and the mean's underflow below its 6.1e-5 (past ~16k tokens), far
   from both. A power of two, so that dividing and scaling back are exact. The same on every replica (a
   global total, static shapes), so collectives inside loss_fn see consistent values. A zero, negative or
@@ -520,16 +520,16 @@ def _sixteen_bit_scale(total: jax.Array, replicas: int, elements: Any) -> jax.Ar
 
 
 def _sixteen_bit(params: Any, compute_dtype: Any) -> bool:
-  """Whether the backward pass runs in a 16-bit float: a 16-bit ``compute_dtype`` or parameter."""
+  """Whether the backward pass runs in a 16-bit float: a 16-bit `compute_dtype` or parameter."""
   dtypes = [compute_dtype] if compute_dtype is not None else []
   dtypes += [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
   return any(jnp.finfo(d).bits < 32 for d in dtypes)
 
 
 def _computes_in_16_bits(fn: Callable, params: Any) -> bool:
-  """Whether ``fn(params)`` computes a floating value in fewer than 32 bits (its backward pass then does too).
+  """Whether `fn(params)` computes a floating value in fewer than 32 bits (its backward pass then does too).
 
-  Traces ``fn`` once more (no computation); nested jaxprs (jit, scan, cond, custom rules) are read as well.
+  Traces `fn` once more (no computation); nested jaxprs (jit, scan, cond, custom rules) are read as well.
   """
   def narrow(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
@@ -569,8 +569,8 @@ SMALL_ROWS = 16
 
 
 def rows_of(nbytes: list) -> list:
-  """The positions ``0 .. len(nbytes) - 1`` of leaves of these byte sizes cut into packed rows, in order: one
-  row, or for a small gradient rows of at most :data:`ROW_BYTES` each (see :data:`SMALL_ROWS`)."""
+  """The positions `0 .. len(nbytes) - 1` of leaves of these byte sizes cut into packed rows, in order: one
+  row, or for a small gradient rows of at most `ROW_BYTES` each (see `SMALL_ROWS`)."""
   if not nbytes or sum(nbytes) <= ROW_BYTES or max(nbytes) > ROW_BYTES or sum(nbytes) > SMALL_ROWS * ROW_BYTES:
     return [list(range(len(nbytes)))]
   rows, size = [[]], 0
@@ -584,12 +584,12 @@ def rows_of(nbytes: list) -> list:
 
 
 def _psum(tree: Any, axis_name: str) -> Any:
-  """One all-reduce of every leaf of ``tree``, the small leaves packed into one flat operand per dtype (and
+  """One all-reduce of every leaf of `tree`, the small leaves packed into one flat operand per dtype (and
   varying type).
 
   XLA CPU's all-reduce pays a fixed cost per operand, so many small operands cost more than one flat
-  operand of the same values; packing leaves of up to :data:`PACK_BYTES` costs a copy of them. Each element is summed as before: the same values, bit for bit.
-  A small gradient is packed in rows of :data:`ROW_BYTES` instead (:func:`rows_of`).
+  operand of the same values; packing leaves of up to `PACK_BYTES` costs a copy of them. Each element is summed as before: the same values, bit for bit.
+  A small gradient is packed in rows of `ROW_BYTES` instead (`rows_of`).
   Leaves the compiler may split over another mesh axis stay whole (packing would gather them).
   """
   if _is_trivial(tree, axis_name):
@@ -615,7 +615,7 @@ def _psum(tree: Any, axis_name: str) -> Any:
 
 
 def to_row(leaves: list, rows: int = 1) -> jax.Array:
-  """The leaves flattened into ``[rows, Σ size / rows]``: row ``i`` holds row ``i`` of each leaf seen as ``rows`` rows.
+  """The leaves flattened into `[rows, Σ size / rows]`: row `i` holds row `i` of each leaf seen as `rows` rows.
 
   Rows, not a vector: XLA CPU concatenates rows with copies, where it concatenates a rank-1 vector element
   by element.
@@ -624,7 +624,7 @@ def to_row(leaves: list, rows: int = 1) -> jax.Array:
 
 
 def _from_row(row: jax.Array, like: list) -> list:
-  """The leaves of a one-row ``[1, Σ size]`` array made by :func:`to_row`, shaped as ``like``."""
+  """The leaves of a one-row `[1, Σ size]` array made by `to_row`, shaped as `like`."""
   offsets = np.cumsum([0] + [x.size for x in like])
   return [row[0, start:stop].reshape(x.shape) for x, start, stop in zip(like, offsets[:-1], offsets[1:])]
 
@@ -641,8 +641,8 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | Non
   sum), or all-reduced where the spec names none (a leaf with no dimension that divides).
 
   With several data axes (hybrid sharding), the scatter is over the last one (ZeRO's) and the slices are
-  then all-reduced over the others (plain data parallelism between the groups). With ``bucket_bytes``,
-  the leaves split over the data axis only are reduce-scattered in flat buckets (see :func:`_scatter_buckets`).
+  then all-reduced over the others (plain data parallelism between the groups). With `bucket_bytes`,
+  the leaves split over the data axis only are reduce-scattered in flat buckets (see `_scatter_buckets`).
   """
   names = axis_names(axis_name)
   zero, others = names[-1], names[:-1]
@@ -670,12 +670,12 @@ def _psum_scatter(tree: Any, specs: Any, axis_name: Any, bucket_bytes: int | Non
 
 def with_flat_buckets(tree: Any, specs: Any, axis_name: Any, per_leaf: Callable, bucketed: Callable,
                        small_bytes: int | None = None) -> Any:
-  """``tree`` with ``bucketed(leaves, dims)`` applied to the leaves flat buckets take, ``per_leaf(x, spec)`` to the rest.
+  """`tree` with `bucketed(leaves, dims)` applied to the leaves flat buckets take, `per_leaf(x, spec)` to the rest.
 
-  Flat buckets take the leaves split over ZeRO's axis only (``dims``: the dimension each is split along); a
-  leaf also split over a model axis, or not split, keeps a collective of its own. ``small_bytes``: only leaves
+  Flat buckets take the leaves split over ZeRO's axis only (`dims`: the dimension each is split along); a
+  leaf also split over a model axis, or not split, keeps a collective of its own. `small_bytes`: only leaves
   of up to that many bytes, grouped by dtype and varying type whatever their order (the default packing,
-  without ``bucket_bytes``); none on a mesh with another axis the compiler partitions, which would split
+  without `bucket_bytes`); none on a mesh with another axis the compiler partitions, which would split
   the packed row over it and gather it back (and part of the backward pass with it).
   """
   zero = axis_names(axis_name)[-1]
@@ -713,11 +713,11 @@ def _check_scatter(x: jax.Array, dim: int, zero: str) -> None:
 
 
 def _scatter_buckets(leaves: list, dims: list[int], axis_name: Any, bucket_bytes: int) -> list:
-  """``leaves`` reduce-scattered along ``dims`` with one reduce-scatter per bucket, as FSDP's flat parameters.
+  """`leaves` reduce-scattered along `dims` with one reduce-scatter per bucket, as FSDP's flat parameters.
 
-  Each leaf is laid out as ``[N, its slice]`` (the scatter dimension moved to the front, so that row ``i`` is
-  device ``i``'s slice), a bucket's leaves are concatenated along the slices, and one tiled reduce-scatter of
-  the ``[N, bucket]`` array leaves each device its row, cut back into its slices of the leaves. Every element
+  Each leaf is laid out as `[N, its slice]` (the scatter dimension moved to the front, so that row `i` is
+  device `i`'s slice), a bucket's leaves are concatenated along the slices, and one tiled reduce-scatter of
+  the `[N, bucket]` array leaves each device its row, cut back into its slices of the leaves. Every element
   is the same sum as with one reduce-scatter per leaf; the leaves of a model are many collectives fewer.
   """
   names = axis_names(axis_name)
@@ -756,14 +756,14 @@ def _tracks_replication(axis_name: str) -> bool:
 
 def _state_contributions(model_state: Any, weight_sum: jax.Array, axis_name: str,
                          fallback: bool = False) -> tuple[list, list, Any]:
-  """``(how, contributions, treedef)``: how each model-state leaf is made identical, and what it psums.
+  """`(how, contributions, treedef)`: how each model-state leaf is made identical, and what it psums.
 
-  ``how`` is ``"keep"`` (already replicated), ``"mean"`` (floating: weighted by
-  this replica's ``Σ w``; with ``fallback``, replica 0's value if no replica
+  `how` is `"keep"` (already replicated), `"mean"` (floating: weighted by
+  this replica's `Σ w`; with `fallback`, replica 0's value if no replica
   has weight: the training step skips such a step and keeps the old state, so
-  it does not send that second value) or ``"first"`` (other dtypes: replica
+  it does not send that second value) or `"first"` (other dtypes: replica
   0's value, where nothing tells whether the replicas' values differ: under
-  ``pmap`` or ``check_vma=False``). Where replication is tracked, a leaf of
+  `pmap` or `check_vma=False`). Where replication is tracked, a leaf of
   another dtype that varies over the replicas is refused: it depends on each
   replica's rows (a count of examples), and no replica's value is the one
   device's.
@@ -837,22 +837,22 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
   """The model state every replica keeps, from each replica's own (one psum).
 
   A leaf that is already replicated (computed from cross-replica statistics,
-  e.g. :class:`jaxdp.adapters.nnx.BatchNorm` in sync mode; known from JAX's
-  replication types inside ``shard_map``) is kept as it is. A floating leaf
+  e.g. `jaxdp.adapters.nnx.BatchNorm` in sync mode; known from JAX's
+  replication types inside `shard_map`) is kept as it is. A floating leaf
   that differs per replica (per-device BatchNorm statistics) becomes the mean
-  over replicas weighted by each replica's ``Σ w``, so a replica without real
+  over replicas weighted by each replica's `Σ w`, so a replica without real
   rows does not count and, with one micro-batch a step, per-device running
   means average to the running mean of the global batch (replica 0's value
   if no replica has weight). That is right for mean-like statistics only: a
-  count or a maximum over the batch must be made identical in ``loss_fn``
-  (``lax.psum``; ``lax.pmax`` of a ``lax.stop_gradient``). A leaf of another
-  dtype that differs per replica raises ``ValueError`` (no replica's value
-  is one device's). Under ``pmap`` or ``check_vma=False`` (no replication
+  count or a maximum over the batch must be made identical in `loss_fn`
+  (`lax.psum`; `lax.pmax` of a `lax.stop_gradient`). A leaf of another
+  dtype that differs per replica raises `ValueError` (no replica's value
+  is one device's). Under `pmap` or `check_vma=False` (no replication
   types) every leaf is treated as differing: floating elements that every
-  replica holds bit for bit are kept exactly (one ``pmax``), the others
+  replica holds bit for bit are kept exactly (one `pmax`), the others
   averaged;
   non-floating leaves take replica 0's value.
-  :func:`reduce_gradient` does the same inside its one all-reduce.
+  `reduce_gradient` does the same inside its one all-reduce.
   """
   check_axis_bound(axis_name)
   how, contributions, treedef = _state_contributions(model_state, weight_sum, axis_name, fallback=True)
@@ -861,12 +861,12 @@ def reduce_model_state(model_state: Any, weight_sum: jax.Array, *, axis_name: st
 
 
 def buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] | None = None) -> list[list[int]]:
-  """Leaf indices grouped, in reverse order (the order backprop produces them), into buckets of ~``bucket_bytes``.
+  """Leaf indices grouped, in reverse order (the order backprop produces them), into buckets of ~`bucket_bytes`.
 
   A bucket holds one dtype and one varying type (it is reduced as one flat vector: a leaf replicated over a
   manual model axis would come back typed as split over it). Empty leaves are left out (nothing to carry).
-  ``scale``: each leaf counts as that many times its bytes (a slice counted as the whole leaf it gathers to).
-  ``alone``: leaves left out as well (the caller reduces them on their own).
+  `scale`: each leaf counts as that many times its bytes (a slice counted as the whole leaf it gathers to).
+  `alone`: leaves left out as well (the caller reduces them on their own).
   """
   groups, current, size = [], [], 0
   for i in reversed(range(len(leaves))):
@@ -883,7 +883,7 @@ def buckets(leaves: list, bucket_bytes: int, scale: int = 1, alone: list[bool] |
 
 
 def _after(tree: Any, previous: jax.Array | None) -> Any:
-  """``tree`` made to depend on ``previous`` without changing a bit of it.
+  """`tree` made to depend on `previous` without changing a bit of it.
 
   XLA's all-reduce combiner merges independent all-reduces into one (also on
   CPU, after optimization barriers are gone); a data dependency on the
@@ -911,7 +911,7 @@ def _after(tree: Any, previous: jax.Array | None) -> Any:
 
 
 def _psum_buckets(grads: Any, small: Any, axis_name: str, bucket_bytes: int | None) -> tuple[Any, Any]:
-  """``psum`` of the gradient and the small values: one all-reduce, or one per bucket of gradient leaves."""
+  """`psum` of the gradient and the small values: one all-reduce, or one per bucket of gradient leaves."""
   if bucket_bytes is None:  # one psum call: XLA reduces everything in a single all-reduce
     return _psum((grads, small), axis_name)
   leaves, treedef = jax.tree.flatten(grads)
@@ -943,53 +943,53 @@ def reduce_gradient(
 ) -> ReducedGradient:
   """Makes the replicas agree on one gradient, loss, metrics and model state, in one all-reduce.
 
-  Must run inside ``shard_map`` or ``pmap`` over ``axis_name`` (except for
-  ``reduction="none"``, which communicates no gradient).
+  Must run inside `shard_map` or `pmap` over `axis_name` (except for
+  `reduction="none"`, which communicates no gradient).
 
   Args:
-    local: this replica's :class:`LocalGradient`.
-    state: this replica's state of ``reduction`` (``TrainState.compression``
+    local: this replica's `LocalGradient`.
+    state: this replica's state of `reduction` (`TrainState.compression`
       as the step hands it over: PowerSGD's with each error its own
-      ``[1, *shape]`` block, a user reduction's likewise), or ``None``; the
-      new one is in the result's ``compression`` field.
-    layout: the :class:`jaxdp.DataParallel` (or the data axis' name) this
+      `[1, *shape]` block, a user reduction's likewise), or `None`; the
+      new one is in the result's `compression` field.
+    layout: the `jaxdp.DataParallel` (or the data axis' name) this
       runs over.
-    reduction: a :class:`jaxdp.reductions.Reduction` (default
-      :func:`jaxdp.reductions.mean`): the mode (``mean``, ``rank_mean``,
-      ``sum``, ``none``; metrics are reduced like the loss), and how the
-      gradient's sums travel. :func:`jaxdp.reductions.bucketed` reduces them
+    reduction: a `jaxdp.reductions.Reduction` (default
+      `jaxdp.reductions.mean`): the mode (`mean`, `rank_mean`,
+      `sum`, `none`; metrics are reduced like the loss), and how the
+      gradient's sums travel. `jaxdp.reductions.bucketed` reduces them
       in buckets of about that many bytes, in reverse order of the leaves
       (the order the backward pass produces them), one all-reduce each, as
       DDP's 25 MB buckets do, plus one all-reduce of the loss, weight,
       metrics and model state after the last: on GPU and TPU XLA's scheduler
       can then overlap a bucket's all-reduce with the rest of the backward
       pass. The sums are the same, element by element (bitwise on CPU).
-      :func:`jaxdp.reductions.powersgd` sums the large matrices as low-rank
+      `jaxdp.reductions.powersgd` sums the large matrices as low-rank
       approximations with error feedback; a user's reduction replaces the
-      all-reduce of the gradient's sums with its own ``reduce``.
-    precision: a :class:`jaxdp.Precision`: its ``reduce_dtype`` (e.g.
-      ``jnp.bfloat16``, half the bytes of float32) is the dtype the gradient
-      is communicated in, cast back after the sum; ``None`` keeps the local
+      all-reduce of the gradient's sums with its own `reduce`.
+    precision: a `jaxdp.Precision`: its `reduce_dtype` (e.g.
+      `jnp.bfloat16`, half the bytes of float32) is the dtype the gradient
+      is communicated in, cast back after the sum; `None` keeps the local
       gradient's dtype (float32 at least). The loss, weights, metrics and
       the weighted-mean division stay float32; complex leaves travel as they
       are.
     totals: optional pytree of per-replica values to sum over replicas in the
       same all-reduce (e.g. the streaming input's "has more data" flags);
-      refused under ``"none"``, which has no all-reduce.
-    divide: ``True`` returns the normalised gradient. ``False`` leaves the
-      gradient as the reduced sums and sets ``grad_divisor`` (the global
-      weight under ``"mean"``, the replica count under ``"rank_mean"``): for
-      :func:`jaxdp.finish_step`, which divides where it reads the gradient,
-      saving a pass over it (``jaxdp.train_step`` does this). The loss and
+      refused under `"none"`, which has no all-reduce.
+    divide: `True` returns the normalised gradient. `False` leaves the
+      gradient as the reduced sums and sets `grad_divisor` (the global
+      weight under `"mean"`, the replica count under `"rank_mean"`): for
+      `jaxdp.finish_step`, which divides where it reads the gradient,
+      saving a pass over it (`jaxdp.train_step` does this). The loss and
       metrics are divided either way.
 
   Returns:
-    A :class:`ReducedGradient`. Every replica holds the same values except
-    under ``"none"`` (and the gradient chunks under ``scatter``). The model
-    state is made identical as :func:`reduce_model_state` says (kept
-    per-replica under ``"none"``), except where no replica has weight: the
+    A `ReducedGradient`. Every replica holds the same values except
+    under `"none"` (and the gradient chunks under `scatter`). The model
+    state is made identical as `reduce_model_state` says (kept
+    per-replica under `"none"`), except where no replica has weight: the
     averaged leaves are then 0, not replica 0's value (the step that reads
-    them, :func:`jaxdp.finish_step`, skips such a step and keeps the state;
+    them, `jaxdp.finish_step`, skips such a step and keeps the state;
     sending replica 0's value too would double the state's share of every
     all-reduce).
   """
@@ -998,8 +998,8 @@ def reduce_gradient(
 
 
 def _legacy_scattered(local, state=None, *, layout="data", reduction=None, precision=None, **rest):
-  """``reduce_gradient(..., scatter=, presummed=)`` of jaxdp 0.1: ZeRO's scatter, which left the public
-  signature, runs through :func:`reduce_scattered`."""
+  """`reduce_gradient(..., scatter=, presummed=)` of jaxdp 0.1: ZeRO's scatter, which left the public
+  signature, runs through `reduce_scattered`."""
   return reduce_scattered(step_config(layout, reduction, precision), local, state, **rest)
 
 
@@ -1013,25 +1013,25 @@ def reduce_scattered(
     divide: bool = True,
     presummed: Any = None,
 ) -> ReducedGradient:
-  """:func:`reduce_gradient` under a checked :class:`StepConfig`, with ZeRO's scatter.
+  """`reduce_gradient` under a checked `StepConfig`, with ZeRO's scatter.
 
-  ``scatter``: reduce-scatter the gradient instead of all-reducing it (ZeRO
-  stages 2 and 3): a tree of ``PartitionSpec``s like the gradient's, each
+  `scatter`: reduce-scatter the gradient instead of all-reducing it (ZeRO
+  stages 2 and 3): a tree of `PartitionSpec`s like the gradient's, each
   naming the data axis at the dimension that leaf is split along (each
   device receives its slice of the reduced leaf; a fully reduced leaf never
-  exists), or ``P()`` for a leaf to all-reduce; ``True`` splits every leaf
-  along its first dimension; ``False``: all-reduce. With buckets the leaves
+  exists), or `P()` for a leaf to all-reduce; `True` splits every leaf
+  along its first dimension; `False`: all-reduce. With buckets the leaves
   split over the data axis only are reduce-scattered in flat buckets (each
   leaf's scatter dimension moved to the front, the bucket's slices
   concatenated: one reduce-scatter per bucket, as FSDP's flat parameters,
-  where the default gives the leaves of up to :data:`PACK_BYTES` one
+  where the default gives the leaves of up to `PACK_BYTES` one
   reduce-scatter and each larger leaf its own); leaves also split over model
   axes stay one reduce-scatter each. Each element is the same sum; XLA may
   compile the backward pass feeding the concatenation differently, so the
   result can differ from the per-leaf reduction in the last bits.
-  ``presummed``: with ``scatter``, a tree of bools like the gradient's:
-  ``True`` for a leaf already reduce-scattered over ZeRO's axis inside the
-  loss (a stacked layer gathered with :func:`jaxdp.gather`, whose transpose
+  `presummed`: with `scatter`, a tree of bools like the gradient's:
+  `True` for a leaf already reduce-scattered over ZeRO's axis inside the
+  loss (a stacked layer gathered with `jaxdp.gather`, whose transpose
   is that reduce-scatter); such a leaf is only all-reduced over the other
   data axes (hybrid sharding) and divided.
   """
@@ -1121,15 +1121,15 @@ def reduce_scattered(
 
 
 def _without_compressed(specs: Any, compressed: tuple) -> Any:
-  """``specs`` (the gradient's tree of scatter specs) with ``None`` at the leaves PowerSGD reduces."""
+  """`specs` (the gradient's tree of scatter specs) with `None` at the leaves PowerSGD reduces."""
   treedef, sums, _ = compressed
   leaves = treedef.flatten_up_to(specs)
   return treedef.unflatten([None if i in sums else spec for i, spec in enumerate(leaves)])
 
 
 def own_slices(tree: Any, specs: Any, axis_name: Any) -> Any:
-  """Each leaf of ``tree`` (a sum, the same on every device of the data axes) cut to this device's slice along
-  the dimension its spec splits over ZeRO's axis, as :func:`_psum_scatter` leaves it (whole where none does).
+  """Each leaf of `tree` (a sum, the same on every device of the data axes) cut to this device's slice along
+  the dimension its spec splits over ZeRO's axis, as `_psum_scatter` leaves it (whole where none does).
 
   For reductions that return whole-leaf sums (PowerSGD, a user's) at ZeRO stages 2-3: the same values as the
   reduce-scatter of the exact sums would give, at the same place.
@@ -1154,7 +1154,7 @@ def own_slices(tree: Any, specs: Any, axis_name: Any) -> Any:
 
 
 def _user_sums(grads: Any, settings: StepConfig, state: Any) -> tuple[Any, Any]:
-  """A user reduction's sums of ``grads`` and its new state (this replica's block of the stacked state)."""
+  """A user reduction's sums of `grads` and its new state (this replica's block of the stacked state)."""
   own = jax.tree.map(lambda x: x[0], state)  # the step hands over [1, ...] blocks: the reduction sees its own
   summed, new = settings.user.reduce(grads, own, axis_name=settings.axis_name)
   try:
@@ -1170,7 +1170,7 @@ def _user_sums(grads: Any, settings: StepConfig, state: Any) -> tuple[Any, Any]:
 
 
 def _scatter_unless_presummed(grads: Any, specs: Any, presummed: Any, axis_name: Any, bucket_bytes: int | None) -> Any:
-  """:func:`_psum_scatter` of the leaves not ``presummed``; those are summed over the other data axes only."""
+  """`_psum_scatter` of the leaves not `presummed`; those are summed over the other data axes only."""
   leaves, treedef = jax.tree.flatten(grads)
   spec_leaves = treedef.flatten_up_to(specs)
   done = treedef.flatten_up_to(presummed)
@@ -1214,9 +1214,9 @@ def _check_local(grads: Any, loss_sum: jax.Array, axis_name: Any, scatter: Any) 
 
 
 def _normalised(sums: tuple, denominator: jax.Array, divide: bool) -> tuple:
-  """``(grads, loss, metrics, grad_divisor)``: the sums over ``denominator`` (zero read as one).
+  """`(grads, loss, metrics, grad_divisor)`: the sums over `denominator` (zero read as one).
 
-  The gradient is divided only if ``divide``; otherwise it stays the sums and the divisor is returned.
+  The gradient is divided only if `divide`; otherwise it stays the sums and the divisor is returned.
   """
   grads, loss_sum, metric_sums = sums
   divisor = _safe_denominator(denominator)
@@ -1228,33 +1228,33 @@ def _normalised(sums: tuple, denominator: jax.Array, divide: bool) -> tuple:
 
 def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | None = None, *,
                 agreed: bool = False) -> jax.Array:
-  """The L2 norm of a whole gradient tree, also when its leaves are sharded over ``axis_name``.
+  """The L2 norm of a whole gradient tree, also when its leaves are sharded over `axis_name`.
 
-  With ``axis_name`` (inside ``shard_map`` or ``pmap``), leaves typed as
+  With `axis_name` (inside `shard_map` or `pmap`), leaves typed as
   varying over it are chunks of a sharded vector: each is counted once and
-  the partial sums are added with one ``psum``. A leaf that holds the same
+  the partial sums are added with one `psum`. A leaf that holds the same
   value on every device (an agreed, replicated gradient) is split instead:
   each device sums the squares of its own 1/N of it, added in the same
-  ``psum``, so the norm costs each device a pass over 1/N of the gradient,
+  `psum`, so the norm costs each device a pass over 1/N of the gradient,
   not over all of it. That split is done only where the leaf is known to be
-  the same everywhere: inside ``shard_map`` with ``check_vma=True`` (the
+  the same everywhere: inside `shard_map` with `check_vma=True` (the
   type system proves it for every leaf not typed as varying), or where the
-  caller says so with ``agreed=True`` (e.g. the ``grads`` of a
-  :class:`jaxdp.ReducedGradient` of ``"mean"``, ``"sum"`` or
-  ``"rank_mean"``: :func:`jaxdp.train_step` has :func:`jaxdp.finish_step`
+  caller says so with `agreed=True` (e.g. the `grads` of a
+  `jaxdp.ReducedGradient` of `"mean"`, `"sum"` or
+  `"rank_mean"`: `jaxdp.train_step` has `jaxdp.finish_step`
   pass it).
-  Under ``pmap`` or ``check_vma=False`` without ``agreed``, nothing tells
+  Under `pmap` or `check_vma=False` without `agreed`, nothing tells
   agreed leaves from per-replica ones, so each device sums such leaves whole:
   the norm of its own values, never a mix of the replicas' slices. A leaf the
-  compiler may split over another mesh axis (an ``Auto`` model axis) is
+  compiler may split over another mesh axis (an `Auto` model axis) is
   summed whole on every device, counted once. A leaf also typed as varying
   over a manual axis that is not a data axis (a tensor-parallel shard in a
-  hand-written ``shard_map``) is a part of the vector there too: its squares
+  hand-written `shard_map`) is a part of the vector there too: its squares
   are added over that axis as well, so every device holds the whole
-  gradient's norm (only with ``axis_name``). Without ``axis_name`` it is
-  ``optax.tree.norm``. Chunks must partition the vector (ZeRO's zero padding
-  adds nothing to the norm). ``divisor``: the norm of ``tree / divisor``
-  (see :func:`divide_gradient`), without writing the quotient.
+  gradient's norm (only with `axis_name`). Without `axis_name` it is
+  `optax.tree.norm`. Chunks must partition the vector (ZeRO's zero padding
+  adds nothing to the norm). `divisor`: the norm of `tree / divisor`
+  (see `divide_gradient`), without writing the quotient.
   """
   data = set(axis_names(axis_name)) if axis_name is not None else None
   # Sums of squares keyed by the manual axes besides the data axes that the leaf varies over (a tensor-parallel
@@ -1304,9 +1304,9 @@ def global_norm(tree: Any, axis_name: str | None = None, divisor: jax.Array | No
 
 
 def checks_vma(axis_name: Any) -> bool:
-  """Whether values are typed as varying or not over ``axis_name`` here (``shard_map`` with ``check_vma=True``).
+  """Whether values are typed as varying or not over `axis_name` here (`shard_map` with `check_vma=True`).
 
-  A value cast to varying carries the axis in its type only then; under ``pmap`` or ``check_vma=False`` it
+  A value cast to varying carries the axis in its type only then; under `pmap` or `check_vma=False` it
   does not, and a leaf not typed as varying may still differ between devices. (The probe is dead code.)
   """
   probe = lax.pcast(jnp.zeros((), jnp.float32), axis_names(axis_name)[0], to="varying")
@@ -1322,7 +1322,7 @@ def _squares(x: jax.Array, divisor: jax.Array | None) -> jax.Array:
 
 
 def _own_part(x: jax.Array, axis_name: Any) -> jax.Array:
-  """This device's 1/N of ``x`` (flattened), the rest of each device's equal-length window zeroed."""
+  """This device's 1/N of `x` (flattened), the rest of each device's equal-length window zeroed."""
   flat = x.reshape(-1)
   n, i = lax.axis_size(axis_name), lax.axis_index(axis_name)
   chunk = -(-flat.shape[0] // n)
@@ -1335,8 +1335,8 @@ def _own_part(x: jax.Array, axis_name: Any) -> jax.Array:
 
 
 def _compiler_partitioned_axes() -> dict | None:
-  """``{axis: type}`` of the mesh axes of size > 1 that are not manual here (the compiler partitions them);
-  ``None`` where this JAX gives no mesh information."""
+  """`{axis: type}` of the mesh axes of size > 1 that are not manual here (the compiler partitions them);
+  `None` where this JAX gives no mesh information."""
   try:
     mesh = jax.sharding.get_abstract_mesh()
     return {a: t for a, t in zip(mesh.axis_names, mesh.axis_types) if a not in mesh.manual_axes and mesh.shape[a] > 1}
@@ -1345,12 +1345,12 @@ def _compiler_partitioned_axes() -> dict | None:
 
 
 def _explicit_sharding(x: Any) -> Any:
-  """``x``'s sharding where its type splits it over an Explicit mesh axis (a zero like it must keep it), else None."""
+  """`x`'s sharding where its type splits it over an Explicit mesh axis (a zero like it must keep it), else None."""
   return x.sharding if _split_by_compiler(x) else None
 
 
 def _spec_axes(x: Any) -> set | None:
-  """The mesh axes ``x``'s type says it is split over (axes the compiler partitions: Explicit ones); ``None``
+  """The mesh axes `x`'s type says it is split over (axes the compiler partitions: Explicit ones); `None`
   where this JAX gives no such type."""
   try:
     spec = jax.typeof(x).sharding.spec
@@ -1366,12 +1366,12 @@ def _spec_axes(x: Any) -> set | None:
 
 
 def _split_by_compiler(x: jax.Array) -> bool:
-  """Whether ``x``'s type says it is split over a mesh axis the compiler partitions (an Explicit axis)."""
+  """Whether `x`'s type says it is split over a mesh axis the compiler partitions (an Explicit axis)."""
   return bool(_spec_axes(x))
 
 
 def _splittable(x: jax.Array) -> bool:
-  """Whether slicing ``x`` on the manual axes leaves it where it is: no other mesh axis may split it."""
+  """Whether slicing `x` on the manual axes leaves it where it is: no other mesh axis may split it."""
   others = _compiler_partitioned_axes()
   if others is None:  # no mesh information: sum the whole leaf
     return False

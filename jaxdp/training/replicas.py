@@ -17,7 +17,7 @@ from jaxdp.training.reduction import as_varying, axis_names, varies
 
 
 def _host(x: Any) -> np.ndarray:
-  """``x`` as numpy; a typed PRNG key (``optax.noisy_sgd``'s state) as its raw ``uint32`` data."""
+  """`x` as numpy; a typed PRNG key (`optax.noisy_sgd`'s state) as its raw `uint32` data."""
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   return np.asarray(x)
@@ -33,10 +33,10 @@ def _device_copies(leaf: Any) -> tuple[list[jax.Device], list[np.ndarray]]:
 def per_replica(tree: Any) -> Any:
   """Numpy copies of every (addressable) device's replica, stacked on a new leading axis.
 
-  Row ``i`` of each leaf is what the ``i``-th device (in device-id order)
+  Row `i` of each leaf is what the `i`-th device (in device-id order)
   holds. For a state that is meant to be replicated, the rows differ only if
-  the replicas have diverged (e.g. under ``reduction="none"``). A typed PRNG
-  key comes back as its raw ``uint32`` data (numpy cannot hold a key).
+  the replicas have diverged (e.g. under `reduction="none"`). A typed PRNG
+  key comes back as its raw `uint32` data (numpy cannot hold a key).
   """
   check_not_donated(tree, name="tree")
   return jax.tree.map(lambda leaf: np.stack(_device_copies(leaf)[1]), tree)
@@ -51,7 +51,7 @@ def _gather_over_processes(copies: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _copies_that_must_agree(leaf: Any) -> list[tuple[list[str], list[np.ndarray]]]:
-  """Groups of (device names, copies) that hold the same part of ``leaf``.
+  """Groups of (device names, copies) that hold the same part of `leaf`.
 
   A replicated leaf is one group (over processes too); a sharded leaf (a ZeRO
   chunk, a batch) has one group per shard index, each compared among the
@@ -76,7 +76,7 @@ def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
   """Asserts that every device's copy of every leaf is the same.
 
   Compares each device's copy with the first device's through
-  ``chex.assert_trees_all_close`` (``rtol=0``). Replicated leaves are
+  `chex.assert_trees_all_close` (`rtol=0`). Replicated leaves are
   compared across processes too when there are several (call it with the
   same tree on every process). Sharded leaves (ZeRO chunks) are compared
   among the devices that hold the same shard.
@@ -107,17 +107,17 @@ def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
 
 
 def replica_divergence(tree: Any, axis_name: str, *, skip_varying: bool = True) -> jax.Array:
-  """In-graph measure of how far the replicas of ``tree`` have drifted apart.
+  """In-graph measure of how far the replicas of `tree` have drifted apart.
 
   For every leaf, a checksum (its sum and the sum of its absolute values, in
   float32; a complex leaf's two parts, a typed key's data) is compared across
-  ``axis_name`` with ``pmax - pmin``; the largest gap is returned, identical
-  on every replica. It is ``0`` for consistent replicas. Call it inside
-  ``shard_map``/``pmap`` over ``axis_name``. With ``skip_varying`` (the
-  default), leaves typed as varying over ``axis_name`` inside ``shard_map``
-  with ``check_vma=True`` are taken for ZeRO's chunks, which differ by
-  design, and skipped; pass ``skip_varying=False`` when they are replicas
-  (e.g. a ``reduction="none"`` state made ``as_varying``), or the result is
+  `axis_name` with `pmax - pmin`; the largest gap is returned, identical
+  on every replica. It is `0` for consistent replicas. Call it inside
+  `shard_map`/`pmap` over `axis_name`. With `skip_varying` (the
+  default), leaves typed as varying over `axis_name` inside `shard_map`
+  with `check_vma=True` are taken for ZeRO's chunks, which differ by
+  design, and skipped; pass `skip_varying=False` when they are replicas
+  (e.g. a `reduction="none"` state made `as_varying`), or the result is
   0 whatever they hold. The checksum can miss differences of a few ulps in
   large leaves (float32 sums).
   """
@@ -130,7 +130,7 @@ def replica_divergence(tree: Any, axis_name: str, *, skip_varying: bool = True) 
 
 
 def _gap(leaf: Any, axes: Any, cast: Any = lambda x: x) -> jax.Array:
-  """The largest ``pmax - pmin`` over ``axes`` of ``leaf``'s float32 checksums (sum, sum of |x|) per real part."""
+  """The largest `pmax - pmin` over `axes` of `leaf`'s float32 checksums (sum, sum of |x|) per real part."""
   gaps = []
   for part in _real_parts(jnp.asarray(leaf)):
     x = cast(part.astype(jnp.float32))
@@ -140,13 +140,13 @@ def _gap(leaf: Any, axes: Any, cast: Any = lambda x: x) -> jax.Array:
 
 
 def divergence_over_mesh(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> jax.Array:
-  """:func:`replica_divergence` over every mesh axis that holds copies, for arrays laid out as ``specs``.
+  """`replica_divergence` over every mesh axis that holds copies, for arrays laid out as `specs`.
 
-  Called under ``jit`` on global arrays (not inside a map). Each leaf's
+  Called under `jit` on global arrays (not inside a map). Each leaf's
   checksums are compared across each mesh axis its spec leaves it
   replicated on: the data axes, but also a model axis for a bias that is not
-  split over it, or ``"replica"`` for a ZeRO chunk on a hybrid mesh. A
-  ``shard_map`` over the data axes alone cannot see the copies on the
+  split over it, or `"replica"` for a ZeRO chunk on a hybrid mesh. A
+  `shard_map` over the data axes alone cannot see the copies on the
   others: the compiler takes them to agree and may read any of them.
   """
   everything = tuple(mesh.axis_names)
@@ -167,7 +167,7 @@ def divergence_over_mesh(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> jax.
 
 
 def _real_parts(x: jax.Array) -> list[jax.Array]:
-  """What a float32 checksum can read of ``x``: a typed PRNG key's data; a complex leaf's real and imaginary parts."""
+  """What a float32 checksum can read of `x`: a typed PRNG key's data; a complex leaf's real and imaginary parts."""
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   return [x.real, x.imag] if jnp.iscomplexobj(x) else [x]

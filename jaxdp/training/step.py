@@ -1,11 +1,11 @@
 """The pure data-parallel step: what one replica computes, composed from the functional core.
 
-``gradient_step`` (local gradient, then its reduction) runs per replica,
-inside ``shard_map`` or ``pmap``; ``finish_step`` (the non-finite check and
-the optimizer update) runs either there too (:func:`train_step`, stage 0)
+`gradient_step` (local gradient, then its reduction) runs per replica,
+inside `shard_map` or `pmap`; `finish_step` (the non-finite check and
+the optimizer update) runs either there too (`train_step`, stage 0)
 or outside the map on the global arrays (ZeRO stages 1-3, where the
 optimizer sees whole leaves whatever their sharding: see
-:mod:`jaxdp.runtime.compiled`). Nothing here places, jits or maps anything."""
+`jaxdp.runtime.compiled`). Nothing here places, jits or maps anything."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from jaxdp.core.state import TrainState
 
 
 def _loss_argument(optimizer: optax.GradientTransformation, value: jax.Array | None) -> dict:
-  """``{"value": value}`` for an optimizer whose update takes extra arguments (optax passes the loss as ``value``)."""
+  """`{"value": value}` for an optimizer whose update takes extra arguments (optax passes the loss as `value`)."""
   if value is None or "value" not in declared_keywords(optimizer.update, ("value",)):
     return {}
   return {"value": value}
@@ -62,23 +62,23 @@ def apply_update(
     value: jax.Array | None = None,
     compression: Any = None,
 ) -> TrainState:
-  """Applies ``grads`` with ``optimizer`` (and installs ``model_state``), or returns ``state`` unchanged.
+  """Applies `grads` with `optimizer` (and installs `model_state`), or returns `state` unchanged.
 
-  ``train_step`` passes ``apply = (global weight > 0) & (no replica saw a
-  non-finite gradient)``, a value every replica holds identically, so all
+  `train_step` passes `apply = (global weight > 0) & (no replica saw a
+  non-finite gradient)`, a value every replica holds identically, so all
   replicas skip together: no NaN, no spurious optimizer step, no step count,
   and no model-state update from a batch that was not learned from.
-  ``model_state=None`` keeps ``state.model_state``. Gradients are cast to
+  `model_state=None` keeps `state.model_state`. Gradients are cast to
   the parameters' dtypes (they are reduced in float32 at least).
-  ``grad_divisor``: apply ``grads / grad_divisor`` (a reduced gradient left
-  undivided, see :class:`jaxdp.ReducedGradient`); the division happens in
-  the update's own pass over the gradient. ``value``: the loss, passed as
-  ``optimizer.update(..., value=value)`` to optimizers that take extra
-  arguments (``optax.polyak_sgd``, ``optax.contrib.reduce_on_plateau``);
-  :func:`finish_step` passes the step's agreed loss (under ``"mean"`` the
-  global weighted mean, what one device passes). ``compression``: the new
-  :class:`jaxdp.PowerSGDState` to install with the update (``None`` keeps
-  ``state.compression``); a skipped step keeps the old one.
+  `grad_divisor`: apply `grads / grad_divisor` (a reduced gradient left
+  undivided, see `jaxdp.ReducedGradient`); the division happens in
+  the update's own pass over the gradient. `value`: the loss, passed as
+  `optimizer.update(..., value=value)` to optimizers that take extra
+  arguments (`optax.polyak_sgd`, `optax.contrib.reduce_on_plateau`);
+  `finish_step` passes the step's agreed loss (under `"mean"` the
+  global weighted mean, what one device passes). `compression`: the new
+  `jaxdp.PowerSGDState` to install with the update (`None` keeps
+  `state.compression`); a skipped step keeps the old one.
   """
 
   check_optimizer(optimizer)
@@ -124,7 +124,7 @@ SELECT_BYTES = 1 << 18
 
 
 def _selects(operand: Any) -> bool:
-  """Whether the update selects (``jnp.where``) instead of branching: a state of up to :data:`SELECT_BYTES`
+  """Whether the update selects (`jnp.where`) instead of branching: a state of up to `SELECT_BYTES`
   (read at trace time) whose leaves are all numbers (a PRNG key cannot be selected)."""
   leaves = jax.tree.leaves(operand)
   return all(jnp.issubdtype(x.dtype, np.number) or jnp.issubdtype(x.dtype, np.bool_) for x in leaves) and (
@@ -153,9 +153,9 @@ def _check_update_types(params: Any, new_params: Any) -> None:
 def gather_params(params: Any, split: Any, axis_name: str, bucket_bytes: int | None = None) -> Any:
   """Whole parameters from this device's slices (ZeRO stage 3): one all-gather per split leaf, the small ones shared.
 
-  ``bucket_bytes``: the leaves split over the data axis only are gathered in flat buckets of about that
+  `bucket_bytes`: the leaves split over the data axis only are gathered in flat buckets of about that
   many bytes instead, one all-gather each (the slices concatenated, as FSDP's flat parameters); without it,
-  those whose whole value has up to :data:`jaxdp.training.reduction.PACK_BYTES` share one such bucket. The gathered
+  those whose whole value has up to `jaxdp.training.reduction.PACK_BYTES` share one such bucket. The gathered
   values are the same, bit for bit.
   """
   if split is None:
@@ -214,12 +214,12 @@ def gradient_step(
 ) -> ReducedGradient:
   """This replica's gradient, loss, metrics and model state, reduced over the data axes (per replica).
 
-  :func:`jaxdp.local_gradient` then :func:`jaxdp.reduce_gradient`: see
-  :func:`train_step` for the arguments. ``state.opt_state`` is not read. A
-  state with a ``loss_scale`` (:mod:`jaxdp.core.loss_scaling`) has its backward
+  `jaxdp.local_gradient` then `jaxdp.reduce_gradient`: see
+  `train_step` for the arguments. `state.opt_state` is not read. A
+  state with a `loss_scale` (`jaxdp.core.loss_scaling`) has its backward
   pass scaled by it and the gradient unscaled before the reduction. The
-  reduction's new state (``state.compression``'s) is in the result's
-  ``compression``.
+  reduction's new state (`state.compression`'s) is in the result's
+  `compression`.
   """
   config = step_config(layout, reduction, precision, accum_steps, example_ids)
   return sharded_gradient_step(config, loss_fn, state, batch, weights, rng=rng, has_more=has_more)
@@ -239,21 +239,21 @@ def sharded_gradient_step(
     divide: bool = True,
     stacked: Any = None,
 ) -> ReducedGradient:
-  """:func:`gradient_step` under a checked :class:`StepConfig`, with ZeRO's splits (what
-  :func:`jaxdp.make_train_step` runs per replica at stages 1-3 and in pipelines).
+  """`gradient_step` under a checked `StepConfig`, with ZeRO's splits (what
+  `jaxdp.make_train_step` runs per replica at stages 1-3 and in pipelines).
 
-  ``params_split`` is the params' tree of ``PartitionSpec``s of parameters
+  `params_split` is the params' tree of `PartitionSpec`s of parameters
   that arrive split over the data axis (stage 3: all-gathered here, once,
-  before the forward pass); ``grads_split`` the same for the gradient
+  before the forward pass); `grads_split` the same for the gradient
   (stages 2-3: reduce-scattered, so each device keeps only its slice of each
   reduced leaf). Specs may also name the model axes a leaf is split over
   (the full spec): the gather and scatter then run per model shard.
-  ``divide=False`` leaves the gradient undivided for :func:`finish_step`.
-  ``stacked``: the params' tree of bools marking the leaves of stacks of
-  layers (:func:`jaxdp.sharding.layout.layer_mask`); at stage 3 those arrive split
-  and stay so, :func:`jaxdp.gather` gathers one layer at a time inside the
+  `divide=False` leaves the gradient undivided for `finish_step`.
+  `stacked`: the params' tree of bools marking the leaves of stacks of
+  layers (`jaxdp.sharding.layout.layer_mask`); at stage 3 those arrive split
+  and stay so, `jaxdp.gather` gathers one layer at a time inside the
   loss, and their gradient leaves the loss reduce-scattered already (see
-  :mod:`jaxdp.sharding.layerwise`).
+  `jaxdp.sharding.layerwise`).
   """
   axis_name, reduction = settings.axis_name, settings.mode
   _check_compression_present(settings, state)
@@ -320,32 +320,32 @@ def finish_step(
     agreed: bool = False,
     loss_scaling: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """The skip decision and the update: ``(new_state, metrics)`` from a reduced gradient.
+  """The skip decision and the update: `(new_state, metrics)` from a reduced gradient.
 
-  Runs per replica (``axis_name`` given; leaves that vary over it are
-  chunks, counted once each in the norm, see :func:`jaxdp.global_norm`) or
-  on the global arrays (``axis_name=None``: the optimizer sees whole
+  Runs per replica (`axis_name` given; leaves that vary over it are
+  chunks, counted once each in the norm, see `jaxdp.global_norm`) or
+  on the global arrays (`axis_name=None`: the optimizer sees whole
   leaves, XLA partitions the update as the arrays are sharded, so every
   optax optimizer gives stage 0's numbers). A gradient left undivided
-  (``grad_divisor``) is divided inside the norm's and the update's passes.
+  (`grad_divisor`) is divided inside the norm's and the update's passes.
 
-  ``agreed=True``: the caller vouches that ``reduced.grads`` is the same on
-  every replica (reduced with ``"mean"``, ``"sum"`` or ``"rank_mean"``), so
+  `agreed=True`: the caller vouches that `reduced.grads` is the same on
+  every replica (reduced with `"mean"`, `"sum"` or `"rank_mean"`), so
   each replica sums the squares of only its 1/N of it for the norm (one
-  4-byte all-reduce; :func:`train_step` passes it). The default is safe for
-  any gradient: inside ``shard_map`` with ``check_vma=True`` the types tell
-  agreed leaves apart and the norm is split anyway; under ``pmap`` or
-  ``check_vma=False`` each replica takes the norm of its own values (a
-  ``reduction="none"`` gradient: each replica's own norm and skip). For a
-  ``"none"`` gradient pass ``axis_name=None``, as :func:`train_step` does:
-  each replica's own norm everywhere (inside ``shard_map`` with
-  ``check_vma=True`` its leaves are typed as varying, and with
-  ``axis_name`` the norm would count them as chunks of one vector).
+  4-byte all-reduce; `train_step` passes it). The default is safe for
+  any gradient: inside `shard_map` with `check_vma=True` the types tell
+  agreed leaves apart and the norm is split anyway; under `pmap` or
+  `check_vma=False` each replica takes the norm of its own values (a
+  `reduction="none"` gradient: each replica's own norm and skip). For a
+  `"none"` gradient pass `axis_name=None`, as `train_step` does:
+  each replica's own norm everywhere (inside `shard_map` with
+  `check_vma=True` its leaves are typed as varying, and with
+  `axis_name` the norm would count them as chunks of one vector).
 
-  ``loss_scaling``: a :class:`jaxdp.DynamicLossScale`, with a state whose
-  ``loss_scale`` is set (and only then): the new state's loss scale follows
-  :func:`jaxdp.update_loss_scale` from the non-finite flag, also when the
-  update is skipped, and ``metrics["loss_scale"]`` is the scale this step used.
+  `loss_scaling`: a `jaxdp.DynamicLossScale`, with a state whose
+  `loss_scale` is set (and only then): the new state's loss scale follows
+  `jaxdp.update_loss_scale` from the non-finite flag, also when the
+  update is skipped, and `metrics["loss_scale"]` is the scale this step used.
   """
   check_loss_scale(loss_scaling, state.loss_scale)
   # The reduction spreads a NaN/Inf of any replica to every replica's gradient norm and loss (a sum with
@@ -399,76 +399,76 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One synchronous data-parallel step, as seen by one replica.
 
-  Call it inside your own ``jax.shard_map`` (state replicated, batch split
-  over ``axis_name``) or ``jax.pmap`` over ``axis_name``. It is the
-  composition ``local_gradient -> reduce_gradient -> apply_update``
-  (:func:`gradient_step` then :func:`finish_step`), with the state
-  replicated over ``axis_name`` (ZeRO stage 0; model axes may be left to
-  the compiler with ``shard_map(..., axis_names={axis_name})``). ZeRO
+  Call it inside your own `jax.shard_map` (state replicated, batch split
+  over `axis_name`) or `jax.pmap` over `axis_name`. It is the
+  composition `local_gradient -> reduce_gradient -> apply_update`
+  (`gradient_step` then `finish_step`), with the state
+  replicated over `axis_name` (ZeRO stage 0; model axes may be left to
+  the compiler with `shard_map(..., axis_names={axis_name})`). ZeRO
   stages 1-3 are the same two functions with the update outside the map:
-  :func:`jaxdp.make_train_step` composes them so.
+  `jaxdp.make_train_step` composes them so.
 
   Args:
-    loss_fn: ``loss_fn(params, batch)`` returning per-example losses ``[b]``
-      or per-token losses ``[b, t]``, or a :class:`jaxdp.LossOutput` with the
+    loss_fn: `loss_fn(params, batch)` returning per-example losses `[b]`
+      or per-token losses `[b, t]`, or a `jaxdp.LossOutput` with the
       new model state and metrics; it may declare the keyword arguments
-      ``model_state``, ``weights``, ``axis_name`` and ``train`` (see
-      :mod:`jaxdp.core.loss`).
-    optimizer: an optax ``GradientTransformation``.
-    state: this replica's :class:`TrainState`.
+      `model_state`, `weights`, `axis_name` and `train` (see
+      `jaxdp.core.loss`).
+    optimizer: an optax `GradientTransformation`.
+    state: this replica's `TrainState`.
     batch: this replica's slice of the batch.
-    weights: ``None`` (all ones) or an array of the losses' shape, ``>= 0``,
+    weights: `None` (all ones) or an array of the losses' shape, `>= 0`,
       zero for padding.
-    layout: the :class:`jaxdp.DataParallel` of the step (or the data axis'
+    layout: the `jaxdp.DataParallel` of the step (or the data axis'
       name, a str or a tuple): the axes to reduce over.
-    reduction: a :class:`jaxdp.reductions.Reduction`; default
-      :func:`jaxdp.reductions.mean`, the exact gradient of the global
-      weighted mean. :func:`~jaxdp.reductions.rank_mean` (DDP's),
-      :func:`~jaxdp.reductions.sum`, :func:`~jaxdp.reductions.none`,
-      :func:`~jaxdp.reductions.bucketed`, :func:`~jaxdp.reductions.powersgd`
-      (``state.compression`` then holds its state) or a user's own, composed
-      with :func:`jaxdp.reductions.chain`.
-    precision: a :class:`jaxdp.Precision` (:func:`jaxdp.precision`): the
+    reduction: a `jaxdp.reductions.Reduction`; default
+      `jaxdp.reductions.mean`, the exact gradient of the global
+      weighted mean. `rank_mean` (DDP's),
+      `sum`, `none`,
+      `bucketed`, `powersgd`
+      (`state.compression` then holds its state) or a user's own, composed
+      with `jaxdp.reductions.chain`.
+    precision: a `jaxdp.Precision` (`jaxdp.precision`): the
       compute dtype of the forward and backward passes (params, optimizer
       state and sums stay as they are), the dtype the gradient is all-reduced
-      in, and loss scaling (the state's ``loss_scale`` then holds the scale:
+      in, and loss scaling (the state's `loss_scale` then holds the scale:
       the backward pass differentiates the loss multiplied by it, the
       float32 gradient is divided by it before the reduction, and the scale
       is updated from the step's non-finite flag).
     accum_steps: number of micro-batches this replica's batch is split into;
       their gradient sums are accumulated locally and reduced once.
     rng: optional PRNG key, the same on every replica. Each replica derives
-      its own key with ``fold_in(fold_in(rng, state.step), axis_index)`` (and
-      ``fold_in(·, i)`` for micro-batch ``i``) and ``loss_fn`` is called as
-      ``loss_fn(params, batch, key)``. Only gradients and per-replica model
+      its own key with `fold_in(fold_in(rng, state.step), axis_index)` (and
+      `fold_in(·, i)` for micro-batch `i`) and `loss_fn` is called as
+      `loss_fn(params, batch, key)`. Only gradients and per-replica model
       state depend on the key, so the replicas stay identical. With
-      ``example_ids`` the key is ``fold_in(rng, state.step)`` on every
+      `example_ids` the key is `fold_in(rng, state.step)` on every
       replica and micro-batch instead.
     has_more: optional per-replica count (e.g. 1 if this replica's input
       stream has data after this batch), summed over replicas in the step's
-      own all-reduce into ``metrics["has_more"]``.
-    example_ids: layout-invariant randomness (:mod:`jaxdp.core.randomness`): the
-      key of each row's global id in a dict batch (e.g. ``"id"``), or a
-      callable ``batch -> [b]`` integer ids. ``loss_fn`` gets the same key
-      everywhere and :class:`jaxdp.adapters.nnx.Dropout` / :class:`jaxdp.adapters.linen.Dropout`
-      draw row ``r``'s mask from ``fold_in(layer_key, id_r)``: the same masks
-      on any number of devices, split and ``accum_steps``. A library's own
-      ``Dropout`` (linen's, nnx's) is then refused. ``None`` (default):
+      own all-reduce into `metrics["has_more"]`.
+    example_ids: layout-invariant randomness (`jaxdp.core.randomness`): the
+      key of each row's global id in a dict batch (e.g. `"id"`), or a
+      callable `batch -> [b]` integer ids. `loss_fn` gets the same key
+      everywhere and `jaxdp.adapters.nnx.Dropout` / `jaxdp.adapters.linen.Dropout`
+      draw row `r`'s mask from `fold_in(layer_key, id_r)`: the same masks
+      on any number of devices, split and `accum_steps`. A library's own
+      `Dropout` (linen's, nnx's) is then refused. `None` (default):
       per-replica keys.
 
   Returns:
-    ``(new_state, metrics)`` with ``metrics`` holding ``loss`` (reduced as
-    ``reduction`` says), each metric ``loss_fn`` returned (reduced like the
-    loss), ``weight`` (global ``Σ w``; local under ``"none"``), ``grad_norm``
-    (global norm of the applied gradient), ``nonfinite`` (1 when the reduced
+    `(new_state, metrics)` with `metrics` holding `loss` (reduced as
+    `reduction` says), each metric `loss_fn` returned (reduced like the
+    loss), `weight` (global `Σ w`; local under `"none"`), `grad_norm`
+    (global norm of the applied gradient), `nonfinite` (1 when the reduced
     gradient or loss holds a NaN/Inf, which happens when any replica's does,
     when the gradient norm overflows float32, or when the divisor reaches
-    2**126, whose reciprocal flushes to 0), ``skipped`` (1 when the
-    update was skipped: zero global weight or ``nonfinite``; the state,
-    ``step`` and model state included, is then returned unchanged on every
-    replica) and ``has_more`` when given. The new model state is identical
-    on every replica (see :func:`jaxdp.reduce_model_state`), and with
-    ``loss_scaling`` ``loss_scale``, the scale this step used.
+    2**126, whose reciprocal flushes to 0), `skipped` (1 when the
+    update was skipped: zero global weight or `nonfinite`; the state,
+    `step` and model state included, is then returned unchanged on every
+    replica) and `has_more` when given. The new model state is identical
+    on every replica (see `jaxdp.reduce_model_state`), and with
+    `loss_scaling` `loss_scale`, the scale this step used.
   """
   settings = step_config(layout, reduction, precision, accum_steps, example_ids)
   check_optimizer(optimizer)  # before the forward and backward passes are traced
@@ -489,7 +489,7 @@ def train_step(
 
 def _legacy_sharded(loss_fn, state, batch, weights=None, *, layout="data", reduction=None, precision=None, accum_steps=1,
                     example_ids=None, **splits):
-  """``gradient_step(..., params_split=, grads_split=, divide=, stacked=)`` of jaxdp 0.1: ZeRO's splits, which
-  left the public signature, run through :func:`sharded_gradient_step`."""
+  """`gradient_step(..., params_split=, grads_split=, divide=, stacked=)` of jaxdp 0.1: ZeRO's splits, which
+  left the public signature, run through `sharded_gradient_step`."""
   config = step_config(layout, reduction, precision, accum_steps, example_ids)
   return sharded_gradient_step(config, loss_fn, state, batch, weights, **splits)
