@@ -2,9 +2,8 @@
 
 The exact step all-reduces every gradient leaf whole. With
 `make_train_step(..., compression=jaxdp.powersgd(rank=2))` each large
-leaf, viewed as the matrix `[m, n]` with `m = prod(shape[:-1])` and
-`n = shape[-1]` (flax's layout puts the output features last; see
-`matrix_shape`), instead sends two small sums,
+leaf, viewed as the matrix `[m, n]` of its most-square contiguous split
+`m = prod(shape[:k])`, `n = prod(shape[k:])` (see `matrix_shape`), instead sends two small sums,
 `P = Σ_i M_i Q` (`[m, r]`) and `Q' = Σ_i M_iᵀ P̂` (`[n, r]`), where
 `M_i` is replica `i`'s local weighted gradient sum `Σ w·∇l` plus its
 error feedback `e_i` and `P̂` is `P` orthonormalised (QR, float32).
