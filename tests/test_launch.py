@@ -109,6 +109,14 @@ def test_a_failed_worker_stops_the_others(tmp_path):
   assert result.seconds < 20, f"took {result.seconds:.1f} s"
 
 
+def test_a_worker_that_lost_a_peer_is_not_named_as_the_cause(tmp_path):
+  # Rank 0 says its collective lost a peer and exits first; rank 1 fails half a second later. Under load the
+  # one whose death broke the collective can be reaped after the one it broke: the launcher names rank 1.
+  result = _launch(tmp_path, "lost-peer", "--nproc", "2")
+  assert result.returncode == 3, result
+  assert "jaxdp.runtime.launch: rank 1 exited with code 3; stopped all 2 workers." in result.stderr
+
+
 def test_timeout_stops_everything_and_is_not_restarted(tmp_path):
   options = ["--nproc", "2", "--grace-period", "1", "--timeout", "2", "--max-restarts", "2"]
   result = harness.launch(options, [PLAIN, "sleep", tmp_path], timeout=60)

@@ -10,8 +10,10 @@ Failure handling, all bounded in time:
 * a worker that exits non-zero or is killed by a signal: the others get
   SIGTERM, then SIGKILL after `--grace-period` seconds; the launcher exits
   with that worker's code (`128 + signal` for a signal) and names its rank
-  (when a peer is killed by a signal within a second of a non-zero exit, the
-  killed one is named: its death is usually why the other failed);
+  (of the workers failing within a second, one killed by a signal is named
+  first, then one whose output does not say it lost a connection to a peer:
+  a collective that loses a peer fails at once, and that process can even
+  be reaped before the one whose death caused it);
 * `--timeout` seconds of wall clock (e.g. a worker that hangs): everything
   is stopped the same way, exit code 124;
 * SIGINT (Ctrl-C) or SIGTERM to the launcher: everything is stopped, exit
@@ -82,6 +84,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import queue
@@ -226,13 +229,22 @@ def _prepare_child() -> None:
   _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
+# What a worker prints when one of its collectives lost the connection to a peer (gloo: "Connection closed by
+# peer"; sockets: "reset by peer", "Broken pipe"): a consequence of the peer's failure, not a cause.
+_LOST_PEER = (b"closed by peer", b"reset by peer", b"Broken pipe")
+
+
+def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock,
+          on_lost_peer: Callable[[], None] = lambda: None) -> None:
   """Copies `stream` to `out` line by line, each line prefixed, until end of file.
 
   If `out` breaks (e.g. the launcher's output was piped into `head`), the
   rest is read and dropped, so that the worker never blocks on a full pipe.
+  `on_lost_peer()` is called for each line that says a connection to a peer was lost.
   """
   for line in iter(stream.readline, b""):
+    if any(phrase in line for phrase in _LOST_PEER):
+      on_lost_peer()
     if out is None:
       continue
     if not line.endswith(b"\n"):
@@ -264,6 +276,7 @@ class Job:
     pids: each worker's pid once the guardian has started it, else `None`.
     exits: `(rank, code)` of each worker as it exits (a negative code is
       a signal); `(None, -1)` if the guardian ended before every worker.
+    lost_peer: the ranks whose output said a connection to a peer was lost.
   """
 
   def __init__(self, command: Sequence[str], nproc: int, *, host: str = "127.0.0.1", port: int = 0,
@@ -286,6 +299,7 @@ class Job:
     self._lock = threading.Lock()
     self._exited: set[int] = set()
     self.exits: queue.Queue[tuple[int | None, int]] = queue.Queue()
+    self.lost_peer: set[int] = set()
 
   def start(self) -> None:
     """Starts the guardian, which starts every worker, and the threads that stream their output.
@@ -303,7 +317,7 @@ class Job:
     for rank, streams in enumerate(outputs):
       prefix = f"[rank {rank}] ".encode()
       for stream, out in zip(streams, (sys.stdout.buffer, sys.stderr.buffer)):
-        self._thread(_pump, stream, prefix, out, self._lock)
+        self._thread(_pump, stream, prefix, out, self._lock, functools.partial(self.lost_peer.add, rank))
 
   def _start_guardian(self) -> list[tuple[IO[bytes], IO[bytes]]]:
     """Starts the guardian and sends it the workers to start; returns their (stdout, stderr) read ends."""
@@ -512,10 +526,11 @@ def _watch(job: Job, timeout: float | None, signals: _Signals) -> Failure | None
 
 
 def _root_cause(job: Job, rank: int, code: int) -> tuple[int, int]:
-  """The failure to report: a worker killed by a signal among those failing within `_SETTLE_SECONDS`.
+  """The failure to report among those within `_SETTLE_SECONDS`: one killed by a signal, else one that lost no peer.
 
-  When one worker is killed, its peers often fail a moment later on their own (a collective's
-  connection resets) and can be reaped first; the killed one is the cause worth naming.
+  When one worker dies, its peers often fail a moment later on their own (a collective's connection
+  closes) and can even be reaped first (on a loaded machine both exits can come in one pass); the
+  worker whose death caused it is the one worth naming. Else the first reported.
   """
   failures, settle = [(rank, code)], time.monotonic() + _SETTLE_SECONDS
   while code >= 0 and time.monotonic() < settle:
@@ -525,7 +540,7 @@ def _root_cause(job: Job, rank: int, code: int) -> tuple[int, int]:
       break
     if other is not None and other_code != 0:
       failures.append((other, other_code))
-  return next((f for f in failures if f[1] < 0), failures[0])
+  return min(failures, key=lambda f: (f[1] >= 0, f[0] in job.lost_peer))  # stable: else the first reported
 
 
 # --- The guardian: ``python -I -S launch.py --guardian -- COMMAND``, the parent of every worker ---------------

@@ -14,6 +14,9 @@ leftover check (and is a directory in mode ``fail``). Modes:
   exits at once, so it is re-parented); print ``ready`` and their pids as
   JSON, then exit 0 while they sleep on;
 * ``orphans-sleep``: the same, but then sleep;
+* ``lost-peer``: rank 0 prints what gloo prints when a peer is gone and
+  exits with code 1 at once; rank 1 exits with code 3 half a second later
+  (as if rank 0 had been reaped first on a loaded machine);
 * ``flaky``: print the ``JAXDP_*`` environment as JSON; the last rank exits
   with code 3 on attempts 0 and 1 (``JAXDP_RESTART_COUNT``), every other
   run exits 0.
@@ -73,6 +76,13 @@ def main():
     print(jaxdp_env(), flush=True)
     last = rank == int(os.environ["JAXDP_NUM_PROCESSES"]) - 1
     sys.exit(3 if last and int(os.environ["JAXDP_RESTART_COUNT"]) < 2 else 0)
+  if mode == "lost-peer":
+    if rank == 0:
+      print("ValueError: UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:1",
+            file=sys.stderr, flush=True)
+      sys.exit(1)
+    time.sleep(0.5)
+    sys.exit(3)
   if mode == "stream":
     print("first", flush=True)
     time.sleep(1.5)
