@@ -63,7 +63,8 @@ from jaxdp.sharding.parallel import DataParallel, as_layout, check_stages_used, 
 from jaxdp.training.step import finish_step, gather_params, sharded_gradient_step, train_step
 from jaxdp.core.state import TrainState
 
-_COUNTS_READ_EVERY = 16  # the subnormal count of device weights is read at most every this many calls
+_COUNTS_READ_EVERY = 8  # the subnormal count of device weights is taken at most every this many calls,
+_COUNTS_WAIT_CALLS = 8  # and read once done, or when it is this many calls old (then it waits for the device)
 
 
 class CompiledStep:
@@ -102,7 +103,7 @@ class CompiledStep:
     self._skips = host_inputs.SkipWatch(max_consecutive_skips)  # each call's count of non-finite steps in a row
     self._pending = self._skips.pending
     self._weight_counts = None  # the newest running count of subnormal device weights, not read yet
-    self._counts_due = None  # a count to read at the next call (it was not done when its turn came)
+    self._counts_due = None  # (count, calls since taken): taken, not done yet
     self._calls_unread = _COUNTS_READ_EVERY  # calls since that count was last read (the first is read when ready)
     # The host input layer's caches (jaxdp.runtime.host_inputs): checked once per signature, then only what values need.
     self._plans: dict = {}  # (layout key, inputs' signature) -> the InputPlan of inputs validated once
@@ -128,16 +129,18 @@ class CompiledStep:
 
   def _check_previous_weights(self) -> None:
     # Device weights below float32's smallest normal (the host's are refused before the step): counted on the
-    # devices by the step's program (a running total), read once ready at the first call after device weights
-    # and then every _COUNTS_READ_EVERY calls; one not ready then is read at the next call (one process only).
-    counts = self._counts_due
-    if counts is None:
+    # devices by the step's program (a running total), taken at the first call after device weights and then
+    # every _COUNTS_READ_EVERY calls, read once done (never waiting for the device before it is
+    # _COUNTS_WAIT_CALLS calls old): at the latest 16 calls after the step that counted them (one process only).
+    due = self._counts_due
+    if due is None:
       if self._weight_counts is None or self._calls_unread < _COUNTS_READ_EVERY:
         return
-      counts, self._weight_counts, self._calls_unread = self._weight_counts, None, 0
-      if not counts.is_ready():
-        self._counts_due = counts  # two calls old at the next call's read
-        return
+      due, self._weight_counts, self._calls_unread = (self._weight_counts, 0), None, 0
+    counts, age = due
+    if age < _COUNTS_WAIT_CALLS and not counts.is_ready():
+      self._counts_due = (counts, age + 1)
+      return
     self._counts_due = None
     count = host_inputs.read_total(counts)
     if count:

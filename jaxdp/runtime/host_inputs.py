@@ -298,7 +298,8 @@ class SkipWatch:
     limit: `max_consecutive_skips` (an int >= 1), or `None`: never raises.
     read: how a count on the devices is read (`read_scalar` of a replicated count, the default;
       `read_max` of one count per DiLoCo group).
-    count: the non-finite steps in a row, as of the last count read.
+    count: the non-finite steps in a row, up to the step whose count the last `check` chose (read now
+      if that check did not need its value).
     pending: each call's count on the devices, not read yet (oldest first).
   """
 
@@ -307,13 +308,22 @@ class SkipWatch:
                                   "passed in is the last good one.", read: Callable[[Any], int] | None = None):
     self.limit, self.where, self.consequence = limit, where, consequence
     self.read = read_scalar if read is None else read  # a count on the devices -> its value on the host
-    self.count = 0
+    self._count = 0  # as of the last count read
+    self._unread = None  # the count a call chose but did not read: it could not have reached the limit
+    self._bound = 0  # at least the chosen count: the count grows by at most one a call
     self.padded = False  # whether one of those steps had padding rows (all-zero weight)
     self.pending: collections.deque = collections.deque()
     self.pending_padded: dict = {}  # id(count) -> that call's per-device padding-row flags, read if tripped
 
+  @property
+  def count(self) -> int:
+    if self._unread is not None:
+      self._count = self._bound = self.read(self._unread)
+      self._unread = None
+    return self._count
+
   def reset(self) -> None:
-    self.count, self.padded = 0, False
+    self._count, self._unread, self._bound, self.padded = 0, None, 0, False
     self.pending.clear()
     self.pending_padded.clear()
 
@@ -326,17 +336,24 @@ class SkipWatch:
   def check(self) -> None:
     if self.limit is None:
       return
-    pending, ready = self.pending, jax.process_count() == 1
-    if self.count < self.limit and pending:
+    # The count grows by at most one a call: a count that cannot have reached the limit (the last one read plus
+    # the calls since) is chosen but not read (a read is a transfer, and waits for the device).
+    pending, ready, limit = self.pending, jax.process_count() == 1, self.limit
+    if self._bound < limit and pending:  # once tripped the bound is the count read: no more reads
       newest = len(pending) - 1 if ready and pending[-1].is_ready() else len(pending) - MAX_UNREAD_FLAGS
       if newest >= 0:
         for _ in range(newest):
           self.pending_padded.pop(id(pending.popleft()), None)
         count = pending.popleft()
         padded = self.pending_padded.pop(id(count), None)
-        self.count = self.read(count)
-        self.padded = bool(self.count and padded is not None and read_total(padded))
-    if self.count >= self.limit:
+        bound = self._bound + newest + 1
+        if bound < limit:
+          self._unread, self._bound = count, bound
+        else:
+          self._count = self._bound = self.read(count)
+          self._unread = None
+          self.padded = bool(self._count and padded is not None and read_total(padded))
+    if self._count >= limit:
       padding = (
           " These batches hold padding rows (weight 0). Weight 0 keeps a row out of the sums but not out of the "
           "gradient: a row the model turns into NaN (e.g. an all-zero row under a length mask: a softmax over no "
