@@ -499,8 +499,10 @@ def _diloco_metrics(metrics: dict) -> dict:
   """The groups' metrics (leading ``[R]``) as one run's: means weighted by each group's tokens, tokens summed."""
   weight = metrics["weight"]
   share = weight / jnp.maximum(jnp.sum(weight), 1.0)
-  return {**{k: jnp.sum(v * share) for k, v in metrics.items() if k not in ("weight", "synced")},
-          "weight": jnp.sum(weight), "synced": metrics["synced"]}
+  whole = {"weight": jnp.sum(weight), "synced": metrics["synced"]}
+  if "loss_scale" in metrics:  # each group's own scale: the smallest, and whether any group skipped
+    whole.update(loss_scale=jnp.min(metrics["loss_scale"]), skipped=jnp.max(metrics["skipped"]))
+  return {**{k: jnp.sum(v * share) for k, v in metrics.items() if k not in whole}, **whole}
 
 
 def train_diloco(config: Config, *, devices=None, reduction: str | None = None, data=None, out: str | None = None,
@@ -524,18 +526,20 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   params = drawn if params is None else params
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
   groups = jaxdp.data_parallel(mesh, axis_name="data")  # each group's data axis; "replica" is the outer axis
+  scaling = jaxdp.dynamic_loss_scale() if config.loss_scaling == "dynamic" else None
+  policy = common.precision_of(config.compute_dtype, config.grad_reduce_dtype, scaling)
   step = jaxdp.make_diloco_step(
       loss_fn, optimizer, groups, outer_axis="replica", inner_steps=config.diloco_inner_steps,
       delta_dtype=None if config.diloco_delta_dtype == "float32" else jnp.dtype(config.diloco_delta_dtype),
-      reduction=common.reduction_of(reduction), precision=common.precision_of(config.compute_dtype,
-                                                                             config.grad_reduce_dtype),
+      reduction=common.reduction_of(reduction), precision=policy,
       accum_steps=config.accum_steps,
   )
   per_device = config.batch_size // n
   axis_name = ("replica", "data")  # the pipeline splits the rows over both axes, as the step does
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None
-  state, start, done = jaxdp.init_diloco_state(params, optimizer, groups, outer_axis="replica"), 0, 0
+  state, start, done = jaxdp.init_diloco_state(params, optimizer, groups, outer_axis="replica",
+                                                     precision=policy), 0, 0
 
   def step_fn(state, batch, weights, rng=None):
     state, metrics = step(state, batch, weights, rng)
@@ -544,7 +548,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   with _checkpoints(config) as ckpt:
     if ckpt is not None and ckpt.latest_step() is not None:  # the groups' states, the outer state, the period
       restored = ckpt.restore_diloco(params=params, inner_optimizer=optimizer, layout=groups, outer_axis="replica",
-                                     data=pipeline)
+                                     precision=policy, data=pipeline)
       state, start, done = restored.state, restored.data_step, restored.step
       print(f"resuming from {config.ckpt_dir} at step {start}")
     with _metrics_file(out, append=start > 0, tensorboard=config.tensorboard) as sink:

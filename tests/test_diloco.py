@@ -297,6 +297,12 @@ def test_train_lm_runs_diloco_and_evaluates_the_outer_params():
                  state.inner.params, result["params"])
   with pytest.raises(ValueError, match="needs --mesh replica=R,data=D"):
     train_lm.train(dataclasses.replace(config, mesh="data=4"))
+  # --loss-scaling dynamic reaches the groups: each keeps its own scale (torch's first, 2**16, backed off by
+  # float16 overflows), logged per step.
+  scaled = train_lm.train(dataclasses.replace(config, compute_dtype="float16", loss_scaling="dynamic", steps=2))
+  scales = np.asarray(scaled["state"].inner.loss_scale.scale)
+  assert scales.shape == (2,) and np.all(scales <= 2.0**16)
+  assert all(0 < r["loss_scale"] <= 2.0**16 and r["skipped"] in (0, 1) for r in scaled["records"])
 
 
 def test_train_lm_diloco_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
@@ -397,3 +403,99 @@ def test_a_checkpoint_resumes_bit_for_bit_and_refuses_another_group_count(tmp_pa
     ckpt.save(1, jaxdp.init_state(params, inner, jaxdp.data_mesh(jax.devices()[:2])))
     with pytest.raises(ValueError, match="holds a jaxdp.TrainState, not a DiLoCo state"):
       ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh)
+
+
+def _loss_scaled(growth_interval=1):
+  return jaxdp.precision(compute_dtype=jnp.float16, loss_scaling=jaxdp.dynamic_loss_scale(
+      init_scale=2.0**8, growth_interval=growth_interval))
+
+
+POLICIES = {  # name: (policy, parameter tolerance)
+    # float16 and bfloat16 compute: each device computes what it computes in the exact step, on the same rows;
+    # only float32 sums run in other orders.
+    "float16 loss scaling": (_loss_scaled, RTOL),
+    "bf16 compute": (lambda: jaxdp.precision(compute_dtype=jnp.bfloat16), RTOL),
+    # bfloat16 sums over a group's 2 devices, where the exact step's are over 4: bfloat16's round-off.
+    "bf16 reduction": (lambda: jaxdp.precision(reduce_dtype=jnp.bfloat16), 1e-2),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_h1_sgd_with_a_precision_policy_is_the_exact_step_with_the_same_policy(policy):
+  """With H = 1, inner SGD and outer SGD at 1, a precision policy inside the groups is the exact step under the
+  same policy: the same parameters and, with loss scaling, step for step the same (growing) scale in every
+  group."""
+  mesh, lr = mesh_of(2, 2), 0.3
+  params, (make_policy, rtol) = make_params(), POLICIES[policy]
+  precision = make_policy()
+  state = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh, outer_optimizer=optax.sgd(1.0), precision=precision)
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0),
+                                precision=precision)
+  layout = jaxdp.data_parallel(mesh, axis_name=("replica", "data"))
+  exact_state = jaxdp.init_state(params, optax.sgd(lr), layout, precision=precision)
+  exact = jaxdp.make_train_step(loss_fn, optax.sgd(lr), layout, precision=precision)
+  for batch, weights in make_batches(3):
+    state, metrics = step(state, batch, weights)
+    exact_state, _ = exact(exact_state, batch, weights)
+    jax.tree.map(lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol,
+                                                         atol=rtol * np.max(np.abs(np.asarray(e)))),
+                 state.outer_params, exact_state.params)
+    np.testing.assert_array_equal(np.asarray(metrics["skipped"]), [0, 0])
+    if precision.loss_scaling is not None:
+      np.testing.assert_array_equal(np.asarray(state.inner.loss_scale.scale),
+                                    np.full(2, float(exact_state.loss_scale.scale)))
+  if precision.loss_scaling is not None:
+    assert float(exact_state.loss_scale.scale) == 2.0**11  # grown after each of the 3 applied steps
+
+
+def test_h1_sgd_with_hybrid_data_axes_inside_each_group_is_the_exact_step():
+  """A group's data axes may be several (`("pod", "data")`): H = 1 with SGD is still the exact step."""
+  devices = np.asarray(jax.devices()[:8]).reshape(2, 2, 2)
+  mesh = jax.sharding.Mesh(devices, ("replica", "pod", "data"), axis_types=(AxisType.Auto,) * 3)
+  group_layout = jaxdp.data_parallel(mesh, axis_name=("pod", "data"))
+  params, lr = make_params(4), 0.3
+  state = jaxdp.init_diloco_state(params, optax.sgd(lr), group_layout, outer_optimizer=optax.sgd(1.0))
+  step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), group_layout, inner_steps=1, outer_optimizer=optax.sgd(1.0))
+  expected = params
+  for batch, weights in make_batches(3, seed=9):
+    state, _ = step(state, batch, weights)
+    grads, _ = mean_grad(expected, batch, weights)
+    expected = jax.tree.map(lambda p, g: p - lr * g, expected, grads)
+    close(state.outer_params, expected)
+
+
+def test_a_group_that_overflows_float16_backs_off_and_skips_alone_and_checkpoints_keep_its_scale(tmp_path):
+  """An overflow in group 0's rows (a gradient past float16's range once scaled): group 0 skips and halves its scale, group 1
+  applies its step and keeps its scale; a checkpoint mid-period restores every group's scale bitwise, and
+  without the policy the restore is refused."""
+  mesh, lr = mesh_of(2, 2), 0.3
+  params, precision = make_params(), _loss_scaled(growth_interval=2000)
+  inner = optax.sgd(lr)
+  make_step = lambda: jaxdp.make_diloco_step(loss_fn, inner, mesh, inner_steps=3, precision=precision)  # noqa: E731
+  (batch, weights), *rest = make_batches(4, seed=5)
+  batch = jax.tree.map(np.copy, batch)
+  batch["y"][0] = 1e5  # group 0's first row: its scaled gradient is past float16's largest value
+  state = jaxdp.init_diloco_state(params, inner, mesh, precision=precision)
+  step = make_step()
+  state, metrics = step(state, batch, weights)
+  np.testing.assert_array_equal(np.asarray(metrics["skipped"]), [1, 0])
+  np.testing.assert_array_equal(np.asarray(state.inner.loss_scale.scale), [2.0**7, 2.0**8])
+  jax.tree.map(lambda a, p: np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(p)), state.inner.params, params)
+  # Group 1's step is the exact step under the same policy on its rows and devices.
+  alone = jaxdp.data_mesh(jax.devices()[2:4])
+  expected, _ = jaxdp.make_train_step(loss_fn, inner, alone, precision=precision)(
+      jaxdp.init_state(params, inner, alone, precision=precision), *rows_of(1, 2, batch, weights))
+  close(jax.tree.map(lambda x: x[1], state.inner.params), expected.params)
+  assert step.consecutive_skips <= 1
+  with jaxdp.CheckpointManager(tmp_path / "ckpt", enable_async_checkpointing=False) as ckpt:
+    assert ckpt.save(1, state)
+    saved = jax.tree.map(np.asarray, state)
+    whole = _run(make_step(), state, rest)
+    restored = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh, precision=precision).state
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), restored, saved)
+    resumed = _run(make_step(), restored, rest)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed, whole)
+    with pytest.raises(ValueError, match="(?s)does not match the target state.*loss_scale"):
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh)
+  with pytest.raises(ValueError, match="loss_scaling is given but state.inner.loss_scale is None"):
+    make_step()(jaxdp.init_diloco_state(params, inner, mesh), batch, weights)

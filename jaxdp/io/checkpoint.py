@@ -728,6 +728,7 @@ class CheckpointManager:
       outer_axis: str = "replica",
       outer_optimizer: optax.GradientTransformation | None = None,
       model_state: Any = None,
+      precision: Any = None,
       data: DataPipeline | None = None,
   ) -> Restored:
     """Restores a checkpoint of a `jaxdp.runtime.diloco.DiLoCoState` (saved with `save`).
@@ -753,7 +754,8 @@ class CheckpointManager:
     check_optimizer(inner_optimizer, "inner_optimizer")
     _check_pipeline(data)
     expected = abstract_diloco_state(params, inner_optimizer, layout, outer_axis=outer_axis,
-                                     outer_optimizer=outer_optimizer, model_state=model_state)
+                                     outer_optimizer=outer_optimizer, model_state=model_state,
+                                     precision=precision)
     mesh = jax.tree.leaves(expected)[0].sharding.mesh
     step = self._resolve_step(step)
     record = self._read_record(step)

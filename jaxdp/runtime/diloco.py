@@ -34,6 +34,8 @@ from jaxdp.runtime import host_inputs
 from jaxdp.core.checks import check_int, check_optimizer
 from jaxdp.sharding.layout import axis_names, check_mesh_axis, mesh_context, place, replicated
 from jaxdp.core.loss import check_loss_fn
+from jaxdp.core.loss_scaling import check_loss_scale
+from jaxdp.core.precision import as_precision
 from jaxdp.analysis.reports import Collective, collectives_from_hlo
 from jaxdp.training.config import step_config
 from jaxdp.sharding.legacy import accepts_legacy_keywords
@@ -157,6 +159,7 @@ def init_diloco_state(
     outer_axis: str = "replica",
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
+    precision: Any = None,
 ) -> DiLoCoState:
   """The state `make_diloco_step` expects, placed on `mesh`: every group starts from `params`.
 
@@ -171,15 +174,18 @@ def init_diloco_state(
       `default_outer_optimizer`.
     model_state: the model's non-trainable state, or `None`; each group
       keeps its own copy (it is not averaged at the sync).
+    precision: the step's `jaxdp.Precision`: with `loss_scaling` each
+      group's `inner.loss_scale` holds its first scale; each group's scale
+      then follows its own steps (it is not averaged at the sync).
 
   Returns:
     A `DiLoCoState` of fresh buffers.
   """
-  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state)
+  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state, precision)
   return jax.jit(build, out_shardings=shardings)(params, model_state)
 
 
-def _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state):
+def _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state, precision):
   """`(build(params, model_state) -> DiLoCoState, its shardings)`, the arguments checked."""
   mesh = _group_mesh(layout, outer_axis)
   check_optimizer(inner_optimizer, "inner_optimizer")
@@ -188,9 +194,11 @@ def _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model
   _checks.check_params(params)
   _checks.check_params_dtypes(params, "params")
   r = mesh.shape[outer_axis]
+  loss_scaling = as_precision(precision).loss_scaling
 
   def build(params, model_state):
-    inner = TrainState.create(params, inner_optimizer, model_state)
+    loss_scale = None if loss_scaling is None else loss_scaling.init()
+    inner = TrainState.create(params, inner_optimizer, model_state, loss_scale=loss_scale)
     inner = jax.tree.map(lambda x: jnp.broadcast_to(x, (r, *jnp.shape(x))), inner)
     outer = jax.tree.map(jnp.copy, params)
     step, period_weight = jnp.zeros((), jnp.int32), jnp.zeros((r,), jnp.float32)
@@ -208,11 +216,12 @@ def abstract_diloco_state(
     outer_axis: str = "replica",
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
+    precision: Any = None,
 ) -> DiLoCoState:
   """The `DiLoCoState` `init_diloco_state` would build, as `jax.ShapeDtypeStruct`s with their
   shardings on the layout's mesh (what `jaxdp.CheckpointManager.restore_diloco` reads into); nothing is
   computed. `params` and `model_state` may be `ShapeDtypeStruct`s."""
-  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state)
+  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state, precision)
   abstract = jax.eval_shape(build, params, model_state)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
@@ -291,6 +300,7 @@ class DiLoCoStep:
             "step's mesh."
         )
     group = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner)
+    check_loss_scale(self.settings.loss_scaling, group.loss_scale, "state.inner")
     _checks.check_step_inputs(
         self.loss_fn, self.inner_optimizer, group, batch, weights, rng, n_replicas=r * self.group_size,
         accum_steps=self.settings.accum_steps,
@@ -571,7 +581,10 @@ def make_diloco_step(
       weighting is applied before the cast.
     reduction, precision, accum_steps: the inner step's, as for
       `jaxdp.make_train_step` (`reductions.none()` is refused: a
-      group must stay one replica; so are reductions with a state).
+      group must stay one replica; so are reductions with a state). A
+      policy with `loss_scaling` needs the state made by
+      `jaxdp.init_diloco_state(..., precision=)`: each group keeps its own
+      scale (a group whose step overflows backs off and skips alone).
     donate: donate the input state's buffers to the output state.
     max_consecutive_skips: as for `jaxdp.make_train_step`: a call
       whose inner step had a NaN/Inf gradient or loss in at least one group
@@ -592,10 +605,10 @@ def make_diloco_step(
         "reduction='none' leaves each device of a group with its own update, but a DiLoCo group must stay one "
         "replica between syncs; use reduction='mean' (or 'sum', 'rank_mean')."
     )
-  if settings.reduction.stateful or settings.loss_scaling is not None:
+  if settings.reduction.stateful:
     raise ValueError(
-        "make_diloco_step's inner step takes no reduction with a state (powersgd, a user's) and no loss scaling: "
-        "DiLoCoState holds neither; use the exact reduction and precision(loss_scaling=None)."
+        "make_diloco_step's inner step takes no reduction with a state (powersgd, a user's): its state is per "
+        "replica within a group, which DiLoCoState does not hold; use the exact reduction."
     )
   check_loss_fn(loss_fn)
   check_optimizer(inner_optimizer, "inner_optimizer")
