@@ -499,3 +499,41 @@ def test_a_group_that_overflows_float16_backs_off_and_skips_alone_and_checkpoint
       ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh)
   with pytest.raises(ValueError, match="loss_scaling is given but state.inner.loss_scale is None"):
     make_step()(jaxdp.init_diloco_state(params, inner, mesh), batch, weights)
+
+
+def test_h1_sgd_with_layout_invariant_dropout_is_the_exact_step_with_the_same_ids():
+  """With `example_ids=`, every group keeps the key and each row's dropout mask follows its id: H = 1 with SGD,
+  dropout on, is the exact step with the same ids (whose masks are one device's, `test_randomness.py`)."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      h = jaxdp.adapters.linen.Dropout(0.5, deterministic=not train)(nn.tanh(nn.Dense(8)(x)))
+      return nn.Dense(1)(h)[:, 0]
+
+  model = Net()
+
+  def dropout_loss(params, batch, rng):
+    return (model.apply({"params": params}, batch["x"], True, rngs={"dropout": rng}) - batch["y"]) ** 2
+
+  mesh, lr = mesh_of(2, 2), 0.3
+  params = model.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32), False)["params"]
+  state = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh, outer_optimizer=optax.sgd(1.0))
+  step = jaxdp.make_diloco_step(dropout_loss, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0),
+                                example_ids="id")
+  layout = jaxdp.data_parallel(mesh, axis_name=("replica", "data"))
+  exact_state = jaxdp.init_state(params, optax.sgd(lr), layout)
+  exact = jaxdp.make_train_step(dropout_loss, optax.sgd(lr), layout, example_ids="id")
+  unfolded = jaxdp.make_diloco_step(dropout_loss, optax.sgd(lr), mesh, inner_steps=1, outer_optimizer=optax.sgd(1.0))
+  other = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh, outer_optimizer=optax.sgd(1.0))
+  rng = jax.random.key(5)
+  for batch, weights in make_batches(3, seed=11):
+    batch = {**batch, "id": np.arange(ROWS, dtype=np.int32)}
+    state, _ = step(state, batch, weights, rng)
+    exact_state, _ = exact(exact_state, batch, weights, rng)
+    other, _ = unfolded(other, batch, weights, rng)
+    close(state.outer_params, exact_state.params)
+  # Without example_ids the groups' keys differ (folded with the group's index): other masks, other parameters.
+  assert not np.allclose(np.asarray(other.outer_params["Dense_1"]["kernel"]),
+                         np.asarray(exact_state.params["Dense_1"]["kernel"]), rtol=1e-3)

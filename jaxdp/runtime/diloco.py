@@ -36,6 +36,7 @@ from jaxdp.sharding.layout import axis_names, check_mesh_axis, mesh_context, pla
 from jaxdp.core.loss import check_loss_fn
 from jaxdp.core.loss_scaling import check_loss_scale
 from jaxdp.core.precision import as_precision
+from jaxdp.core.randomness import check_unique_ids
 from jaxdp.analysis.reports import Collective, collectives_from_hlo
 from jaxdp.training.config import step_config
 from jaxdp.sharding.legacy import accepts_legacy_keywords
@@ -324,6 +325,7 @@ class DiLoCoStep:
     """
     weights = _checks.as_array(weights)
     _checks.check_padded_weights(batch, weights)  # identity lookups, and only without weights
+    check_unique_ids(batch, weights, self.settings.example_ids)  # host ids only, and only with example_ids
     leaves, treedef = jax.tree.flatten(state)
     entry = host_inputs.known_state(self._known, leaves, treedef)  # the state the last call returned
     known = entry is not None
@@ -441,11 +443,12 @@ class DiLoCoStep:
 
     def group_step(state: DiLoCoState, batch, weights, rng, skips):
       inner = jax.tree.map(lambda x: x[0], state.inner)  # this group's entry
-      if rng is not None:  # the groups' rows differ: so do their keys
+      if rng is not None and settings.example_ids is None:  # the groups' rows differ: so do their keys
         rng = jax.random.fold_in(rng, lax.axis_index(outer_axis))
+      # With example_ids every group keeps the key: each row's masks follow its id, wherever the row is.
       inner, metrics = train_step(loss_fn, inner_optimizer, inner, batch, weights, rng=rng, layout=settings.axis_name,
                                   reduction=settings.reduction, precision=settings.precision,
-                                  accum_steps=settings.accum_steps)
+                                  accum_steps=settings.accum_steps, example_ids=settings.example_ids)
       applied = metrics["weight"].astype(jnp.float32) * (1 - metrics["skipped"]).astype(jnp.float32)
       period_weight = state.period_weight[0] + applied
       outer_params, outer_opt_state = state.outer_params, state.outer_opt_state
@@ -543,6 +546,7 @@ def make_diloco_step(
     reduction: Any = None,
     precision: Any = None,
     accum_steps: int = 1,
+    example_ids: Any = None,
     donate: bool = True,
     max_consecutive_skips: int | None = 10,
 ) -> DiLoCoStep:
@@ -585,6 +589,12 @@ def make_diloco_step(
       policy with `loss_scaling` needs the state made by
       `jaxdp.init_diloco_state(..., precision=)`: each group keeps its own
       scale (a group whose step overflows backs off and skips alone).
+    example_ids: layout-invariant dropout, as for `jaxdp.make_train_step`:
+      every group then uses the key as given (not folded with its index)
+      and each row's masks follow its id, so with `inner_steps=1`, SGD
+      inside and `optax.sgd(1.0)` outside the step is the exact step with
+      the same `example_ids`. `None`: each group folds its index into the
+      key.
     donate: donate the input state's buffers to the output state.
     max_consecutive_skips: as for `jaxdp.make_train_step`: a call
       whose inner step had a NaN/Inf gradient or loss in at least one group
@@ -599,7 +609,7 @@ def make_diloco_step(
   inner_steps = check_int(inner_steps, "inner_steps", 1, "the number of inner steps between outer syncs (H).")
   mesh = _group_mesh(layout, outer_axis)
   axis_name = layout.axis_name if isinstance(layout, DataParallel) else "data"
-  settings = step_config(axis_name, reduction, precision, accum_steps)
+  settings = step_config(axis_name, reduction, precision, accum_steps, example_ids)
   if settings.mode == "none":
     raise ValueError(
         "reduction='none' leaves each device of a group with its own update, but a DiLoCo group must stay one "
