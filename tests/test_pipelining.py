@@ -155,10 +155,11 @@ def test_equals_one_device(stages, microbatches, schedule, repeats, data, optimi
   assert_close(state.params, reference_run(opt, runs))
 
 
+@pytest.mark.parametrize("schedule,repeats", [("circular", 2), ("gpipe", 1)])
 @pytest.mark.parametrize("zero_stage,accum_steps,replica", [(1, 2, None), (2, 1, 2)])
-def test_zero_accumulation_and_replicas(zero_stage, accum_steps, replica):
+def test_zero_accumulation_and_replicas(zero_stage, accum_steps, replica, schedule, repeats):
   # ZeRO 1 with accum_steps=2 on ("stage", "data"); ZeRO 2 on ("stage", "replica", "data") (hybrid: split over data).
-  step, opt, mesh, axis_name = built(2, 2, 2, "circular", 2, "clip_adamw", zero_stage, accum_steps, replica)
+  step, opt, mesh, axis_name = built(2, 2, 2, schedule, repeats, "clip_adamw", zero_stage, accum_steps, replica)
   runs = batches()
   state, metrics = train(step, mesh, opt, runs, axis_name=axis_name, zero_stage=zero_stage)
   assert float(metrics["replica_divergence"]) == 0.0
@@ -527,14 +528,27 @@ def test_one_f_one_b_refuses_a_model_state():
   assert_untouched(state, host)
 
 
-def test_one_f_one_b_bf16_compute_equals_one_device_to_bf16_round_off():
-  # compute_dtype=bfloat16 (float32 master weights and sums), SGD, 3 steps: 1F1B on ("stage", "data") against the
-  # same policy on one device, and against the float32 reference; bfloat16 keeps 8 bits (spacing 2**-8 = 3.9e-3
-  # relative), and the microbatches' partial sums round differently from one device's whole-batch ones.
-  opt, runs, policy = optax.sgd(0.1), batches(3), jaxdp.precision(compute_dtype=jnp.bfloat16)
+SCHEDULES = {"gpipe": (4, "gpipe", 1), "circular": (2, "circular", 2), "1f1b": (2, "1f1b", 1)}  # (M, schedule, R)
+
+
+def _one_device_and_pipelined(schedule):
+  microbatches, name, repeats = SCHEDULES[schedule]
+  return (jaxdp.data_parallel(Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))),
+          jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks",
+                              pipeline=jaxdp.pipeline(microbatches, name, repeats=repeats)))
+
+
+@pytest.mark.parametrize("schedule,policy", [("gpipe", "compute"), ("circular", "compute"), ("1f1b", "compute"),
+                                             ("gpipe", "reduce"), ("circular", "reduce"), ("1f1b", "reduce")])
+def test_bf16_compute_or_reduction_equals_one_device_to_bf16_round_off(schedule, policy):
+  # compute_dtype or reduce_dtype bfloat16 (float32 master weights and sums), SGD, 3 steps: the pipelined step on
+  # ("stage", "data") against the same policy on one device, and against the float32 reference; bfloat16 keeps 8
+  # bits (spacing 2**-8 = 3.9e-3 relative), and the microbatches' (or the devices') partial sums round differently
+  # from one device's whole-batch ones.
+  opt, runs = optax.sgd(0.1), batches(3)
+  policy = jaxdp.precision(**{f"{policy}_dtype": jnp.bfloat16})
   results = []
-  for layout in (jaxdp.data_parallel(Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))),
-                 jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks", pipeline=jaxdp.pipeline(2, "1f1b"))):
+  for layout in _one_device_and_pipelined(schedule):
     step = jaxdp.make_train_step(loss_fn, opt, layout, precision=policy)
     state = jaxdp.init_state(init_params(), opt, layout)
     for batch, w in runs:
@@ -545,14 +559,14 @@ def test_one_f_one_b_bf16_compute_equals_one_device_to_bf16_round_off():
   assert_close(results[1], reference_run(opt, runs), rtol=3e-2)
 
 
-def test_one_f_one_b_float16_loss_scaling_follows_one_device():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_float16_loss_scaling_follows_one_device(schedule):
   # compute_dtype=float16 with dynamic loss scaling: the same skipped steps and scales as one device's run of the
   # policy (2**16 overflows here, then 2**15, then 2**14 applies), parameters within float16's round-off (2**-11).
   opt, runs = optax.sgd(0.1), batches(3)
   policy = jaxdp.precision(compute_dtype=jnp.float16, loss_scaling=jaxdp.dynamic_loss_scale())
   results = []
-  for layout in (jaxdp.data_parallel(Mesh(np.asarray(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))),
-                 jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks", pipeline=jaxdp.pipeline(2, "1f1b"))):
+  for layout in _one_device_and_pipelined(schedule):
     step = jaxdp.make_train_step(loss_fn, opt, layout, precision=policy)
     state, seen = jaxdp.init_state(init_params(), opt, layout, precision=policy), []
     for batch, w in runs:

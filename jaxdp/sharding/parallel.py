@@ -201,7 +201,9 @@ def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:
         "inside the backward pass. Use backend='shard_map' without layers=."
     )
   reduce_dtype, mesh = precision.reduce_dtype, layout.mesh
-  other_axes = [a for a in mesh.axis_names if a not in axis_names(layout.axis_name)]
+  # A pipeline's step is manual over its stage axis too: nothing is left to the compiler there.
+  manual = (*axis_names(layout.axis_name), *(() if layout.pipeline is None else (layout.pipeline.axis_name,)))
+  other_axes = [a for a in mesh.axis_names if a not in manual]
   if (reduce_dtype is not None and np.dtype(reduce_dtype).itemsize < 4 and other_axes and layout.replicas > 1
       and mesh.devices.flat[0].platform == "cpu"):
     raise ValueError(
