@@ -332,6 +332,13 @@ def test_restore_onto_other_layouts_gives_the_same_gathered_state(saved):
     assert_bitwise_equal(jaxdp.gather_state(restored.state), full)
     for leaf in jax.tree.leaves(restored.state.model_state):
       assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == n
+    # Evaluated where it was restored: the saved parameters' loss over the 6 rows, as on one device.
+    batch, weights = batch_for(mesh, 7)
+    rows = np.random.default_rng(7)  # batch_for's draws
+    x, y = rows.normal(size=(6, 5)).astype(np.float32), rows.normal(size=(6, 3)).astype(np.float32)
+    expected = float(np.mean(loss_fn(full.params, {"x": x, "y": y})))
+    evaluated = jaxdp.make_eval_step(loss_fn, mesh)(restored.state._replace(model_state=None), batch, weights)
+    np.testing.assert_allclose(float(evaluated["loss"]), expected, rtol=1e-6)
     # The step's use of model state is jaxdp.core.loss's to test; this one checks the moved optimizer state.
     step = jaxdp.make_train_step(loss_fn, OPT, mesh, zero_stage=stage)
     after = jaxdp.gather_state(step(restored.state._replace(model_state=None), *batch_for(mesh, 7))[0])

@@ -390,3 +390,50 @@ def test_train_step_in_your_own_shard_map_equals_make_train_step():
     state = step(state, batch, weights)
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(state)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+PS_POLICIES = {  # name: (precision policy keywords, parameter tolerance relative to each leaf's largest value)
+    "float32": ({}, 1e-5),
+    "bf16 compute": ({"compute_dtype": jnp.bfloat16}, 3e-2),
+    "float16 loss scaling": ({"compute_dtype": jnp.float16, "loss_scaling": "dynamic"}, 5e-3),
+}
+
+
+@pytest.mark.parametrize("policy", PS_POLICIES)
+def test_full_rank_with_batchnorm_dropout_and_a_precision_policy_is_one_devices(policy):
+  """A linen model with jaxdp's BatchNorm and layout-invariant dropout, PowerSGD at full rank on 4 devices with
+  uneven weights (the last device padding only) against the same program on one device without compression,
+  under the same precision policy: its round-off apart, the same parameters and BatchNorm statistics."""
+  from test_composition_precision import Net, make_loss
+
+  keywords, rtol = PS_POLICIES[policy]
+  keywords = dict(keywords)
+  if keywords.get("loss_scaling") == "dynamic":
+    keywords["loss_scaling"] = jaxdp.dynamic_loss_scale(init_scale=2.0**8)  # 2**16 overflows float16 at once
+  precision = jaxdp.precision(**keywords)
+  model = Net()
+  rng = np.random.default_rng(4)
+  rows = 16
+  data = [{"x": rng.normal(size=(rows, 4)).astype(np.float32), "y": rng.normal(size=(rows, 2)).astype(np.float32),
+           "id": np.arange(rows * k, rows * (k + 1), dtype=np.int32)} for k in range(3)]
+  weights = _uneven_weights(rows)
+  variables = model.init(jax.random.key(0), data[0]["x"][:1], False)
+  opt, key = optax.sgd(0.1), jax.random.key(3)  # not Adam: Dense_0.bias, under BatchNorm, has a gradient of round-off
+  results = []
+  for n, reduction in ((1, None), (4, jaxdp.reductions.powersgd(8, start_iter=0, min_compression_rate=0))):
+    mesh = _mesh(n)
+    state = jaxdp.init_state(variables["params"], opt, mesh, model_state=variables["batch_stats"],
+                             reduction=reduction, precision=precision)
+    step = jaxdp.make_train_step(make_loss(model), opt, mesh, reduction=reduction, precision=precision,
+                                 example_ids="id")
+    for batch in data:
+      state, metrics = step(state, batch, weights, rng=key)
+      assert int(metrics["skipped"]) == 0
+    results.append(jaxdp.gather_state(state))
+  # Relative to the largest value of the tree: Dense_0's bias, under BatchNorm, has a gradient of round-off only
+  # and stays near its initial zeros, where a leaf's own scale would measure nothing but that round-off.
+  for ours, one in ((results[1].params, results[0].params), (results[1].model_state, results[0].model_state)):
+    scale = max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(one))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(one)):
+      err = float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale
+      assert err <= rtol, f"{jax.tree_util.keystr(path)}: {err:.2e} of the largest value > {rtol}"

@@ -219,10 +219,12 @@ def test_local_statistics_are_averaged_by_weight():
     np.testing.assert_allclose(np.asarray(state.model_state[name]), expected, rtol=RTOL, atol=ATOL)
 
 
-def test_eval_step_is_the_global_weighted_mean_over_real_rows():
-  """make_eval_step on padded, uneven batches: loss and metric over the real rows only, each counted once."""
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_eval_step_is_the_global_weighted_mean_over_real_rows(zero_stage):
+  """make_eval_step on padded, uneven batches: loss and metric over the real rows only, each counted once, from a
+  state of any ZeRO stage."""
   mesh = jaxdp.data_mesh(jax.devices()[:4])
-  state = jaxdp.init_state(init_params(3), OPT, mesh, zero_stage=3, model_state=init_model_state())
+  state = jaxdp.init_state(init_params(3), OPT, mesh, zero_stage=zero_stage, model_state=init_model_state())
   state = state._replace(model_state={"mean": np.full((H,), 0.2, np.float32), "var": np.full((H,), 1.5, np.float32)})
   evaluate = jaxdp.make_eval_step(loss_fn, mesh)
   case = Case(k=4, counts=(4, 0, 2, 1), random_weights=True, accum=1, zero_stage=3, steps=1, seed=9)

@@ -155,6 +155,30 @@ def test_linen_dropout_masks_are_one_devices_on_every_layout(layout):
   assert_close(ours, linen_reference())
 
 
+def test_a_run_resumed_from_a_checkpoint_on_another_device_count_keeps_one_devices_masks(tmp_path):
+  """Dropout with example_ids across a checkpoint: the first steps on 4 devices, saved, restored on 2 devices
+  with 2 micro-batches, the rest there: the masks still follow the ids and the step count (the key is
+  `fold_in(rng, state.step)`), so the run is the one-device run."""
+  batches, rng = global_batches(), jax.random.key(7)
+  model, params = linen_init()
+  loss_fn, first = linen_loss(model), len(batches) // 2
+  (n, counts, accum), (n2, counts2, accum2) = LAYOUTS[3], LAYOUTS[1]
+  mesh = jaxdp.data_mesh(jax.devices()[:n])
+  state = jaxdp.init_state(params, OPT, mesh)
+  step = jaxdp.make_train_step(loss_fn, OPT, mesh, accum_steps=accum, example_ids="id")
+  for batch in batches[:first]:
+    state, _ = step(state, *split(batch, counts, mesh, accum), rng=rng)
+  with jaxdp.CheckpointManager(tmp_path / "ckpt", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(first, state)
+    mesh = jaxdp.data_mesh(jax.devices()[:n2])
+    state = ckpt.restore(params=params, optimizer=OPT, layout=mesh).state
+  assert int(state.step) == first
+  step = jaxdp.make_train_step(loss_fn, OPT, mesh, accum_steps=accum2, example_ids="id")
+  for batch in batches[first:]:
+    state, _ = step(state, *split(batch, counts2, mesh, accum2), rng=rng)
+  assert_close(jaxdp.gather_state(state).params, linen_reference())
+
+
 def test_the_masks_are_fold_in_of_the_layer_key_and_the_id():
   """Written out by hand: row r keeps unit j where bernoulli(fold_in(key, id_r), 1 - rate, [d])[j]."""
   x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 6)).astype(np.float32))
