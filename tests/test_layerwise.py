@@ -419,3 +419,39 @@ def test_compute_dtype_casts_the_slices_and_the_gradient_is_summed_in_float32(ro
   mesh = jaxdp.data_mesh(jax.devices()[:4])
   _, state, _ = train(loss_fn, stacked_params(), SGD, mesh, 4, compute_dtype=jnp.bfloat16)
   assert_close(state.params, one_device(functional_loss, stacked_params(), SGD), rtol=1e-2)
+
+
+@pytest.mark.parametrize("route", ["gather", "scan_layers"])
+def test_reduce_dtype_reduce_scatters_each_layers_gradient_in_it(route):
+  """bfloat16 reduce_dtype: each layer's gradient, reduce-scattered inside the backward loop, communicates in
+  bfloat16 as the step's other gradient collectives do (the program jaxdp writes has no float32 reduce-scatter
+  left); within bfloat16 round-off of float32 one device."""
+  loss_fn = functional_loss if route == "gather" else prefetching_loss()
+  mesh = jaxdp.data_mesh(jax.devices()[:4])
+  step, state, (batch, weights) = train(loss_fn, stacked_params(), SGD, mesh, 4,
+                                        precision=jaxdp.precision(reduce_dtype=jnp.bfloat16))
+  assert_close(state.params, one_device(functional_loss, stacked_params(), SGD), rtol=1e-2)
+  hlo = step.lower(state, batch, weights).as_text(dialect="hlo")
+  scatters = [line.split("=", 1)[1].split()[0] for line in hlo.splitlines() if " reduce-scatter(" in line]
+  assert len(scatters) >= 3 and all(s.startswith("bf16[") for s in scatters), scatters
+
+
+def test_float16_loss_scaling_follows_one_device():
+  """float16 compute with dynamic loss scaling, layer-wise: the layers' gradients are reduce-scattered scaled
+  and unscaled after, as every gradient of the step; one device's run of the policy within float16's round-off,
+  with the same scales."""
+  policy = jaxdp.precision(compute_dtype=jnp.float16, loss_scaling=jaxdp.dynamic_loss_scale(init_scale=2.0**8,
+                                                                                          growth_interval=2))
+  results = []
+  for n in (1, 4):
+    mesh = jaxdp.data_mesh(jax.devices()[:n])
+    layout = jaxdp.data_parallel(mesh, zero_stage=3 if n > 1 else 0, layers="layers" if n > 1 else None)
+    batch, weights = jaxdp.shard_uneven(portions(SPLITS[n]), mesh)
+    step = jaxdp.make_train_step(functional_loss, SGD, layout, precision=policy)
+    state, scales = jaxdp.init_state(stacked_params(), SGD, layout, precision=policy), []
+    for _ in range(STEPS):
+      state, metrics = step(state, batch, weights)
+      scales.append((int(metrics["skipped"]), float(metrics["loss_scale"])))
+    results.append((scales, jaxdp.gather_state(state).params))
+  assert results[1][0] == results[0][0] and results[0][0][-1][1] > 2.0**8  # grown, never skipped
+  assert_close(results[1][1], results[0][1], rtol=5e-3)

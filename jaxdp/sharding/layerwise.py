@@ -61,17 +61,20 @@ class _Stacked(NamedTuple):
 class _Gathering(NamedTuple):
   leaves: tuple[_Stacked, ...]
   axis_name: Any
+  reduce_dtype: Any = None  # the gradient's communication dtype (the step's precision), or None: its own
 
 
 _ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar("jaxdp_gathering", default=None)
 
 
 @contextlib.contextmanager
-def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any):
+def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any, reduce_dtype: Any = None):
   """While tracing a step's loss: `gather` gathers the slices of the stacked leaves of `params`.
 
   `params`: this device's params as the loss gets them; `specs`: their full specs; `stacked`: the
-  params' tree of bools from `jaxdp.sharding.layout.layer_mask` (`None`: nothing stacked).
+  params' tree of bools from `jaxdp.sharding.layout.layer_mask` (`None`: nothing stacked);
+  `reduce_dtype`: the dtype the gradient's reduce-scatter communicates in (the step's
+  `Precision.reduce_dtype`), or `None`.
   """
   if stacked is None:
     yield
@@ -89,7 +92,7 @@ def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any):
     layer_spec = one_layer_spec(spec, len(x.shape))
     entries.append(_Stacked(_names(path), tuple(x.shape[1:]), x.dtype,
                             None if dim is None else dim - 1, layer_spec))
-  token = _ACTIVE.set(_Gathering(tuple(entries), axis_name))
+  token = _ACTIVE.set(_Gathering(tuple(entries), axis_name, reduce_dtype))
   try:
     yield
   finally:
@@ -166,13 +169,37 @@ def _each_planned(tree: Any, plan: list, active: _Gathering, collective: Callabl
 
 def _gathered(layer: Any, plan: list, active: _Gathering) -> Any:
   return _each_planned(layer, plan, active, lambda y, axis, dim: checkpoint_name(
-      lax.all_gather(y, axis, axis=dim, tiled=True), GATHERED))
+      _all_gather(y, axis, dim, active.reduce_dtype), GATHERED))
+
+
+def _all_gather(x: Any, axis: Any, dim: int, wire: Any) -> Any:
+  """`lax.all_gather` whose transpose (the gradient's reduce-scatter) communicates in `wire` (`None`: as
+  JAX transposes it, in the cotangent's dtype)."""
+  if wire is None or not jnp.issubdtype(x.dtype, jnp.floating):
+    return lax.all_gather(x, axis, axis=dim, tiled=True)
+
+  @jax.custom_vjp
+  def gathered(x):
+    return lax.all_gather(x, axis, axis=dim, tiled=True)
+
+  def backward(_, cotangent):
+    return (lax.psum_scatter(cotangent.astype(wire), axis, scatter_dimension=dim, tiled=True).astype(cotangent.dtype),)
+
+  gathered.defvjp(lambda x: (gathered(x), None), backward)
+  return gathered(x)
 
 
 def _scattered(cotangent: Any, plan: list, active: _Gathering) -> Any:
-  """The transpose of `_gathered`: each gathered leaf's cotangent reduce-scattered back to its slice."""
-  return _each_planned(cotangent, plan, active,
-                       lambda y, axis, dim: lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True))
+  """The transpose of `_gathered`: each gathered leaf's cotangent reduce-scattered back to its slice, in the
+  step's `reduce_dtype` where it has one (as the step's other gradient collectives)."""
+  wire = active.reduce_dtype
+
+  def scatter(y, axis, dim):
+    cast = wire is not None and jnp.issubdtype(y.dtype, jnp.floating)
+    out = lax.psum_scatter(y.astype(wire) if cast else y, axis, scatter_dimension=dim, tiled=True)
+    return out.astype(y.dtype)
+
+  return _each_planned(cotangent, plan, active, scatter)
 
 
 def gather(layer: Any) -> Any:

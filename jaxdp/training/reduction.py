@@ -1074,7 +1074,7 @@ def reduce_scattered(
   small = (loss_sum, weight_sum, metric_sums, contributions, totals)
   dtypes = jax.tree.map(lambda x: x.dtype, grads)
   if reduce_dtype is not None:  # real leaves only: a complex gradient cast to a real dtype loses its imaginary part
-    # (and not a presummed leaf: it was reduced in its own dtype already, a round trip would only lose bits)
+    # (and not a presummed leaf: reduced inside the backward pass already, in reduce_dtype there)
     done = jax.tree.map(lambda _: False, grads) if presummed is None else presummed
     grads = jax.tree.map(lambda x, d: x.astype(reduce_dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not d
                          else x, grads, done)

@@ -284,7 +284,7 @@ def sharded_gradient_step(
     params_split = jax.tree.map(lambda spec, keep: model_part(spec, axis_name) if keep else spec, params_split,
                                 presummed, is_leaf=lambda x: isinstance(x, P))
   params = gather_params(state.params, params_split, axis_name, settings.bucket_bytes)
-  with gathering(params, specs, stacked, axis_name) if presummed is not None else (
+  with gathering(params, specs, stacked, axis_name, settings.grad_reduce_dtype) if presummed is not None else (
       contextlib.nullcontext()):
     local = local_gradient(loss_fn, params, batch, weights, layout=axis_name, accum_steps=settings.accum_steps, rng=rng,
                            model_state=state.model_state, precision=settings.precision,
