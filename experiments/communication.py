@@ -244,9 +244,9 @@ def build(name: str, config: train_lm.Config, params, loss_fn, start_iter: int, 
     outer_params = _need("diloco.diloco_params", name)
     mesh, axis = _mesh({"replica": DEVICES, "data": 1}), ("replica", "data")
     groups = jaxdp.data_parallel(mesh, axis_name="data")  # each group's data axis; "replica" is the outer one
-    step = make_step(loss_fn, optimizer, groups, outer_axis="replica", inner_steps=h, delta_dtype=delta_dtype,
+    step = make_step(loss_fn, optimizer, groups, inner_steps=h, delta_dtype=delta_dtype,
                      outer_optimizer=outer)
-    state = init(params, optimizer, groups, outer_axis="replica", outer_optimizer=outer)
+    state = init(params, optimizer, groups, outer_optimizer=outer)
 
     def step_bytes(state, batch, weights):
       inner = lowered_bytes(step.lower_inner(state, batch, weights))

@@ -529,7 +529,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   scaling = jaxdp.dynamic_loss_scale() if config.loss_scaling == "dynamic" else None
   policy = common.precision_of(config.compute_dtype, config.grad_reduce_dtype, scaling)
   step = jaxdp.make_diloco_step(
-      loss_fn, optimizer, groups, outer_axis="replica", inner_steps=config.diloco_inner_steps,
+      loss_fn, optimizer, groups, inner_steps=config.diloco_inner_steps,
       delta_dtype=None if config.diloco_delta_dtype == "float32" else jnp.dtype(config.diloco_delta_dtype),
       reduction=common.reduction_of(reduction), precision=policy,
       accum_steps=config.accum_steps,
@@ -538,8 +538,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   axis_name = ("replica", "data")  # the pipeline splits the rows over both axes, as the step does
   pipeline = DataPipeline(train_set, collate, mesh, per_device_batch=per_device, seed=config.seed, axis_name=axis_name)
   rng = jax.random.key(config.seed) if config.dropout > 0 else None
-  state, start, done = jaxdp.init_diloco_state(params, optimizer, groups, outer_axis="replica",
-                                                     precision=policy), 0, 0
+  state, start, done = jaxdp.init_diloco_state(params, optimizer, groups, precision=policy), 0, 0
 
   def step_fn(state, batch, weights, rng=None):
     state, metrics = step(state, batch, weights, rng)
@@ -547,7 +546,7 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
 
   with _checkpoints(config) as ckpt:
     if ckpt is not None and ckpt.latest_step() is not None:  # the groups' states, the outer state, the period
-      restored = ckpt.restore_diloco(params=params, inner_optimizer=optimizer, layout=groups, outer_axis="replica",
+      restored = ckpt.restore_diloco(params=params, inner_optimizer=optimizer, layout=groups,
                                      precision=policy, data=pipeline)
       state, start, done = restored.state, restored.data_step, restored.step
       print(f"resuming from {config.ckpt_dir} at step {start}")

@@ -233,15 +233,47 @@ def test_bad_meshes_and_options():
     jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), jaxdp.data_mesh(jax.devices()[:4]), inner_steps=2)
   with pytest.raises(ValueError, match="DiLoCo without an outer axis"):
     jaxdp.init_diloco_state(make_params(), optax.sgd(0.1), jaxdp.data_mesh(jax.devices()[:4]))
-  with pytest.raises(ValueError, match="also one of the data axes"):
+  with pytest.raises(ValueError, match="also one of the data axes"), pytest.warns(DeprecationWarning):
     jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), outer_axis="data", inner_steps=2)
-  with pytest.raises(ValueError, match="also one of the data axes"):
-    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), axis_name=("replica", "data"), inner_steps=2)
+  three = jax.make_mesh((2, 1, 2), ("replica", "model", "data"), axis_types=(AxisType.Auto,) * 3)
+  with pytest.raises(ValueError, match="besides the data axes"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), three, inner_steps=2)
+  with pytest.raises(ValueError, match="every axis of the mesh .* is a data axis"):
+    jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(mesh_of(2, 2), axis_name=("replica", "data")),
+                           inner_steps=2)
   with pytest.raises(ValueError, match="reduction='none'"):
     jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=2, reduction="none")
   for bad in (jnp.float16, jnp.int16, "float8"):
     with pytest.raises(ValueError, match="delta_dtype must be None, jnp.bfloat16 or jnp.int8"):
       jaxdp.make_diloco_step(loss_fn, optax.sgd(0.1), mesh_of(2, 2), inner_steps=2, delta_dtype=bad)
+
+
+def test_the_outer_axis_is_the_meshs_other_axis_and_the_old_keyword_gives_the_same_bits(tmp_path):
+  """Any name: the groups' axis is the one the layout's data axes leave. jaxdp 0.1's outer_axis= still runs, the
+  same bits after a DeprecationWarning, at every entry point; one naming another axis is refused."""
+  devices = np.asarray(jax.devices()[:4]).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devices, ("groups", "data"), axis_types=(AxisType.Auto,) * 2)
+  layout, params, inner = jaxdp.data_parallel(mesh, axis_name="data"), make_params(), optax.sgd(0.1)
+  assert jaxdp.runtime.diloco.outer_axis_of(layout) == "groups"
+  batches = make_batches(2)
+  new = _run(jaxdp.make_diloco_step(loss_fn, inner, layout, inner_steps=2),
+             jaxdp.init_diloco_state(params, inner, layout), batches)
+  assert new.inner.params["w"].sharding.spec == jax.sharding.PartitionSpec("groups")
+  with pytest.warns(DeprecationWarning, match=r"outer_axis=.*one axis that is not a data axis"):
+    old_step = jaxdp.make_diloco_step(loss_fn, inner, layout, outer_axis="groups", inner_steps=2)
+  with pytest.warns(DeprecationWarning, match="outer_axis="):
+    old = _run(old_step, jaxdp.init_diloco_state(params, inner, layout, outer_axis="groups"), batches)
+  jax.tree.map(np.testing.assert_array_equal, old, new)
+  with pytest.warns(DeprecationWarning, match="outer_axis="):
+    abstract = jaxdp.runtime.diloco.abstract_diloco_state(params, inner, layout, outer_axis="groups")
+  assert jax.tree.map(lambda x: x.sharding, abstract) == jax.tree.map(lambda x: x.sharding, new)
+  with jaxdp.CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(2, new)
+    with pytest.warns(DeprecationWarning, match="outer_axis="):
+      restored = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=layout, outer_axis="groups")
+  jax.tree.map(np.testing.assert_array_equal, restored.state, new)
+  with pytest.raises(ValueError, match="no 'replica' \\(outer_axis\\)"), pytest.warns(DeprecationWarning):
+    jaxdp.init_diloco_state(params, inner, layout, outer_axis="replica")
 
 
 def test_an_int8_delta_over_more_groups_than_its_levels_is_refused():

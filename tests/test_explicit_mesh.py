@@ -261,8 +261,8 @@ def test_diloco_on_both_axis_types():
   for types in TYPES:
     mesh = make_mesh((2, 2), ("replica", "data"), types)
     dp = jaxdp.data_parallel(mesh, axis_name="data")
-    state = jaxdp.init_diloco_state(init_params(), OPT, dp, outer_axis="replica")
-    step = jaxdp.make_diloco_step(loss_fn, OPT, dp, outer_axis="replica", inner_steps=2)
+    state = jaxdp.init_diloco_state(init_params(), OPT, dp)
+    step = jaxdp.make_diloco_step(loss_fn, OPT, dp, inner_steps=2)
     for inside, (batch, w) in zip((False, True, False, True), batches(2) * 2):
       with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
         state, metrics = step(state, batch, w)

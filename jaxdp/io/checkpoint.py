@@ -97,7 +97,7 @@ from jaxdp.sharding.layout import (
 )
 from jaxdp.core.loss_scaling import abstract_loss_scale
 from jaxdp.sharding.parallel import DataParallel, as_layout
-from jaxdp.runtime.diloco import DiLoCoState, abstract_diloco_state
+from jaxdp.runtime.diloco import DiLoCoState, abstract_diloco_state, outer_axis_of
 from jaxdp.reductions import init_state as reduction_state, resolve
 from jaxdp.sharding.legacy import accepts_legacy_keywords
 from jaxdp.core.state import TrainState
@@ -685,7 +685,7 @@ class CheckpointManager:
     if _is_diloco(record):
       raise ValueError(
           f"{self._where(step)} holds a DiLoCo state (saved from a jaxdp.runtime.diloco.DiLoCoState); restore it "
-          "with ckpt.restore_diloco(params=, inner_optimizer=, layout=, outer_axis=, outer_optimizer=).")
+          "with ckpt.restore_diloco(params=, inner_optimizer=, layout=, outer_optimizer=).")
     if any(e["path"][0] == "loss_scale" for e in record["leaves"]):  # a dynamic loss scale's two scalars
       expected = expected._replace(loss_scale=abstract_loss_scale())
     _check_compression_record(record, resolved, replicas, self._where(step))
@@ -718,6 +718,7 @@ class CheckpointManager:
       restore_states(pipeline, record["data_states"], self._where(step))
     return Restored(state, rng, data_step, step, record["metadata"])
 
+  @accepts_legacy_keywords("restore_diloco", ("self", "step"))
   def restore_diloco(
       self,
       step: int | None = None,
@@ -725,7 +726,6 @@ class CheckpointManager:
       params: Any,
       inner_optimizer: optax.GradientTransformation,
       layout: Any,
-      outer_axis: str = "replica",
       outer_optimizer: optax.GradientTransformation | None = None,
       model_state: Any = None,
       precision: Any = None,
@@ -736,7 +736,7 @@ class CheckpointManager:
     The arguments are `jaxdp.init_diloco_state`'s (and `data` as for
     `restore`); the state comes back placed as that function places
     it, bitwise the saved one: continuing from it is the run that was never
-    interrupted. The number of replica groups (the size of `outer_axis`)
+    interrupted. The number of replica groups (the size of the outer axis)
     must be the one saved from: each group's parameters and inner optimizer
     state are its own between syncs, and no rule maps R groups onto R'. The
     devices within a group may differ (the group's state is replicated
@@ -753,9 +753,9 @@ class CheckpointManager:
     check_params(params)
     check_optimizer(inner_optimizer, "inner_optimizer")
     _check_pipeline(data)
-    expected = abstract_diloco_state(params, inner_optimizer, layout, outer_axis=outer_axis,
-                                     outer_optimizer=outer_optimizer, model_state=model_state,
-                                     precision=precision)
+    expected = abstract_diloco_state(params, inner_optimizer, layout, outer_optimizer=outer_optimizer,
+                                     model_state=model_state, precision=precision)
+    outer_axis = outer_axis_of(layout)
     mesh = jax.tree.leaves(expected)[0].sharding.mesh
     step = self._resolve_step(step)
     record = self._read_record(step)

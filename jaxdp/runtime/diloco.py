@@ -1,7 +1,7 @@
 """DiLoCo (Douillard et al., 2023): exact data parallelism inside replica groups, an outer step every H steps.
 
-The mesh has an outer axis (`"replica"`, R groups) and the data axes
-(`"data"`, D devices per group). One call of the step is one inner step
+The mesh has the data axes (`"data"`, D devices per group) and one more,
+the outer axis (e.g. `"replica"`, R groups). One call of the step is one inner step
 on every group: each group runs jaxdp's exact data-parallel step
 (`jaxdp.train_step`, the weighted mean over the group's rows) on its
 own rows of the global batch, with its own parameters and inner optimizer
@@ -96,35 +96,30 @@ def check_int8_groups(delta_dtype: Any, groups: int) -> None:
     )
 
 
-def _check_axes(mesh: Any, outer_axis: Any, axis_name: Any) -> Mesh:
-  """The mesh (as given), after checking that it has `outer_axis` besides the data axes, and nothing else."""
-  if not isinstance(outer_axis, str):
-    raise TypeError(f"outer_axis must name one mesh axis (a str, e.g. 'replica'), got {outer_axis!r}.")
+def _outer_axis(mesh: Mesh, axis_name: Any) -> str:
+  """The mesh's one axis that is not a data axis (the groups'), after checking there is exactly one."""
   check_mesh_axis(mesh, axis_name)
   data = axis_names(axis_name)
-  if outer_axis in data:
+  others = [a for a in mesh.axis_names if a not in data]
+  if not others:
     raise ValueError(
-        f"outer_axis={outer_axis!r} is also one of the data axes {data}: DiLoCo needs an outer axis of its own, "
-        f"over which the groups differ between syncs; pass axis_name without it, e.g. axis_name="
-        f"{tuple(a for a in data if a != outer_axis) or 'data'!r}."
+        f"DiLoCo without an outer axis: every axis of the mesh {mesh.axis_names} is a data axis of the layout. Build "
+        f"a mesh with the groups' axis besides, e.g. jax.make_mesh((R, D), ('replica', {data[0]!r}), "
+        "axis_types=(AxisType.Auto,) * 2) with jaxdp.data_parallel(mesh, axis_name="
+        f"{data[0]!r}), or use jaxdp.make_train_step for exact data parallelism over every device."
     )
-  if outer_axis not in mesh.axis_names:
+  if len(others) > 1:
     raise ValueError(
-        f"DiLoCo without an outer axis: mesh has axes {mesh.axis_names} but no {outer_axis!r} (outer_axis). Build "
-        f"a mesh with both, e.g. jax.make_mesh((R, D), ({outer_axis!r}, {data[0]!r}), axis_types=(AxisType.Auto,) * 2)"
-        ", or use jaxdp.make_train_step for exact data parallelism over every device."
+        f"mesh has axes {others} besides the data axes {data}; the groups' axis is the mesh's one axis that is not a "
+        "data axis, and the DiLoCo step maps over every mesh axis and does not partition the model: build the mesh "
+        "over the groups' axis and the data axes only."
     )
-  others = [a for a in mesh.axis_names if a != outer_axis and a not in data]
-  if others:
-    raise ValueError(
-        f"mesh has axes {others} besides outer_axis={outer_axis!r} and the data axes {data}; the DiLoCo step maps "
-        "over every mesh axis and does not partition the model: build the mesh over those axes only."
-    )
-  return mesh
+  return others[0]
 
 
-def _group_mesh(layout: Any, outer_axis: Any) -> Mesh:
-  """The mesh of a DiLoCo layout (checked: the outer axis, the data axes, nothing else, no ZeRO or stacks)."""
+def _group_mesh(layout: Any) -> tuple[Mesh, str]:
+  """The mesh of a DiLoCo layout and its outer axis (checked: one outer axis, the data axes, nothing else, no ZeRO
+  or stacks)."""
   if isinstance(layout, Mesh) or layout is None:
     mesh, axis_name = layout, "data"
   elif isinstance(layout, DataParallel):
@@ -138,8 +133,14 @@ def _group_mesh(layout: Any, outer_axis: Any) -> Mesh:
     as_layout(layout)  # raises the TypeError that names what a layout is
   if mesh is None:
     raise ValueError("DiLoCo needs a mesh with the outer axis of its groups; pass jaxdp.data_parallel(mesh) with e.g. "
-                     f"jax.make_mesh((R, D), ({outer_axis!r}, 'data'), axis_types=(AxisType.Auto,) * 2).")
-  return _check_axes(mesh, outer_axis, axis_name)
+                     "jax.make_mesh((R, D), ('replica', 'data'), axis_types=(AxisType.Auto,) * 2).")
+  return mesh, _outer_axis(mesh, axis_name)
+
+
+def outer_axis_of(layout: DataParallel | Mesh) -> str:
+  """The axis of a DiLoCo layout's replica groups: its mesh's one axis that is not a data axis (`ValueError` if
+  there is none, or more than one)."""
+  return _group_mesh(layout)[1]
 
 
 def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str) -> DiLoCoState:
@@ -157,7 +158,6 @@ def init_diloco_state(
     inner_optimizer: optax.GradientTransformation,
     layout: DataParallel | Mesh | None = None,
     *,
-    outer_axis: str = "replica",
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
     precision: Any = None,
@@ -168,9 +168,8 @@ def init_diloco_state(
     params: the initial parameters (a pytree of arrays).
     inner_optimizer: the groups' optax optimizer (the step's).
     layout: a `jaxdp.DataParallel` (or a `Mesh`, its data axis
-      `"data"`) whose mesh has `outer_axis` and the data axes inside a
-      group.
-    outer_axis: the axis of the replica groups.
+      `"data"`) whose mesh has the data axes inside a group and one more
+      axis, the groups' (`outer_axis_of(layout)`), nothing else.
     outer_optimizer: the outer optimizer (the step's); default
       `default_outer_optimizer`.
     model_state: the model's non-trainable state, or `None`; each group
@@ -182,13 +181,13 @@ def init_diloco_state(
   Returns:
     A `DiLoCoState` of fresh buffers.
   """
-  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state, precision)
+  build, shardings = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision)
   return jax.jit(build, out_shardings=shardings)(params, model_state)
 
 
-def _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state, precision):
+def _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision):
   """`(build(params, model_state) -> DiLoCoState, its shardings)`, the arguments checked."""
-  mesh = _group_mesh(layout, outer_axis)
+  mesh, outer_axis = _group_mesh(layout)
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
   check_optimizer(outer_optimizer, "outer_optimizer")
@@ -209,12 +208,12 @@ def _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model
   return build, _state_shardings(abstract, mesh, outer_axis)
 
 
+@accepts_legacy_keywords("abstract_diloco_state", ("params", "inner_optimizer", "layout"))
 def abstract_diloco_state(
     params: Any,
     inner_optimizer: optax.GradientTransformation,
     layout: DataParallel | Mesh | None = None,
     *,
-    outer_axis: str = "replica",
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
     precision: Any = None,
@@ -222,7 +221,7 @@ def abstract_diloco_state(
   """The `DiLoCoState` `init_diloco_state` would build, as `jax.ShapeDtypeStruct`s with their
   shardings on the layout's mesh (what `jaxdp.CheckpointManager.restore_diloco` reads into); nothing is
   computed. `params` and `model_state` may be `ShapeDtypeStruct`s."""
-  build, shardings = _builder(params, inner_optimizer, layout, outer_axis, outer_optimizer, model_state, precision)
+  build, shardings = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision)
   abstract = jax.eval_shape(build, params, model_state)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
@@ -285,7 +284,7 @@ class DiLoCoStep:
     if not isinstance(state, DiLoCoState):
       raise TypeError(
           f"state must be a jaxdp.runtime.diloco.DiLoCoState, got {type(state).__name__}; build it with "
-          "jaxdp.init_diloco_state(params, inner_optimizer, mesh, outer_axis=..., outer_optimizer=...)."
+          "jaxdp.init_diloco_state(params, inner_optimizer, layout, outer_optimizer=...)."
       )
 
   def _check(self, state, batch, weights, rng) -> None:
@@ -297,7 +296,7 @@ class DiLoCoStep:
         raise ValueError(
             f"state{'.inner' if path[0].idx == 0 else '.period_weight'}{jax.tree_util.keystr(path[1:])} has shape "
             f"{np.shape(leaf)}; every leaf of state.inner and state.period_weight needs a leading dimension of "
-            f"{r}, the size of outer_axis {self.outer_axis!r}: build the state with jaxdp.init_diloco_state on this "
+            f"{r}, the size of the outer axis {self.outer_axis!r}: build the state with jaxdp.init_diloco_state on this "
             "step's mesh."
         )
     group = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner)
@@ -540,7 +539,6 @@ def make_diloco_step(
     layout: DataParallel | Mesh | None = None,
     *,
     inner_steps: int,
-    outer_axis: str = "replica",
     outer_optimizer: optax.GradientTransformation | None = None,
     delta_dtype: Any = None,
     reduction: Any = None,
@@ -550,10 +548,12 @@ def make_diloco_step(
     donate: bool = True,
     max_consecutive_skips: int | None = 10,
 ) -> DiLoCoStep:
-  """Builds the DiLoCo step: exact data parallelism over `axis_name` inside each group of `outer_axis`, and
+  """Builds the DiLoCo step: exact data parallelism over the layout's data axes inside each replica group, and
   every `inner_steps` calls the outer sync across the groups.
 
-  Rows of the global batch are split over `(outer_axis, *data axes)`:
+  The groups lie along the mesh's one axis that is not a data axis (the
+  outer axis, `outer_axis_of(layout)`). Rows of the global batch are split
+  over `(outer axis, *data axes)`:
   group `r` gets the `r`-th of R contiguous blocks of rows, split over its
   devices as `jaxdp.make_train_step` splits a batch. Each call runs
   `jaxdp.train_step` on every group (the exact weighted mean of the
@@ -570,9 +570,9 @@ def make_diloco_step(
     loss_fn: as for `jaxdp.make_train_step`.
     inner_optimizer: the groups' optax optimizer; each group keeps its own
       state, which the sync leaves as it is.
-    mesh: a mesh of `outer_axis` and the data axes only.
-    outer_axis: the axis of the replica groups (R of them).
-    axis_name: the data axis (or a tuple of axes) inside a group.
+    layout: a `jaxdp.DataParallel` whose `axis_name` names the data
+      axes inside a group (or a `Mesh`, its data axis `"data"`); its mesh
+      has one more axis, the R groups', and nothing else.
     inner_steps: H, the inner steps per outer sync (an int >= 1).
     outer_optimizer: applied to the averaged delta; default
       `default_outer_optimizer` (Nesterov SGD, lr 0.7, momentum 0.9).
@@ -607,7 +607,7 @@ def make_diloco_step(
     A `DiLoCoStep`.
   """
   inner_steps = check_int(inner_steps, "inner_steps", 1, "the number of inner steps between outer syncs (H).")
-  mesh = _group_mesh(layout, outer_axis)
+  mesh, outer_axis = _group_mesh(layout)
   axis_name = layout.axis_name if isinstance(layout, DataParallel) else "data"
   settings = step_config(axis_name, reduction, precision, accum_steps, example_ids)
   if settings.mode == "none":

@@ -22,6 +22,8 @@ _REDUCTION = ("bucket_bytes", "compression")
 _PRECISION = ("compute_dtype", "grad_reduce_dtype", "reduce_dtype", "loss_scaling", "loss_scale")
 # Entry points whose layout argument is per replica (an axis name is enough: no mesh is built).
 _PER_REPLICA = ("train_step", "gradient_step", "local_gradient", "reduce_gradient", "eval_sums")
+# DiLoCo's entry points: 0.1's outer_axis= is now implied by the layout (the mesh's one axis not a data axis).
+_DILOCO = ("init_diloco_state", "abstract_diloco_state", "make_diloco_step", "restore_diloco")
 
 
 def _layout(name: str, old: dict, layout: Any) -> Any:
@@ -82,8 +84,35 @@ def _precision(old: dict) -> Any:
   return precision(old.get("compute_dtype"), reduce_dtype, scaling)
 
 
+def _check_outer_axis(given: Any, layout: Any) -> None:
+  """Raises unless 0.1's `outer_axis=given` is the axis `layout` implies, as that call would have (a mesh that
+  has no such single axis is left to the entry point's own error)."""
+  from jaxdp.sharding.layout import axis_names
+  from jaxdp.sharding.parallel import DataParallel
+
+  if not isinstance(given, str):
+    raise TypeError(f"outer_axis must name one mesh axis (a str, e.g. 'replica'), got {given!r}.")
+  mesh, data = (layout.mesh, axis_names(layout.axis_name)) if isinstance(layout, DataParallel) else (layout, ("data",))
+  if mesh is None:
+    return
+  if given in data:
+    raise ValueError(
+        f"outer_axis={given!r} is also one of the data axes {data}: DiLoCo needs an outer axis of its own, over "
+        f"which the groups differ between syncs; pass axis_name without it, e.g. axis_name="
+        f"{tuple(a for a in data if a != given) or 'data'!r}."
+    )
+  if given not in mesh.axis_names:
+    raise ValueError(
+        f"DiLoCo without an outer axis: mesh has axes {mesh.axis_names} but no {given!r} (outer_axis). Build a "
+        f"mesh with both, e.g. jax.make_mesh((R, D), ({given!r}, {data[0]!r}), axis_types=(AxisType.Auto,) * 2)."
+    )
+
+
 def _replacement(name: str, old: dict) -> str:
   parts = []
+  if "outer_axis" in old:
+    parts.append("nothing for outer_axis=: the groups' axis is the mesh's one axis that is not a data axis "
+                 "(jaxdp.runtime.diloco.outer_axis_of(layout))")
   if "mesh" in old:
     parts.append("layout=mesh (or a jaxdp.data_parallel(mesh, ...))")
   if set(old) & set(_LAYOUT):
@@ -103,6 +132,7 @@ def translate(name: str, kwargs: dict, layout_argument: str | None = "layout") -
   """`kwargs` of a call of `name` with the old keywords replaced by values (a `DeprecationWarning` if any)."""
   # loss_scale= is local_gradient's own argument (the current scale) and init_state's old one (the first).
   legacy = [k for k in _LAYOUT + _REDUCTION + _PRECISION if k != "loss_scale" or name == "init_state"]
+  legacy += ["outer_axis"] if name in _DILOCO else []
   old = {k: kwargs.pop(k) for k in list(kwargs) if k in legacy}
   if "mesh" in kwargs and layout_argument is not None and name not in ("save",):
     old["mesh"] = kwargs.pop("mesh")
@@ -127,6 +157,8 @@ def translate(name: str, kwargs: dict, layout_argument: str | None = "layout") -
   layout_old = {k: old[k] for k in _LAYOUT if k in old}
   if layout_old and layout_argument is not None:
     kwargs[layout_argument] = _layout(name, layout_old, kwargs.get(layout_argument))
+  if "outer_axis" in old:
+    _check_outer_axis(old.pop("outer_axis"), kwargs.get(layout_argument))
   if set(old) & set(_REDUCTION) or legacy_reduction:
     kwargs["reduction"] = _reduction(old, kwargs.get("reduction"))
   if set(old) & set(_PRECISION):
