@@ -388,3 +388,32 @@ def test_diloco_with_a_group_per_process_equals_the_run_in_one_process(tmp_path)
   assert len(two) == len(one)
   for a, b in zip(two, one):
     np.testing.assert_array_equal(a, b)
+
+
+def test_compositions_across_processes_equal_one_device(tmp_path):
+  """A hybrid mesh with a replica row per process, ZeRO-1 and ZeRO-2, accumulation, BatchNorm, layout-invariant
+  dropout and evaluation, on 2 processes, against one device in this process: float64, every step's loss, the
+  final state and the evaluation within 1e-12 (round-off is about 1e-16). PowerSGD keeps one error per replica,
+  which one device cannot hold: against the same run on 4 devices of this process."""
+  from mp_workers import compositions
+
+  wait = harness.in_background(harness.launch, ["--nproc", "2", "--devices-per-proc", "2", "--timeout", "100"],
+                               [harness.WORKERS / "compositions.py", tmp_path], timeout=JOB_SECONDS)
+  enable_x64 = getattr(jax, "enable_x64", None)
+  if enable_x64 is None:  # older spellings
+    from jax.experimental import enable_x64
+  with enable_x64(True):
+    want = {case: compositions.run(case, jax.devices()[:4] if case == "PowerSGD" else jax.devices()[:1])
+            for case in compositions.CASES}
+  result = wait()
+  _succeeded(result)
+  harness.assert_no_leftovers(str(tmp_path))
+  for case, arrays in want.items():
+    with np.load(tmp_path / f"{case}.npz", allow_pickle=False) as saved:
+      got = {name: saved[name] for name in saved.files}
+    assert sorted(got) == sorted(arrays), case
+    assert float(arrays["eval weight"]) == compositions.ROWS, case  # every real row evaluated, no padding
+    assert got["params['Dense_0']['kernel']"].dtype == np.float64, case  # x64 on in both runs
+    assert abs(float(arrays["loss 0"]) - float(arrays["loss 2"])) > 1e-3, case  # it trains
+    for name, value in arrays.items():
+      np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-12, err_msg=f"{case}: {name}")

@@ -528,6 +528,32 @@ def test_one_f_one_b_refuses_a_model_state():
   assert_untouched(state, host)
 
 
+def batchnorm_loss(params, batch, *, model_state, weights, train):
+  # jaxdp's BatchNorm on the embedding, before the stack: GPipe and circular run the loss once on each device's
+  # rows (only the stack is pipelined), so its statistics are the whole batch's.
+  norm = jaxdp.adapters.linen.BatchNorm(use_running_average=not train)
+  h, updates = norm.apply({"params": params["norm"], "batch_stats": model_state}, batch["x"] @ params["embed"],
+                          mask=weights, mutable=["batch_stats"])
+  h, _ = jaxdp.scan_layers(layer, jnp.tanh(h), params["blocks"], params["scale"])
+  return jaxdp.LossOutput(jnp.sum((h @ params["head"] - batch["y"]) ** 2, axis=-1), model_state=updates["batch_stats"])
+
+
+@pytest.mark.parametrize("schedule,microbatches,repeats", [("gpipe", 4, 1), ("circular", 2, 2)])
+def test_batchnorm_before_the_stack_equals_one_device(schedule, microbatches, repeats):
+  # The verifier (float64, teacher-forced): loss, gradient and the BatchNorm statistics of every step within
+  # round-off of one device's. (1F1B runs the whole loss per microbatch: test_one_f_one_b_refuses_a_model_state.)
+  from jaxdp.runtime import verify
+
+  variables = jaxdp.adapters.linen.BatchNorm(use_running_average=False).init(
+      jax.random.key(0), jnp.zeros((2, WIDTH)), mask=jnp.ones((2,)))
+  params = {**init_params(), "norm": variables["params"]}
+  dp = jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks",
+                           pipeline=jaxdp.pipeline(microbatches, schedule, repeats=repeats))
+  report = verify.verify(batchnorm_loss, optax.sgd(0.1, momentum=0.9), dp, params, batches(3),
+                         model_state=variables["batch_stats"])
+  assert not report.diverged and report.worst < 1e-12, str(report)
+
+
 SCHEDULES = {"gpipe": (4, "gpipe", 1), "circular": (2, "circular", 2), "1f1b": (2, "1f1b", 1)}  # (M, schedule, R)
 
 

@@ -303,7 +303,8 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
     raise ValueError(
         f"scan_layers in a pipelined step cuts the carry into {m_count} microbatches along dim 0, so every leaf of "
         f"it must hold the batch rows there; got leading sizes {sorted(map(str, rows))}. Carry only activations "
-        "through the stack (a model state such as BatchNorm statistics inside a pipelined stack is not supported)."
+        "through the stack: statistics such as BatchNorm's would be per microbatch there, so keep a "
+        "BatchNorm before or after the stack (exact under 'gpipe' and 'circular')."
     )
   rows = rows.pop()
   if rows % m_count:
