@@ -22,6 +22,7 @@ from jax.sharding import AxisType
 
 import jaxdp
 from jaxdp.analysis.reports import hlo_collectives
+from jaxdp.sharding.layout import state_specs
 
 # Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -569,3 +570,42 @@ def test_h1_sgd_with_layout_invariant_dropout_is_the_exact_step_with_the_same_id
   # Without example_ids the groups' keys differ (folded with the group's index): other masks, other parameters.
   assert not np.allclose(np.asarray(other.outer_params["Dense_1"]["kernel"]),
                          np.asarray(exact_state.params["Dense_1"]["kernel"]), rtol=1e-3)
+
+
+def test_powersgd_inside_each_group_is_the_groups_own_powersgd_step(tmp_path):
+  """PowerSGD (rank 1 from the second step, error feedback per replica) compresses each group's inner all-reduce:
+  between syncs each group is jaxdp's PowerSGD step on its own two devices and rows (its state carried on across
+  syncs), and the outer step is the plain one written here. A checkpoint restores it bit for bit; without
+  reduction= the restore is refused."""
+  mesh, groups, h, lr = mesh_of(2, 2), 2, 2, 0.05
+  params, inner = make_params(4), optax.adam(lr)
+  powersgd = jaxdp.reductions.powersgd(1, start_iter=1, min_compression_rate=1.0)  # w [3, 4] is compressed
+  state = jaxdp.init_diloco_state(params, inner, mesh, reduction=powersgd)
+  step = jaxdp.make_diloco_step(loss_fn, inner, mesh, inner_steps=h, reduction=powersgd)
+  meshes = [jaxdp.data_mesh(jax.devices()[4 + 2 * g:6 + 2 * g]) for g in range(groups)]
+  group_steps = [jaxdp.make_train_step(loss_fn, inner, m, reduction=powersgd, donate=False) for m in meshes]
+  group_states = [jaxdp.init_state(params, inner, m, reduction=powersgd) for m in meshes]
+  outer, momentum, period = params, jax.tree.map(jnp.zeros_like, params), [0.0] * groups
+  outer_step = nesterov(0.7, 0.9)
+  for t, (batch, weights) in enumerate(make_batches(3 * h, seed=5)):
+    state, metrics = step(state, batch, weights)
+    for g in range(groups):
+      group_states[g], group_metrics = group_steps[g](group_states[g], *rows_of(g, groups, batch, weights))
+      period[g] += float(group_metrics["weight"])
+    if (t + 1) % h == 0:
+      share = [w / sum(period) for w in period]
+      delta = jax.tree.map(lambda o, *ps: sum(s * (o - np.asarray(p)) for s, p in zip(share, ps)), outer,
+                           *[s.params for s in group_states])
+      outer, momentum = outer_step(outer, delta, momentum)
+      group_states, period = [s._replace(params=outer) for s in group_states], [0.0] * groups
+    close(state.outer_params, outer)
+    close(state.inner.params, jax.tree.map(lambda *ps: np.stack(ps), *[s.params for s in group_states]))
+    close(state.inner.compression, jax.tree.map(lambda *xs: np.stack(xs), *[s.compression for s in group_states]))
+  assert int(state.inner.compression.iteration[0]) == 3 * h
+  with jaxdp.CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(3 * h, state)
+    restored = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh, reduction=powersgd).state
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored, state)
+    with pytest.raises(ValueError, match="does not match the target state"):
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh)
+  assert state_specs(state.inner).compression.error["w"] == jax.P("replica", "data")

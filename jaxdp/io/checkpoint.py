@@ -729,6 +729,7 @@ class CheckpointManager:
       outer_optimizer: optax.GradientTransformation | None = None,
       model_state: Any = None,
       precision: Any = None,
+      reduction: Any = None,
       data: DataPipeline | None = None,
   ) -> Restored:
     """Restores a checkpoint of a `jaxdp.runtime.diloco.DiLoCoState` (saved with `save`).
@@ -740,7 +741,8 @@ class CheckpointManager:
     must be the one saved from: each group's parameters and inner optimizer
     state are its own between syncs, and no rule maps R groups onto R'. The
     devices within a group may differ (the group's state is replicated
-    over them).
+    over them; a stateful reduction's per-replica state, PowerSGD's
+    errors, needs as many devices per group).
 
     Returns:
       A `Restored` whose `state` is the `DiLoCoState`.
@@ -754,7 +756,7 @@ class CheckpointManager:
     check_optimizer(inner_optimizer, "inner_optimizer")
     _check_pipeline(data)
     expected = abstract_diloco_state(params, inner_optimizer, layout, outer_optimizer=outer_optimizer,
-                                     model_state=model_state, precision=precision)
+                                     model_state=model_state, precision=precision, reduction=reduction)
     outer_axis = outer_axis_of(layout)
     mesh = jax.tree.leaves(expected)[0].sharding.mesh
     step = self._resolve_step(step)

@@ -40,7 +40,9 @@ from jaxdp.core.randomness import check_unique_ids
 from jaxdp.analysis.reports import Collective, collectives_from_hlo
 from jaxdp.training.config import step_config
 from jaxdp.sharding.legacy import accepts_legacy_keywords
-from jaxdp.sharding.parallel import DataParallel, as_layout
+from jaxdp.sharding.parallel import DataParallel, as_layout, data_parallel
+from jaxdp.reductions import check_state as check_reduction_state, init_state as init_reduction_state, resolve
+from jaxdp.reductions.compression import compression_specs
 from jaxdp.core.state import TrainState
 from jaxdp.training.step import train_step
 
@@ -59,7 +61,10 @@ class DiLoCoState(NamedTuple):
     inner: a `jaxdp.TrainState` whose every leaf has a leading
       `[R]` dimension, one entry per replica group, split over the outer
       axis (the groups' parameters differ between syncs); each group's
-      entry is replicated over its data axes.
+      entry is replicated over its data axes, but for a stateful
+      reduction's per-replica state in `inner.compression` (PowerSGD's
+      errors), split over the group's data axes as in
+      `jaxdp.make_train_step`.
     outer_params: the global parameters (replicated), as of the last sync.
     outer_opt_state: the outer optimizer's state for `outer_params`.
     inner_step: int32 scalar, the number of inner steps run (calls of the
@@ -143,13 +148,27 @@ def outer_axis_of(layout: DataParallel | Mesh) -> str:
   return _group_mesh(layout)[1]
 
 
-def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str) -> DiLoCoState:
+def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str, axis_name: Any) -> DiLoCoState:
   split = NamedSharding(mesh, P(outer_axis))
   whole = replicated(mesh)
+  # A reduction's state: each group's as make_train_step splits it over the group's data axes, after the group's.
+  compression = jax.tree.map(lambda spec: NamedSharding(mesh, P(outer_axis, *spec)),
+                             compression_specs(state.inner.compression, axis_name),
+                             is_leaf=lambda x: isinstance(x, P))
+  inner = jax.tree.map(lambda _: split, state.inner._replace(compression=None))._replace(compression=compression)
   return DiLoCoState(
-      jax.tree.map(lambda _: split, state.inner), jax.tree.map(lambda _: whole, state.outer_params),
+      inner, jax.tree.map(lambda _: whole, state.outer_params),
       jax.tree.map(lambda _: whole, state.outer_opt_state), whole, split,
   )
+
+
+def _group_layout(mesh: Mesh, outer_axis: str, axis_name: Any) -> DataParallel:
+  """One replica group's layout: the data axes of the mesh at the first index of the outer axis (what a group's
+  reduction state is made for)."""
+  keep = [a for a in mesh.axis_names if a != outer_axis]
+  devices = np.take(mesh.devices, 0, axis=mesh.axis_names.index(outer_axis))
+  types = tuple(t for a, t in zip(mesh.axis_names, mesh.axis_types) if a != outer_axis)
+  return data_parallel(Mesh(devices, tuple(keep), axis_types=types), axis_name=axis_name)
 
 
 @accepts_legacy_keywords("init_diloco_state", ("params", "inner_optimizer", "layout"))
@@ -161,6 +180,7 @@ def init_diloco_state(
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
     precision: Any = None,
+    reduction: Any = None,
 ) -> DiLoCoState:
   """The state `make_diloco_step` expects, placed on `mesh`: every group starts from `params`.
 
@@ -177,17 +197,24 @@ def init_diloco_state(
     precision: the step's `jaxdp.Precision`: with `loss_scaling` each
       group's `inner.loss_scale` holds its first scale; each group's scale
       then follows its own steps (it is not averaged at the sync).
+    reduction: the step's inner reduction: with a stateful one
+      (`jaxdp.reductions.powersgd`, a user's) each group's
+      `inner.compression` holds its state for the group's replicas, as
+      `jaxdp.init_state` makes it on the group's devices; it carries on
+      across syncs (PowerSGD's error feedback stays per replica).
 
   Returns:
     A `DiLoCoState` of fresh buffers.
   """
-  build, shardings = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision)
+  build, shardings = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision, reduction)
   return jax.jit(build, out_shardings=shardings)(params, model_state)
 
 
-def _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision):
+def _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision, reduction):
   """`(build(params, model_state) -> DiLoCoState, its shardings)`, the arguments checked."""
   mesh, outer_axis = _group_mesh(layout)
+  axis_name = layout.axis_name if isinstance(layout, DataParallel) else "data"
+  group, resolved = _group_layout(mesh, outer_axis, axis_name), resolve(reduction)
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
   check_optimizer(outer_optimizer, "outer_optimizer")
@@ -198,14 +225,15 @@ def _builder(params, inner_optimizer, layout, outer_optimizer, model_state, prec
 
   def build(params, model_state):
     loss_scale = None if loss_scaling is None else loss_scaling.init()
-    inner = TrainState.create(params, inner_optimizer, model_state, loss_scale=loss_scale)
+    inner = TrainState.create(params, inner_optimizer, model_state, loss_scale=loss_scale,
+                              compression=init_reduction_state(resolved, params, group))
     inner = jax.tree.map(lambda x: jnp.broadcast_to(x, (r, *jnp.shape(x))), inner)
     outer = jax.tree.map(jnp.copy, params)
     step, period_weight = jnp.zeros((), jnp.int32), jnp.zeros((r,), jnp.float32)
     return DiLoCoState(inner, outer, outer_optimizer.init(outer), step, period_weight)
 
   abstract = jax.eval_shape(build, params, model_state)
-  return build, _state_shardings(abstract, mesh, outer_axis)
+  return build, _state_shardings(abstract, mesh, outer_axis, group.axis_name)
 
 
 @accepts_legacy_keywords("abstract_diloco_state", ("params", "inner_optimizer", "layout"))
@@ -217,11 +245,12 @@ def abstract_diloco_state(
     outer_optimizer: optax.GradientTransformation | None = None,
     model_state: Any = None,
     precision: Any = None,
+    reduction: Any = None,
 ) -> DiLoCoState:
   """The `DiLoCoState` `init_diloco_state` would build, as `jax.ShapeDtypeStruct`s with their
   shardings on the layout's mesh (what `jaxdp.CheckpointManager.restore_diloco` reads into); nothing is
   computed. `params` and `model_state` may be `ShapeDtypeStruct`s."""
-  build, shardings = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision)
+  build, shardings = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision, reduction)
   abstract = jax.eval_shape(build, params, model_state)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
@@ -244,6 +273,7 @@ class DiLoCoStep:
     self.inner_steps, self.delta_dtype, self.donate = inner_steps, delta_dtype, donate
     self.n_groups = mesh.shape[outer_axis]
     self.group_size = int(np.prod([mesh.shape[a] for a in axis_names(self.axis_name)]))
+    self._group = _group_layout(mesh, outer_axis, self.axis_name)  # what a group's reduction state is made for
     self._programs: dict = {}  # (sync, the state's structure) -> jitted program
     self._last = (None, 0)  # (weak reference to the inner_step array last returned, its host value)
     # The host input layer's caches (jaxdp.runtime.host_inputs): checked once per signature, then only what values need.
@@ -301,6 +331,8 @@ class DiLoCoStep:
         )
     group = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner)
     check_loss_scale(self.settings.loss_scaling, group.loss_scale, "state.inner")
+    check_reduction_state(group.compression, group.params, self.settings.reduction, self._group,
+                          "state.inner.compression")
     _checks.check_step_inputs(
         self.loss_fn, self.inner_optimizer, group, batch, weights, rng, n_replicas=r * self.group_size,
         accum_steps=self.settings.accum_steps,
@@ -343,7 +375,8 @@ class DiLoCoStep:
       self._check(state, batch, weights, rng)
       if entry[1] is None:  # the state's shardings and kinds, once it is valid
         entry = self._state_ids[_checks.signature(state)] = (
-            entry[0], _state_shardings(state, self.mesh, self.outer_axis), host_inputs.state_kinds(state))
+            entry[0], _state_shardings(state, self.mesh, self.outer_axis, self.axis_name),
+            host_inputs.state_kinds(state))
       plan = self._plans[entry[0], inputs_key] = host_inputs.plan_inputs(batch, weights, None, self._rows, entry[2])
     _, shardings, kinds = entry
     if not known:
@@ -585,7 +618,10 @@ def make_diloco_step(
       weighting is applied before the cast.
     reduction, precision, accum_steps: the inner step's, as for
       `jaxdp.make_train_step` (`reductions.none()` is refused: a
-      group must stay one replica; so are reductions with a state). A
+      group must stay one replica). A reduction with a state
+      (`jaxdp.reductions.powersgd`, a user's) compresses each group's
+      inner all-reduce and needs the state made by
+      `jaxdp.init_diloco_state(..., reduction=)`. A
       policy with `loss_scaling` needs the state made by
       `jaxdp.init_diloco_state(..., precision=)`: each group keeps its own
       scale (a group whose step overflows backs off and skips alone).
@@ -614,11 +650,6 @@ def make_diloco_step(
     raise ValueError(
         "reduction='none' leaves each device of a group with its own update, but a DiLoCo group must stay one "
         "replica between syncs; use reduction='mean' (or 'sum', 'rank_mean')."
-    )
-  if settings.reduction.stateful:
-    raise ValueError(
-        "make_diloco_step's inner step takes no reduction with a state (powersgd, a user's): its state is per "
-        "replica within a group, which DiLoCoState does not hold; use the exact reduction."
     )
   check_loss_fn(loss_fn)
   check_optimizer(inner_optimizer, "inner_optimizer")
