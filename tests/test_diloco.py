@@ -313,46 +313,27 @@ def test_bad_inputs_leave_the_state_untouched():
   state, _ = step(state, batch, weights)  # and the step still runs on it
 
 
-def test_train_lm_runs_diloco_and_evaluates_the_outer_params():
-  from experiments import train_lm
-
-  config = train_lm.Config(
-      mesh="replica=2,data=2", diloco_inner_steps=2, diloco_delta_dtype="int8", steps=4, batch_size=8, seq_len=16,
-      layers=1, d_model=16, heads=2, d_ff=32, dropout=0.0, max_bytes=20_000, val_every=2, progress=False, out=None,
-  )
-  result = train_lm.train(config)
-  state = result["state"]
-  assert [r["step"] for r in result["records"]] == [0, 1, 2, 3] and int(state.inner_step) == 4
-  assert np.isfinite(result["summary"]["val_loss"]) and result["summary"]["diloco_inner_steps"] == 2
-  # The last call synced: both groups hold the outer parameters the run returns.
-  for group in range(2):
-    jax.tree.map(lambda x, p, g=group: np.testing.assert_array_equal(np.asarray(x[g]), np.asarray(p)),
-                 state.inner.params, result["params"])
-  with pytest.raises(ValueError, match="needs --mesh replica=R,data=D"):
-    train_lm.train(dataclasses.replace(config, mesh="data=4"))
-  # --loss-scaling dynamic reaches the groups: each keeps its own scale (torch's first, 2**16, backed off by
-  # float16 overflows), logged per step.
-  scaled = train_lm.train(dataclasses.replace(config, compute_dtype="float16", loss_scaling="dynamic", steps=2))
-  scales = np.asarray(scaled["state"].inner.loss_scale.scale)
-  assert scales.shape == (2,) and np.all(scales <= 2.0**16)
-  assert all(0 < r["loss_scale"] <= 2.0**16 and r["skipped"] in (0, 1) for r in scaled["records"])
-
-
-def test_train_lm_diloco_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
-  """--diloco with --ckpt-dir: killed after step 3 (mid-period: H = 2; the step-6 checkpoint removed) and
-  started again with the same flags, the run's steps 3-5 and its whole DiLoCo state are bitwise the
-  uninterrupted run's."""
+def test_train_lm_diloco_evaluates_the_outer_params_and_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+  """--diloco (int8 deltas) with --ckpt-dir: the run evaluates the outer parameters, which every group holds
+  after the last call's sync. Killed after step 3 (mid-period: H = 2; the step-6 checkpoint removed) and started
+  again with the same flags, the run's steps 3-5 and its whole DiLoCo state are bitwise the uninterrupted run's."""
   import shutil
 
   from experiments import train_lm
 
   ckpt = tmp_path / "ckpt"
   config = train_lm.Config(
-      mesh="replica=2,data=2", diloco_inner_steps=2, steps=6, batch_size=8, seq_len=16, layers=1, d_model=16,
-      heads=2, d_ff=32, dropout=0.0, max_bytes=20_000, val_every=6, progress=False, out=None, ckpt_dir=str(ckpt),
-      ckpt_every=3,
+      mesh="replica=2,data=2", diloco_inner_steps=2, diloco_delta_dtype="int8", steps=6, batch_size=8, seq_len=16,
+      layers=1, d_model=16, heads=2, d_ff=32, dropout=0.0, max_bytes=20_000, val_every=2, progress=False, out=None,
+      ckpt_dir=str(ckpt), ckpt_every=3,
   )
   full = train_lm.train(config)
+  state = full["state"]
+  assert [r["step"] for r in full["records"]] == list(range(6)) and int(state.inner_step) == 6
+  assert np.isfinite(full["summary"]["val_loss"]) and full["summary"]["diloco_inner_steps"] == 2
+  for group in range(2):
+    jax.tree.map(lambda x, p, g=group: np.testing.assert_array_equal(np.asarray(x[g]), np.asarray(p)),
+                 state.inner.params, full["params"])
   assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [3, 6]
   shutil.rmtree(ckpt / "6")  # as if killed before the last save
   resumed = train_lm.train(config)
@@ -360,6 +341,24 @@ def test_train_lm_diloco_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
   assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in full["records"][3:]]
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["params"]), jax.device_get(full["params"]))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]), jax.device_get(full["state"]))
+
+
+def test_train_lm_diloco_needs_a_replica_axis_and_passes_loss_scaling_to_the_groups():
+  from experiments import train_lm
+
+  config = train_lm.Config(
+      mesh="replica=2,data=2", diloco_inner_steps=2, steps=2, batch_size=8, seq_len=16, layers=1, d_model=16,
+      heads=2, d_ff=32, dropout=0.0, max_bytes=20_000, val_every=2, progress=False, out=None,
+      compute_dtype="float16", loss_scaling="dynamic",
+  )
+  with pytest.raises(ValueError, match="needs --mesh replica=R,data=D"):
+    train_lm.train(dataclasses.replace(config, mesh="data=4"))
+  # --loss-scaling dynamic reaches the groups: each keeps its own scale (torch's first, 2**16, backed off by
+  # float16 overflows), logged per step.
+  scaled = train_lm.train(config)
+  scales = np.asarray(scaled["state"].inner.loss_scale.scale)
+  assert scales.shape == (2,) and np.all(scales <= 2.0**16)
+  assert all(0 < r["loss_scale"] <= 2.0**16 and r["skipped"] in (0, 1) for r in scaled["records"])
 
 
 def test_a_nan_batch_skips_the_group_and_counts_as_in_the_exact_step():
