@@ -206,6 +206,32 @@ def test_an_array_of_keys_as_rng_round_trips(tmp_path):
   np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(keys))
 
 
+def test_restore_onto_a_hybrid_layout_steps_as_one_device_and_saves_back_bitwise(saved, tmp_path):
+  """The checkpoint from 2 devices (ZeRO-1) restored onto ("replica", "data") = (2, 2): the same gathered state,
+  and one step there is one device's step from the same checkpoint (TOLERANCE). Saved from the hybrid layout and
+  restored onto one device: bit for bit."""
+  directory, full = saved
+  devices = np.asarray(jax.devices()[:4]).reshape(2, 2)
+  hybrid = jaxdp.data_parallel(Mesh(devices, ("replica", "data"), axis_types=(AxisType.Auto,) * 2),
+                               axis_name=("replica", "data"))
+  one = jaxdp.data_parallel(mesh_of(1))
+  with CheckpointManager(directory) as ckpt:
+    state = ckpt.restore(params=init_params(), optimizer=OPT, layout=hybrid, model_state=MODEL_STATE).state
+    reference = ckpt.restore(params=init_params(), optimizer=OPT, layout=one, model_state=MODEL_STATE).state
+  assert_bitwise_equal(jaxdp.gather_state(state), full)
+  rows = np.random.default_rng(7)
+  batch = {"x": rows.normal(size=(6, 5)).astype(np.float32), "y": rows.normal(size=(6, 3)).astype(np.float32)}
+  stepped = [jaxdp.make_train_step(loss_fn, OPT, where)(s._replace(model_state=None),
+                                                         *jaxdp.split_batch(batch, where.mesh, axis_name=where.axis_name))[0]
+             for where, s in ((hybrid, state), (one, reference))]
+  for a, b in zip(jax.tree.leaves(jaxdp.gather_state(stepped[0])), jax.tree.leaves(jaxdp.gather_state(stepped[1]))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=TOLERANCE)
+  with CheckpointManager(tmp_path / "hybrid", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(5, stepped[0])
+    back = ckpt.restore(params=init_params(), optimizer=OPT, layout=one).state
+  assert_bitwise_equal(back, jaxdp.gather_state(stepped[0]))
+
+
 LAYOUTS = [(1, 0), (3, 3), (4, 2), (2, 3), (8, 1)]  # (devices, zero_stage); the checkpoint is from (2, 1)
 
 

@@ -226,7 +226,7 @@ def test_nonfinite_on_one_device_skips_on_every_stage_and_replica(schedule):
       np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
 
 
-@pytest.mark.parametrize("schedule,microbatches,repeats", [("circular", 2, 2), ("1f1b", 4, 1)])
+@pytest.mark.parametrize("schedule,microbatches,repeats", [("gpipe", 2, 1), ("circular", 2, 2), ("1f1b", 4, 1)])
 def test_checkpoint_across_meshes_with_and_without_a_stage_axis(tmp_path, schedule, microbatches, repeats):
   # (steps of the tests above: the ZeRO-1, accum_steps=2 cases)
   piped, opt, pipe_mesh, _ = built(2, 2, microbatches, schedule, repeats, "clip_adamw", 1, 2, None)
