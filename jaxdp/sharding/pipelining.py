@@ -691,7 +691,9 @@ def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Run
     return value, aux
 
   x_shape = jax.eval_shape(first, params, 0)
-  value_shape, aux_shape = jax.eval_shape(last, params, x_shape, 0)
+  # `last` on `first`'s output, not on x_shape: with a model axis left to the compiler, a ShapeDtypeStruct of
+  # an activation varying over the manual axes cannot be turned back into an abstract value (JAX asserts).
+  value_shape, aux_shape = jax.eval_shape(lambda p: last(p, first(p, 0), 0), params)
   repeats = pipe.repeats
   table = one_f_one_b_table(stages, m_count, repeats)
   zeros = lambda shapes, lead=(): jax.tree.map(  # noqa: E731
