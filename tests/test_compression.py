@@ -437,3 +437,39 @@ def test_full_rank_with_batchnorm_dropout_and_a_precision_policy_is_one_devices(
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(one)):
       err = float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale
       assert err <= rtol, f"{jax.tree_util.keystr(path)}: {err:.2e} of the largest value > {rtol}"
+
+
+def test_low_rank_on_a_tensor_parallel_zero2_mesh_is_the_same_powersgd_on_one_device():
+  """PowerSGD's output depends on the replicas' gradients only through their sums (P = Σ M_i Q, Q' = Σ M_iᵀ P̂,
+  and the errors sum to one device's), so rank 1 on ("data", "model") = (4, 2) at ZeRO-2, the model's matrices
+  split over "model", with BatchNorm and layout-invariant dropout on uneven weights, is rank 1 on one device:
+  float64, within 1e-12 after 3 steps (its round-off is about 1e-16)."""
+  from jax.sharding import AxisType, Mesh, PartitionSpec as P
+  from test_composition_precision import Net, make_loss
+
+  specs = {"Dense_0": {"kernel": P(None, "model"), "bias": P("model")}, "BatchNorm_0": {"scale": P(), "bias": P()},
+           "Dense_1": {"kernel": P("model", None), "bias": P()}}
+  tensor = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  powersgd = jaxdp.reductions.powersgd(1, start_iter=1)  # Dense_0's [4, 8] kernel compressed from step 2 on
+  model, rng, rows = Net(), np.random.default_rng(5), 16
+  enable_x64 = getattr(jax, "enable_x64", None)
+  if enable_x64 is None:  # older spellings
+    from jax.experimental import enable_x64
+  results = []
+  with enable_x64(True):
+    data = [{"x": rng.normal(size=(rows, 4)), "y": rng.normal(size=(rows, 2)),
+             "id": np.arange(rows * k, rows * (k + 1), dtype=np.int32)} for k in range(3)]
+    variables = jax.tree.map(lambda a: np.asarray(a, np.float64), model.init(jax.random.key(0), data[0]["x"][:1], False))
+    for layout in (jaxdp.data_parallel(_mesh(1)), jaxdp.data_parallel(tensor, param_specs=specs, zero_stage=2)):
+      opt = optax.sgd(0.1, momentum=0.9)
+      state = jaxdp.init_state(variables["params"], opt, layout, model_state=variables["batch_stats"],
+                               reduction=powersgd)
+      step = jaxdp.make_train_step(make_loss(model), opt, layout, reduction=powersgd, example_ids="id")
+      for batch in data:
+        state, metrics = step(state, batch, _uneven_weights(rows), rng=jax.random.key(3))
+      assert int(state.compression.iteration) == 3
+      results.append(jaxdp.gather_state(state))
+  assert tuple(state.params["Dense_0"]["kernel"].sharding.spec)[-1] == "model"
+  for a, b in zip(jax.tree.leaves((results[1].params, results[1].model_state, results[1].opt_state)),
+                  jax.tree.leaves((results[0].params, results[0].model_state, results[0].opt_state))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-12)
