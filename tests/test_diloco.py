@@ -571,22 +571,19 @@ def test_h1_sgd_with_layout_invariant_dropout_is_the_exact_step_with_the_same_id
                          np.asarray(exact_state.params["Dense_1"]["kernel"]), rtol=1e-3)
 
 
-def test_powersgd_inside_each_group_is_the_groups_own_powersgd_step(tmp_path):
-  """PowerSGD (rank 1 from the second step, error feedback per replica) compresses each group's inner all-reduce:
-  between syncs each group is jaxdp's PowerSGD step on its own two devices and rows (its state carried on across
-  syncs), and the outer step is the plain one written here. A checkpoint restores it bit for bit; without
-  reduction= the restore is refused."""
-  mesh, groups, h, lr = mesh_of(2, 2), 2, 2, 0.05
-  params, inner = make_params(4), optax.adam(lr)
-  powersgd = jaxdp.reductions.powersgd(1, start_iter=1, min_compression_rate=1.0)  # w [3, 4] is compressed
-  state = jaxdp.init_diloco_state(params, inner, mesh, reduction=powersgd)
-  step = jaxdp.make_diloco_step(loss_fn, inner, mesh, inner_steps=h, reduction=powersgd)
+def _each_group_on_its_own(loss_fn, params, model_state=None, reduction=None, h=2, steps=6):
+  """The DiLoCo step (Adam inside, the paper's Nesterov outside, 2 groups of 2 devices) against each group
+  run as jaxdp's own step on two other devices and the group's rows (its optimizer, model and reduction state
+  carried on across syncs), with the outer step written out: checked after every call. Returns the state."""
+  mesh, groups, inner = mesh_of(2, 2), 2, optax.adam(0.05)
+  state = jaxdp.init_diloco_state(params, inner, mesh, model_state=model_state, reduction=reduction)
+  step = jaxdp.make_diloco_step(loss_fn, inner, mesh, inner_steps=h, reduction=reduction)
   meshes = [jaxdp.data_mesh(jax.devices()[4 + 2 * g:6 + 2 * g]) for g in range(groups)]
-  group_steps = [jaxdp.make_train_step(loss_fn, inner, m, reduction=powersgd, donate=False) for m in meshes]
-  group_states = [jaxdp.init_state(params, inner, m, reduction=powersgd) for m in meshes]
+  group_steps = [jaxdp.make_train_step(loss_fn, inner, m, reduction=reduction, donate=False) for m in meshes]
+  group_states = [jaxdp.init_state(params, inner, m, model_state=model_state, reduction=reduction) for m in meshes]
   outer, momentum, period = params, jax.tree.map(jnp.zeros_like, params), [0.0] * groups
   outer_step = nesterov(0.7, 0.9)
-  for t, (batch, weights) in enumerate(make_batches(3 * h, seed=5)):
+  for t, (batch, weights) in enumerate(make_batches(steps, seed=5)):
     state, metrics = step(state, batch, weights)
     for g in range(groups):
       group_states[g], group_metrics = group_steps[g](group_states[g], *rows_of(g, groups, batch, weights))
@@ -598,13 +595,44 @@ def test_powersgd_inside_each_group_is_the_groups_own_powersgd_step(tmp_path):
       outer, momentum = outer_step(outer, delta, momentum)
       group_states, period = [s._replace(params=outer) for s in group_states], [0.0] * groups
     close(state.outer_params, outer)
-    close(state.inner.params, jax.tree.map(lambda *ps: np.stack(ps), *[s.params for s in group_states]))
-    close(state.inner.compression, jax.tree.map(lambda *xs: np.stack(xs), *[s.compression for s in group_states]))
-  assert int(state.inner.compression.iteration[0]) == 3 * h
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *[s._replace(step=None) for s in group_states])
+    close((state.inner.params, state.inner.opt_state, state.inner.model_state, state.inner.compression),
+          (stacked.params, stacked.opt_state, stacked.model_state, stacked.compression))
+  return state
+
+
+def test_powersgd_inside_each_group_is_the_groups_own_powersgd_step(tmp_path):
+  """PowerSGD (rank 1 from the second step, error feedback per replica) compresses each group's inner all-reduce:
+  between syncs each group is jaxdp's PowerSGD step on its own two devices and rows (its state carried on across
+  syncs), and the outer step is the plain one. A checkpoint restores it bit for bit; without reduction= the
+  restore is refused."""
+  params, inner = make_params(4), optax.adam(0.05)
+  powersgd = jaxdp.reductions.powersgd(1, start_iter=1, min_compression_rate=1.0)  # w [3, 4] is compressed
+  state = _each_group_on_its_own(loss_fn, params, reduction=powersgd)
+  assert int(state.inner.compression.iteration[0]) == 6
+  assert state_specs(state.inner).compression.error["w"] == jax.P("replica", "data")
   with jaxdp.CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
-    ckpt.save(3 * h, state)
-    restored = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh, reduction=powersgd).state
+    ckpt.save(6, state)
+    restored = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh_of(2, 2),
+                                   reduction=powersgd).state
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored, state)
     with pytest.raises(ValueError, match="does not match the target state"):
-      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh)
-  assert state_specs(state.inner).compression.error["w"] == jax.P("replica", "data")
+      ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh_of(2, 2))
+
+
+def test_batchnorm_statistics_stay_each_groups_own():
+  """jaxdp's BatchNorm in the groups: each group's statistics are its own rows' (exact over its two devices)
+  and stay its own across syncs, which average only the parameters."""
+  norm = jaxdp.adapters.linen.BatchNorm(use_running_average=False)
+
+  def batchnorm_loss(params, batch, *, model_state, weights, train):
+    h, updates = norm.clone(use_running_average=not train).apply(
+        {"params": params["norm"], "batch_stats": model_state}, batch["x"] @ params["w"], mask=weights,
+        mutable=["batch_stats"])
+    return jaxdp.LossOutput((jnp.tanh(h) @ params["v"] - batch["y"]) ** 2, model_state=updates["batch_stats"])
+
+  variables = norm.init(jax.random.key(1), jnp.zeros((2, HIDDEN)), mask=jnp.ones((2,)))
+  params = {**make_params(6), "norm": variables["params"]}
+  state = _each_group_on_its_own(batchnorm_loss, params, model_state=variables["batch_stats"])
+  means = np.asarray(state.inner.model_state["mean"])
+  assert not np.allclose(means[0], means[1])  # two groups, two sets of rows
