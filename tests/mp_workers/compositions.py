@@ -17,11 +17,13 @@ The cases (the linen model has jaxdp's BatchNorm, with its exact statistics, and
   * ``PowerSGD``: mesh ``(data=4)``, rank 1 from the second step (its state holds one error per replica, so
     its reference is the same run in one process);
   * ``layer-wise ZeRO-3`` and the three pipeline schedules (``(stage=2, data=2)``, one stage per process, the
-    activations crossing between them): a stack of tanh layers.
+    activations crossing between them): a stack of tanh layers;
+  * the 16-bit policies of ``PRECISIONS`` on ``(data=4)``, the float64 parameters and sums kept.
 """
 
 import os
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -96,6 +98,14 @@ CASES = {
 }
 
 
+# 16-bit policies (the cases above run in float64 throughout): compared with one device under the same policy.
+PRECISIONS = {
+    "bfloat16 compute and reduction": dict(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16),
+    "float16 with loss scaling": dict(compute_dtype=jnp.float16),
+}
+CASES.update({name: ((4,), ("data",), {}, "net", 1, None) for name in PRECISIONS})
+
+
 def run(case: str, devices: list) -> dict:
   """The case on ``devices``: 4 (the case's layout), or 1 (one device, a plain data mesh). ``{name: array}`` of
   every step's loss, the final parameters, model state and optimizer state (gathered, in flattening order) and
@@ -117,9 +127,14 @@ def run(case: str, devices: list) -> dict:
   reduction = None if rank is None else jaxdp.reductions.powersgd(rank, start_iter=1)
   # SGD with momentum: Adam would turn the round-off gradient of the bias before the BatchNorm into a whole step.
   optimizer = optax.sgd(0.1, momentum=0.9)
-  state = jaxdp.init_state(params, optimizer, layout, model_state=model_state, reduction=reduction)
+  keywords = dict(PRECISIONS.get(case, {}))
+  if keywords.get("compute_dtype") == jnp.float16:
+    keywords["loss_scaling"] = jaxdp.dynamic_loss_scale(init_scale=2.0**8)
+  precision = jaxdp.precision(**keywords) if keywords else None
+  state = jaxdp.init_state(params, optimizer, layout, model_state=model_state, reduction=reduction,
+                           precision=precision)
   step = jaxdp.make_train_step(loss_fn, optimizer, layout, reduction=reduction, accum_steps=accum,
-                               example_ids=None if kind == "stack" else "id")
+                               example_ids=None if kind == "stack" else "id", precision=precision)
   per_device = -(-ROWS // layout.replicas)
   split = accum * (layout.pipeline.microbatches if layout.pipeline is not None else 1)
   rows = -(-per_device // split) * split  # a device's rows divide into micro-batches
@@ -142,11 +157,13 @@ def run(case: str, devices: list) -> dict:
 def main():
   out = sys.argv[1]
   jax.config.update("jax_enable_x64", True)
+  jax.config.update("jax_disable_most_optimizations", True)  # plumbing and float64 agreement, not speed
   jaxdp.distributed.initialize()
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # a hybrid replica row = one process
   for case in CASES:
+    start = time.perf_counter()
     arrays = run(case, devices)
-    print(f"{case}: {len(arrays)} arrays", flush=True)
+    print(f"{case}: {len(arrays)} arrays, {time.perf_counter() - start:.1f} s", flush=True)
     if jax.process_index() == 0:
       np.savez(os.path.join(out, f"{case}.npz"), **arrays)
 
