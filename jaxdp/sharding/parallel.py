@@ -194,11 +194,16 @@ def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:
         "reduction='none' with a pipeline is not supported: that step runs untyped (check_vma=False), and a pipeline "
         "needs the types to sum the gradient of the layers before the stack over the stages. Use reduction='mean'."
     )
-  if stateful and (layout.backend == "pmap" or layout.layers is not None):
+  if stateful and layout.backend == "pmap":
     raise ValueError(
-        f"{what} with {'backend=' + repr(layout.backend) if layout.backend == 'pmap' else 'layers='}: its state is "
-        "per replica, split over the data axis, which pmap's replicated state cannot hold; layers= reduce-scatters "
-        "inside the backward pass. Use backend='shard_map' without layers=."
+        f"{what} with backend='pmap': its state is per replica, split over the data axis, which pmap's replicated "
+        "state cannot hold. Use backend='shard_map' (the default)."
+    )
+  if stateful and layout.layers is not None:
+    raise ValueError(
+        f"{what} with layers= (layer-wise ZeRO-3 or a pipeline): its state is made for each whole leaf, but a "
+        "stacked leaf's gradient reaches the reduction split over the stages or reduce-scattered inside the "
+        "backward pass, one layer at a time. Use a layout without layers= (ZeRO stages 0-3 gather whole leaves)."
     )
   reduce_dtype, mesh = precision.reduce_dtype, layout.mesh
   # A pipeline's step is manual over its stage axis too: nothing is left to the compiler there.
