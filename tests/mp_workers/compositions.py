@@ -27,7 +27,6 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -36,29 +35,10 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P  # noqa: E402
 
 import jaxdp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from test_composition_precision import Net, make_loss  # noqa: E402  (the linen model with BatchNorm and dropout)
+
 STEPS, ROWS = 3, 21
-
-
-class Net(nn.Module):
-  batchnorm: bool = True
-
-  @nn.compact
-  def __call__(self, x, train, mask=None):
-    h = nn.Dense(8)(x)
-    if self.batchnorm:
-      h = jaxdp.adapters.linen.BatchNorm(use_running_average=not train)(h, mask=mask)
-    h = jaxdp.adapters.linen.Dropout(0.25, deterministic=not train)(nn.relu(h))
-    return nn.Dense(2)(h)
-
-
-def make_loss(model):
-  def loss_fn(params, batch, rng=None, *, model_state, weights, train):
-    variables = {"params": params, **({"batch_stats": model_state} if model_state is not None else {})}
-    out, updates = model.apply(variables, batch["x"], train, mask=weights,
-                               rngs={"dropout": rng} if rng is not None else {}, mutable=["batch_stats"])
-    return jaxdp.LossOutput(jnp.sum((out - batch["y"]) ** 2, axis=-1), model_state=updates.get("batch_stats"))
-
-  return loss_fn
 
 
 def stack_loss(params, batch, rng=None, *, weights):
