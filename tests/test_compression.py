@@ -439,6 +439,7 @@ def test_full_rank_with_batchnorm_dropout_and_a_precision_policy_is_one_devices(
       assert err <= rtol, f"{jax.tree_util.keystr(path)}: {err:.2e} of the largest value > {rtol}"
 
 
+@pytest.mark.usefixtures("fast_compiles")  # plumbing and float64 agreement: most XLA passes skipped
 def test_low_rank_on_a_tensor_parallel_zero2_mesh_is_the_same_powersgd_on_one_device():
   """PowerSGD's output depends on the replicas' gradients only through their sums (P = Σ M_i Q, Q' = Σ M_iᵀ P̂,
   and the errors sum to one device's), so rank 1 on ("data", "model") = (4, 2) at ZeRO-2, the model's matrices
