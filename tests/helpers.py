@@ -47,3 +47,10 @@ def grid_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
   devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
   return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
+
+def float64():
+  """A context with JAX's 64-bit mode on (restored on exit): `jax.enable_x64(True)`, or its older spelling."""
+  enable = getattr(jax, "enable_x64", None)
+  if enable is None:
+    from jax.experimental import enable_x64 as enable
+  return enable(True)

@@ -9,7 +9,7 @@ import pytest
 
 import jaxdp
 from helpers import assert_close_to_scale
-from helpers import mesh_of as _mesh
+from helpers import float64, mesh_of as _mesh
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -445,19 +445,15 @@ def test_low_rank_on_a_tensor_parallel_zero2_mesh_is_the_same_powersgd_on_one_de
   and the errors sum to one device's), so rank 1 on ("data", "model") = (4, 2) at ZeRO-2, the model's matrices
   split over "model", with BatchNorm and layout-invariant dropout on uneven weights, is rank 1 on one device:
   float64, within 1e-12 after 3 steps (its round-off is about 1e-16)."""
-  from jax.sharding import AxisType, Mesh, PartitionSpec as P
+  from jax.sharding import AxisType, Mesh
   from test_composition_precision import Net, make_loss
+  from test_compositions import TP_SPECS as specs
 
-  specs = {"Dense_0": {"kernel": P(None, "model"), "bias": P("model")}, "BatchNorm_0": {"scale": P(), "bias": P()},
-           "Dense_1": {"kernel": P("model", None), "bias": P()}}
   tensor = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   powersgd = jaxdp.reductions.powersgd(1, start_iter=1)  # Dense_0's [4, 8] kernel compressed from step 2 on
   model, rng, rows = Net(), np.random.default_rng(5), 16
-  enable_x64 = getattr(jax, "enable_x64", None)
-  if enable_x64 is None:  # older spellings
-    from jax.experimental import enable_x64
   results = []
-  with enable_x64(True):
+  with float64():
     data = [{"x": rng.normal(size=(rows, 4)), "y": rng.normal(size=(rows, 2)),
              "id": np.arange(rows * k, rows * (k + 1), dtype=np.int32)} for k in range(3)]
     variables = jax.tree.map(lambda a: np.asarray(a, np.float64), model.init(jax.random.key(0), data[0]["x"][:1], False))

@@ -26,6 +26,7 @@ import optax
 import pytest
 from jaxdp.core import processes
 from jaxdp.runtime import distributed
+from helpers import float64
 from mp_workers import harness, problem
 
 ATOL = 1e-5
@@ -409,10 +410,7 @@ def test_compositions_across_processes_equal_one_device(tmp_path):
 
   wait = harness.in_background(harness.launch, ["--nproc", "2", "--devices-per-proc", "2", "--timeout", "100"],
                                [harness.WORKERS / "compositions.py", tmp_path], timeout=JOB_SECONDS)
-  enable_x64 = getattr(jax, "enable_x64", None)
-  if enable_x64 is None:  # older spellings
-    from jax.experimental import enable_x64
-  with enable_x64(True):
+  with float64():
     want = {case: compositions.run(case, jax.devices()[:4] if case == "PowerSGD" else jax.devices()[:1])
             for case in compositions.CASES}
   result = wait()

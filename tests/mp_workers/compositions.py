@@ -31,12 +31,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import AxisType, Mesh, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
 
 import jaxdp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from test_composition_precision import Net, make_loss  # noqa: E402  (the linen model with BatchNorm and dropout)
+from test_compositions import TP_SPECS  # noqa: E402  (its Megatron split, BatchNorm replicated)
 
 STEPS, ROWS = 3, 21
 
@@ -54,8 +55,6 @@ def stack_params(rng):
 
 
 LAYERS = 4
-TP_SPECS = {"Dense_0": {"kernel": P(None, "model"), "bias": P("model")}, "BatchNorm_0": {"scale": P(), "bias": P()},
-            "Dense_1": {"kernel": P("model", None), "bias": P()}}
 
 CASES = {
     # name: the layout on four devices (mesh shape, axis names, data_parallel's options), the model ("net": a
