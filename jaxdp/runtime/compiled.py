@@ -160,8 +160,8 @@ class CompiledStep:
     """Runs the host input layer (`jaxdp.runtime.host_inputs`) on one call's inputs, in this order.
 
     Returns `(program, args, leaves, treedef, plan, layout_key)`: the program for the state's layout, its
-    arguments, the leaves of the state it gets and that state's structure, the inputs' `InputPlan`, and
-    the layout's key.
+    arguments (the state as its flat `leaves`), the leaves of the state it gets and that state's structure,
+    the inputs' `InputPlan`, and the layout's key.
     """
     for check in self._before_step:  # a model library's (e.g. the model's mode must not have changed)
       check()
@@ -196,8 +196,9 @@ class CompiledStep:
         n=self._n)
     if self._guard is None:
       self._guard = host_inputs.Guard()
-    args = (state, batch, weights, rng, has_more, guard)
-    return self._program_for(layout_key), args, leaves, treedef, plan, layout_key
+    # The state goes in as its flat leaves (already flattened here): JAX does not flatten the tree again.
+    args = (leaves, batch, weights, rng, has_more, guard)
+    return self._program_for(layout_key, treedef), args, leaves, treedef, plan, layout_key
 
   def _enter_state(self, state, leaves):
     """A state this step did not just return: checked, unshared and keyed by its layout (not yet placed)."""
@@ -242,10 +243,11 @@ class CompiledStep:
     self._plans[layout_key, inputs_key] = plan
     return plan
 
-  def _program_for(self, layout_key):
-    """The one program of a layout: the jitted step, its state flat, and the weights' subnormal counts."""
+  def _program_for(self, layout_key, treedef):
+    """The one program of a layout (its state's structure is `treedef`, part of the layout's key): the jitted
+    step, its state flat in and out, and the guards."""
     if layout_key not in self._programs:
-      self._programs[layout_key] = _program(self._build(self._layouts[layout_key]), self._per_device,
+      self._programs[layout_key] = _program(self._build(self._layouts[layout_key]), treedef, self._per_device,
                                             self.donate, self.max_consecutive_skips, self._traced)
     return self._programs[layout_key]
 
@@ -276,7 +278,7 @@ class CompiledStep:
       with mesh_context(self.mesh):  # one trace, in the context of the mesh its types name
         new_leaves, metrics, guard = program(*args)
     except RuntimeError as error:  # JAX refuses a deleted input before it runs or donates anything
-      host_inputs.raise_if_consumed(error, args[0])
+      host_inputs.raise_if_consumed(error, treedef.unflatten(args[0]))
       raise
     if self.donate:
       host_inputs.mark_donated(leaves)
@@ -306,15 +308,16 @@ class CompiledStep:
       return program.lower(*args)
 
 
-def _program(jitted: Callable, per_device: Callable, donate: bool, limit: int | None,
+def _program(jitted: Callable, treedef: Any, per_device: Callable, donate: bool, limit: int | None,
              traced: Callable[[], None]) -> Callable:
-  """The step's one program per layout: `jitted` (the step), its new state as a flat list of leaves (the host
-  rebuilds the tree without flattening it again), its metrics, and the guards' state after the step
+  """The step's one program per layout: `jitted` (the step) on the state given as its flat list of leaves (of
+  structure `treedef`), its new state as a flat list too (the host flattened the state once and rebuilds the
+  new one without flattening it again), its metrics, and the guards' state after the step
   (`jaxdp.runtime.host_inputs.Guard`). The inner jit is inlined: one dispatch per call."""
 
-  def run(state, batch, weights, rng, has_more, guard):
+  def run(leaves, batch, weights, rng, has_more, guard):
     traced()
-    new_state, metrics, flag = jitted(state, batch, weights, rng, has_more)
+    new_state, metrics, flag = jitted(treedef.unflatten(leaves), batch, weights, rng, has_more)
     return jax.tree.leaves(new_state), metrics, host_inputs.update_guard(guard, flag, weights, limit, per_device)
 
   return jax.jit(run, donate_argnums=(0,) if donate else ())

@@ -155,14 +155,14 @@ class EvalStep:
     """Runs the host input layer (`jaxdp.runtime.host_inputs`) on one call's inputs: `(program, args)`."""
     weights = _checks.as_array(weights)
     _checks.check_padded_weights(batch, weights)  # identity lookups, and only without weights
-    leaves, treedef = jax.tree.flatten(state)
+    # Only the parts evaluation reads are flattened and known (not the optimizer state, often twice the params).
+    leaves, treedef = jax.tree.flatten(_read_by_eval(state)) if isinstance(state, TrainState) else ([], None)
     split_key = host_inputs.known_state(self._known, leaves, treedef)  # the state the last call placed
     if split_key is None:
       _checks.check_state(state)
-      host_inputs.check_state_donation(state, leaves)  # a deleted buffer passed to a compiled step can crash
+      host_inputs.check_state_donation(state, jax.tree.leaves(state))  # a deleted buffer can crash a program
       split_key, placed = self._enter_state(state)
-      given = jax.tree.leaves((state.params, state.step, state.model_state))
-      if all(map(operator.is_, jax.tree.leaves(placed), given)):
+      if all(map(operator.is_, jax.tree.leaves(_read_by_eval(placed)), leaves)):
         self._known = host_inputs.KnownState(leaves, treedef, split_key)  # placed as given: known next call
     else:
       placed = TrainState(state.params, None, state.step, state.model_state)
@@ -374,6 +374,11 @@ def _pmap_eval(replica, mesh: Mesh, axis_name: str):
     return mapped(state, *jax.tree.map(split, (batch, weights)))
 
   return jax.jit(run)
+
+
+def _read_by_eval(state: TrainState) -> tuple:
+  """The parts of a state evaluation reads: its params, step and model state."""
+  return state.params, state.step, state.model_state
 
 
 def _current_spec(x: Any, mesh: Mesh) -> P:
