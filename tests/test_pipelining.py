@@ -16,6 +16,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import jaxdp
 from helpers import assert_close_to_scale as assert_close
+from helpers import float64
 from jaxdp.sharding import pipelining
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -622,3 +623,85 @@ def test_float16_loss_scaling_follows_one_device(schedule):
     results.append((seen, jaxdp.gather_state(state).params))
   assert results[1][0] == results[0][0] and any(not skipped for skipped, _ in results[0][0])
   assert_close(results[1][1], results[0][1], rtol=5e-3)
+
+
+def reference_powersgd_run(params, q0, data, lr):
+  """PowerSGD (error feedback, warm start) on one device in plain jnp, float64: each stacked matrix compressed
+  layer by layer, every other matrix whole, vectors exact; SGD on the exactly divided sum. The replicas' errors
+  enter PowerSGD only through their sum, so one device's error is the sum of theirs."""
+  params = jax.tree.map(jnp.asarray, params)
+  q = dict(q0)
+  errors = {k: jnp.zeros(params["blocks"]["w"].shape if k == "blocks/w" else params[k].shape) for k in q}
+  get = lambda tree, k: tree["blocks"]["w"] if k == "blocks/w" else tree[k]  # noqa: E731
+  for batch, w in data:
+    sums = jax.grad(lambda p: reference_loss(p, batch["x"], batch["y"], w) * jnp.sum(w))(params)
+    approx = {}
+    for k in q:
+      m = get(sums, k) + errors[k]
+      if k == "blocks/w":  # one [4, 4] matrix per layer, each with its own factors
+        p = jnp.stack([jnp.linalg.qr(m[i] @ q[k][i])[0] for i in range(LAYERS)])
+        q[k] = jnp.stack([m[i].T @ p[i] for i in range(LAYERS)])
+        approx[k] = jnp.stack([p[i] @ q[k][i].T for i in range(LAYERS)])
+      else:
+        p = jnp.linalg.qr(m @ q[k])[0]
+        q[k] = m.T @ p
+        approx[k] = p @ q[k].T
+      errors[k] = m - approx[k]
+    sums = {**sums, "blocks": {**sums["blocks"], "w": approx["blocks/w"]},
+            **{k: v for k, v in approx.items() if k != "blocks/w"}}
+    params = jax.tree.map(lambda x, g: x - lr * g / jnp.sum(w), params, sums)
+  return params, q, errors
+
+
+@pytest.mark.parametrize("schedule,microbatches,repeats,zero_stage", [("gpipe", 4, 1, 2), ("circular", 2, 2, 0),
+                                                                      ("1f1b", 2, 1, 0)])
+def test_powersgd_compresses_each_stacked_layer_and_equals_one_device(schedule, microbatches, repeats, zero_stage,
+                                                                     tmp_path):
+  # rank 1 from the first step, on ("stage", "data") = (2, 2), uneven weights (step 0: one data shard all
+  # padding), float64: the parameters, each layer's Q and the replicas' summed error feedback against a plain
+  # one-device PowerSGD (circular: the factors follow their layers through the circular assignment). The last
+  # step runs on a state restored from a checkpoint.
+  reduction = jaxdp.reductions.powersgd(1, start_iter=0, min_compression_rate=0)
+  lr = 0.1
+  with float64():
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), init_params())
+    dp = jaxdp.data_parallel(stage_mesh(2, 2), layers="blocks", zero_stage=zero_stage,
+                             pipeline=jaxdp.pipeline(microbatches, schedule, repeats=repeats))
+    opt = optax.sgd(lr)
+    state = jaxdp.init_state(params, opt, dp, reduction=reduction)
+    assert state.compression.q["blocks"]["w"].shape == (LAYERS, WIDTH, 1)  # one factor per layer
+    assert tuple(state.compression.q["blocks"]["w"].sharding.spec) == ("stage",)
+    assert tuple(state.compression.error["blocks"]["w"].sharding.spec) == ("data", "stage")
+    q0 = {"blocks/w": np.asarray(state.compression.q["blocks"]["w"]),
+          **{k: np.asarray(state.compression.q[k]) for k in ("embed", "head")}}
+    step = jaxdp.make_train_step(loss_fn, opt, dp, reduction=reduction)
+    runs = [({k: v.astype(np.float64) for k, v in b.items()}, w.astype(np.float64)) for b, w in batches(3)]
+    for batch, w in runs[:-1]:
+      state, metrics = step(state, batch, w)
+    with jaxdp.CheckpointManager(tmp_path / "ckpt") as ckpt:
+      ckpt.save(1, state, force=True)
+      ckpt.wait()
+      state = ckpt.restore(params=params, optimizer=opt, layout=dp, reduction=reduction).state
+    state, metrics = step(state, *runs[-1])
+    assert int(metrics["skipped"]) == 0
+    want_params, want_q, want_errors = reference_powersgd_run(params, q0, runs, lr)
+    got = jaxdp.gather_state(state)
+    assert_close(got.params, want_params, rtol=1e-12)
+    assert_close(np.asarray(got.compression.q["blocks"]["w"]), want_q["blocks/w"], rtol=1e-12)
+    assert_close(np.asarray(got.compression.error["blocks"]["w"]).sum(0), want_errors["blocks/w"], rtol=1e-12)
+    assert_close(np.asarray(got.compression.error["embed"]).sum(0), want_errors["embed"], rtol=1e-12)
+
+
+def test_powersgd_refused_where_no_device_holds_a_stacked_layers_local_gradient():
+  # ZeRO-3 with gather="layer" reduce-scatters each layer's gradient inside the backward pass; a user's
+  # stateful reduction has its state made for whole leaves, which a stage never holds.
+  mesh = stage_mesh(2, 2)
+  powersgd = jaxdp.reductions.powersgd(1)
+  with pytest.raises(ValueError, match="gather='layer'"):
+    jaxdp.make_train_step(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(
+        mesh, layers="blocks", zero_stage=3, pipeline=jaxdp.pipeline(2, gather="layer")), reduction=powersgd)
+  from jaxdp.reductions.onebit import onebit_adam
+
+  with pytest.raises(ValueError, match="a user reduction with layers="):
+    jaxdp.make_train_step(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(
+        mesh, layers="blocks", pipeline=jaxdp.pipeline(2)), reduction=onebit_adam(1e-3, warmup_steps=2).reduction)

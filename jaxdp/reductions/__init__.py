@@ -260,13 +260,18 @@ def resolve(reduction: Any) -> Resolved:
 
 def _init(resolved: Resolved, params: Any, layout: Any) -> Any:
   replicas = layout.replicas
-  if resolved.compression is not None:
-    return init_compression(params, resolved.compression, replicas)
+  if resolved.compression is not None:  # a pipeline's stacks are compressed layer by layer (within a stage)
+    return init_compression(params, resolved.compression, replicas, _stage_stacks(params, layout))
   if resolved.user is None:
     return None
   one = resolved.user.init(params, layout)
   # One copy per replica, stacked on a leading axis that the data axes split (each replica reads its own).
   return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (replicas, *jnp.shape(x))), one)
+
+
+def _stage_stacks(params: Any, layout: Any) -> Any:
+  stage_stacks = getattr(layout, "stage_stacks", None)  # a jaxdp.DataParallel's; None: no pipeline
+  return None if stage_stacks is None else stage_stacks(params)
 
 
 def init_state(reduction: Any, params: Any, layout: Any) -> Any:
@@ -281,7 +286,8 @@ def check_state(state: Any, params: Any, reduction: Any, layout: Any, name: str 
   `layout` (shapes and structure only; nothing is read)."""
   resolved = resolve(reduction)
   if resolved.user is None:
-    check_compression_state(state, params, resolved.compression, layout.replicas, name)
+    check_compression_state(state, params, resolved.compression, layout.replicas, name,
+                            _stage_stacks(params, layout))
     return
   expected = jax.eval_shape(lambda p: _init(resolved, p, layout), params)
   got = jax.tree.map(lambda x: (tuple(jnp.shape(x)), jnp.result_type(x)), state)

@@ -21,6 +21,11 @@ leaf, split over the data axes so that each device holds its own replica's
 `[1, *shape]` (that split is the same at every ZeRO stage). At stages 2-3
 the step all-reduces the factors as at stage 0 and each device keeps its
 slice of the decompressed sum (`jaxdp.training.reduction.own_slices`).
+
+In a pipeline each stage holds its block of a stack of layers, so a stacked
+leaf `[L, ...]` is compressed layer by layer: each layer's `[m, n]` (the
+matrix of `shape[1:]`) has its own factors, `q` is `[L, n, r]` and split
+over the stage axis with the layers, and every sum stays within a stage.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ class PowerSGDState(NamedTuple):
   that is reduced exactly.
 
   Attributes:
-    q: per compressed leaf, the warm-started `Q` `[n, r]`, the same on every replica.
+    q: per compressed leaf, the warm-started `Q` `[n, r]`, the same on every replica (`[L, n, r]`, one
+      per layer, for a stack of `L` layers compressed layer by layer).
     error: per compressed leaf, the error feedback `[N, *shape]` of the `N` data-parallel replicas,
       split over the data axes (each device holds its own `[1, *shape]`).
     iteration: int32 scalar, the steps applied since the state was made; exact while below `start_iter`.
@@ -151,10 +157,13 @@ def _names(axis_name: Any) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-def init_compression(params: Any, compression: PowerSGD | None, replicas: int) -> PowerSGDState | None:
+def init_compression(params: Any, compression: PowerSGD | None, replicas: int,
+                     layers: Any = None) -> PowerSGDState | None:
   """The initial `PowerSGDState` of `params` for `replicas` data-parallel replicas (host arrays, unplaced).
 
   `Q` of leaf `k` (in flattening order) is standard normal from `fold_in(key(seed), k)`; errors are zero.
+  `layers`: `None`, or the params' tree of bools marking stacks of layers compressed layer by layer (a
+  pipeline's: `[L, ...]` gets `L` factors of its layers' shape `shape[1:]`).
   `compression=None` gives `None`. `jaxdp.init_state` calls it and places the result.
   """
   check_compression(compression)
@@ -162,37 +171,46 @@ def init_compression(params: Any, compression: PowerSGD | None, replicas: int) -
     return None
   replicas = check_int(replicas, "replicas", 1, "the number of data-parallel replicas.")
   leaves, treedef = jax.tree.flatten(params)
+  per_layer = [False] * len(leaves) if layers is None else treedef.flatten_up_to(layers)
   key = jax.random.key(compression.seed)
   qs, errors = [], []
-  for k, x in enumerate(leaves):
+  for k, (x, stacked) in enumerate(zip(leaves, per_layer)):
     shape, dtype = np.shape(x), jnp.result_type(x)
-    r = leaf_rank(shape, compression, dtype)
+    matrix = shape[1:] if stacked else shape
+    r = leaf_rank(matrix, compression, dtype)
     if r is None:
       qs.append(None)
       errors.append(None)
       continue
     acc = jnp.promote_types(dtype, jnp.float32)  # gradients are summed in float32 at least
-    qs.append(jax.random.normal(jax.random.fold_in(key, k), (matrix_shape(shape)[1], r), acc))
+    q_shape = (*shape[:1], matrix_shape(matrix)[1], r) if stacked else (matrix_shape(matrix)[1], r)
+    qs.append(jax.random.normal(jax.random.fold_in(key, k), q_shape, acc))
     errors.append(jnp.zeros((replicas, *shape), acc))
   return PowerSGDState(treedef.unflatten(qs), treedef.unflatten(errors), jnp.zeros((), jnp.int32))
 
 
-def compression_specs(state: Any, axis_name: Any) -> Any:
+def compression_specs(state: Any, axis_name: Any, stage_axis: str | None = None) -> Any:
   """The `PartitionSpec`s of a `PowerSGDState` (or `None`): `q` and `iteration` replicated,
-  each error split over the data axes along its leading replica dimension."""
+  each error split over the data axes along its leading replica dimension. With a pipeline's `stage_axis`,
+  the factors of a stack compressed layer by layer (`q` `[L, n, r]`) and its error are split over the stages
+  along their layer dimension, as the stack is."""
   if state is None:
     return None
   names = _names(axis_name)
-  split = P(names[0] if len(names) == 1 else names)
+  data = names[0] if len(names) == 1 else names
   if not isinstance(state, PowerSGDState):  # a user reduction's state: one copy per replica on the leading axis
-    return jax.tree.map(lambda _: split, state)
-  return PowerSGDState(jax.tree.map(lambda _: P(), state.q), jax.tree.map(lambda _: split, state.error), P())
+    return jax.tree.map(lambda _: P(data), state)
+  def per_layer(q):  # the entries after the leading one: the stage split of a stack's layer dimension
+    return (stage_axis,) if stage_axis is not None and len(q.shape) == 3 else ()
+
+  return PowerSGDState(jax.tree.map(lambda q: P(*per_layer(q)), state.q),
+                       jax.tree.map(lambda q, _: P(data, *per_layer(q)), state.q, state.error), P())
 
 
 def check_compression_state(state: Any, params: Any, compression: PowerSGD | None, replicas: int,
-                            name: str = "state.compression") -> None:
-  """Raises `ValueError` unless `state` is what `init_compression` makes for these params, settings and
-  number of replicas (shapes and structure only; nothing is read)."""
+                            name: str = "state.compression", layers: Any = None) -> None:
+  """Raises `ValueError` unless `state` is what `init_compression` makes for these params, settings, number
+  of replicas and stacks compressed layer by layer (shapes and structure only; nothing is read)."""
   if compression is None:
     if state is not None:
       raise ValueError(
@@ -201,7 +219,7 @@ def check_compression_state(state: Any, params: Any, compression: PowerSGD | Non
           f"state._replace(compression=None) to reduce exactly."
       )
     return
-  expected = jax.eval_shape(lambda p: init_compression(p, compression, replicas), params)
+  expected = jax.eval_shape(lambda p: init_compression(p, compression, replicas, layers), params)
   if state is None:
     raise ValueError(
         f"the step was built with compression={compression} but {name} is None; make the state with "
@@ -232,6 +250,15 @@ def _orthonormal(p: jax.Array) -> jax.Array:
   return jnp.linalg.qr(p.astype(jnp.promote_types(p.dtype, jnp.float32)))[0].astype(p.dtype)
 
 
+def _matrices(shape: tuple, q: jax.Array) -> tuple:
+  """The shape PowerSGD views a gradient leaf as: `[m, n]`, or `[L, m, n]` for a stack with per-layer factors."""
+  return (shape[0], *matrix_shape(shape[1:])) if q.ndim == 3 else matrix_shape(shape)
+
+
+def _transposed(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, -1, -2)  # each matrix of a batch of them
+
+
 def powersgd_sum(grads: list, state: PowerSGDState, compression: PowerSGD, axis_name: Any,
                  qs: list, errors: list) -> tuple[list, list, list]:
   """`(sums, new_qs, new_errors)` of the compressed leaves (per replica, inside `shard_map` over `axis_name`).
@@ -239,7 +266,8 @@ def powersgd_sum(grads: list, state: PowerSGDState, compression: PowerSGD, axis_
   `grads`: this replica's local sums of the compressed leaves; `qs`, `errors`: their `Q` and this
   device's `[1, *shape]` error block. Two all-reduces in all (every leaf's `P` in one, every `Q'` in
   the other); from `state.iteration >= start_iter` on, else one exact all-reduce of the leaves (the
-  program holds both branches of a `lax.cond`; with `start_iter=0` there is no cond).
+  program holds both branches of a `lax.cond`; with `start_iter=0` there is no cond). A leaf whose `Q` is
+  `[L, n, r]` is a stack compressed layer by layer: every product below is batched over its layers.
   """
   names = _names(axis_name)
   axes = names[0] if len(names) == 1 else names
@@ -247,11 +275,11 @@ def powersgd_sum(grads: list, state: PowerSGDState, compression: PowerSGD, axis_
 
   def compressed(operand):
     grads, qs, errors = operand
-    ms = [(g + e[0].astype(g.dtype)).reshape(matrix_shape(g.shape)) for g, e in zip(grads, errors)]
+    ms = [(g + e[0].astype(g.dtype)).reshape(_matrices(g.shape, q)) for g, e, q in zip(grads, errors, qs)]
     ps = lax.psum([m @ q.astype(m.dtype) for m, q in zip(ms, qs)], axes)
     ps = [_orthonormal(p) for p in ps]
-    new_qs = lax.psum([m.T @ p for m, p in zip(ms, ps)], axes)
-    sums = [p @ q.T for p, q in zip(ps, new_qs)]
+    new_qs = lax.psum([_transposed(m) @ p for m, p in zip(ms, ps)], axes)
+    sums = [p @ _transposed(q) for p, q in zip(ps, new_qs)]
     new_errors = [(m - a / replicas).reshape(e.shape).astype(e.dtype) for m, a, e in zip(ms, sums, errors)]
     return ([a.reshape(g.shape) for a, g in zip(sums, grads)], [q.astype(old.dtype) for q, old in zip(new_qs, qs)],
             new_errors)

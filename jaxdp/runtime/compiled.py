@@ -35,6 +35,7 @@ from jaxdp.runtime import host_inputs
 from jaxdp.sharding import pipelining
 from jaxdp.core.checks import check_int, check_optimizer
 from jaxdp.reductions import check_state as check_reduction_state
+from jaxdp.reductions.compression import PowerSGDState
 from jaxdp.sharding.layout import (
     Layout,
     axis_names,
@@ -627,22 +628,37 @@ def _in_circular_order(gradient: Callable, pipeline: pipelining.Pipeline, mesh: 
   stages, repeats = mesh.shape[pipeline.axis_name], pipeline.repeats
 
   def permuted(state, *args):
-    def to_circular(x, is_layer, spec):
+    def to_circular(x, is_layer, spec, dim=0):
       if not is_layer:
         return x
-      return constrain(pipelining.circular_order(x, stages, repeats), NamedSharding(mesh, spec))
+      x = jnp.moveaxis(pipelining.circular_order(jnp.moveaxis(x, dim, 0), stages, repeats), 0, dim)
+      return constrain(x, NamedSharding(mesh, spec))
 
     params = jax.tree.map(to_circular, state.params, layout.layers, layout.specs.params)
-    reduced = gradient(state._replace(params=params), *args)
+    compression = _per_layer_factors(state.compression, layout.specs.compression, to_circular)
+    reduced = gradient(state._replace(params=params, compression=compression), *args)
 
-    def to_natural(g, is_layer, spec):
+    def to_natural(g, is_layer, spec, dim=0):
       if not is_layer:
         return g
-      return constrain(pipelining.natural_order(g, stages, repeats), NamedSharding(mesh, spec))
+      g = jnp.moveaxis(pipelining.natural_order(jnp.moveaxis(g, dim, 0), stages, repeats), 0, dim)
+      return constrain(g, NamedSharding(mesh, spec))
 
-    return reduced._replace(grads=jax.tree.map(to_natural, reduced.grads, layout.layers, grad_specs))
+    return reduced._replace(grads=jax.tree.map(to_natural, reduced.grads, layout.layers, grad_specs),
+                            compression=_per_layer_factors(reduced.compression, layout.specs.compression, to_natural))
 
   return permuted
+
+
+def _per_layer_factors(compression: Any, specs: Any, reorder: Callable) -> Any:
+  """`compression` with `reorder(x, True, spec, layer_dim)` applied to the factors and errors of the stacks
+  PowerSGD compresses layer by layer (`q` `[L, n, r]`, error `[N, L, ...]`), which follow their layers."""
+  if not isinstance(compression, PowerSGDState):
+    return compression
+  q = jax.tree.map(lambda x, spec: reorder(x, x.ndim == 3, spec, 0), compression.q, specs.q)
+  error = jax.tree.map(lambda x, e, spec: reorder(e, x.ndim == 3, spec, 1), compression.q, compression.error,
+                       specs.error)
+  return compression._replace(q=q, error=error)
 
 
 def _pmap_over(replica_step, mesh: Mesh, axis_name: str):

@@ -593,7 +593,7 @@ def make_layout(abstract: TrainState, mesh: Mesh, axis_name: str, zero_stage: in
       step=P(),
       model_state=jax.tree.map(lambda _: P(), abstract.model_state),
       loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale),
-      compression=compression_specs(getattr(abstract, "compression", None), axis_name),
+      compression=compression_specs(getattr(abstract, "compression", None), axis_name, stage_axis),
   )
   grad_specs = jax.tree.map(lambda s: data_part(s, axis_name) if zero_stage >= 2 else P(), split_specs)
   return Layout(specs, grad_specs, zero_stage, split_specs, None if layers is None else stacked)

@@ -42,6 +42,7 @@ from jaxdp.sharding.layout import (
     check_zero_stage,
     data_mesh,
     data_size,
+    layer_mask,
     make_layout,
     model_specs_for,
     place,
@@ -88,6 +89,11 @@ class DataParallel(NamedTuple):
   def stage_axis(self) -> str | None:
     """The pipeline's stage axis, or `None` without a pipeline."""
     return None if self.pipeline is None else self.pipeline.axis_name
+
+  def stage_stacks(self, params: Any) -> Any:
+    """The params' tree of bools marking the stacks of layers split over the pipeline's stages (each stage
+    holds a block of their layers), or `None` without a pipeline."""
+    return None if self.pipeline is None else layer_mask(params, self.layers)
 
 
 def data_parallel(
@@ -199,11 +205,20 @@ def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:
         f"{what} with backend='pmap': its state is per replica, split over the data axis, which pmap's replicated "
         "state cannot hold. Use backend='shard_map' (the default)."
     )
-  if stateful and layout.layers is not None:
+  if stateful and layout.layers is not None and reduction.compression is None:
     raise ValueError(
-        f"{what} with layers= (layer-wise ZeRO-3 or a pipeline): its state is made for each whole leaf, but a "
-        "stacked leaf's gradient reaches the reduction split over the stages or reduce-scattered inside the "
+        "a user reduction with layers= (layer-wise ZeRO-3 or a pipeline): its state is made for each whole leaf, "
+        "but a stacked leaf's gradient reaches the reduction split over the stages or reduce-scattered inside the "
         "backward pass, one layer at a time. Use a layout without layers= (ZeRO stages 0-3 gather whole leaves)."
+    )
+  if stateful and layout.layers is not None and (layout.pipeline is None or (
+      zero == 3 and layout.pipeline.gather == "layer")):
+    where = "layer-wise" if layout.pipeline is None else "a pipeline with gather='layer'"
+    raise ValueError(
+        f"{what} with layers= at zero_stage=3 ({where}): a stacked layer's gradient is reduce-scattered inside the "
+        "backward pass, one layer at a time, so no device ever holds the local gradient PowerSGD compresses. Use a "
+        "pipeline (its stacks are compressed layer by layer; at zero_stage=3 with gather='step'), or ZeRO stages "
+        "0-3 without layers=."
     )
   reduce_dtype, mesh = precision.reduce_dtype, layout.mesh
   # A pipeline's step is manual over its stage axis too: nothing is left to the compiler there.
