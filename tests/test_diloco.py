@@ -618,6 +618,10 @@ def test_powersgd_inside_each_group_is_the_groups_own_powersgd_step(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored, state)
     with pytest.raises(ValueError, match="does not match the target state"):
       ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=mesh_of(2, 2))
+  step = jaxdp.make_diloco_step(loss_fn, inner, mesh_of(2, 2), inner_steps=2, reduction=powersgd)
+  plain = jaxdp.init_diloco_state(params, inner, mesh_of(2, 2))  # made without reduction=: refused, naming the fix
+  with pytest.raises(ValueError, match=r"init_diloco_state\(\.\.\., reduction=\)"):
+    step(plain, *make_batches(1)[0])
 
 
 def test_batchnorm_statistics_stay_each_groups_own():

@@ -331,8 +331,12 @@ class DiLoCoStep:
         )
     group = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner)
     check_loss_scale(self.settings.loss_scaling, group.loss_scale, "state.inner")
-    check_reduction_state(group.compression, group.params, self.settings.reduction, self._group,
-                          "state.inner.compression")
+    try:
+      check_reduction_state(group.compression, group.params, self.settings.reduction, self._group,
+                            "state.inner.compression")
+    except ValueError as error:  # its fix names jaxdp.init_state, which makes a TrainState: DiLoCo's is another
+      raise ValueError(f"{error} For DiLoCo, make the state with jaxdp.init_diloco_state(..., reduction=) with the "
+                       "step's reduction.") from None
     _checks.check_step_inputs(
         self.loss_fn, self.inner_optimizer, group, batch, weights, rng, n_replicas=r * self.group_size,
         accum_steps=self.settings.accum_steps,
