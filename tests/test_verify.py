@@ -67,12 +67,32 @@ def test_a_planted_layout_bug_is_caught_at_its_first_step():
   assert len(report.forced) == 2
 
 
+def test_powersgd_is_verified_against_one_devices_powersgd():
+  # Rank 1 from the first step on 4 devices with uneven rows: the replicas' error feedback enters only through its
+  # sum, so one device's PowerSGD is the reference, teacher-forced and free-running (error feedback carried).
+  params, batches = _program()
+  report = verify.verify(loss_fn, optax.sgd(0.05), jaxdp.data_parallel(mesh_of(4), zero_stage=2), params, batches,
+                         reduction=reductions.powersgd(1, start_iter=0, min_compression_rate=0))
+  assert not report.diverged and report.worst < 1e-12, str(report)
+  assert max(d.worst for d in report.free) < 1e-12, str(report)
+  # A planted porting bug, each device's losses scaled by its own row count (a local mean), is caught at step 1.
+  local_mean = lambda params, batch: loss_fn(params, batch) / batch["x"].shape[0]  # noqa: E731
+  planted = verify.verify(local_mean, optax.sgd(0.05), mesh_of(4), params, batches[:2],
+                          reduction=reductions.powersgd(1, start_iter=0, min_compression_rate=0))
+  assert planted.diverged and planted.first[0] == 1, str(planted)
+  with pytest.raises(ValueError, match="PowerSGD and a pipeline"):
+    verify.verify(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(
+        jax.make_mesh((2, 2), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2), layers="w",
+        pipeline=jaxdp.pipeline(2)), params, batches, reduction=reductions.powersgd(1))
+
+
 def test_bad_arguments():
   params, batches = _program(steps=1)
   with pytest.raises(ValueError, match="fewer than steps=2"):
     verify.verify(loss_fn, optax.sgd(0.1), mesh_of(2), params, batches, steps=2)
-  with pytest.raises(ValueError, match="per replica"):
-    verify.verify(loss_fn, optax.sgd(0.1), mesh_of(2), params, batches, reduction=reductions.powersgd(1))
+  with pytest.raises(ValueError, match="user reduction keeps a state per replica"):
+    verify.verify(loss_fn, optax.sgd(0.1), mesh_of(2), params, batches,
+                  reduction=reductions.onebit_adam(1e-3, warmup_steps=2).reduction)
   with pytest.raises(ValueError, match="rtol"):
     verify.verify(loss_fn, optax.sgd(0.1), mesh_of(2), params, batches, rtol=0)
 

@@ -253,9 +253,13 @@ def verify(
   Returns:
     A `Report`; `str(report)` says round-off or divergence (the step and leaf).
 
+  PowerSGD (`reduction=jaxdp.reductions.powersgd(...)`) is verified too: its result depends on the replicas'
+  error feedback only through their sum, so one device's error is the sum of the layout's replicas' (teacher
+  forcing gives the layout one device's error on its first replica, zeros on the others).
+
   Raises:
-    ValueError: a reduction with a per-replica state (PowerSGD's error feedback has one entry per replica,
-      which one device cannot match), or bad arguments.
+    ValueError: a user's reduction with a per-replica state (one device cannot hold it), PowerSGD with a
+      pipeline (each stacked layer has its own factors there, a whole leaf on one device), or bad arguments.
   """
   check_optimizer(optimizer)
   layout = as_layout(layout)
@@ -267,11 +271,18 @@ def verify(
     steps = check_int(steps, "steps", 1, "the number of steps to verify.")
   if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol > 0:
     raise ValueError(f"rtol must be a number > 0, got {rtol!r}; e.g. {DEFAULT_RTOL} for float64 round-off.")
-  if resolve(reduction).stateful:
+  resolved = resolve(reduction)
+  if resolved.user is not None and resolved.stateful:
     raise ValueError(
-        "verify compares the layout's step with one device's, but this reduction keeps a state per replica "
-        "(PowerSGD's error feedback, a user reduction's), which one device cannot hold: verify the layout with the "
-        "exact reduction (reduction=None), and the compression against its own reference."
+        "verify compares the layout's step with one device's, but this user reduction keeps a state per replica, "
+        "which one device cannot hold: verify the layout with the exact reduction (reduction=None), and the "
+        "reduction against its own reference."
+    )
+  if resolved.compression is not None and layout.pipeline is not None:
+    raise ValueError(
+        "verify with PowerSGD and a pipeline: a pipeline compresses each stacked layer with its own factors, one "
+        "device each whole leaf, so the two steps would run different compressions. Verify the pipeline with the "
+        "exact reduction (reduction=None)."
     )
   pairs = _as_pairs(batches, steps)
   one = data_parallel(data_mesh(list(layout.mesh.devices.flat)[:1]))
@@ -289,6 +300,14 @@ def verify(
       return jax.tree.map(lambda p, q: np.asarray(p) - np.asarray(q), gather_state(before).params,
                           gather_state(after).params)
 
+    def spread(state):  # one device's PowerSGD error as the layout's replicas': all of it on the first
+      if state.compression is None:
+        return state
+      error = jax.tree.map(lambda e: np.concatenate([np.asarray(e), np.zeros((layout.replicas - 1, *np.shape(e)[1:]),
+                                                                              np.asarray(e).dtype)]),
+                           state.compression.error)
+      return state._replace(compression=state.compression._replace(error=error))
+
     params, model_state = _to_float64(params), _to_float64(model_state)
     ref = init_state(params, optimizer, one, model_state=model_state, reduction=reduction, precision=precision)
     free = init_state(params, optimizer, layout, model_state=model_state, reduction=reduction, precision=precision)
@@ -298,11 +317,11 @@ def verify(
       weights = None if weights is None else _to_float64(weights)
       ref_next, ref_metrics = reference(ref, batch, weights, rng)
       # Teacher forcing: the layout's step from one device's state (moved into the layout by the step).
-      forced_next, forced_metrics = step(ref, batch, weights, rng)
+      forced_next, forced_metrics = step(spread(ref), batch, weights, rng)
       ref_gradient = gradient(probe_reference, ref, batch, weights)
       want = _parts(gather_state(ref_next), ref_metrics, ref_gradient)
       forced.append(_difference(_parts(gather_state(forced_next), forced_metrics,
-                                       gradient(probe, ref, batch, weights)), want))
+                                       gradient(probe, spread(ref), batch, weights)), want))
       # Running freely, each run's gradient is its own state's.
       free_gradient = gradient(probe, free, batch, weights)
       free, free_metrics = step(free, batch, weights, rng)
