@@ -11,6 +11,7 @@ Two rules, each stated once:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -46,6 +47,18 @@ def grid_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
   """A mesh of ``shape`` over the first devices, every axis ``Auto``."""
   devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
   return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+@contextlib.contextmanager
+def optimized_compiles():
+  """XLA's optimisation passes on inside a module that skips most of them (`fast_compiles`): for a run whose bits
+  are compared with a worker process's, which compiles with them."""
+  before = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def float64():

@@ -42,6 +42,8 @@ import jaxdp
 from helpers import mesh_of
 from jaxdp.adapters.batchnorm import BatchNorm, Moments, masked_moments
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: plumbing and float32 agreement
+
 ROWS, S, C = 4, 2, 3  # padded rows per device, a spatial axis reduced too, features
 EPS = 1e-5
 STAT_TOL = 2e-6

@@ -36,7 +36,7 @@ from jax._src import array as jax_array
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdp
-from helpers import mesh_of
+from helpers import mesh_of, optimized_compiles
 from jaxdp.io import record as _ckpt_record
 from jaxdp.io import checkpoint
 from jaxdp.sharding import layout
@@ -46,6 +46,8 @@ from jaxdp.sharding.parallel import place_state
 
 from ckpt_workers import crash_save, train_resume
 from mp_workers import harness
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: plumbing and float32 agreement
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "ckpt_workers"
@@ -1217,7 +1219,8 @@ def test_resume_after_sigkill_is_bitwise_identical_to_an_uninterrupted_run(tmp_p
   ref_out, ref_ckpt = tmp_path / "reference", tmp_path / "reference_ckpt"
   ref_out.mkdir()
   try:
-    train_resume.train(mesh_of(2), str(ref_out), str(ref_ckpt), steps=10, zero_stage=0)
+    with optimized_compiles():  # compared bitwise with the workers' runs
+      train_resume.train(mesh_of(2), str(ref_out), str(ref_ckpt), steps=10, zero_stage=0)
   finally:
     code, out, seconds = crashed()
   reference, reference_final = _losses(ref_out), _npz(ref_out / "final.npz")
@@ -1239,7 +1242,8 @@ def test_resume_after_sigkill_is_bitwise_identical_to_an_uninterrupted_run(tmp_p
   other_out = tmp_path / "other_layout"
   other_out.mkdir()
   try:
-    train_resume.train(mesh_of(2), str(other_out), str(tmp_path / "ckpt_copy"), steps=10, zero_stage=3)
+    with optimized_compiles():
+      train_resume.train(mesh_of(2), str(other_out), str(tmp_path / "ckpt_copy"), steps=10, zero_stage=3)
   finally:
     code, out, seconds = resumed()
   _assert_no_process_with(str(tmp_path))

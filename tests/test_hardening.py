@@ -14,6 +14,8 @@ import pytest
 
 import jaxdp
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: plumbing and float32 agreement
+
 K = 4
 MESH = jaxdp.data_mesh(jax.devices()[:K])
 OPT = optax.sgd(0.1)

@@ -16,6 +16,8 @@ import pytest
 
 import jaxdp
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: plumbing and float32 agreement
+
 D, H = 5, 6
 RTOL, ATOL = 1e-5, 2e-6
 OPT = optax.adam(1e-2)

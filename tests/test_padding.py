@@ -28,6 +28,8 @@ import jaxdp
 from helpers import mesh_of as _mesh
 from jaxdp.io.data import DataPipeline, StreamingPipeline, device_indices, process_positions
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: plumbing and float32 agreement
+
 VOCAB, T, D, C = 7, 4, 4, 3  # tokens, positions, embedding width, classes
 ROWS = 4  # rows per device in the portion tests: a multiple of every accum_steps used
 OPT = optax.sgd(0.1, momentum=0.9)

@@ -24,6 +24,8 @@ from helpers import grid_mesh, mesh_of
 from jaxdp.adapters import linen as jlinen
 from jaxdp.adapters import nnx as jnnx
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: plumbing and float32 agreement
+
 ATOL = 1e-5
 V, D, N, STEPS, ROWS = 11, 8, 3, 3, 13  # 13 rows over 4 devices: 4, 3, 3, 3 (padded to 4 each)
 OPT = optax.sgd(0.1)

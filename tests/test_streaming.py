@@ -31,6 +31,8 @@ from jaxdp.io.data import StreamingPipeline, process_positions
 from mp_workers import harness, problem
 from mp_workers import streaming as worker
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py: plumbing and float32 agreement
+
 RTOL, ATOL = 1e-5, 2e-6
 JOB_SECONDS = 90  # a generous bound on one launched job
 
