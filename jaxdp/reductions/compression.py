@@ -200,6 +200,7 @@ def compression_specs(state: Any, axis_name: Any, stage_axis: str | None = None)
   data = names[0] if len(names) == 1 else names
   if not isinstance(state, PowerSGDState):  # a user reduction's state: one copy per replica on the leading axis
     return jax.tree.map(lambda _: P(data), state)
+
   def per_layer(q):  # the entries after the leading one: the stage split of a stack's layer dimension
     return (stage_axis,) if stage_axis is not None and len(q.shape) == 3 else ()
 
