@@ -653,7 +653,7 @@ def reference_powersgd_run(params, q0, data, lr):
   return params, q, errors
 
 
-@pytest.mark.parametrize("schedule,microbatches,repeats,zero_stage", [("gpipe", 4, 1, 2), ("circular", 2, 2, 0),
+@pytest.mark.parametrize("schedule,microbatches,repeats,zero_stage", [("gpipe", 4, 1, 2), ("circular", 2, 2, 3),
                                                                       ("1f1b", 2, 1, 0)])
 def test_powersgd_compresses_each_stacked_layer_and_equals_one_device(schedule, microbatches, repeats, zero_stage,
                                                                      tmp_path):
