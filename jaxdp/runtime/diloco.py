@@ -32,7 +32,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp.core import checks as _checks
 from jaxdp.runtime import host_inputs
 from jaxdp.core.checks import check_int, check_optimizer
-from jaxdp.sharding.layout import axis_names, check_mesh_axis, mesh_context, place, replicated
+from jaxdp.sharding.layout import (
+    annotated_model_specs,
+    axis_names,
+    check_mesh_axis,
+    make_layout,
+    manual_part,
+    mesh_context,
+    model_specs_of,
+    place,
+    replicated,
+)
 from jaxdp.core.loss import check_loss_fn
 from jaxdp.core.loss_scaling import check_loss_scale
 from jaxdp.core.precision import as_precision
@@ -101,11 +111,37 @@ def check_int8_groups(delta_dtype: Any, groups: int) -> None:
     )
 
 
-def _outer_axis(mesh: Mesh, axis_name: Any) -> str:
-  """The mesh's one axis that is not a data axis (the groups'), after checking there is exactly one."""
+def _model_axes(param_specs: Any) -> tuple[str, ...]:
+  """The mesh axes a layout's `param_specs` name: tensor parallelism inside each group."""
+  named = []
+  for spec in jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)):
+    for entry in spec:
+      for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+        if axis not in named:
+          named.append(axis)
+  return tuple(named)
+
+
+def _check_16_bit_sums_on_cpu(mesh: Mesh, manual: tuple, delta_dtype: Any, reduce_dtype: Any) -> None:
+  """Refuses 16-bit all-reduces (bfloat16 deltas, a 16-bit `reduce_dtype`) with model axes on a CPU mesh, as
+  `jaxdp.make_train_step` does: XLA's CPU backend aborts the process compiling them."""
+  others = [a for a in mesh.axis_names if a not in manual]
+  wide = [d for d in (delta_dtype, reduce_dtype) if d is not None and jnp.dtype(d) != jnp.int8]
+  if others and any(jnp.dtype(d).itemsize < 4 for d in wide) and mesh.devices.flat[0].platform == "cpu":
+    raise ValueError(
+        f"a 16-bit all-reduce (delta_dtype={delta_dtype}, reduce_dtype={reduce_dtype}) on a CPU mesh with model axes "
+        f"{others}: XLA's CPU backend aborts the whole process compiling a 16-bit all-reduce inside a shard_map "
+        "that leaves other mesh axes to the compiler. On CPU keep float32 sums (delta_dtype=None or jnp.int8, no "
+        "reduce_dtype), or use a mesh without model axes."
+    )
+
+
+def _outer_axis(mesh: Mesh, axis_name: Any, model_axes: tuple[str, ...] = ()) -> str:
+  """The mesh's one axis that is neither a data axis nor a model axis (the groups'), after checking there is
+  exactly one."""
   check_mesh_axis(mesh, axis_name)
   data = axis_names(axis_name)
-  others = [a for a in mesh.axis_names if a not in data]
+  others = [a for a in mesh.axis_names if a not in data and a not in model_axes]
   if not others:
     raise ValueError(
         f"DiLoCo without an outer axis: every axis of the mesh {mesh.axis_names} is a data axis of the layout. Build "
@@ -115,31 +151,33 @@ def _outer_axis(mesh: Mesh, axis_name: Any) -> str:
     )
   if len(others) > 1:
     raise ValueError(
-        f"mesh has axes {others} besides the data axes {data}; the groups' axis is the mesh's one axis that is not a "
-        "data axis, and the DiLoCo step maps over every mesh axis and does not partition the model: build the mesh "
-        "over the groups' axis and the data axes only."
+        f"mesh has axes {others} besides the data axes {data} and the model axes {list(model_axes)}; the groups' "
+        "axis is the mesh's one axis that is neither: name the tensor-parallel axes in "
+        "jaxdp.data_parallel(mesh, axis_name=..., param_specs=...) (the params' splits over them), or build the "
+        "mesh over the groups' axis and the data axes only."
     )
   return others[0]
 
 
 def _group_mesh(layout: Any) -> tuple[Mesh, str]:
-  """The mesh of a DiLoCo layout and its outer axis (checked: one outer axis, the data axes, nothing else, no ZeRO
-  or stacks)."""
+  """The mesh of a DiLoCo layout and its outer axis (checked: one outer axis, the data axes, the model axes its
+  `param_specs` name, nothing else, no ZeRO or stacks)."""
+  model_axes = ()
   if isinstance(layout, Mesh) or layout is None:
     mesh, axis_name = layout, "data"
   elif isinstance(layout, DataParallel):
-    mesh, axis_name = layout.mesh, layout.axis_name
+    mesh, axis_name, model_axes = layout.mesh, layout.axis_name, _model_axes(layout.param_specs)
     if layout.zero_stage or layout.layers is not None or layout.pipeline is not None or layout.backend != "shard_map":
       raise ValueError(
           "make_diloco_step's groups each hold a whole replica: give it a jaxdp.data_parallel(mesh, axis_name=...) "
-          "without zero_stage, layers, pipeline or backend."
+          "without zero_stage, layers, pipeline or backend (param_specs for tensor parallelism inside a group)."
       )
   else:
     as_layout(layout)  # raises the TypeError that names what a layout is
   if mesh is None:
     raise ValueError("DiLoCo needs a mesh with the outer axis of its groups; pass jaxdp.data_parallel(mesh) with e.g. "
                      "jax.make_mesh((R, D), ('replica', 'data'), axis_types=(AxisType.Auto,) * 2).")
-  return mesh, _outer_axis(mesh, axis_name)
+  return mesh, _outer_axis(mesh, axis_name, model_axes)
 
 
 def outer_axis_of(layout: DataParallel | Mesh) -> str:
@@ -148,17 +186,21 @@ def outer_axis_of(layout: DataParallel | Mesh) -> str:
   return _group_mesh(layout)[1]
 
 
-def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str, axis_name: Any) -> DiLoCoState:
-  split = NamedSharding(mesh, P(outer_axis))
-  whole = replicated(mesh)
-  # A reduction's state: each group's as make_train_step splits it over the group's data axes, after the group's.
-  compression = jax.tree.map(lambda spec: NamedSharding(mesh, P(outer_axis, *spec)),
-                             compression_specs(state.inner.compression, axis_name),
-                             is_leaf=lambda x: isinstance(x, P))
-  inner = jax.tree.map(lambda _: split, state.inner._replace(compression=None))._replace(compression=compression)
+def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str, axis_name: Any,
+                     model_specs: Any = None) -> DiLoCoState:
+  """Where a DiLoCo state lives: each group's entry of `inner` as `jaxdp.make_train_step` places a state at stage 0
+  (split over the model axes as `model_specs` says, a reduction's state over the group's data axes), after the
+  groups' axis; the outer parameters and optimizer state split over the model axes alike, replicated otherwise."""
+  is_spec = lambda x: isinstance(x, P)  # noqa: E731
+  group = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner)
+  inner = jax.tree.map(lambda spec: NamedSharding(mesh, P(outer_axis, *spec)),
+                       make_layout(group, mesh, axis_name, 0, model_specs).specs, is_leaf=is_spec)
+  outer = make_layout(TrainState(state.outer_params, state.outer_opt_state, state.inner_step), mesh, axis_name, 0,
+                      model_specs).specs
+  as_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
   return DiLoCoState(
-      inner, jax.tree.map(lambda _: whole, state.outer_params),
-      jax.tree.map(lambda _: whole, state.outer_opt_state), whole, split,
+      inner, jax.tree.map(as_sharding, outer.params, is_leaf=is_spec),
+      jax.tree.map(as_sharding, outer.opt_state, is_leaf=is_spec), replicated(mesh), NamedSharding(mesh, P(outer_axis)),
   )
 
 
@@ -188,8 +230,10 @@ def init_diloco_state(
     params: the initial parameters (a pytree of arrays).
     inner_optimizer: the groups' optax optimizer (the step's).
     layout: a `jaxdp.DataParallel` (or a `Mesh`, its data axis
-      `"data"`) whose mesh has the data axes inside a group and one more
-      axis, the groups' (`outer_axis_of(layout)`), nothing else.
+      `"data"`) whose mesh has the data axes inside a group, the model axes
+      its `param_specs` name (tensor parallelism inside a group; the params
+      are placed split over them as `jaxdp.init_state` places them) and one
+      more axis, the groups' (`outer_axis_of(layout)`), nothing else.
     outer_optimizer: the outer optimizer (the step's); default
       `default_outer_optimizer`.
     model_state: the model's non-trainable state, or `None`; each group
@@ -206,15 +250,19 @@ def init_diloco_state(
   Returns:
     A `DiLoCoState` of fresh buffers.
   """
-  build, shardings = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision, reduction)
+  build, shardings, params = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision,
+                                     reduction)
   return jax.jit(build, out_shardings=shardings)(params, model_state)
 
 
 def _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision, reduction):
-  """`(build(params, model_state) -> DiLoCoState, its shardings)`, the arguments checked."""
+  """`(build(params, model_state) -> DiLoCoState, its shardings, params)`, the arguments checked (`params` without
+  a model library's partitioning boxes, as `build` takes them)."""
   mesh, outer_axis = _group_mesh(layout)
   axis_name = layout.axis_name if isinstance(layout, DataParallel) else "data"
   group, resolved = _group_layout(mesh, outer_axis, axis_name), resolve(reduction)
+  # Tensor parallelism inside each group: the params' model-axis splits, as jaxdp.init_state reads them.
+  params, model_specs = annotated_model_specs(params, getattr(layout, "param_specs", None), mesh, axis_name)
   check_optimizer(inner_optimizer, "inner_optimizer")
   outer_optimizer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
   check_optimizer(outer_optimizer, "outer_optimizer")
@@ -233,7 +281,7 @@ def _builder(params, inner_optimizer, layout, outer_optimizer, model_state, prec
     return DiLoCoState(inner, outer, outer_optimizer.init(outer), step, period_weight)
 
   abstract = jax.eval_shape(build, params, model_state)
-  return build, _state_shardings(abstract, mesh, outer_axis, group.axis_name)
+  return build, _state_shardings(abstract, mesh, outer_axis, group.axis_name, model_specs), params
 
 
 @accepts_legacy_keywords("abstract_diloco_state", ("params", "inner_optimizer", "layout"))
@@ -250,7 +298,8 @@ def abstract_diloco_state(
   """The `DiLoCoState` `init_diloco_state` would build, as `jax.ShapeDtypeStruct`s with their
   shardings on the layout's mesh (what `jaxdp.CheckpointManager.restore_diloco` reads into); nothing is
   computed. `params` and `model_state` may be `ShapeDtypeStruct`s."""
-  build, shardings = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision, reduction)
+  build, shardings, params = _builder(params, inner_optimizer, layout, outer_optimizer, model_state, precision,
+                                     reduction)
   abstract = jax.eval_shape(build, params, model_state)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
@@ -274,10 +323,11 @@ class DiLoCoStep:
     self.n_groups = mesh.shape[outer_axis]
     self.group_size = int(np.prod([mesh.shape[a] for a in axis_names(self.axis_name)]))
     self._group = _group_layout(mesh, outer_axis, self.axis_name)  # what a group's reduction state is made for
-    self._programs: dict = {}  # (sync, the state's structure) -> jitted program
+    self._programs: dict = {}  # (sync, the state's entry id) -> jitted program
     self._last = (None, 0)  # (weak reference to the inner_step array last returned, its host value)
     # The host input layer's caches (jaxdp.runtime.host_inputs): checked once per signature, then only what values need.
-    self._state_ids: dict = {}  # the state's signature -> (a small int, its shardings, its (shape, dtype) pairs)
+    # The state's signature and model-axis splits -> (a small int, its shardings, its (shape, dtype) pairs).
+    self._state_ids: dict = {}
     self._plans: dict = {}  # (state id, inputs' signature) -> the InputPlan of inputs validated once
     self._known = None  # the state the last call returned (KnownState): placed, unshared, checked
     self._placed_rng = host_inputs.PlacedKey()
@@ -367,10 +417,12 @@ class DiLoCoStep:
     if not known:
       self._check_state(state)
       host_inputs.check_state_donation(state, leaves)  # also a state another step has consumed
-      signature = _checks.signature(state)
-      if signature not in self._state_ids:
-        self._state_ids[signature] = (len(self._state_ids), None, None)
-      entry = self._state_ids[signature]
+      # The layout follows the state's shapes and its outer params' splits over the model axes (kept as given).
+      model_specs = model_specs_of(state.outer_params, self.mesh, self.axis_name)
+      key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
+      if key not in self._state_ids:
+        self._state_ids[key] = (len(self._state_ids), None, None)
+      entry = self._state_ids[key]
     _, inputs_key = host_inputs.input_signature(batch, weights, rng)
     host_inputs.agree_across_processes({"state": state, "batch": batch, "weights": weights, "rng": rng},
                                        "DiLoCo step inputs")
@@ -378,8 +430,8 @@ class DiLoCoStep:
     if plan is None:
       self._check(state, batch, weights, rng)
       if entry[1] is None:  # the state's shardings and kinds, once it is valid
-        entry = self._state_ids[_checks.signature(state)] = (
-            entry[0], _state_shardings(state, self.mesh, self.outer_axis, self.axis_name),
+        entry = self._state_ids[key] = (
+            entry[0], _state_shardings(state, self.mesh, self.outer_axis, self.axis_name, model_specs),
             host_inputs.state_kinds(state))
       plan = self._plans[entry[0], inputs_key] = host_inputs.plan_inputs(batch, weights, None, self._rows, entry[2])
     _, shardings, kinds = entry
@@ -396,7 +448,8 @@ class DiLoCoStep:
     return shardings, (state, batch, weights, rng), leaves, treedef
 
   def _program(self, sync: bool, shardings: DiLoCoState):
-    key = (sync, jax.tree.structure(shardings))
+    """The program of the state `_prepare` placed last (its entry: its signature and model-axis splits)."""
+    key = (sync, self._entry[0])
     if key not in self._programs:
       self._programs[key] = self._build(sync, shardings)
     return self._programs[key]
@@ -502,11 +555,13 @@ class DiLoCoStep:
       metrics = {name: value[None] for name, value in metrics.items()}
       return new_state, metrics, skips[None]
 
-    specs = jax.tree.map(lambda s: s.spec, shardings)
-    rows = P((outer_axis, *axis_names(self.axis_name)))
+    # Manual over the groups' and the data axes; model axes (tensor parallelism inside a group) left to the compiler.
+    manual = (outer_axis, *axis_names(self.axis_name))
+    specs = jax.tree.map(lambda s: manual_part(s.spec, manual), shardings)
+    rows = P(manual)
     mapped = jax.shard_map(
         group_step, mesh=self.mesh, in_specs=(specs, rows, rows, P(), P(outer_axis)),
-        out_specs=(specs, P(outer_axis), P(outer_axis)),
+        out_specs=(specs, P(outer_axis), P(outer_axis)), axis_names=set(manual),
         # Untyped: the groups' parameters vary over the outer axis, and a typed step would take a loss varying
         # over an axis it does not reduce for a batch split over an unnamed axis (and refuse it). The outer
         # parameters are replicated by construction: computed from all-reduced values only.
@@ -609,7 +664,9 @@ def make_diloco_step(
       state, which the sync leaves as it is.
     layout: a `jaxdp.DataParallel` whose `axis_name` names the data
       axes inside a group (or a `Mesh`, its data axis `"data"`); its mesh
-      has one more axis, the R groups', and nothing else.
+      has the model axes its `param_specs` name (the compiler partitions
+      them as the state's params are split) and one more axis, the R
+      groups', and nothing else.
     inner_steps: H, the inner steps per outer sync (an int >= 1).
     outer_optimizer: applied to the averaged delta; default
       `default_outer_optimizer` (Nesterov SGD, lr 0.7, momentum 0.9).
@@ -668,6 +725,7 @@ def make_diloco_step(
       raise ValueError(f"delta_dtype must be None, jnp.bfloat16 or jnp.int8, got {delta_dtype!r}.")
     delta_dtype = jnp.dtype(name)
   check_int8_groups(delta_dtype, mesh.shape[outer_axis])
+  _check_16_bit_sums_on_cpu(mesh, (outer_axis, *axis_names(axis_name)), delta_dtype, settings.precision.reduce_dtype)
   if not isinstance(donate, (bool, np.bool_)):
     raise TypeError(f"donate must be True or False, got {donate!r}.")
   if max_consecutive_skips is not None:
