@@ -52,7 +52,6 @@ from jaxdp.training.config import step_config
 from jaxdp.sharding.legacy import accepts_legacy_keywords
 from jaxdp.sharding.parallel import DataParallel, as_layout, data_parallel
 from jaxdp.reductions import check_state as check_reduction_state, init_state as init_reduction_state, resolve
-from jaxdp.reductions.compression import compression_specs
 from jaxdp.core.state import TrainState
 from jaxdp.training.step import train_step
 
@@ -113,13 +112,8 @@ def check_int8_groups(delta_dtype: Any, groups: int) -> None:
 
 def _model_axes(param_specs: Any) -> tuple[str, ...]:
   """The mesh axes a layout's `param_specs` name: tensor parallelism inside each group."""
-  named = []
-  for spec in jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)):
-    for entry in spec:
-      for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-        if axis not in named:
-          named.append(axis)
-  return tuple(named)
+  specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
+  return tuple(dict.fromkeys(a for spec in specs for entry in spec if entry is not None for a in axis_names(entry)))
 
 
 def _check_16_bit_sums_on_cpu(mesh: Mesh, manual: tuple, delta_dtype: Any, reduce_dtype: Any) -> None:
