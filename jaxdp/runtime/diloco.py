@@ -50,7 +50,7 @@ from jaxdp.core.randomness import check_unique_ids
 from jaxdp.analysis.reports import Collective, collectives_from_hlo
 from jaxdp.training.config import step_config
 from jaxdp.sharding.legacy import accepts_legacy_keywords
-from jaxdp.sharding.parallel import DataParallel, as_layout, data_parallel
+from jaxdp.sharding.parallel import DataParallel, as_layout, check_16_bit_sums_on_cpu, data_parallel
 from jaxdp.reductions import check_state as check_reduction_state, init_state as init_reduction_state, resolve
 from jaxdp.core.state import TrainState
 from jaxdp.training.step import train_step
@@ -114,20 +114,6 @@ def _model_axes(param_specs: Any) -> tuple[str, ...]:
   """The mesh axes a layout's `param_specs` name: tensor parallelism inside each group."""
   specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
   return tuple(dict.fromkeys(a for spec in specs for entry in spec if entry is not None for a in axis_names(entry)))
-
-
-def _check_16_bit_sums_on_cpu(mesh: Mesh, manual: tuple, delta_dtype: Any, reduce_dtype: Any) -> None:
-  """Refuses 16-bit all-reduces (bfloat16 deltas, a 16-bit `reduce_dtype`) with model axes on a CPU mesh, as
-  `jaxdp.make_train_step` does: XLA's CPU backend aborts the process compiling them."""
-  others = [a for a in mesh.axis_names if a not in manual]
-  wide = [d for d in (delta_dtype, reduce_dtype) if d is not None and jnp.dtype(d) != jnp.int8]
-  if others and any(jnp.dtype(d).itemsize < 4 for d in wide) and mesh.devices.flat[0].platform == "cpu":
-    raise ValueError(
-        f"a 16-bit all-reduce (delta_dtype={delta_dtype}, reduce_dtype={reduce_dtype}) on a CPU mesh with model axes "
-        f"{others}: XLA's CPU backend aborts the whole process compiling a 16-bit all-reduce inside a shard_map "
-        "that leaves other mesh axes to the compiler. On CPU keep float32 sums (delta_dtype=None or jnp.int8, no "
-        "reduce_dtype), or use a mesh without model axes."
-    )
 
 
 def _outer_axis(mesh: Mesh, axis_name: Any, model_axes: tuple[str, ...] = ()) -> str:
@@ -719,7 +705,8 @@ def make_diloco_step(
       raise ValueError(f"delta_dtype must be None, jnp.bfloat16 or jnp.int8, got {delta_dtype!r}.")
     delta_dtype = jnp.dtype(name)
   check_int8_groups(delta_dtype, mesh.shape[outer_axis])
-  _check_16_bit_sums_on_cpu(mesh, (outer_axis, *axis_names(axis_name)), delta_dtype, settings.precision.reduce_dtype)
+  check_16_bit_sums_on_cpu(mesh, (outer_axis, *axis_names(axis_name)), delta_dtype=delta_dtype,
+                           reduce_dtype=settings.precision.reduce_dtype)
   if not isinstance(donate, (bool, np.bool_)):
     raise TypeError(f"donate must be True or False, got {donate!r}.")
   if max_consecutive_skips is not None:
