@@ -23,6 +23,7 @@ from jax.sharding import AxisType
 import jaxdp
 from jaxdp.analysis.reports import hlo_collectives
 from jaxdp.sharding.layout import state_specs
+from helpers import float64
 
 # Plumbing and float32 agreement, not speed: most XLA passes skipped while this module runs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -646,8 +647,6 @@ def test_tensor_parallel_groups_equal_the_same_run_without_a_model_axis(tmp_path
   """Each group's params split over a "model" axis (tensor parallelism inside the group, left to the compiler):
   the same DiLoCo run as on a mesh without the model axis, in float64, every call (two syncs), and a checkpoint
   restored onto the tensor-parallel layout bit for bit."""
-  from helpers import float64
-
   specs = {"w": jax.P(None, "model"), "b": jax.P("model"), "v": jax.P("model")}
   devices = np.asarray(jax.devices()[:8]).reshape(2, 2, 2)
   tp = jaxdp.data_parallel(jax.sharding.Mesh(devices, ("replica", "data", "model"), axis_types=(AxisType.Auto,) * 3),
