@@ -514,9 +514,9 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   """
   mesh = build_mesh(config, devices)
   reduction = reduction or config.reduction
-  if "replica" not in mesh.axis_names or "model" in mesh.axis_names or config.zero_stage or config.scan_layers:
-    raise ValueError(f"--diloco-inner-steps needs --mesh replica=R,data=D (no model axis, ZeRO stage 0, no "
-                     f"--scan-layers), got --mesh {config.mesh} --zero-stage {config.zero_stage}")
+  if "replica" not in mesh.axis_names or "model" in mesh.axis_names or STAGE_AXIS in mesh.axis_names:
+    raise ValueError(f"--diloco-inner-steps needs --mesh replica=R,data=D (no model or stage axis), got --mesh "
+                     f"{config.mesh}")
   devices = list(mesh.devices.flat)
   n = data_parallel_size(mesh)
   _check_batch(config, n)
@@ -525,7 +525,9 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
   definition, drawn = make_model(config)
   params = drawn if params is None else params
   loss_fn, optimizer = lm.make_loss_fn(definition), make_optimizer(config)
-  groups = jaxdp.data_parallel(mesh, axis_name="data")  # each group's data axis; "replica" is the outer axis
+  layers = layerwise_stack(config, reduction)
+  # Each group's data axis ("replica" is the outer axis), with its ZeRO stage (layer-wise with --scan-layers).
+  groups = jaxdp.data_parallel(mesh, axis_name="data", zero_stage=config.zero_stage, layers=layers)
   scaling = jaxdp.dynamic_loss_scale() if config.loss_scaling == "dynamic" else None
   policy = common.precision_of(config.compute_dtype, config.grad_reduce_dtype, scaling)
   step = jaxdp.make_diloco_step(
@@ -553,9 +555,11 @@ def train_diloco(config: Config, *, devices=None, reduction: str | None = None, 
     with _metrics_file(out, append=start > 0, tensorboard=config.tensorboard) as sink:
       state, records = fit(step_fn, state, pipeline, config, rng, sink, desc, start=start, ckpt=ckpt, done=done)
   outer = jaxdp.TrainState(jaxdp.runtime.diloco.diloco_params(state), None, state.inner_step)
-  val = evaluate(loss_fn, outer, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name)
+  val = evaluate(loss_fn, outer, val_set, mesh, collate, per_device_batch=4 * per_device, axis_name=axis_name,
+                 layers=layers)
   summary = {
-      "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": 0, "scan_layers": False, "layerwise": False,
+      "devices": len(devices), "mesh": dict(mesh.shape), "zero_stage": config.zero_stage,
+      "scan_layers": config.scan_layers, "layerwise": layers is not None,
       "platform": devices[0].platform, "reduction": reduction, "dropout": config.dropout,
       "diloco_inner_steps": config.diloco_inner_steps, "diloco_delta_dtype": config.diloco_delta_dtype,
       "train_sequences": len(train_set), "val_sequences": len(val_set), "start_step": start, "steps": len(records),

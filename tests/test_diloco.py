@@ -315,9 +315,10 @@ def test_bad_inputs_leave_the_state_untouched():
 
 
 def test_train_lm_diloco_evaluates_the_outer_params_and_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
-  """--diloco (int8 deltas) with --ckpt-dir: the run evaluates the outer parameters, which every group holds
-  after the last call's sync. Killed after step 3 (mid-period: H = 2; the step-6 checkpoint removed) and started
-  again with the same flags, the run's steps 3-5 and its whole DiLoCo state are bitwise the uninterrupted run's."""
+  """--diloco (int8 deltas) with --ckpt-dir, layer-wise ZeRO-3 inside the groups (--zero-stage 3 --scan-layers):
+  the run evaluates the outer parameters, which every group holds after the last call's sync. Killed after step 3
+  (mid-period: H = 2; the step-6 checkpoint removed) and started again with the same flags, the run's steps 3-5
+  and its whole DiLoCo state are bitwise the uninterrupted run's."""
   import shutil
 
   from experiments import train_lm
@@ -325,12 +326,13 @@ def test_train_lm_diloco_evaluates_the_outer_params_and_resumes_from_its_checkpo
   ckpt = tmp_path / "ckpt"
   config = train_lm.Config(
       mesh="replica=2,data=2", diloco_inner_steps=2, diloco_delta_dtype="int8", steps=6, batch_size=8, seq_len=16,
-      layers=1, d_model=16, heads=2, d_ff=32, dropout=0.0, max_bytes=20_000, val_every=2, progress=False, out=None,
-      ckpt_dir=str(ckpt), ckpt_every=3,
+      layers=2, d_model=16, heads=2, d_ff=32, dropout=0.0, max_bytes=20_000, val_every=2, progress=False, out=None,
+      ckpt_dir=str(ckpt), ckpt_every=3, zero_stage=3, scan_layers=True,
   )
   full = train_lm.train(config)
   state = full["state"]
   assert [r["step"] for r in full["records"]] == list(range(6)) and int(state.inner_step) == 6
+  assert full["summary"]["layerwise"] and any("data" in x.sharding.spec for x in jax.tree.leaves(state.outer_params))
   assert np.isfinite(full["summary"]["val_loss"]) and full["summary"]["diloco_inner_steps"] == 2
   for group in range(2):
     jax.tree.map(lambda x, p, g=group: np.testing.assert_array_equal(np.asarray(x[g]), np.asarray(p)),
@@ -362,10 +364,12 @@ def test_train_lm_diloco_needs_a_replica_axis_and_passes_loss_scaling_to_the_gro
   assert all(0 < r["loss_scale"] <= 2.0**16 and r["skipped"] in (0, 1) for r in scaled["records"])
 
 
-def test_a_nan_batch_skips_the_group_and_counts_as_in_the_exact_step():
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_a_nan_batch_skips_the_group_and_counts_as_in_the_exact_step(zero_stage):
   """A NaN row in group 0's block: that group keeps its parameters and adds no weight, group 1 applies its step;
-  the call counts, and after max_consecutive_skips such calls the next raises before it runs or donates."""
-  mesh, lr = mesh_of(2, 2), 0.3
+  the call counts, and after max_consecutive_skips such calls the next raises before it runs or donates. The
+  same with ZeRO-2 inside the groups (the update on the global arrays, vmapped over the groups)."""
+  mesh, lr = jaxdp.data_parallel(mesh_of(2, 2), zero_stage=zero_stage), 0.3
   params = make_params()
   state = jaxdp.init_diloco_state(params, optax.sgd(lr), mesh)
   step = jaxdp.make_diloco_step(loss_fn, optax.sgd(lr), mesh, inner_steps=4, max_consecutive_skips=2)
@@ -572,32 +576,37 @@ def test_h1_sgd_with_layout_invariant_dropout_is_the_exact_step_with_the_same_id
                          np.asarray(exact_state.params["Dense_1"]["kernel"]), rtol=1e-3)
 
 
-def _each_group_on_its_own(loss_fn, params, model_state=None, reduction=None, h=2, steps=6):
-  """The DiLoCo step (Adam inside, the paper's Nesterov outside, 2 groups of 2 devices) against each group
-  run as jaxdp's own step on two other devices and the group's rows (its optimizer, model and reduction state
-  carried on across syncs), with the outer step written out: checked after every call. Returns the state."""
-  mesh, groups, inner = mesh_of(2, 2), 2, optax.adam(0.05)
-  state = jaxdp.init_diloco_state(params, inner, mesh, model_state=model_state, reduction=reduction)
-  step = jaxdp.make_diloco_step(loss_fn, inner, mesh, inner_steps=h, reduction=reduction)
+def _each_group_on_its_own(loss_fn, params, model_state=None, reduction=None, h=2, steps=6, layout=None,
+                           inner=None, batches=None, tolerance=None):
+  """The DiLoCo step (Adam inside unless `inner`, the paper's Nesterov outside, 2 groups of 2 devices: on
+  `layout`, default the (2, 2) mesh) against each group run as jaxdp's own step (ZeRO stage 0) on two other
+  devices and the group's rows (its optimizer, model and reduction state carried on across syncs), with the
+  outer step written out: checked after every call (to `tolerance`, `(rtol, atol)`). Returns the state."""
+  groups = 2
+  layout, inner = mesh_of(2, 2) if layout is None else layout, optax.adam(0.05) if inner is None else inner
+  state = jaxdp.init_diloco_state(params, inner, layout, model_state=model_state, reduction=reduction)
+  step = jaxdp.make_diloco_step(loss_fn, inner, layout, inner_steps=h, reduction=reduction)
   meshes = [jaxdp.data_mesh(jax.devices()[4 + 2 * g:6 + 2 * g]) for g in range(groups)]
   group_steps = [jaxdp.make_train_step(loss_fn, inner, m, reduction=reduction, donate=False) for m in meshes]
   group_states = [jaxdp.init_state(params, inner, m, model_state=model_state, reduction=reduction) for m in meshes]
   outer, momentum, period = params, jax.tree.map(jnp.zeros_like, params), [0.0] * groups
   outer_step = nesterov(0.7, 0.9)
-  for t, (batch, weights) in enumerate(make_batches(steps, seed=5)):
+  check = close if tolerance is None else lambda a, e: jax.tree.map(
+      lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), *tolerance), a, e)
+  for t, (batch, weights) in enumerate(make_batches(steps, seed=5) if batches is None else batches):
     state, metrics = step(state, batch, weights)
     for g in range(groups):
       group_states[g], group_metrics = group_steps[g](group_states[g], *rows_of(g, groups, batch, weights))
-      period[g] += float(group_metrics["weight"])
+      period[g] = np.float32(period[g]) + np.float32(group_metrics["weight"])  # float32, as the state keeps it
     if (t + 1) % h == 0:
-      share = [w / sum(period) for w in period]
-      delta = jax.tree.map(lambda o, *ps: sum(s * (o - np.asarray(p)) for s, p in zip(share, ps)), outer,
-                           *[s.params for s in group_states])
+      share = [np.float32(w) / np.float32(sum(period)) for w in period]
+      delta = jax.tree.map(lambda o, *ps: sum(s.astype(o.dtype) * (o - np.asarray(p)) for s, p in zip(share, ps)),
+                           outer, *[s.params for s in group_states])
       outer, momentum = outer_step(outer, delta, momentum)
       group_states, period = [s._replace(params=outer) for s in group_states], [0.0] * groups
-    close(state.outer_params, outer)
+    check(state.outer_params, outer)
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *[s._replace(step=None) for s in group_states])
-    close((state.inner.params, state.inner.opt_state, state.inner.model_state, state.inner.compression),
+    check((state.inner.params, state.inner.opt_state, state.inner.model_state, state.inner.compression),
           (stacked.params, stacked.opt_state, stacked.model_state, stacked.compression))
   return state
 
@@ -681,3 +690,65 @@ def test_tensor_parallel_groups_equal_the_same_run_without_a_model_axis(tmp_path
   for options in (dict(delta_dtype=jnp.bfloat16), dict(precision=jaxdp.precision(reduce_dtype=jnp.bfloat16))):
     with pytest.raises(ValueError, match=r"(delta|reduce)_dtype=bfloat16 on a CPU mesh with other axes \['model'\]"):
       jaxdp.make_diloco_step(loss_fn, inner, tp, inner_steps=2, **options)
+
+
+def stacked_loss(params, batch):
+  """The module's model with a stack of layers between `w` and `v` (`jaxdp.scan_layers`: layer-wise ZeRO-3
+  gathers it a layer at a time, a pipeline splits it over the stages)."""
+  hidden = jnp.tanh(batch["x"] @ params["w"] + params["b"][None])
+  hidden, _ = jaxdp.scan_layers(lambda h, p, _: (jnp.tanh(h @ p["u"] + p["c"][None]), None), hidden,
+                                params["blocks"])
+  return (hidden @ params["v"] - batch["y"]) ** 2
+
+
+def _group_layouts():
+  """ZeRO, layer-wise ZeRO-3 and each pipeline schedule inside DiLoCo's 2 groups (2 data devices each, and 2
+  stages for a pipeline)."""
+  mesh = mesh_of(2, 2)
+  staged = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("replica", "stage", "data"),
+                             axis_types=(AxisType.Auto,) * 3)
+  return {
+      "zero1": jaxdp.data_parallel(mesh, zero_stage=1),
+      "zero2": jaxdp.data_parallel(mesh, zero_stage=2),
+      "zero3": jaxdp.data_parallel(mesh, zero_stage=3),
+      "layerwise": jaxdp.data_parallel(mesh, zero_stage=3, layers="blocks"),
+      "gpipe_zero2": jaxdp.data_parallel(staged, zero_stage=2, layers="blocks", pipeline=jaxdp.pipeline(2)),
+      "circular_zero3": jaxdp.data_parallel(staged, zero_stage=3, layers="blocks",
+                                            pipeline=jaxdp.pipeline(2, "circular", repeats=2)),
+      "1f1b": jaxdp.data_parallel(staged, layers="blocks", pipeline=jaxdp.pipeline(2, "1f1b")),
+  }
+
+
+@pytest.mark.parametrize("name", list(_group_layouts()))
+def test_zero_and_pipelines_inside_the_groups_are_each_groups_own_step(name, tmp_path):
+  """ZeRO 1-3, layer-wise ZeRO-3 or a pipeline (GPipe, circular, 1F1B) inside each group: in float64 every call
+  (three syncs) equals each group run as jaxdp's plain step (stage 0, no pipeline) on two devices and its rows,
+  with the outer Nesterov step written out, with an optimizer that reads the whole gradient (clipping by the
+  global norm, then Adam). The state is split as make_train_step splits one group's (and the outer state like
+  one group's), and a checkpoint restores onto the layout bit for bit."""
+  layout = _group_layouts()[name]
+  inner = optax.chain(optax.clip_by_global_norm(0.3), optax.adam(0.05))
+  with float64():
+    base = jax.tree.map(lambda x: np.asarray(x, np.float64), make_params(6))
+    keys = jax.random.split(jax.random.key(7), 2)
+    params = {**base, "blocks": {"u": np.asarray(jax.random.normal(keys[0], (4, HIDDEN, HIDDEN)), np.float64) * 0.5,
+                                 "c": np.asarray(jax.random.normal(keys[1], (4, HIDDEN)), np.float64) * 0.1}}
+    batches = [({k: v.astype(np.float64) for k, v in b.items()}, w.astype(np.float64))
+               for b, w in make_batches(6, seed=9)]
+    state = _each_group_on_its_own(stacked_loss, params, h=2, layout=layout, inner=inner, batches=batches,
+                                   tolerance=(1e-12, 1e-13))
+    specs = state_specs(state)
+    split = lambda optimizer: jaxdp.sharding.layout.make_layout(  # noqa: E731
+        jaxdp.TrainState.create(params, optimizer), layout.mesh, "data", layout.zero_stage, None, layout.layers,
+        layout.stage_axis).specs
+    group = jax.tree.map(lambda spec: jax.P("replica", *spec), split(inner), is_leaf=lambda x: isinstance(x, jax.P))
+    assert (specs.inner.params, specs.inner.opt_state) == (group.params, group.opt_state)
+    outer = split(jaxdp.runtime.diloco.default_outer_optimizer())
+    assert (specs.outer_params, specs.outer_opt_state) == (outer.params, outer.opt_state)
+    if layout.zero_stage == 3:  # each device holds a slice of every group's and of the outer parameters
+      assert "data" in specs.inner.params["v"] and "data" in specs.outer_params["v"]
+    with jaxdp.CheckpointManager(tmp_path, enable_async_checkpointing=False) as ckpt:
+      ckpt.save(6, state)
+      restored = ckpt.restore_diloco(params=params, inner_optimizer=inner, layout=layout).state
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored, state)
+    assert state_specs(restored) == specs

@@ -469,7 +469,7 @@ def _built_train_step(settings: StepConfig, layout_value: DataParallel, loss_fn,
     if settings.zero_stage == 0 and pipeline is None:
       mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
     else:  # a pipeline at every stage: the grad norm, clipping and the skip see every stage's layers
-      mapped = _global_update_over(settings, loss_fn, optimizer, mesh, layout, check_vma=check_vma,
+      mapped = global_update_step(settings, loss_fn, optimizer, mesh, layout, check_vma=check_vma,
                                    pipeline=pipeline)
     if check_replicas:
       mapped = _with_divergence(mapped, layout, mesh)
@@ -525,13 +525,23 @@ def _with_divergence(step, layout: Layout, mesh: Mesh):
   return checked
 
 
-def _global_update_over(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, layout: Layout, *, check_vma: bool,
-                        pipeline: pipelining.Pipeline | None = None):
+def global_update_step(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, layout: Layout, *, check_vma: bool,
+                        pipeline: pipelining.Pipeline | None = None, group_axis: str | None = None):
   """ZeRO stages 1-3 (and any stage with a pipeline): the reduced gradient per replica (and stage), then the
-  update on the global (sharded) arrays."""
+  update on the global (sharded) arrays.
+
+  `group_axis` (DiLoCo's replica groups, `jaxdp.runtime.diloco`): every leaf of the state (laid out by `layout`
+  within a group) has a leading dimension of the groups, split over that mesh axis, and the batch's rows are
+  split over it before the data axes; each group runs this step on its own entry and rows (its reductions
+  stay within the group), the update is vmapped over the groups, and the metrics get the leading dimension.
+  """
   axis_name, stage = settings.axis_name, layout.zero_stage
   specs = _manual_specs(layout, axis_name)
   batch_spec = split_along(mesh, axis_name).spec
+  grouped = (lambda spec: spec) if group_axis is None else (lambda spec: P(group_axis, *spec))  # noqa: E731
+  is_spec = lambda x: isinstance(x, P)  # noqa: E731
+  if group_axis is not None:
+    batch_spec = P((group_axis, *axis_names(axis_name)))
   # Full specs (model axes too): the data-axis gather and scatter then run per model shard.
   params_split = layout.split_specs if stage == 3 else None
   grads_split = layout.split_specs if stage >= 2 else None
@@ -548,27 +558,37 @@ def _global_update_over(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, la
     if params_split is not None:  # stage 3: the gather's specs, likewise
       params_split = jax.tree.map(lambda s: model_part(s, stage_axis), params_split)
     run = _pipelined(pipeline, mesh, axis_name, layout)
+  if group_axis is not None:
+    manual.add(group_axis)
   # Stacked leaves gathered one layer at a time inside the loss: layer-wise ZeRO-3, and a ZeRO-3 pipeline with
   # gather="layer"; a ZeRO-3 pipeline with gather="step" gathers the stage's block once, before the schedule.
   stacked = layout.layers if pipeline is None or (stage == 3 and pipeline.gather == "layer") else None
 
   def per_replica(state, batch, weights, rng, has_more):
-    return run(
+    if group_axis is not None:  # this group's entry
+      state = jax.tree.map(lambda x: x[0], state)
+      if rng is not None and settings.example_ids is None:  # the groups' rows differ: so do their keys
+        rng = jax.random.fold_in(rng, lax.axis_index(group_axis))
+    reduced = run(
         settings, loss_fn, state, batch, weights, rng=rng, has_more=has_more, params_split=params_split,
         grads_split=grads_split, divide=False, stacked=stacked,
     )
+    return reduced if group_axis is None else jax.tree.map(lambda x: x[None], reduced)
 
+  state_specs = jax.tree.map(grouped, TrainState(params_specs, None, P(), P(), P(), compression=specs.compression),
+                             is_leaf=is_spec)
+  reduced_specs = jax.tree.map(grouped, ReducedGradient(grad_specs, P(), P(), P(), P(), P(), P(),
+                                                        compression=specs.compression), is_leaf=is_spec)
   gradient = jax.shard_map(
       per_replica,
       mesh=mesh,
-      in_specs=(TrainState(params_specs, None, P(), P(), P(), compression=specs.compression), batch_spec, batch_spec,
-                P(), batch_spec),
-      out_specs=ReducedGradient(grad_specs, P(), P(), P(), P(), P(), P(), compression=specs.compression),
+      in_specs=(state_specs, batch_spec, batch_spec, P(), batch_spec),
+      out_specs=reduced_specs,
       axis_names=manual,
       check_vma=check_vma,
   )
   if pipeline is not None and pipeline.repeats > 1:
-    gradient = _in_circular_order(gradient, pipeline, mesh, layout, grad_specs)
+    gradient = _in_circular_order(gradient, pipeline, mesh, layout, grad_specs, group_axis)
   gather = None
   # The update is computed split where the gradient (stage 2) or the optimizer state is split (XLA slices the
   # replicated parameters); at stage 1 an optimizer without state (SGD) updates the replicated parameters and
@@ -578,18 +598,30 @@ def _global_update_over(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, la
   if stage == 2 or (stage == 1 and state_split):
     # The updated parameters, computed split, are gathered by jaxdp in flat buckets (without bucket_bytes,
     # the small leaves in one all-gather): XLA would place one all-gather per leaf.
-    split_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.split_specs)
+    split_shardings = jax.tree.map(lambda s: NamedSharding(mesh, grouped(s)), layout.split_specs, is_leaf=is_spec)
+
+    def gather_group(params):
+      if group_axis is None:
+        return gather_params(params, layout.split_specs, axis_name, settings.bucket_bytes)
+      gathered = gather_params(jax.tree.map(lambda x: x[0], params), layout.split_specs, axis_name,
+                               settings.bucket_bytes)
+      return jax.tree.map(lambda x: x[None], gathered)
+
     gather = jax.shard_map(
-        lambda p: gather_params(p, layout.split_specs, axis_name, settings.bucket_bytes),
-        mesh=mesh, in_specs=(jax.tree.map(lambda s: data_part(s, axis_name), layout.split_specs),),
-        out_specs=specs.params, axis_names=set(axis_names(axis_name)), check_vma=check_vma,
+        gather_group, mesh=mesh,
+        in_specs=(jax.tree.map(lambda s: grouped(data_part(s, axis_name)), layout.split_specs, is_leaf=is_spec),),
+        out_specs=jax.tree.map(grouped, specs.params, is_leaf=is_spec),
+        axis_names=set(axis_names(axis_name)) | ({group_axis} if group_axis else set()), check_vma=check_vma,
     )
+  finish = functools.partial(finish_step, optimizer, loss_scaling=settings.loss_scaling)
+  if group_axis is not None:  # each group's update on its own entry, every leaf whole within the group
+    finish = jax.vmap(finish, spmd_axis_name=group_axis)
 
   def step(state, batch, weights, rng, has_more):
     reduced = gradient(state._replace(opt_state=None), batch, weights, rng, has_more)
     if gather is not None:  # the update reads and writes the parameters split (a slice of the replicated ones)
       state = state._replace(params=constrain(state.params, split_shardings))
-    new_state, metrics = finish_step(optimizer, state, reduced, loss_scaling=settings.loss_scaling)
+    new_state, metrics = finish(state, reduced)
     if gather is not None:
       new_state = new_state._replace(params=gather(constrain(new_state.params, split_shardings)))
     return new_state, metrics
@@ -623,40 +655,48 @@ def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout
 
 
 def _in_circular_order(gradient: Callable, pipeline: pipelining.Pipeline, mesh: Mesh, layout: Layout,
-                       grad_specs: Any) -> Callable:
-  """`gradient` on the stacks permuted into the circular assignment, its gradient permuted back."""
+                       grad_specs: Any, group_axis: str | None = None) -> Callable:
+  """`gradient` on the stacks permuted into the circular assignment, its gradient permuted back (after the
+  groups' leading dimension, with `group_axis`)."""
   stages, repeats = mesh.shape[pipeline.axis_name], pipeline.repeats
+  lead = 0 if group_axis is None else 1
+  grouped = (lambda spec: spec) if group_axis is None else (lambda spec: P(group_axis, *spec))  # noqa: E731
 
   def permuted(state, *args):
     def to_circular(x, is_layer, spec, dim=0):
       if not is_layer:
         return x
+      dim += lead
       x = jnp.moveaxis(pipelining.circular_order(jnp.moveaxis(x, dim, 0), stages, repeats), 0, dim)
-      return constrain(x, NamedSharding(mesh, spec))
+      return constrain(x, NamedSharding(mesh, grouped(spec)))
 
     params = jax.tree.map(to_circular, state.params, layout.layers, layout.specs.params)
-    compression = _per_layer_factors(state.compression, layout.specs.compression, to_circular)
+    compression = _per_layer_factors(state.compression, layout.specs.compression, to_circular, lead)
     reduced = gradient(state._replace(params=params, compression=compression), *args)
 
     def to_natural(g, is_layer, spec, dim=0):
       if not is_layer:
         return g
+      dim += lead
       g = jnp.moveaxis(pipelining.natural_order(jnp.moveaxis(g, dim, 0), stages, repeats), 0, dim)
-      return constrain(g, NamedSharding(mesh, spec))
+      return constrain(g, NamedSharding(mesh, grouped(spec)))
 
+    compression = _per_layer_factors(reduced.compression, layout.specs.compression, to_natural, lead)
     return reduced._replace(grads=jax.tree.map(to_natural, reduced.grads, layout.layers, grad_specs),
-                            compression=_per_layer_factors(reduced.compression, layout.specs.compression, to_natural))
+                            compression=compression)
 
   return permuted
 
 
-def _per_layer_factors(compression: Any, specs: Any, reorder: Callable) -> Any:
+def _per_layer_factors(compression: Any, specs: Any, reorder: Callable, lead: int = 0) -> Any:
   """`compression` with `reorder(x, True, spec, layer_dim)` applied to the factors and errors of the stacks
-  PowerSGD compresses layer by layer (`q` `[L, n, r]`, error `[N, L, ...]`), which follow their layers."""
+  PowerSGD compresses layer by layer (`q` `[L, n, r]`, error `[N, L, ...]`, after `lead` leading dimensions),
+  which follow their layers."""
   if not isinstance(compression, PowerSGDState):
     return compression
-  q = jax.tree.map(lambda x, spec: reorder(x, x.ndim == 3, spec, 0), compression.q, specs.q)
-  error = jax.tree.map(lambda x, e, spec: reorder(e, x.ndim == 3, spec, 1), compression.q, compression.error,
+  per_layer = lambda x: x.ndim == 3 + lead  # noqa: E731
+  q = jax.tree.map(lambda x, spec: reorder(x, per_layer(x), spec, 0), compression.q, specs.q)
+  error = jax.tree.map(lambda x, e, spec: reorder(e, per_layer(x), spec, 1), compression.q, compression.error,
                        specs.error)
   return compression._replace(q=q, error=error)
 

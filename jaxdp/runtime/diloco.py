@@ -33,6 +33,7 @@ from jaxdp.core import checks as _checks
 from jaxdp.runtime import host_inputs
 from jaxdp.core.checks import check_int, check_optimizer
 from jaxdp.sharding.layout import (
+    Layout,
     annotated_model_specs,
     axis_names,
     check_mesh_axis,
@@ -50,10 +51,12 @@ from jaxdp.core.randomness import check_unique_ids
 from jaxdp.analysis.reports import Collective, collectives_from_hlo
 from jaxdp.training.config import step_config
 from jaxdp.sharding.legacy import accepts_legacy_keywords
-from jaxdp.sharding.parallel import DataParallel, as_layout, check_16_bit_sums_on_cpu, data_parallel
+from jaxdp.sharding import pipelining
+from jaxdp.sharding.parallel import DataParallel, as_layout, check_16_bit_sums_on_cpu, check_step, data_parallel
 from jaxdp.reductions import check_state as check_reduction_state, init_state as init_reduction_state, resolve
 from jaxdp.core.state import TrainState
 from jaxdp.training.step import train_step
+from jaxdp.runtime.compiled import global_update_step
 
 DELTA_DTYPES = (None, "bfloat16", "int8")
 """What the outer sync may communicate the delta in: `None` (the parameters' own dtype), bfloat16, or int8
@@ -70,11 +73,12 @@ class DiLoCoState(NamedTuple):
     inner: a `jaxdp.TrainState` whose every leaf has a leading
       `[R]` dimension, one entry per replica group, split over the outer
       axis (the groups' parameters differ between syncs); each group's
-      entry is replicated over its data axes, but for a stateful
-      reduction's per-replica state in `inner.compression` (PowerSGD's
-      errors), split over the group's data axes as in
-      `jaxdp.make_train_step`.
-    outer_params: the global parameters (replicated), as of the last sync.
+      entry is laid out over the group's data (and stage and model) axes
+      as `jaxdp.make_train_step` lays out a state on the layout: replicated
+      at ZeRO stage 0, but for a stateful reduction's per-replica state in
+      `inner.compression` (PowerSGD's errors), split over the data axes.
+    outer_params: the global parameters, as of the last sync (replicated
+      over the groups, laid out as one group's).
     outer_opt_state: the outer optimizer's state for `outer_params`.
     inner_step: int32 scalar, the number of inner steps run (calls of the
       step); the sync follows every `inner_steps`-th.
@@ -141,16 +145,18 @@ def _outer_axis(mesh: Mesh, axis_name: Any, model_axes: tuple[str, ...] = ()) ->
 
 def _group_mesh(layout: Any) -> tuple[Mesh, str]:
   """The mesh of a DiLoCo layout and its outer axis (checked: one outer axis, the data axes, the model axes its
-  `param_specs` name, nothing else, no ZeRO or stacks)."""
+  `param_specs` name, a pipeline's stage axis, nothing else)."""
   model_axes = ()
   if isinstance(layout, Mesh) or layout is None:
     mesh, axis_name = layout, "data"
   elif isinstance(layout, DataParallel):
     mesh, axis_name, model_axes = layout.mesh, layout.axis_name, _model_axes(layout.param_specs)
-    if layout.zero_stage or layout.layers is not None or layout.pipeline is not None or layout.backend != "shard_map":
+    if layout.stage_axis is not None:
+      model_axes = (*model_axes, layout.stage_axis)
+    if layout.backend != "shard_map":
       raise ValueError(
-          "make_diloco_step's groups each hold a whole replica: give it a jaxdp.data_parallel(mesh, axis_name=...) "
-          "without zero_stage, layers, pipeline or backend (param_specs for tensor parallelism inside a group)."
+          "make_diloco_step runs on shard_map: give it a jaxdp.data_parallel(mesh, axis_name=...) without "
+          "backend='pmap'."
       )
   else:
     as_layout(layout)  # raises the TypeError that names what a layout is
@@ -166,31 +172,41 @@ def outer_axis_of(layout: DataParallel | Mesh) -> str:
   return _group_mesh(layout)[1]
 
 
-def _state_shardings(state: DiLoCoState, mesh: Mesh, outer_axis: str, axis_name: Any,
-                     model_specs: Any = None) -> DiLoCoState:
-  """Where a DiLoCo state lives: each group's entry of `inner` as `jaxdp.make_train_step` places a state at stage 0
-  (split over the model axes as `model_specs` says, a reduction's state over the group's data axes), after the
-  groups' axis; the outer parameters and optimizer state split over the model axes alike, replicated otherwise."""
+def _state_layouts(state: DiLoCoState, mesh: Mesh, outer_axis: str, layout: DataParallel,
+                   model_specs: Any = None) -> tuple[Layout, DiLoCoState]:
+  """`(group, shardings)`: the `Layout` of one group's entry of `inner` on the whole mesh, as
+  `jaxdp.make_train_step` lays out a state on `layout` (ZeRO's splits over the group's data axes, a pipeline's
+  over its stages, the model axes' as `model_specs` says, a reduction's state over the group's data axes), and
+  where a DiLoCo state lives: each group's entry so, after the groups' axis; the outer parameters and optimizer
+  state split over the data, stage and model axes alike (as one group's at the same ZeRO stage), replicated over
+  the groups."""
   is_spec = lambda x: isinstance(x, P)  # noqa: E731
-  group = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner)
-  inner = jax.tree.map(lambda spec: NamedSharding(mesh, P(outer_axis, *spec)),
-                       make_layout(group, mesh, axis_name, 0, model_specs).specs, is_leaf=is_spec)
-  outer = make_layout(TrainState(state.outer_params, state.outer_opt_state, state.inner_step), mesh, axis_name, 0,
-                      model_specs).specs
+  split = lambda tree: make_layout(tree, mesh, layout.axis_name, layout.zero_stage, model_specs,  # noqa: E731
+                                   layout.layers, layout.stage_axis)
+  group = split(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), state.inner))
+  inner = jax.tree.map(lambda spec: NamedSharding(mesh, P(outer_axis, *spec)), group.specs, is_leaf=is_spec)
+  outer = split(TrainState(state.outer_params, state.outer_opt_state, state.inner_step)).specs
   as_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-  return DiLoCoState(
+  return group, DiLoCoState(
       inner, jax.tree.map(as_sharding, outer.params, is_leaf=is_spec),
       jax.tree.map(as_sharding, outer.opt_state, is_leaf=is_spec), replicated(mesh), NamedSharding(mesh, P(outer_axis)),
   )
 
 
-def _group_layout(mesh: Mesh, outer_axis: str, axis_name: Any) -> DataParallel:
-  """One replica group's layout: the data axes of the mesh at the first index of the outer axis (what a group's
-  reduction state is made for)."""
+def _as_layout(layout: DataParallel | Mesh | None) -> DataParallel:
+  """A DiLoCo layout as a `DataParallel` on its whole mesh (a `Mesh`: its data axis `"data"`)."""
+  return layout if isinstance(layout, DataParallel) else data_parallel(layout, axis_name="data")
+
+
+def _group_layout(mesh: Mesh, outer_axis: str, layout: DataParallel) -> DataParallel:
+  """One replica group's layout: `layout` on the mesh's other axes at the first index of the outer axis (what a
+  group's reduction state is made for, and what its step's settings are checked on)."""
   keep = [a for a in mesh.axis_names if a != outer_axis]
   devices = np.take(mesh.devices, 0, axis=mesh.axis_names.index(outer_axis))
   types = tuple(t for a, t in zip(mesh.axis_names, mesh.axis_types) if a != outer_axis)
-  return data_parallel(Mesh(devices, tuple(keep), axis_types=types), axis_name=axis_name)
+  return data_parallel(Mesh(devices, tuple(keep), axis_types=types), axis_name=layout.axis_name,
+                       zero_stage=layout.zero_stage, layers=layout.layers, pipeline=layout.pipeline,
+                       param_specs=layout.param_specs)
 
 
 @accepts_legacy_keywords("init_diloco_state", ("params", "inner_optimizer", "layout"))
@@ -212,8 +228,10 @@ def init_diloco_state(
     layout: a `jaxdp.DataParallel` (or a `Mesh`, its data axis
       `"data"`) whose mesh has the data axes inside a group, the model axes
       its `param_specs` name (tensor parallelism inside a group; the params
-      are placed split over them as `jaxdp.init_state` places them) and one
-      more axis, the groups' (`outer_axis_of(layout)`), nothing else.
+      are placed split over them as `jaxdp.init_state` places them), its
+      pipeline's stage axis, and one more axis, the groups'
+      (`outer_axis_of(layout)`), nothing else. Its ZeRO stage, `layers`
+      and pipeline lay out each group's state as `jaxdp.init_state` does.
     outer_optimizer: the outer optimizer (the step's); default
       `default_outer_optimizer`.
     model_state: the model's non-trainable state, or `None`; each group
@@ -239,8 +257,9 @@ def _builder(params, inner_optimizer, layout, outer_optimizer, model_state, prec
   """`(build(params, model_state) -> DiLoCoState, its shardings, params)`, the arguments checked (`params` without
   a model library's partitioning boxes, as `build` takes them)."""
   mesh, outer_axis = _group_mesh(layout)
-  axis_name = layout.axis_name if isinstance(layout, DataParallel) else "data"
-  group, resolved = _group_layout(mesh, outer_axis, axis_name), resolve(reduction)
+  layout = _as_layout(layout)
+  axis_name = layout.axis_name
+  group, resolved = _group_layout(mesh, outer_axis, layout), resolve(reduction)
   # Tensor parallelism inside each group: the params' model-axis splits, as jaxdp.init_state reads them.
   params, model_specs = annotated_model_specs(params, getattr(layout, "param_specs", None), mesh, axis_name)
   check_optimizer(inner_optimizer, "inner_optimizer")
@@ -261,7 +280,7 @@ def _builder(params, inner_optimizer, layout, outer_optimizer, model_state, prec
     return DiLoCoState(inner, outer, outer_optimizer.init(outer), step, period_weight)
 
   abstract = jax.eval_shape(build, params, model_state)
-  return build, _state_shardings(abstract, mesh, outer_axis, group.axis_name, model_specs), params
+  return build, _state_layouts(abstract, mesh, outer_axis, layout, model_specs)[1], params
 
 
 @accepts_legacy_keywords("abstract_diloco_state", ("params", "inner_optimizer", "layout"))
@@ -294,19 +313,23 @@ class DiLoCoStep:
   call that ended with the outer sync.
   """
 
-  def __init__(self, settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,
-               donate, max_consecutive_skips=None):
+  def __init__(self, settings, loss_fn, inner_optimizer, outer_optimizer, layout, outer_axis, inner_steps,
+               delta_dtype, donate, max_consecutive_skips=None):
     self.settings, self.loss_fn = settings, loss_fn
     self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
+    self.layout, mesh = layout, layout.mesh
     self.mesh, self.outer_axis, self.axis_name = mesh, outer_axis, settings.axis_name
     self.inner_steps, self.delta_dtype, self.donate = inner_steps, delta_dtype, donate
     self.n_groups = mesh.shape[outer_axis]
     self.group_size = int(np.prod([mesh.shape[a] for a in axis_names(self.axis_name)]))
-    self._group = _group_layout(mesh, outer_axis, self.axis_name)  # what a group's reduction state is made for
+    self._group = _group_layout(mesh, outer_axis, layout)  # what a group's reduction state is made for
+    # ZeRO or a pipeline inside the groups: make_train_step's sharded step, run by each group (global_update_step)
+    self._sharded = layout.zero_stage > 0 or layout.pipeline is not None
     self._programs: dict = {}  # (sync, the state's entry id) -> jitted program
     self._last = (None, 0)  # (weak reference to the inner_step array last returned, its host value)
     # The host input layer's caches (jaxdp.runtime.host_inputs): checked once per signature, then only what values need.
-    # The state's signature and model-axis splits -> (a small int, its shardings, its (shape, dtype) pairs).
+    # The state's signature and model-axis splits -> (a small int, its shardings, its (shape, dtype) pairs, its
+    # group's Layout).
     self._state_ids: dict = {}
     self._plans: dict = {}  # (state id, inputs' signature) -> the InputPlan of inputs validated once
     self._known = None  # the state the last call returned (KnownState): placed, unshared, checked
@@ -371,6 +394,10 @@ class DiLoCoStep:
         self.loss_fn, self.inner_optimizer, group, batch, weights, rng, n_replicas=r * self.group_size,
         accum_steps=self.settings.accum_steps,
     )
+    pipeline = self.layout.pipeline
+    if pipeline is not None:
+      pipelining.check_stacks(group.params, self.layout.layers, pipeline, self.mesh.shape[pipeline.axis_name])
+      pipelining.check_rows(batch, pipeline, r * self.group_size, self.settings.accum_steps)
     if _checks.signature(jax.eval_shape(self.outer_optimizer.init, state.outer_params)) != _checks.signature(
         state.outer_opt_state):
       raise ValueError(
@@ -401,7 +428,7 @@ class DiLoCoStep:
       model_specs = model_specs_of(state.outer_params, self.mesh, self.axis_name)
       key = (_checks.signature(state), tuple(jax.tree.leaves(model_specs)))
       if key not in self._state_ids:
-        self._state_ids[key] = (len(self._state_ids), None, None)
+        self._state_ids[key] = (len(self._state_ids), None, None, None)
       entry = self._state_ids[key]
     _, inputs_key = host_inputs.input_signature(batch, weights, rng)
     host_inputs.agree_across_processes({"state": state, "batch": batch, "weights": weights, "rng": rng},
@@ -410,11 +437,10 @@ class DiLoCoStep:
     if plan is None:
       self._check(state, batch, weights, rng)
       if entry[1] is None:  # the state's shardings and kinds, once it is valid
-        entry = self._state_ids[key] = (
-            entry[0], _state_shardings(state, self.mesh, self.outer_axis, self.axis_name, model_specs),
-            host_inputs.state_kinds(state))
+        group, shardings = _state_layouts(state, self.mesh, self.outer_axis, self.layout, model_specs)
+        entry = self._state_ids[key] = (entry[0], shardings, host_inputs.state_kinds(state), group)
       plan = self._plans[entry[0], inputs_key] = host_inputs.plan_inputs(batch, weights, None, self._rows, entry[2])
-    _, shardings, kinds = entry
+    _, shardings, kinds, _ = entry
     if not known:
       state = place(_checks.unshared_buffers(state) if self.donate else state, shardings)
       leaves = jax.tree.leaves(state)
@@ -431,7 +457,8 @@ class DiLoCoStep:
     """The program of the state `_prepare` placed last (its entry: its signature and model-axis splits)."""
     key = (sync, self._entry[0])
     if key not in self._programs:
-      self._programs[key] = self._build(sync, shardings)
+      build = self._build_sharded if self._sharded else self._build
+      self._programs[key] = build(sync, shardings)
     return self._programs[key]
 
   def _guard_input(self) -> Any:
@@ -522,9 +549,9 @@ class DiLoCoStep:
       period_weight = state.period_weight[0] + applied
       outer_params, outer_opt_state = state.outer_params, state.outer_opt_state
       if sync:
-        outer_params, outer_opt_state, inner = _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner,
-                                                           period_weight, outer_axis, delta_dtype)
-        period_weight = jnp.zeros_like(period_weight)
+        outer_params, outer_opt_state, params = _outer_sync(outer_optimizer, outer_params, outer_opt_state,
+                                                            inner.params, period_weight, outer_axis, delta_dtype)
+        inner, period_weight = inner._replace(params=params), jnp.zeros_like(period_weight)
       new_state = DiLoCoState(
           jax.tree.map(lambda x: x[None], inner), outer_params, outer_opt_state, state.inner_step + 1,
           period_weight[None],
@@ -555,19 +582,58 @@ class DiLoCoStep:
     skips = NamedSharding(self.mesh, P(outer_axis))
     return jax.jit(program, donate_argnums=(0,) if self.donate else (), out_shardings=(shardings, None, skips))
 
+  def _build_sharded(self, sync: bool, shardings: DiLoCoState):
+    """The program with ZeRO or a pipeline inside the groups: `jaxdp.make_train_step`'s step on such a layout
+    (`global_update_step`: each group's reduced gradient in a map over the groups' and its own manual axes, the
+    update on the global arrays, vmapped over the groups, so every optax optimizer sees whole leaves), then the
+    sync in a map over the groups' axis alone (the outer update sees whole leaves too)."""
+    outer_axis, outer_optimizer, delta_dtype = self.outer_axis, self.outer_optimizer, self.delta_dtype
+    limit = np.iinfo(np.int32).max if self.max_consecutive_skips is None else self.max_consecutive_skips
+    step = global_update_step(self.settings, self.loss_fn, self.inner_optimizer, self.mesh, self._entry[3],
+                              check_vma=True, pipeline=self.layout.pipeline, group_axis=outer_axis)
 
-def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainState, period_weight, outer_axis: str,
+    def sync_group(outer_params, outer_opt_state, inner_params, period_weight):
+      outer_params, outer_opt_state, params = _outer_sync(
+          outer_optimizer, outer_params, outer_opt_state, jax.tree.map(lambda x: x[0], inner_params),
+          period_weight[0], outer_axis, delta_dtype)
+      return outer_params, outer_opt_state, jax.tree.map(lambda x: x[None], params)
+
+    # Manual over the groups' axis only: ZeRO's, the stages' and the model axes' splits are the compiler's.
+    synced = jax.shard_map(sync_group, mesh=self.mesh, in_specs=(P(), P(), P(outer_axis), P(outer_axis)),
+                           out_specs=(P(), P(), P(outer_axis)), axis_names={outer_axis},
+                           check_vma=False)  # the outer state is replicated by construction, as in _build
+
+    def program(state: DiLoCoState, batch, weights, rng, skips):
+      inner, metrics = step(state.inner, batch, weights, rng, None)
+      applied = metrics["weight"].astype(jnp.float32) * (1 - metrics["skipped"]).astype(jnp.float32)
+      period_weight = state.period_weight + applied
+      outer_params, outer_opt_state = state.outer_params, state.outer_opt_state
+      if sync:
+        outer_params, outer_opt_state, params = synced(outer_params, outer_opt_state, inner.params, period_weight)
+        inner, period_weight = inner._replace(params=params), jnp.zeros_like(period_weight)
+      new_state = DiLoCoState(inner, outer_params, outer_opt_state, state.inner_step + 1, period_weight)
+      skips = host_inputs.update_guard(host_inputs.Guard(skips, jnp.zeros_like(skips)), metrics["nonfinite"], None,
+                                       limit, None).skips  # per group, elementwise
+      return new_state, {**metrics, "synced": jnp.asarray(int(sync), jnp.int32)}, skips
+
+    skips = NamedSharding(self.mesh, P(outer_axis))
+    return jax.jit(program, donate_argnums=(0,) if self.donate else (), out_shardings=(shardings, None, skips))
+
+
+def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner_params, period_weight, outer_axis: str,
                 delta_dtype):
   """Per group: the weighted average of the groups' deltas (one all-reduce over `outer_axis`), the outer
-  update, and the group's restart from the new outer parameters."""
+  update, and the group's restart from the new outer parameters: `(outer_params, outer_opt_state,
+  inner_params)`."""
   total = lax.psum(period_weight, outer_axis)  # 4 bytes
   share = jnp.where(total > 0, period_weight / jnp.where(total > 0, total, 1.0), 0.0)
 
   def contribution(outer, current):
-    delta = (outer - current).astype(jnp.float32) * share
+    wide = jnp.promote_types(outer.dtype, jnp.float32)  # float64 parameters keep their precision
+    delta = (outer - current).astype(wide) * share.astype(wide)
     return delta if delta_dtype in (None, jnp.int8) else delta.astype(delta_dtype)
 
-  contributions = jax.tree.map(contribution, outer_params, inner.params)
+  contributions = jax.tree.map(contribution, outer_params, inner_params)
   summed = _int8_psum(contributions, outer_axis) if delta_dtype == jnp.int8 else lax.psum(contributions, outer_axis)
   average = jax.tree.map(lambda d, p: d.astype(p.dtype), summed, outer_params)
 
@@ -579,8 +645,8 @@ def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner: TrainStat
   # No group applied an inner step over the period (all skipped): nothing to average, the outer state stays.
   outer_params, outer_opt_state = lax.cond(total > 0, update, lambda operand: operand,
                                            (outer_params, outer_opt_state))
-  restarted = jax.tree.map(lambda p, q: p.astype(q.dtype), outer_params, inner.params)
-  return outer_params, outer_opt_state, inner._replace(params=restarted)
+  restarted = jax.tree.map(lambda p, q: p.astype(q.dtype), outer_params, inner_params)
+  return outer_params, outer_opt_state, restarted
 
 
 def _int8_psum(tree: Any, axis: str) -> Any:
@@ -645,8 +711,11 @@ def make_diloco_step(
     layout: a `jaxdp.DataParallel` whose `axis_name` names the data
       axes inside a group (or a `Mesh`, its data axis `"data"`); its mesh
       has the model axes its `param_specs` name (the compiler partitions
-      them as the state's params are split) and one more axis, the R
-      groups', and nothing else.
+      them as the state's params are split), its pipeline's stage axis, and
+      one more axis, the R groups', and nothing else. With a ZeRO stage,
+      `layers` or a pipeline each group runs `jaxdp.make_train_step`'s
+      step on that layout (the update on the global arrays, vmapped over
+      the groups: every optax optimizer sees whole leaves).
     inner_steps: H, the inner steps per outer sync (an int >= 1).
     outer_optimizer: applied to the averaged delta; default
       `default_outer_optimizer` (Nesterov SGD, lr 0.7, momentum 0.9).
@@ -685,8 +754,10 @@ def make_diloco_step(
   """
   inner_steps = check_int(inner_steps, "inner_steps", 1, "the number of inner steps between outer syncs (H).")
   mesh, outer_axis = _group_mesh(layout)
-  axis_name = layout.axis_name if isinstance(layout, DataParallel) else "data"
-  settings = step_config(axis_name, reduction, precision, accum_steps, example_ids)
+  layout = _as_layout(layout)
+  axis_name = layout.axis_name
+  settings = step_config(layout, reduction, precision, accum_steps, example_ids)._replace(group_axis=outer_axis)
+  check_step(_group_layout(mesh, outer_axis, layout), settings.reduction, settings.precision)
   if settings.mode == "none":
     raise ValueError(
         "reduction='none' leaves each device of a group with its own update, but a DiLoCo group must stay one "
@@ -705,11 +776,12 @@ def make_diloco_step(
       raise ValueError(f"delta_dtype must be None, jnp.bfloat16 or jnp.int8, got {delta_dtype!r}.")
     delta_dtype = jnp.dtype(name)
   check_int8_groups(delta_dtype, mesh.shape[outer_axis])
-  check_16_bit_sums_on_cpu(mesh, (outer_axis, *axis_names(axis_name)), delta_dtype=delta_dtype,
+  stage_axis = () if layout.stage_axis is None else (layout.stage_axis,)
+  check_16_bit_sums_on_cpu(mesh, (outer_axis, *axis_names(axis_name), *stage_axis), delta_dtype=delta_dtype,
                            reduce_dtype=settings.precision.reduce_dtype)
   if not isinstance(donate, (bool, np.bool_)):
     raise TypeError(f"donate must be True or False, got {donate!r}.")
   if max_consecutive_skips is not None:
     check_int(max_consecutive_skips, "max_consecutive_skips", 1, "or None to never stop on skipped steps.")
-  return DiLoCoStep(settings, loss_fn, inner_optimizer, outer_optimizer, mesh, outer_axis, inner_steps, delta_dtype,
-                    bool(donate), max_consecutive_skips)
+  return DiLoCoStep(settings, loss_fn, inner_optimizer, outer_optimizer, layout, outer_axis, inner_steps,
+                    delta_dtype, bool(donate), max_consecutive_skips)

@@ -256,6 +256,13 @@ def natural_order(x: Any, stages: int, repeats: int) -> Any:
   return jnp.swapaxes(blocks, 0, 1).reshape(shape)
 
 
+def _carry_axes(axis: str, data_axes: tuple) -> tuple:
+  """The axes a pipeline loop's carry varies over: the stage axis, the data axes and any other axis the step is
+  manual over (DiLoCo's groups: each group's layers differ)."""
+  others = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a != axis and a not in data_axes)
+  return (axis, *data_axes, *others)
+
+
 def _vary(x: jax.Array, axes: tuple) -> jax.Array:
   # Varying over every manual axis of the step: the loop's carry mixes activations (varying over the data
   # axes) and a stage's layers (varying over the stage axis), and its type must not change across iterations.
@@ -313,7 +320,7 @@ def run_stack(f: Callable, init: Any, layers: Any, xs: Any, record: Running,
         f"into microbatches={m_count}; pad the batch to rows per device and micro-batch that divide by {m_count}: "
         "jaxdp.split_batch(batch, mesh, weights=..., rows=R) (weight-0 padding rows; shard_uneven takes rows= too)."
     )
-  axes = (axis, *record.data_axes)
+  axes = _carry_axes(axis, record.data_axes)
   s = lax.axis_index(axis)
   # This stage's rows of the per-layer inputs: layer (r·P + s)·B + j at local row r·B + j.
   if xs is not None:
@@ -662,7 +669,7 @@ def one_f_one_b(fn: Callable, params: Any, batch: Any, weights: Any, record: Run
   """
   pipe, stages = record.pipeline, record.stages
   axis, m_count = pipe.axis_name, pipe.microbatches
-  axes = (axis, *record.data_axes)
+  axes = _carry_axes(axis, record.data_axes)
   rows = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
   if len(rows) != 1 or rows.pop() % m_count:
     raise ValueError(f"schedule='1f1b' cuts every leaf of the batch into microbatches={m_count} along dim 0; its leaves "

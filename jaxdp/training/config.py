@@ -27,6 +27,8 @@ class StepConfig(NamedTuple):
     accum_steps: micro-batches per device and step.
     zero_stage: 0-3 (read by the steps' ZeRO paths).
     example_ids: where the rows' ids are (`jaxdp.core.randomness`), or `None`.
+    group_axis: the mesh axis of DiLoCo's replica groups (`jaxdp.runtime.diloco`), or `None`: each group takes
+      its own step, so its loss may vary over that axis after the reduction over the data axes.
   """
 
   axis_name: Any = "data"
@@ -35,6 +37,7 @@ class StepConfig(NamedTuple):
   accum_steps: int = 1
   zero_stage: int = 0
   example_ids: Any = None
+  group_axis: str | None = None
 
   @property
   def mode(self) -> str:

@@ -1066,7 +1066,7 @@ def reduce_scattered(
       specs = _without_compressed(specs, compressed)
   # Axes the local sums vary over that the reduction does not cover (read before the packed all-reduce, which
   # types the sums as its gradient leaves are: a model-axis split there is not the loss's).
-  leftover = (varying_axes(loss_sum) | varying_axes(weight_sum)) - set(axis_names(axis_name))
+  leftover = (varying_axes(loss_sum) | varying_axes(weight_sum)) - set(axis_names(axis_name)) - {settings.group_axis}
   local_weight = weight_sum
   if reduction == "rank_mean":  # each replica's local mean first, as DDP does
     grads, loss_sum, metric_sums = safe_divide((grads, loss_sum, metric_sums), weight_sum)
