@@ -511,15 +511,39 @@ def test_small_leaves_travel_packed_and_sum_bit_for_bit():
   assert sum(operands) == 4
 
 
-def test_a_16_bit_reduction_with_model_axes_on_cpu_is_refused_not_a_crash():
+def test_a_16_bit_reduction_with_model_axes_on_cpu_sums_in_float32_as_xla_does():
   """XLA's CPU backend aborts the process (an F-level check, exit 134) compiling a bfloat16 all-reduce inside a
-  shard_map that leaves a "model" axis to the compiler: refused before anything compiles."""
+  shard_map that leaves a "model" axis to the compiler, and elsewhere promotes every bfloat16 all-reduce to
+  float32 (the operand converted, summed, the sum converted back). There jaxdp writes that promotion itself
+  (jaxdp.core.precision.summed_in): the step runs, with float32 collectives only, and its numbers are the same
+  as without the model axis, where XLA promotes. The promotion itself is checked bit for bit against XLA's."""
   from jax.sharding import AxisType, Mesh
 
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(K, 512)) * np.logspace(-3, 3, 512), jnp.bfloat16)
+  summed = lambda f: jax.jit(jax.shard_map(f, mesh=MESH, in_specs=P("data"), out_specs=P()))(x)  # noqa: E731
+  native = summed(lambda v: jax.lax.psum(v, "data"))
+  promoted = summed(lambda v: jax.lax.psum(v.astype(jnp.float32), "data").astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(native).view(np.uint16), np.asarray(promoted).view(np.uint16))
+
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-  with pytest.raises(ValueError, match=r"reduce_dtype=bfloat16 on a CPU mesh with other axes \['model'\]"):
-    jaxdp.make_train_step(loss_fn, OPT, mesh, grad_reduce_dtype=jnp.bfloat16)
-  jaxdp.make_train_step(loss_fn, OPT, MESH, grad_reduce_dtype=jnp.bfloat16)  # data axes only: fine
+  tp = jaxdp.data_parallel(mesh, param_specs=jax.tree.map(lambda _: P(), init_params()))
+  plain = jaxdp.data_parallel(Mesh(np.array(jax.devices()[:4]), ("data",), axis_types=(AxisType.Auto,)))
+  policy = jaxdp.precision(reduce_dtype=jnp.bfloat16)
+  rng = np.random.default_rng(1)
+  batch = {"x": rng.normal(size=(16, SIZES[0])).astype(np.float32),
+           "y": rng.normal(size=(16, SIZES[-1])).astype(np.float32)}
+  weights = rng.uniform(0.0, 3.0, size=16).astype(np.float32)
+  finals = []
+  for layout in (tp, plain):
+    step = jaxdp.make_train_step(loss_fn, OPT, layout, precision=policy)
+    state = jaxdp.init_state(init_params(), OPT, layout)
+    for _ in range(2):
+      state, _ = step(state, batch, weights)
+    finals.append(jax.device_get(state.params))
+    if layout is tp:
+      hlo = step.lower(state, batch, weights).compile().as_text()
+      assert not [line for line in hlo.splitlines() if " all-reduce(" in line and "bf16[" in line.split("=")[1]]
+  jax.tree.map(np.testing.assert_array_equal, *finals)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])

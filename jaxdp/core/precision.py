@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+
 from jaxdp.core.checks import check_float_dtype, check_reduce_dtype
 from jaxdp.core.loss_scaling import DynamicLossScale, LossScale, check_loss_scaling, static_loss_scale
 
@@ -72,3 +75,23 @@ def as_precision(value: Any) -> Precision:
         f"loss_scaling=...)) or None, got {type(value).__name__} {value!r}."
     )
   return precision(*value)  # checked again: a Precision(...) built by hand skips the factory's checks
+
+
+def summed_in(dtype: Any) -> Any:
+  """The dtype a collective sum of `dtype` values runs in, traced inside a `shard_map`: float32 for a 16-bit
+  float on the CPU backend when the map leaves mesh axes to the compiler, else `dtype` (`None` stays `None`).
+
+  XLA's CPU backend promotes every 16-bit all-reduce and reduce-scatter to float32 (it converts the operand,
+  sums in float32 and converts the sum back: the same bits as `x.astype(float32)` summed and rounded to
+  `dtype`), and aborts the process compiling one inside a map that leaves other mesh axes to it (jax 0.10.2).
+  There jaxdp writes that promotion itself; the caller rounds the sum back to `dtype`. GPU and TPU sum in
+  `dtype`.
+  """
+  if dtype is None:
+    return None
+  dtype = jnp.dtype(dtype)
+  if dtype.itemsize >= 4 or not jnp.issubdtype(dtype, jnp.floating) or jax.default_backend() != "cpu":
+    return dtype
+  mesh = jax.sharding.get_abstract_mesh()
+  left = [a for a in mesh.axis_names if a not in mesh.manual_axes]
+  return jnp.dtype(jnp.float32) if left else dtype

@@ -46,13 +46,13 @@ from jaxdp.sharding.layout import (
 )
 from jaxdp.core.loss import check_loss_fn
 from jaxdp.core.loss_scaling import check_loss_scale
-from jaxdp.core.precision import as_precision
+from jaxdp.core.precision import as_precision, summed_in
 from jaxdp.core.randomness import check_unique_ids
 from jaxdp.analysis.reports import Collective, collectives_from_hlo
 from jaxdp.training.config import step_config
 from jaxdp.sharding.legacy import accepts_legacy_keywords
 from jaxdp.sharding import pipelining
-from jaxdp.sharding.parallel import DataParallel, as_layout, check_16_bit_sums_on_cpu, check_step, data_parallel
+from jaxdp.sharding.parallel import DataParallel, as_layout, check_step, data_parallel
 from jaxdp.reductions import check_state as check_reduction_state, init_state as init_reduction_state, resolve
 from jaxdp.core.state import TrainState
 from jaxdp.training.step import train_step
@@ -628,14 +628,17 @@ def _outer_sync(outer_optimizer, outer_params, outer_opt_state, inner_params, pe
   total = lax.psum(period_weight, outer_axis)  # 4 bytes
   share = jnp.where(total > 0, period_weight / jnp.where(total > 0, total, 1.0), 0.0)
 
+  narrow = delta_dtype not in (None, jnp.int8)  # a 16-bit float
+
   def contribution(outer, current):
     wide = jnp.promote_types(outer.dtype, jnp.float32)  # float64 parameters keep their precision
     delta = (outer - current).astype(wide) * share.astype(wide)
-    return delta if delta_dtype in (None, jnp.int8) else delta.astype(delta_dtype)
+    # (summed in float32 where XLA's CPU backend would abort on a 16-bit sum: the same bits, see summed_in)
+    return delta.astype(delta_dtype).astype(summed_in(delta_dtype)) if narrow else delta
 
   contributions = jax.tree.map(contribution, outer_params, inner_params)
   summed = _int8_psum(contributions, outer_axis) if delta_dtype == jnp.int8 else lax.psum(contributions, outer_axis)
-  average = jax.tree.map(lambda d, p: d.astype(p.dtype), summed, outer_params)
+  average = jax.tree.map(lambda d, p: (d.astype(delta_dtype) if narrow else d).astype(p.dtype), summed, outer_params)
 
   def update(operand):
     params, opt_state = operand
@@ -776,9 +779,6 @@ def make_diloco_step(
       raise ValueError(f"delta_dtype must be None, jnp.bfloat16 or jnp.int8, got {delta_dtype!r}.")
     delta_dtype = jnp.dtype(name)
   check_int8_groups(delta_dtype, mesh.shape[outer_axis])
-  stage_axis = () if layout.stage_axis is None else (layout.stage_axis,)
-  check_16_bit_sums_on_cpu(mesh, (outer_axis, *axis_names(axis_name), *stage_axis), delta_dtype=delta_dtype,
-                           reduce_dtype=settings.precision.reduce_dtype)
   if not isinstance(donate, (bool, np.bool_)):
     raise TypeError(f"donate must be True or False, got {donate!r}.")
   if max_consecutive_skips is not None:

@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
+from jaxdp.core.precision import summed_in
 from jaxdp.sharding import pipelining
 from jaxdp.sharding.layout import data_dim, key_name, one_layer_spec, per_model_shard, zero_axis
 
@@ -183,7 +184,8 @@ def _all_gather(x: Any, axis: Any, dim: int, wire: Any) -> Any:
     return lax.all_gather(x, axis, axis=dim, tiled=True)
 
   def backward(_, cotangent):
-    return (lax.psum_scatter(cotangent.astype(wire), axis, scatter_dimension=dim, tiled=True).astype(cotangent.dtype),)
+    summed = lax.psum_scatter(cotangent.astype(wire).astype(summed_in(wire)), axis, scatter_dimension=dim, tiled=True)
+    return (summed.astype(wire).astype(cotangent.dtype),)
 
   gathered.defvjp(lambda x: (gathered(x), None), backward)
   return gathered(x)
@@ -196,8 +198,9 @@ def _scattered(cotangent: Any, plan: list, active: _Gathering) -> Any:
 
   def scatter(y, axis, dim):
     cast = wire is not None and jnp.issubdtype(y.dtype, jnp.floating)
-    out = lax.psum_scatter(y.astype(wire) if cast else y, axis, scatter_dimension=dim, tiled=True)
-    return out.astype(y.dtype)
+    out = lax.psum_scatter(y.astype(wire).astype(summed_in(wire)) if cast else y, axis, scatter_dimension=dim,
+                           tiled=True)
+    return (out.astype(wire) if cast else out).astype(y.dtype)
 
   return _each_planned(cotangent, plan, active, scatter)
 

@@ -220,26 +220,6 @@ def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:
         "pipeline (its stacks are compressed layer by layer; at zero_stage=3 with gather='step'), or ZeRO stages "
         "0-3 without layers=."
     )
-  # A pipeline's step is manual over its stage axis too: nothing is left to the compiler there.
-  manual = (*axis_names(layout.axis_name), *(() if layout.pipeline is None else (layout.pipeline.axis_name,)))
-  if layout.replicas > 1:
-    check_16_bit_sums_on_cpu(layout.mesh, manual, reduce_dtype=precision.reduce_dtype)
-
-
-def check_16_bit_sums_on_cpu(mesh: Mesh, manual: tuple, **dtypes: Any) -> None:
-  """Refuses a 16-bit all-reduce (any of `dtypes`, by their argument names; `None`s and int8 pass) in a step
-  manual over `manual` on a CPU mesh with other axes: XLA's CPU backend aborts the whole process compiling one
-  inside a shard_map that leaves other mesh axes to the compiler (reproduced in plain JAX, jax 0.10.2)."""
-  other_axes = [a for a in mesh.axis_names if a not in manual]
-  narrow = {name: np.dtype(d).name for name, d in dtypes.items()
-            if d is not None and np.dtype(d).itemsize < 4 and np.dtype(d) != np.int8}
-  if narrow and other_axes and mesh.devices.flat[0].platform == "cpu":
-    given = ", ".join(f"{name}={dtype}" for name, dtype in narrow.items())
-    raise ValueError(
-        f"{given} on a CPU mesh with other axes {other_axes}: XLA's CPU backend aborts the whole process compiling "
-        "a 16-bit all-reduce inside a shard_map that leaves other mesh axes to the compiler (reproduced in plain "
-        "JAX, jax 0.10.2). On CPU keep float32 sums (the default), or use a mesh without those axes."
-    )
 
 
 @accepts_legacy_keywords("init_state", ("params", "optimizer", "layout"))

@@ -30,6 +30,7 @@ from jaxdp.sharding.layout import axis_names, model_part, per_model_shard
 from jaxdp.core.loss import call_loss, in_step
 from jaxdp.core.randomness import per_example
 from jaxdp.core.carries import varying_axes
+from jaxdp.core.precision import summed_in
 from jaxdp.training.config import StepConfig, step_config
 from jaxdp.sharding.legacy import accepts_legacy_keywords
 
@@ -1076,8 +1077,9 @@ def reduce_scattered(
   if reduce_dtype is not None:  # real leaves only: a complex gradient cast to a real dtype loses its imaginary part
     # (and not a presummed leaf: reduced inside the backward pass already, in reduce_dtype there)
     done = jax.tree.map(lambda _: False, grads) if presummed is None else presummed
-    grads = jax.tree.map(lambda x, d: x.astype(reduce_dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not d
-                         else x, grads, done)
+    cast = jax.tree.map(lambda x, d: bool(jnp.issubdtype(x.dtype, jnp.floating) and not d), grads, done)
+    wire = summed_in(reduce_dtype)  # float32 where XLA's CPU backend would abort on a 16-bit sum: same bits
+    grads = jax.tree.map(lambda x, c: x.astype(reduce_dtype).astype(wire) if c else x, grads, cast)
   if scatter is not False and settings.user is not None:
     # A user reduction returns whole-leaf sums: all-reduced, then each device keeps its ZeRO slice.
     loss_sum, weight_sum, metric_sums, contributions, totals = _psum(small, axis_name)
@@ -1094,8 +1096,8 @@ def reduce_scattered(
     grads, compressed = _user_sums(grads, settings, compression_state)
   else:
     grads, (loss_sum, weight_sum, metric_sums, contributions, totals) = _psum_buckets(grads, small, axis_name, bucket_bytes)
-  if reduce_dtype is not None:
-    grads = jax.tree.map(lambda x, dtype: x.astype(dtype), grads, dtypes)
+  if reduce_dtype is not None:  # a sum made in float32 in place of reduce_dtype is rounded to it, as XLA would
+    grads = jax.tree.map(lambda x, dtype, c: (x.astype(reduce_dtype) if c else x).astype(dtype), grads, dtypes, cast)
   new_compression = None
   if settings.user is not None:
     new_compression = compressed
