@@ -43,11 +43,14 @@ def _uneven_weights(rows=16, n=4, seed=2):
   return w
 
 
-def _run(params, batches, weights, *, n=4, compression=None, zero_stage=0):
+def _run(params, batches, weights, *, n=4, compression=None, zero_stage=0, layers=None, loss=loss_fn, steps=None):
   mesh = _mesh(n)
   opt = optax.sgd(LR)
-  state = jaxdp.init_state(params, opt, mesh, zero_stage=zero_stage, compression=compression)
-  step = jaxdp.make_train_step(loss_fn, opt, mesh, zero_stage=zero_stage, compression=compression)
+  layout = jaxdp.data_parallel(mesh, zero_stage=zero_stage, layers=layers)
+  state = jaxdp.init_state(params, opt, layout, reduction=compression)
+  step = jaxdp.make_train_step(loss, opt, layout, reduction=compression)
+  if steps is not None:
+    steps.append(step)
   states = [jaxdp.gather_state(state)]
   for batch in batches:
     state, _ = step(state, batch, weights)
@@ -55,7 +58,7 @@ def _run(params, batches, weights, *, n=4, compression=None, zero_stage=0):
   return states
 
 
-def _reference(params, q0, batches, weights, n, rank_of):
+def _reference(params, q0, batches, weights, n, rank_of, loss=loss_fn):
   """PowerSGD with error feedback and warm start, one replica at a time, in plain jnp (float32)."""
   params = {k: jnp.asarray(v) for k, v in params.items()}
   q = {k: jnp.asarray(v) for k, v in q0.items()}
@@ -67,7 +70,7 @@ def _reference(params, q0, batches, weights, n, rank_of):
     for i in range(n):
       part = {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
       w = weights[i * rows:(i + 1) * rows]
-      local.append(jax.grad(lambda p: jnp.sum(w * loss_fn(p, part)))(params))
+      local.append(jax.grad(lambda p: jnp.sum(w * loss(p, part)))(params))
     total_weight = float(np.sum(weights))
     summed = {}
     for k in params:
@@ -111,6 +114,55 @@ def test_matches_a_plain_reference_with_uneven_weights(zero_stage):
       for i in range(n):
         np.testing.assert_allclose(state.compression.error[k][i], ref_errors[k][i], rtol=2e-4, atol=2e-5)
   assert int(states[-1].compression.iteration) == 3
+
+
+def stacked_loss(params, batch):
+  """`loss_fn` with a stack of three 12 x 12 layers (`jaxdp.scan_layers`) between `w1` and `w2`."""
+  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
+  # (the stack under its own name, which a layer's leaf is matched by)
+  h, _ = jaxdp.scan_layers(lambda h, layer, _: (jnp.tanh(h @ layer["blocks"]), None), h, {"blocks": params["blocks"]})
+  return jnp.sum((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
+
+
+def test_layer_wise_zero3_compresses_each_stacks_local_gradient_and_matches_the_reference():
+  """Layer-wise ZeRO-3 (layers=: the stack split along a layer's dimension, gathered a layer at a time by
+  jaxdp.scan_layers): the stack's local gradient leaves the backward pass whole (it is not reduce-scattered
+  there) and is compressed as at ZeRO-3, each device keeping its slice of the decompressed sum. Against the plain
+  reference, uneven weights; the step still never gathers the whole stack."""
+  params, n = _params(shapes={"w1": (8, 12), "b1": (12,), "blocks": (3, 12, 12), "w2": (12, 6)}), 4
+  compression = jaxdp.reductions.powersgd(rank=2, start_iter=0, min_compression_rate=0)
+  batches = [_batch(seed=s) for s in (1, 2, 3)]
+  weights = _uneven_weights(n=n)
+  steps = []
+  states = _run(params, batches, weights, n=n, compression=compression, zero_stage=3, layers="blocks",
+                loss=stacked_loss, steps=steps)
+  q0 = {k: v for k, v in states[0].compression.q.items() if v is not None}
+  assert set(q0) == {"w1", "w2", "blocks"} and q0["blocks"].shape == (12, 2)  # the stack as one 36 x 12 matrix
+  trace = _reference(params, q0, batches, weights, n, None, loss=stacked_loss)
+  for state, (ref_params, ref_q, ref_errors) in zip(states[1:], trace):
+    for k in params:
+      np.testing.assert_allclose(state.params[k], ref_params[k], rtol=2e-5, atol=2e-6)
+    for k in ref_q:
+      np.testing.assert_allclose(state.compression.q[k], ref_q[k], rtol=2e-4, atol=2e-5)
+      for i in range(n):
+        np.testing.assert_allclose(state.compression.error[k][i], ref_errors[k][i], rtol=2e-4, atol=2e-5)
+  state = jaxdp.init_state(params, optax.sgd(LR), jaxdp.data_parallel(_mesh(n), zero_stage=3, layers="blocks"),
+                           reduction=compression)
+  assert state.params["blocks"].sharding.spec == jax.P(None, "data")
+  hlo = steps[0].lower(state, batches[0], weights).compile().as_text()
+  gathers = [line.split("=")[1] for line in hlo.splitlines() if " all-gather(" in line]
+  assert gathers and not [g for g in gathers if "[3,12,12]" in g]  # gathered one 12 x 12 layer at a time
+
+  def own_loop(params, batch):  # jaxdp.gather in a scan of one's own: its transpose would reduce-scatter
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
+    h, _ = jax.lax.scan(lambda h, u: (jnp.tanh(h @ jaxdp.gather({"blocks": u})["blocks"]), None), h,
+                        params["blocks"])
+    return jnp.sum((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
+
+  layout = jaxdp.data_parallel(_mesh(n), zero_stage=3, layers="blocks")
+  step = jaxdp.make_train_step(own_loop, optax.sgd(LR), layout, reduction=compression)
+  with pytest.raises(ValueError, match="jaxdp.gather in a loop of your own with PowerSGD"):
+    step(state, batches[0], weights)
 
 
 def test_q_identical_on_every_device_and_errors_split():

@@ -92,9 +92,9 @@ def test_the_layout_and_the_step_refuse_pairs_once():
     jaxdp.data_parallel(mesh, zero_stage=1, backend="pmap")
   with pytest.raises(ValueError, match="zero_stage"):
     jaxdp.data_parallel(mesh, zero_stage=4)
-  with pytest.raises(ValueError, match="layers="):
+  with pytest.raises(ValueError, match="a user reduction with layers="):
     jaxdp.make_train_step(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(mesh, zero_stage=3, layers="w"),
-                          reduction=reductions.powersgd(1))
+                          reduction=reductions.onebit_adam(1e-3, warmup_steps=2).reduction)
   with pytest.raises(ValueError, match="keeps independent replicas"):
     jaxdp.make_train_step(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(mesh, zero_stage=1),
                           reduction=reductions.none())

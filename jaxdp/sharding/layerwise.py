@@ -57,12 +57,16 @@ class _Stacked(NamedTuple):
   dtype: Any
   dim: int | None  # the dimension of one layer split over the data axis, or None
   spec: P  # one layer's full spec (model axes kept), for the gather per model shard
+  index: int = -1  # the leaf's place among the params' leaves
 
 
 class _Gathering(NamedTuple):
   leaves: tuple[_Stacked, ...]
   axis_name: Any
   reduce_dtype: Any = None  # the gradient's communication dtype (the step's precision), or None: its own
+  # Per entry of `leaves`: None, or the zeros `[L, *one gathered layer]` through which that stack's local
+  # gradient leaves the loss whole (PowerSGD compresses it; see `sinking`).
+  sinks: tuple = ()
 
 
 _ACTIVE: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar("jaxdp_gathering", default=None)
@@ -82,9 +86,9 @@ def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any, reduce_dtyp
     return
   zero = zero_axis(axis_name)
   entries = []
-  for (path, x), spec, is_layer in zip(jax.tree_util.tree_leaves_with_path(params),
-                                       jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
-                                       jax.tree.leaves(stacked)):
+  for index, ((path, x), spec, is_layer) in enumerate(zip(jax.tree_util.tree_leaves_with_path(params),
+                                                          jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
+                                                          jax.tree.leaves(stacked))):
     if not is_layer:
       continue
     dim = data_dim(spec, zero)
@@ -92,8 +96,41 @@ def gathering(params: Any, specs: Any, stacked: Any, axis_name: Any, reduce_dtyp
       continue
     layer_spec = one_layer_spec(spec, len(x.shape))
     entries.append(_Stacked(_names(path), tuple(x.shape[1:]), x.dtype,
-                            None if dim is None else dim - 1, layer_spec))
-  token = _ACTIVE.set(_Gathering(tuple(entries), axis_name, reduce_dtype))
+                            None if dim is None else dim - 1, layer_spec, index))
+  token = _ACTIVE.set(_Gathering(tuple(entries), axis_name, reduce_dtype, (None,) * len(entries)))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def sink_shapes(params: Any, specs: Any, stacked: Any, axis_name: Any) -> list:
+  """Per leaf of `params` (flat): the shape of a stacked leaf gathered whole (`[L, *one layer]`, split over
+  the model axes only) when `gathering` gathers it a layer at a time, else `None`."""
+  zero = zero_axis(axis_name)
+  shapes = []
+  for x, spec, is_layer in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
+                               jax.tree.leaves(stacked)):
+    dim = data_dim(spec, zero) if is_layer else None
+    if not dim:  # not stacked, not split, or split along the layer axis: not gathered a layer at a time
+      shapes.append(None)
+      continue
+    shape = list(x.shape)
+    shape[dim] *= lax.axis_size(zero)
+    shapes.append(tuple(shape))
+  return shapes
+
+
+@contextlib.contextmanager
+def sinking(params_sinks: list):
+  """Inside `gathering`, while the loss is traced for its gradient: the stacked leaves with a sink (`params_sinks`,
+  per leaf of the params given to `gathering`: zeros of `sink_shapes`' shape, or `None`) leave `scan_layers`'s
+  backward pass whole, as the gradient of their sink, instead of reduce-scattered (their slice's gradient is
+  zero there): PowerSGD compresses a device's local gradient of a stack, which a reduce-scatter would sum."""
+  active = _ACTIVE.get()
+  if active is None:
+    raise RuntimeError("jaxdp.sharding.layerwise.sinking outside gathering.")
+  token = _ACTIVE.set(active._replace(sinks=tuple(params_sinks[entry.index] for entry in active.leaves)))
   try:
     yield
   finally:
@@ -147,6 +184,26 @@ def _plan(layer: Any, active: _Gathering) -> list:
         f"them (a slice of the stacks named by layers=: {shapes}, ...), with their key names."
     )
   return plan
+
+
+def _sinks_of(layer: Any, active: _Gathering) -> list:
+  """Per leaf of one layer: the sink of the stacked leaf it is a slice of (see `sinking`), or `None`."""
+  leaves = jax.tree_util.tree_leaves_with_path(layer)
+  if all(sink is None for sink in active.sinks):
+    return [None] * len(leaves)
+  sink_of = dict(zip(active.leaves, active.sinks))
+  out = []
+  for path, x in leaves:
+    matches = _match(_names(path), x, active.leaves)
+    sinks = [sink_of[m] for m in matches if sink_of[m] is not None]
+    if sinks and len(matches) > 1:
+      raise ValueError(
+          f"scan_layers: {jax.tree_util.keystr(path)} of shape {x.shape} matches several stacked leaves "
+          f"({', '.join('/'.join(map(str, m.path)) for m in matches)}), and PowerSGD compresses one of them: pass "
+          "the stack with more of its key path (the whole stack's subtree), so that each leaf names one."
+      )
+    out.append(sinks[0] if sinks else None)
+  return out
 
 
 def _each_planned(tree: Any, plan: list, active: _Gathering, collective: Callable) -> Any:
@@ -218,6 +275,13 @@ def gather(layer: Any) -> Any:
   active = _ACTIVE.get()
   if active is None or not active.leaves:
     return layer
+  if any(sink is not None for sink in _sinks_of(layer, active)):
+    raise ValueError(
+        "jaxdp.gather in a loop of your own with PowerSGD (reduction=jaxdp.reductions.powersgd(...)) at layer-wise "
+        "ZeRO-3: PowerSGD compresses each device's local gradient of a stack, which only jaxdp.scan_layers hands "
+        "out whole (a gather's transpose reduce-scatters it inside the backward pass). Run the stack with "
+        "jaxdp.scan_layers, or use zero_stage=3 without layers=."
+    )
   return _gathered(layer, _plan(layer, active), active)
 
 
@@ -277,6 +341,10 @@ def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_afte
   plan = None if active is None or not active.leaves else _plan(slice_of(layers, 0), active)
   if plan is None or all(how is None for how in plan):
     return lax.scan(lambda carry, lx: f(carry, lx[0], lx[1]), init, (layers, xs), length=length)
+  # A leaf with a sink leaves the backward pass whole, as its sink's gradient (see `sinking`), not scattered.
+  sinks = _sinks_of(slice_of(layers, 0), active)
+  sunk = [sink is not None for sink in sinks]
+  scatter_plan = [None if is_sunk else how for how, is_sunk in zip(plan, sunk)]
 
   # Closed-over values become arguments, so that custom_vjp can return their gradients (summed over layers).
   # (Traced on a gathered layer, as f sees it; that gather is dead code outside the custom_vjp below.)
@@ -299,15 +367,15 @@ def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_afte
     return (carry, ys), (carries, kept)
 
   @jax.custom_vjp
-  def run(init, layers, xs, consts):
+  def run(init, layers, xs, consts, sink_stacks):
     return forward(init, layers, xs, consts)[0]
 
-  def run_fwd(init, layers, xs, consts):
+  def run_fwd(init, layers, xs, consts, sink_stacks):
     out, (carries, kept) = forward(init, layers, xs, consts)
-    return out, (carries, kept, layers, xs, consts)
+    return out, (carries, kept, layers, xs, consts, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sink_stacks])
 
   def run_bwd(residuals, cotangent):
-    carries, kept, layers, xs, consts = residuals
+    carries, kept, layers, xs, consts, sink_types = residuals
     ct_carry, ct_ys = cotangent
     if in_loop:
       layers = lax.optimization_barrier((layers, ct_carry))[0]
@@ -321,15 +389,21 @@ def _scan_gathered(f: Callable, init: Any, layers: Any, xs: Any, *, reshard_afte
       _, pullback = jax.vjp(lambda c, w, x, k: converted(c, w, x, *k), carry_l, layer, x_l, consts)
       ct_in, ct_layer, ct_x, ct_k = pullback((ct, ct_y))
       ct_consts = jax.tree.map(jnp.add, ct_consts, ct_k)
-      return (ct_in, upcoming, ct_consts), (_scattered(ct_layer, plan, active), ct_x)
+      whole, treedef = jax.tree.flatten(ct_layer)
+      scattered = jax.tree.leaves(_scattered(ct_layer, scatter_plan, active))
+      slices = jax.tree.leaves(previous_slice)  # this device's slice shapes (a sunk leaf's gradient there: 0)
+      ct_slices = [jnp.zeros_like(x) if is_sunk else g for g, x, is_sunk in zip(scattered, slices, sunk)]
+      ct_sinks = [g for g, is_sunk in zip(whole, sunk) if is_sunk]
+      return (ct_in, upcoming, ct_consts), (treedef.unflatten(ct_slices), ct_x, ct_sinks)
 
     last = _gathered(slice_of(layers, length - 1), plan, active) if reshard_after_forward else None
-    (ct_init, _, ct_consts), (ct_layers, ct_xs) = lax.scan(
+    (ct_init, _, ct_consts), (ct_layers, ct_xs, ct_sinks) = lax.scan(
         body, (ct_carry, last, zero_consts), (rolled(layers, 1), carries, kept, xs, ct_ys), length=length, reverse=True)
-    return ct_init, ct_layers, ct_xs, ct_consts
+    ct_sinks = [g.astype(t.dtype) for g, t in zip(ct_sinks, sink_types)]
+    return ct_init, ct_layers, ct_xs, ct_consts, ct_sinks
 
   run.defvjp(run_fwd, run_bwd)
-  return run(init, layers, xs, consts)
+  return run(init, layers, xs, consts, [sink for sink in sinks if sink is not None])
 
 
 def gather_policy(reshard_after_forward: bool = True, *_misuse: Any, **_misuse_keywords: Any) -> Callable[..., bool]:

@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxdp.sharding import pipelining
@@ -35,7 +34,6 @@ from jaxdp.sharding.layout import (
     abstract_state,
     annotated_model_specs,
     assert_same_values,
-    axis_names,
     check_backend,
     check_layers,
     check_mesh_axis,
@@ -211,14 +209,12 @@ def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:
         "but a stacked leaf's gradient reaches the reduction split over the stages or reduce-scattered inside the "
         "backward pass, one layer at a time. Use a layout without layers= (ZeRO stages 0-3 gather whole leaves)."
     )
-  if stateful and layout.layers is not None and (layout.pipeline is None or (
-      zero == 3 and layout.pipeline.gather == "layer")):
-    where = "layer-wise" if layout.pipeline is None else "a pipeline with gather='layer'"
+  if stateful and layout.pipeline is not None and zero == 3 and layout.pipeline.gather == "layer":
     raise ValueError(
-        f"{what} with layers= at zero_stage=3 ({where}): a stacked layer's gradient is reduce-scattered inside the "
-        "backward pass, one layer at a time, so no device ever holds the local gradient PowerSGD compresses. Use a "
-        "pipeline (its stacks are compressed layer by layer; at zero_stage=3 with gather='step'), or ZeRO stages "
-        "0-3 without layers=."
+        f"{what} with a ZeRO-3 pipeline with gather='layer': a stacked layer's gradient is reduce-scattered inside "
+        "the pipeline's backward pass, one layer at a time, so no device ever holds the local gradient PowerSGD "
+        "compresses. Use gather='step' (the stage's stacks are compressed layer by layer), or layer-wise ZeRO-3 "
+        "without a pipeline (jaxdp.scan_layers hands PowerSGD each stack's local gradient whole)."
     )
 
 

@@ -1175,7 +1175,9 @@ def _scatter_unless_presummed(grads: Any, specs: Any, presummed: Any, axis_name:
   """`_psum_scatter` of the leaves not `presummed`; those are summed over the other data axes only."""
   leaves, treedef = jax.tree.flatten(grads)
   spec_leaves = treedef.flatten_up_to(specs)
-  done = treedef.flatten_up_to(presummed)
+  # (grads has None at the leaves PowerSGD reduced: not in `leaves`)
+  done = jax.tree.leaves(jax.tree.map(lambda g, d: None if g is None else d, grads, presummed,
+                                      is_leaf=lambda x: x is None))
   others = axis_names(axis_name)[:-1]
   rest = _psum_scatter([x for x, d in zip(leaves, done) if not d], [s for s, d in zip(spec_leaves, done) if not d],
                        axis_name, bucket_bytes)

@@ -10,6 +10,7 @@ optimizer sees whole leaves whatever their sharding: see
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxdp.core.checks import check_has_more, check_optimizer
-from jaxdp.sharding.layerwise import gathering
+from jaxdp.sharding.layerwise import gathering, sink_shapes, sinking
 from jaxdp.sharding.layout import data_dim, model_part, per_model_shard, zero_axis
 from jaxdp.core.loss import declared_keywords
 from jaxdp.core.loss_scaling import check_loss_scale, update_loss_scale
@@ -284,16 +285,53 @@ def sharded_gradient_step(
     params_split = jax.tree.map(lambda spec, keep: model_part(spec, axis_name) if keep else spec, params_split,
                                 presummed, is_leaf=lambda x: isinstance(x, P))
   params = gather_params(state.params, params_split, axis_name, settings.bucket_bytes)
+  sinks = None
+  if presummed is not None and settings.compression is not None:
+    # PowerSGD compresses a device's local gradient: a stack it compresses leaves the backward pass whole,
+    # through zeros added to its gathered layers (a sink), and is reduce-scattered after compression instead.
+    presummed, sinks = _sunk_stacks(params, specs, stacked, axis_name, presummed, state.compression)
+  differentiated, loss = (params, loss_fn) if sinks is None else ((params, sinks), _through_sinks(loss_fn))
   with gathering(params, specs, stacked, axis_name, settings.grad_reduce_dtype) if presummed is not None else (
       contextlib.nullcontext()):
-    local = local_gradient(loss_fn, params, batch, weights, layout=axis_name, accum_steps=settings.accum_steps, rng=rng,
-                           model_state=state.model_state, precision=settings.precision,
+    local = local_gradient(loss, differentiated, batch, weights, layout=axis_name, accum_steps=settings.accum_steps,
+                           rng=rng, model_state=state.model_state, precision=settings.precision,
                            example_ids=settings.example_ids,
                            loss_scale=None if state.loss_scale is None else state.loss_scale.scale)
+  if sinks is not None:  # a sunk stack's local gradient is its sink's (its slice's is zero)
+    grads, sink_grads = local.grads
+    local = local._replace(grads=jax.tree.map(lambda g, sink, s: g if sink is None else s, grads, sinks, sink_grads,
+                                              is_leaf=lambda x: x is None))
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
   return reduce_scattered(settings, local, getattr(state, "compression", None),
                           scatter=False if grads_split is None else grads_split, totals=totals, divide=divide,
                           presummed=presummed)
+
+
+def _sunk_stacks(params: Any, specs: Any, stacked: Any, axis_name: Any, presummed: Any, compression: Any) -> tuple:
+  """`(presummed, sinks)` at layer-wise ZeRO-3 with PowerSGD: the stacked leaves PowerSGD compresses (their `q`
+  is not `None`) are no longer reduced in the backward pass; `sinks` has zeros of their gathered shape there
+  (`jaxdp.sharding.layerwise.sinking`), `None` elsewhere."""
+  treedef = jax.tree.structure(params)
+  compressed = [q is not None for q in treedef.flatten_up_to(compression.q)]
+  shapes = sink_shapes(params, specs, stacked, axis_name)
+  flat = jax.tree.leaves(presummed)
+  sunk = [bool(p and c and shape is not None) for p, c, shape in zip(flat, compressed, shapes)]
+  sinks = [jnp.zeros(shape, x.dtype) if is_sunk else None
+           for x, shape, is_sunk in zip(jax.tree.leaves(params), shapes, sunk)]
+  presummed = treedef.unflatten([p and not is_sunk for p, is_sunk in zip(flat, sunk)])
+  return presummed, (treedef.unflatten(sinks) if any(sunk) else None)
+
+
+def _through_sinks(loss_fn: Callable) -> Callable:
+  """`loss_fn` on `(params, sinks)`: the sinks handed to the layer-wise loop (`sinking`) while it is traced."""
+
+  @functools.wraps(loss_fn)
+  def loss(differentiated, *args, **kwargs):
+    params, sinks = differentiated
+    with sinking(jax.tree.structure(params).flatten_up_to(sinks)):
+      return loss_fn(params, *args, **kwargs)
+
+  return loss
 
 
 def _check_compression_present(settings: StepConfig, state: TrainState) -> None:
