@@ -93,6 +93,17 @@ def _reference(params, q0, batches, weights, n, rank_of, loss=loss_fn):
   return trace
 
 
+def _assert_follows(states, trace, n):
+  """Each step's params, Q and every replica's error against the reference's `trace` (float32 round-off)."""
+  for state, (ref_params, ref_q, ref_errors) in zip(states[1:], trace):
+    for k in ref_params:
+      np.testing.assert_allclose(state.params[k], ref_params[k], rtol=2e-5, atol=2e-6)
+    for k in ref_q:
+      np.testing.assert_allclose(state.compression.q[k], ref_q[k], rtol=2e-4, atol=2e-5)
+      for i in range(n):
+        np.testing.assert_allclose(state.compression.error[k][i], ref_errors[k][i], rtol=2e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_matches_a_plain_reference_with_uneven_weights(zero_stage):
   # At stages 2-3 the low-rank factors are all-reduced and each device keeps its slice of the decompressed sum.
@@ -105,14 +116,7 @@ def test_matches_a_plain_reference_with_uneven_weights(zero_stage):
   q0 = {k: v for k, v in states[0].compression.q.items() if v is not None}
   assert set(q0) == {"w1", "w2", "conv"} and states[0].compression.q["b1"] is None
   assert q0["conv"].shape == (6, 2) and states[0].compression.error["conv"].shape == (n, 2, 2, 2, 6)
-  trace = _reference(params, q0, batches, weights, n, None)
-  for state, (ref_params, ref_q, ref_errors) in zip(states[1:], trace):
-    for k in params:
-      np.testing.assert_allclose(state.params[k], ref_params[k], rtol=2e-5, atol=2e-6)
-    for k in ref_q:
-      np.testing.assert_allclose(state.compression.q[k], ref_q[k], rtol=2e-4, atol=2e-5)
-      for i in range(n):
-        np.testing.assert_allclose(state.compression.error[k][i], ref_errors[k][i], rtol=2e-4, atol=2e-5)
+  _assert_follows(states, _reference(params, q0, batches, weights, n, None), n)
   assert int(states[-1].compression.iteration) == 3
 
 
@@ -138,14 +142,7 @@ def test_layer_wise_zero3_compresses_each_stacks_local_gradient_and_matches_the_
                 loss=stacked_loss, steps=steps)
   q0 = {k: v for k, v in states[0].compression.q.items() if v is not None}
   assert set(q0) == {"w1", "w2", "blocks"} and q0["blocks"].shape == (12, 2)  # the stack as one 36 x 12 matrix
-  trace = _reference(params, q0, batches, weights, n, None, loss=stacked_loss)
-  for state, (ref_params, ref_q, ref_errors) in zip(states[1:], trace):
-    for k in params:
-      np.testing.assert_allclose(state.params[k], ref_params[k], rtol=2e-5, atol=2e-6)
-    for k in ref_q:
-      np.testing.assert_allclose(state.compression.q[k], ref_q[k], rtol=2e-4, atol=2e-5)
-      for i in range(n):
-        np.testing.assert_allclose(state.compression.error[k][i], ref_errors[k][i], rtol=2e-4, atol=2e-5)
+  _assert_follows(states, _reference(params, q0, batches, weights, n, None, loss=stacked_loss), n)
   state = jaxdp.init_state(params, optax.sgd(LR), jaxdp.data_parallel(_mesh(n), zero_stage=3, layers="blocks"),
                            reduction=compression)
   assert state.params["blocks"].sharding.spec == jax.P(None, "data")
