@@ -470,7 +470,7 @@ def _built_train_step(settings: StepConfig, layout_value: DataParallel, loss_fn,
       mapped = _shard_map_over(replica_step, mesh, axis_name, layout, check_vma=check_vma)
     else:  # a pipeline at every stage: the grad norm, clipping and the skip see every stage's layers
       mapped = global_update_step(settings, loss_fn, optimizer, mesh, layout, check_vma=check_vma,
-                                   pipeline=pipeline)
+                                  pipeline=pipeline)
     if check_replicas:
       mapped = _with_divergence(mapped, layout, mesh)
     # The outputs keep the layout exactly (model-axis splits included), so the next call needs no placement.
@@ -526,7 +526,7 @@ def _with_divergence(step, layout: Layout, mesh: Mesh):
 
 
 def global_update_step(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, layout: Layout, *, check_vma: bool,
-                        pipeline: pipelining.Pipeline | None = None, group_axis: str | None = None):
+                       pipeline: pipelining.Pipeline | None = None, group_axis: str | None = None):
   """ZeRO stages 1-3 (and any stage with a pipeline): the reduced gradient per replica (and stage), then the
   update on the global (sharded) arrays.
 
@@ -538,7 +538,7 @@ def global_update_step(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, lay
   axis_name, stage = settings.axis_name, layout.zero_stage
   specs = _manual_specs(layout, axis_name)
   batch_spec = split_along(mesh, axis_name).spec
-  grouped = (lambda spec: spec) if group_axis is None else (lambda spec: P(group_axis, *spec))  # noqa: E731
+  grouped = _grouped(group_axis)
   is_spec = lambda x: isinstance(x, P)  # noqa: E731
   if group_axis is not None:
     batch_spec = P((group_axis, *axis_names(axis_name)))
@@ -629,6 +629,11 @@ def global_update_step(settings: StepConfig, loss_fn, optimizer, mesh: Mesh, lay
   return step
 
 
+def _grouped(group_axis: str | None) -> Callable[[P], P]:
+  """A spec of one group's leaf -> the spec of the leaf with the groups' leading dimension over `group_axis`."""
+  return (lambda spec: spec) if group_axis is None else (lambda spec: P(group_axis, *spec))
+
+
 def _pipelined(pipeline: pipelining.Pipeline, mesh: Mesh, axis_name: Any, layout: Layout) -> Callable:
   """`run_gradient_step` with the loss's `jaxdp.scan_layers` running `pipeline` over the stacks,
   and a check that the loss did run every stack through it."""
@@ -659,8 +664,7 @@ def _in_circular_order(gradient: Callable, pipeline: pipelining.Pipeline, mesh: 
   """`gradient` on the stacks permuted into the circular assignment, its gradient permuted back (after the
   groups' leading dimension, with `group_axis`)."""
   stages, repeats = mesh.shape[pipeline.axis_name], pipeline.repeats
-  lead = 0 if group_axis is None else 1
-  grouped = (lambda spec: spec) if group_axis is None else (lambda spec: P(group_axis, *spec))  # noqa: E731
+  lead, grouped = (0 if group_axis is None else 1), _grouped(group_axis)
 
   def permuted(state, *args):
     def to_circular(x, is_layer, spec, dim=0):
