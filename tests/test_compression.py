@@ -204,20 +204,24 @@ def test_full_rank_of_a_conv_kernel_equals_the_exact_step(zero_stage):
   assert_close_to_scale(full[-1].params, exact[-1].params, rtol=5e-5)
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_a_user_reduction_under_zero_two_and_three_equals_the_exact_step(zero_stage):
-  """A user's reduction returns whole-leaf sums; at stages 2-3 each device keeps its slice of them."""
+@pytest.mark.parametrize("zero_stage, layers", [(2, None), (3, None), (3, "blocks")])
+def test_a_user_reduction_under_zero_two_and_three_equals_the_exact_step(zero_stage, layers):
+  """A user's reduction returns whole-leaf sums; at stages 2-3 each device keeps its slice of them. At layer-wise
+  ZeRO-3 the stack's local gradient leaves jaxdp.scan_layers' backward pass whole for it (not reduce-scattered
+  there), and its parameters are still gathered a layer at a time."""
   def plain_sum():
     def reduce(sums, state, axis_name):
       return jax.lax.psum(sums, axis_name), state + 1
     return jaxdp.reductions.Reduction(lambda params, layout: jnp.zeros((), jnp.int32), reduce)
 
-  params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
-  exact = _run(params, batches, weights)
+  shapes = None if layers is None else {"w1": (8, 12), "b1": (12,), "blocks": (3, 12, 12), "w2": (12, 6)}
+  loss = loss_fn if layers is None else stacked_loss
+  params, batches, weights = _params(shapes=shapes), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  exact = _run(params, batches, weights, loss=loss)
   mesh, opt = _mesh(4), optax.sgd(LR)
-  layout = jaxdp.data_parallel(mesh, zero_stage=zero_stage)
+  layout = jaxdp.data_parallel(mesh, zero_stage=zero_stage, layers=layers)
   state = jaxdp.init_state(params, opt, layout, reduction=plain_sum())
-  step = jaxdp.make_train_step(loss_fn, opt, layout, reduction=plain_sum())
+  step = jaxdp.make_train_step(loss, opt, layout, reduction=plain_sum())
   for batch in batches:
     state, _ = step(state, batch, weights)
   assert ("data" in tuple(state.params["w1"].sharding.spec)) == (zero_stage == 3)

@@ -92,8 +92,10 @@ def test_the_layout_and_the_step_refuse_pairs_once():
     jaxdp.data_parallel(mesh, zero_stage=1, backend="pmap")
   with pytest.raises(ValueError, match="zero_stage"):
     jaxdp.data_parallel(mesh, zero_stage=4)
-  with pytest.raises(ValueError, match="a user reduction with layers="):
-    jaxdp.make_train_step(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(mesh, zero_stage=3, layers="w"),
+  staged = jax.sharding.Mesh(np.asarray(jax.devices()[:2]).reshape(2, 1), ("stage", "data"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with pytest.raises(ValueError, match="a user reduction with a pipeline"):
+    jaxdp.make_train_step(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(staged, layers="w", pipeline=jaxdp.pipeline(1)),
                           reduction=reductions.onebit_adam(1e-3, warmup_steps=2).reduction)
   with pytest.raises(ValueError, match="keeps independent replicas"):
     jaxdp.make_train_step(loss_fn, optax.sgd(0.1), jaxdp.data_parallel(mesh, zero_stage=1),

@@ -65,7 +65,7 @@ class _Gathering(NamedTuple):
   axis_name: Any
   reduce_dtype: Any = None  # the gradient's communication dtype (the step's precision), or None: its own
   # Per entry of `leaves`: None, or the zeros `[L, *one gathered layer]` through which that stack's local
-  # gradient leaves the loss whole (PowerSGD compresses it; see `sinking`).
+  # gradient leaves the loss whole (PowerSGD or a user's reduction takes it; see `sinking`).
   sinks: tuple = ()
 
 
@@ -126,7 +126,8 @@ def sinking(params_sinks: list):
   """Inside `gathering`, while the loss is traced for its gradient: the stacked leaves with a sink (`params_sinks`,
   per leaf of the params given to `gathering`: zeros of `sink_shapes`' shape, or `None`) leave `scan_layers`'s
   backward pass whole, as the gradient of their sink, instead of reduce-scattered (their slice's gradient is
-  zero there): PowerSGD compresses a device's local gradient of a stack, which a reduce-scatter would sum."""
+  zero there): PowerSGD and a user's reduction take a device's local gradient of a stack, which a reduce-scatter
+  would sum."""
   active = _ACTIVE.get()
   if active is None:
     raise RuntimeError("jaxdp.sharding.layerwise.sinking outside gathering.")
@@ -199,7 +200,7 @@ def _sinks_of(layer: Any, active: _Gathering) -> list:
     if sinks and len(matches) > 1:
       raise ValueError(
           f"scan_layers: {jax.tree_util.keystr(path)} of shape {x.shape} matches several stacked leaves "
-          f"({', '.join('/'.join(map(str, m.path)) for m in matches)}), and PowerSGD compresses one of them: pass "
+          f"({', '.join('/'.join(map(str, m.path)) for m in matches)}), and the step's reduction takes one whole: pass "
           "the stack with more of its key path (the whole stack's subtree), so that each leaf names one."
       )
     out.append(sinks[0] if sinks else None)
@@ -277,10 +278,10 @@ def gather(layer: Any) -> Any:
     return layer
   if any(sink is not None for sink in _sinks_of(layer, active)):
     raise ValueError(
-        "jaxdp.gather in a loop of your own with PowerSGD (reduction=jaxdp.reductions.powersgd(...)) at layer-wise "
-        "ZeRO-3: PowerSGD compresses each device's local gradient of a stack, which only jaxdp.scan_layers hands "
-        "out whole (a gather's transpose reduce-scatters it inside the backward pass). Run the stack with "
-        "jaxdp.scan_layers, or use zero_stage=3 without layers=."
+        "jaxdp.gather in a loop of your own with PowerSGD (reduction=jaxdp.reductions.powersgd(...)) or a reduction "
+        "of your own at layer-wise ZeRO-3: the reduction takes each device's local gradient of a stack, which only "
+        "jaxdp.scan_layers hands out whole (a gather's transpose reduce-scatters it inside the backward pass). Run "
+        "the stack with jaxdp.scan_layers, or use zero_stage=3 without layers=."
     )
   return _gathered(layer, _plan(layer, active), active)
 

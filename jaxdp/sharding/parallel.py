@@ -203,11 +203,11 @@ def check_step(layout: DataParallel, reduction: Any, precision: Any) -> None:
         f"{what} with backend='pmap': its state is per replica, split over the data axis, which pmap's replicated "
         "state cannot hold. Use backend='shard_map' (the default)."
     )
-  if stateful and layout.layers is not None and reduction.compression is None:
+  if stateful and layout.pipeline is not None and reduction.compression is None:
     raise ValueError(
-        "a user reduction with layers= (layer-wise ZeRO-3 or a pipeline): its state is made for each whole leaf, "
-        "but a stacked leaf's gradient reaches the reduction split over the stages or reduce-scattered inside the "
-        "backward pass, one layer at a time. Use a layout without layers= (ZeRO stages 0-3 gather whole leaves)."
+        "a user reduction with a pipeline: its state is made for each whole leaf, but a stage holds only its block "
+        "of a stack's layers. Use a layout without a pipeline (ZeRO stages 0-3, or layer-wise ZeRO-3: "
+        "jaxdp.scan_layers hands the reduction each stack's local gradient whole)."
     )
   if stateful and layout.pipeline is not None and zero == 3 and layout.pipeline.gather == "layer":
     raise ValueError(

@@ -286,10 +286,12 @@ def sharded_gradient_step(
                                 presummed, is_leaf=lambda x: isinstance(x, P))
   params = gather_params(state.params, params_split, axis_name, settings.bucket_bytes)
   sinks = None
-  if presummed is not None and settings.compression is not None:
-    # PowerSGD compresses a device's local gradient: a stack it compresses leaves the backward pass whole,
-    # through zeros added to its gathered layers (a sink), and is reduce-scattered after compression instead.
-    presummed, sinks = _sunk_stacks(params, specs, stacked, axis_name, presummed, state.compression)
+  if presummed is not None and (settings.compression is not None or settings.user is not None):
+    # PowerSGD compresses a device's local gradient, a user's reduction sums whole leaves: a stack it reduces
+    # leaves the backward pass whole, through zeros added to its gathered layers (a sink), and each device
+    # keeps its slice of the reduced sum instead of a reduce-scatter in the backward pass.
+    presummed, sinks = _sunk_stacks(params, specs, stacked, axis_name, presummed,
+                                    state.compression if settings.user is None else None)
   differentiated, loss = (params, loss_fn) if sinks is None else ((params, sinks), _through_sinks(loss_fn))
   with gathering(params, specs, stacked, axis_name, settings.grad_reduce_dtype) if presummed is not None else (
       contextlib.nullcontext()):
@@ -308,11 +310,13 @@ def sharded_gradient_step(
 
 
 def _sunk_stacks(params: Any, specs: Any, stacked: Any, axis_name: Any, presummed: Any, compression: Any) -> tuple:
-  """`(presummed, sinks)` at layer-wise ZeRO-3 with PowerSGD: the stacked leaves PowerSGD compresses (their `q`
-  is not `None`) are no longer reduced in the backward pass; `sinks` has zeros of their gathered shape there
+  """`(presummed, sinks)` at layer-wise ZeRO-3 with PowerSGD (`compression`, its state) or a user's reduction
+  (`compression=None`): the stacked leaves it reduces (PowerSGD: those whose `q` is not `None`; a user's: all)
+  are no longer reduced in the backward pass; `sinks` has zeros of their gathered shape there
   (`jaxdp.sharding.layerwise.sinking`), `None` elsewhere."""
   treedef = jax.tree.structure(params)
-  compressed = [q is not None for q in treedef.flatten_up_to(compression.q)]
+  compressed = ([True] * treedef.num_leaves if compression is None else
+                [q is not None for q in treedef.flatten_up_to(compression.q)])
   shapes = sink_shapes(params, specs, stacked, axis_name)
   flat = jax.tree.leaves(presummed)
   sunk = [bool(p and c and shape is not None) for p, c, shape in zip(flat, compressed, shapes)]
