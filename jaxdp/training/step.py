@@ -299,10 +299,19 @@ def sharded_gradient_step(
                            rng=rng, model_state=state.model_state, precision=settings.precision,
                            example_ids=settings.example_ids,
                            loss_scale=None if state.loss_scale is None else state.loss_scale.scale)
-  if sinks is not None:  # a sunk stack's local gradient is its sink's (its slice's is zero)
+  if sinks is not None:  # a sunk stack's local gradient: its sink's, and its slice's in this device's place (zero
+    # unless the loss also uses the split stack outside scan_layers: then summed as a reduce-scatter would)
     grads, sink_grads = local.grads
-    local = local._replace(grads=jax.tree.map(lambda g, sink, s: g if sink is None else s, grads, sinks, sink_grads,
-                                              is_leaf=lambda x: x is None))
+    zero = zero_axis(axis_name)
+
+    def whole(g, sink, s, spec):
+      if sink is None:
+        return g
+      dim = data_dim(spec, zero)
+      own = lax.axis_index(zero) * g.shape[dim]
+      return s + lax.dynamic_update_slice_in_dim(jnp.zeros_like(s), g.astype(s.dtype), own, axis=dim)
+
+    local = local._replace(grads=jax.tree.map(whole, grads, sinks, sink_grads, specs, is_leaf=lambda x: x is None))
   totals = None if has_more is None else jnp.sum(has_more).astype(jnp.int32)
   return reduce_scattered(settings, local, getattr(state, "compression", None),
                           scatter=False if grads_split is None else grads_split, totals=totals, divide=divide,
