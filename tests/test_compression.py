@@ -231,6 +231,25 @@ def test_a_user_reduction_under_zero_two_and_three_equals_the_exact_step(zero_st
   np.testing.assert_array_equal(np.asarray(gathered.compression), [2, 2, 2, 2])
 
 
+def test_a_layer_wise_stack_also_used_outside_scan_layers_keeps_that_gradient():
+  """A loss that also reads the split stack directly (a penalty on this device's slice, besides scan_layers): with
+  a reduction that takes whole stacks, that slice's gradient is added in the device's place of the whole local
+  gradient, not dropped, so the step is the same as layer-wise ZeRO-3's exact step on the same loss."""
+  def plain_sum():
+    return jaxdp.reductions.Reduction(lambda params, layout: None,
+                                      lambda sums, state, axis_name: (jax.lax.psum(sums, axis_name), state))
+
+  def penalised(params, batch):
+    return stacked_loss(params, batch) + 0.1 * jnp.sum(params["blocks"] ** 2)
+
+  params = _params(shapes={"w1": (8, 12), "b1": (12,), "blocks": (3, 12, 12), "w2": (12, 6)})
+  batches, weights = [_batch(seed=s) for s in (1, 2)], _uneven_weights()
+  finals = [_run(params, batches, weights, zero_stage=3, layers="blocks", loss=penalised, compression=reduction)[-1]
+            for reduction in (None, plain_sum())]
+  for k in params:
+    np.testing.assert_allclose(finals[1].params[k], finals[0].params[k], rtol=1e-5, atol=1e-6)
+
+
 def test_full_rank_with_accumulation_equals_the_exact_step():
   params, batches, weights = _params(), [_batch(seed=s) for s in (1, 2)], _uneven_weights()
   exact = _run(params, batches, weights)
